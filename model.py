@@ -1,0 +1,347 @@
+"""A minimal Llama-family transformer with a static, SparQ-ready KV cache.
+
+Architectures: Llama 2, Llama 3 / 3.1, Mistral, SmolLM2 (RMSNorm, SwiGLU, RoPE, GQA).
+The configuration always comes from the `config.json` written next to `model.pth` by
+convert_hf_checkpoint.py.
+
+Shapes: B batch, T new tokens, S cache positions, H query heads, n_kv KV heads,
+g = H // n_kv query heads per KV head, d head dim, D model dim.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, corrupt or of an unsupported kind (a user error)."""
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    intermediate_size: int
+    rope_base: float = 10000.0
+    rope_scaling: Optional[dict] = None  # Llama 3.1: {"rope_type": "llama3", "factor", ...}
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_context: int = 4096
+    architecture: str = "llama"  # informational: llama | mistral
+    bos_id: Optional[int] = None
+    eos_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.n_head % self.n_kv_head:
+            raise CheckpointError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+
+    @property
+    def group_size(self) -> int:
+        return self.n_head // self.n_kv_head
+
+    @classmethod
+    def from_json(cls, path: Path | str) -> "ModelArgs":
+        try:
+            fields = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"no config.json next to the checkpoint: {path}") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"corrupt config.json ({path}): {e}") from None
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise CheckpointError(f"config.json ({path}) does not describe a model: {e}") from None
+
+    def to_json(self, path: Path | str) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------
+
+
+class KVCache(nn.Module):
+    """Static cache, preallocated for (max_batch, max_seq_length), written in place.
+
+    k     (B, n_kv, S_max, d)  d-contiguous: rows gathered by SparQ step 2 and by dense attention
+    k_t   (B, n_kv, d, S_max)  S-contiguous: the r rows SparQ step 1 reads (absent with layout "once")
+    v     (B, n_kv, S_max, d)
+    v_sum (B, n_kv, d) fp32    running sum of V over the live positions (SparQ mean-V)
+    """
+
+    def __init__(self, max_batch: int, max_seq_length: int, n_kv_head: int, head_dim: int,
+                 dtype: torch.dtype, layout: str = "twice"):
+        super().__init__()
+        if layout not in ("twice", "once"):
+            raise ValueError(f"unknown KV layout {layout!r} (expected 'twice' or 'once')")
+        self.layout = layout
+        shape = (max_batch, n_kv_head, max_seq_length, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+        k_t = torch.zeros((max_batch, n_kv_head, head_dim, max_seq_length), dtype=dtype) if layout == "twice" else None
+        self.register_buffer("k_t", k_t, persistent=False)
+        self.register_buffer("v_sum", torch.zeros((max_batch, n_kv_head, head_dim), dtype=torch.float32),
+                             persistent=False)
+
+    @property
+    def max_seq_length(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v (B, n_kv, T, d) at positions input_pos (T,). Positions must be new."""
+        B = k.shape[0]
+        self.k[:B].index_copy_(2, input_pos, k)
+        self.v[:B].index_copy_(2, input_pos, v)
+        if self.k_t is not None:
+            self.k_t[:B].index_copy_(3, input_pos, k.transpose(2, 3))
+        self.v_sum[:B] += v.float().sum(dim=2)
+
+    def reset(self) -> None:
+        for buffer in (self.k, self.v, self.k_t, self.v_sum):
+            if buffer is not None:
+                buffer.zero_()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (self.k, self.v, self.k_t, self.v_sum) if b is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention: the dense policy lives here; SparQ and the baselines live in sparq.py
+# ---------------------------------------------------------------------------------------------
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Exact attention of one decode query over S live positions.
+
+    q (B, n_kv, g, d); k, v (B, n_kv, S, d) -> (B, n_kv, g, d). Matmul-softmax-matmul with fp32
+    softmax: on CPU it matches SDPA in fp32 and is several times faster in bf16.
+    """
+    scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])  # (B, n_kv, g, S)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return probs @ v
+
+
+class DenseDecode(nn.Module):
+    """Dense decode attention that reads only the live prefix [0, length) of the cache."""
+
+    name = "dense"
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        B = q.shape[0]
+        return dense_attention(q, cache.k[:B, :, :length], cache.v[:B, :, :length])
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        """Elements of K/V moved per KV head per step (paper, Appendix G: 2Sd + 2d)."""
+        return 2 * seq_len * head_dim + 2 * head_dim
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformer
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_frequencies(args: ModelArgs) -> Tensor:
+    """Inverse frequencies (d/2,), with Llama 3.1 scaling when the config asks for it."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = args.rope_scaling
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        return inv_freq.float()
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise CheckpointError(f"unsupported rope scaling {scaling}")
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    medium = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(is_medium, medium, scaled).float()
+
+
+def rope_cache(args: ModelArgs, max_seq_length: int) -> Tensor:
+    """cos and sin for every position: (max_seq_length, 2, d/2) fp32."""
+    positions = torch.arange(max_seq_length, dtype=torch.float32)
+    angles = torch.outer(positions, rope_frequencies(args))  # (S, d/2)
+    return torch.stack([angles.cos(), angles.sin()], dim=1)
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate-half RoPE (the HF layout). x (B, T, heads, d); rope (T, 2, d/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos = rope[:, 0].unsqueeze(1)  # (T, 1, d/2)
+    sin = rope[:, 1].unsqueeze(1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
+        qkv_dim = (args.n_head + 2 * args.n_kv_head) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=False)
+        self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
+        self.kv_cache: Optional[KVCache] = None
+        self.decode_attention: nn.Module = DenseDecode()
+
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int) -> Tensor:
+        B, T, _ = x.shape
+        H, n_kv, d = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.wqkv(x).split([H * d, n_kv * d, n_kv * d], dim=-1)
+        q = apply_rope(q.view(B, T, H, d), rope)
+        k = apply_rope(k.view(B, T, n_kv, d), rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)  # (B, heads, T, d)
+        self.kv_cache.update(input_pos, k, v)
+        if T > 1:
+            # Prefill always starts at position 0, so it only attends within the new tokens.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_kv != H)  # (B, H, T, d)
+        else:
+            q = q.view(B, n_kv, H // n_kv, d)  # query heads grouped by the KV head they share
+            y = self.decode_attention(q, self.kv_cache, length).view(B, H, 1, d)
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, input_pos, length)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.max_batch_size = -1
+        self.max_seq_length = -1
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_layout: str = "twice") -> None:
+        """Allocate the static KV caches (in the model's dtype, on its device)."""
+        dtype = self.tok_embeddings.weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            dtype = torch.float32  # quantized embeddings keep fp32 activations
+        device = self.norm.weight.device
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.args.n_kv_head,
+                                               self.args.head_dim, dtype, kv_layout).to(device)
+        self.rope = rope_cache(self.args, max_seq_length).to(device)
+
+    def reset_caches(self) -> None:
+        for layer in self.layers:
+            layer.attention.kv_cache.reset()
+
+    def kv_cache_bytes(self) -> int:
+        return sum(layer.attention.kv_cache.nbytes() for layer in self.layers)
+
+    def set_decode_attention(self, make_policy) -> None:
+        """Give every layer its own decode attention policy: make_policy(layer_index) -> module."""
+        for i, layer in enumerate(self.layers):
+            layer.attention.decode_attention = make_policy(i)
+
+    def forward(self, idx: Tensor, input_pos: Tensor, length: int) -> Tensor:
+        """idx (B, T) tokens at positions input_pos (T,); length = live length after this step.
+
+        Returns logits (B, vocab) for the last position only, in fp32.
+        """
+        rope = self.rope[input_pos]  # (T, 2, d/2)
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, rope, input_pos, length)
+        x = self.norm(x[:, -1])
+        return self.output(x).float()
+
+
+def checkpoint_paths(checkpoint: Path | str) -> tuple[Path, Path]:
+    """(model.pth, its directory) for a checkpoint given as a file or a directory."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        path = path / "model.pth"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    return path, path.parent
+
+
+def load_model(checkpoint: Path | str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build the model from config.json and load model.pth (a state dict saved by the converter)."""
+    path, directory = checkpoint_paths(checkpoint)
+    args = ModelArgs.from_json(directory / "config.json")
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # torch raises many kinds of errors for a damaged file
+        raise CheckpointError(f"corrupt checkpoint {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"corrupt checkpoint {path}: not a state dict")
+    with torch.device("meta"):
+        model = Transformer(args)
+    quantization = state.pop("__quantization__", None)
+    if quantization is not None:
+        import quantize  # only quantized checkpoints need it
+
+        quantize.prepare_model(model, quantization)
+    try:
+        model.load_state_dict(state, assign=True, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {path} does not match its config.json: {str(e).splitlines()[0]}") from None
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.rope = torch.empty(0)
+    floating = {name for name, p in model.named_parameters() if p.is_floating_point()}
+    model = model.to(device=device)
+    for name, p in model.named_parameters():
+        if name in floating:
+            p.data = p.data.to(dtype)
+    return model.eval()

@@ -1,0 +1,182 @@
+"""SparQ Attention for single-token decode (Ribar et al., ICML 2024), and transfer accounting.
+
+Per batch row and KV head, with q the g query heads sharing that KV head, d the head dim and
+S the live length (positions [0, S) of the cache, the current token included):
+
+  1. i1 = top-r of |q| summed over the group. Read the r rows i1 of K^T (S-contiguous) and form
+     s_hat = softmax(q[i1] . K^T[i1] / tau), tau = sqrt(d * |q[i1]|_1 / |q|_1) per query head.
+  2. Force the last `local` positions in, take the top-k of s_hat summed over the group, read
+     those k rows of K and V once and attend exactly over them for all g heads.
+  3. Optionally y = alpha * y + (1 - alpha) * mean(V), alpha = sum of s_hat over the selection.
+
+`sparq_reference` follows the paper line by line with loops; `sparq_attention_torch` is the
+batched PyTorch path the model runs when no fused kernel is used (kernels.py holds the fused ones).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from model import KVCache, ModelArgs
+
+
+@dataclass
+class SparQConfig:
+    r: int  # components of q used for the approximate scores
+    k: int = 128  # positions attended exactly
+    local: Optional[int] = None  # recent positions always kept; None -> k // 4
+    mean_v: bool = False  # mean-value reallocation (step 3)
+
+    def __post_init__(self):
+        if self.local is None:
+            self.local = self.k // 4
+
+    def validate(self, head_dim: int) -> None:
+        """Raise ValueError with a one-line message for settings the algorithm cannot run."""
+        if not 1 <= self.r <= head_dim:
+            raise ValueError(f"--sparq-r must be between 1 and the head dim ({head_dim}), got {self.r}")
+        if self.k < 1:
+            raise ValueError(f"--sparq-k must be at least 1, got {self.k}")
+        if not 0 <= self.local <= self.k:
+            raise ValueError(f"--sparq-local must be between 0 and --sparq-k ({self.k}), got {self.local}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference: loops over batch rows and KV heads, exactly as written in the paper
+# ---------------------------------------------------------------------------------------------
+
+
+def sparq_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, config: SparQConfig) -> Tensor:
+    """q (B, n_kv, g, d); k, v (B, n_kv, S_max, d); v_sum (B, n_kv, d) -> (B, n_kv, g, d) in q.dtype.
+
+    Computes in fp32. Reads K only in its d-contiguous layout: the layouts hold the same values.
+    """
+    B, n_kv, g, d = q.shape
+    S = length
+    out = torch.empty(B, n_kv, g, d, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        for h in range(n_kv):
+            qh = q[b, h].float()  # (g, d)
+            K, V = k[b, h, :S].float(), v[b, h, :S].float()  # (S, d)
+
+            # Step 1: approximate scores from the r largest components of |q| (summed over the group).
+            i1 = torch.topk(qh.abs().sum(0), config.r).indices  # (r,)
+            tau = torch.sqrt(d * qh[:, i1].abs().sum(-1) / qh.abs().sum(-1))  # (g,)
+            s_hat = torch.softmax(qh[:, i1] @ K[:, i1].T / tau[:, None], dim=-1)  # (g, S)
+
+            # Step 2: top-k of the group's summed scores, with the local window forced in.
+            selection_score = s_hat.sum(0)  # (S,)
+            n_local = min(config.local, S)
+            selection_score[S - n_local:] = float("inf")
+            i2 = torch.topk(selection_score, min(config.k, S)).indices  # (k,)
+            probs = torch.softmax(qh @ K[i2].T / math.sqrt(d), dim=-1)  # (g, k)
+            y = probs @ V[i2]  # (g, d)
+
+            # Step 3: interpolate with the mean value vector by the approximate top-k mass.
+            if config.mean_v:
+                alpha = s_hat[:, i2].sum(-1, keepdim=True)  # (g, 1)
+                y = alpha * y + (1 - alpha) * (v_sum[b, h] / S)
+            out[b, h] = y
+    return out.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched PyTorch path (runs in the model, compile-friendly)
+# ---------------------------------------------------------------------------------------------
+
+
+def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int, r: int) -> Tensor:
+    """Step 1 for all rows and heads at once: s_hat (B, n_kv, g, S) in fp32.
+
+    q (B, n_kv, g, d). With k_t (B, n_kv, d, S_max) the r rows are read S-contiguously; without it
+    (layout "once") the r columns are gathered from k (B, n_kv, S_max, d) along d.
+    """
+    B, n_kv, g, d = q.shape
+    qf = q.float()
+    i1 = torch.topk(qf.abs().sum(2), r, dim=-1).indices  # (B, n_kv, r)
+    q_hat = torch.gather(qf, 3, i1[:, :, None, :].expand(B, n_kv, g, r))  # (B, n_kv, g, r)
+    if k_t is not None:
+        rows = torch.gather(k_t[:B, :, :, :length], 2, i1[..., None].expand(B, n_kv, r, length))  # (B, n_kv, r, S)
+        logits = q_hat @ rows.to(q_hat.dtype)  # (B, n_kv, g, S)
+    else:
+        cols = torch.gather(k[:B, :, :length], 3, i1[:, :, None, :].expand(B, n_kv, length, r))  # (B, n_kv, S, r)
+        logits = q_hat @ cols.to(q_hat.dtype).transpose(-1, -2)
+    tau = torch.sqrt(d * q_hat.abs().sum(-1, keepdim=True) / qf.abs().sum(-1, keepdim=True))  # (B, n_kv, g, 1)
+    return torch.softmax(logits / tau, dim=-1)
+
+
+def select_positions(s_hat: Tensor, length: int, k: int, local: int) -> Tensor:
+    """Step 2 selection: (B, n_kv, min(k, S)) positions, the last `local` ones always included."""
+    score = s_hat.sum(2)  # (B, n_kv, S)
+    n_local = min(local, length)
+    if n_local > 0:
+        score[..., length - n_local:] = float("inf")
+    return torch.topk(score, min(k, length), dim=-1).indices
+
+
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    """Exact attention over the selected positions (B, n_kv, k): gathers k rows of K and V once per KV head."""
+    B, n_kv, g, d = q.shape
+    index = positions[..., None].expand(*positions.shape, d)  # (B, n_kv, k, d)
+    k_sel = torch.gather(k[:B], 2, index)  # (B, n_kv, k, d)
+    v_sel = torch.gather(v[:B], 2, index)
+    scores = (q.float() @ k_sel.float().transpose(-1, -2)) / math.sqrt(d)  # (B, n_kv, g, k)
+    return torch.softmax(scores, dim=-1) @ v_sel.float()  # (B, n_kv, g, d) fp32
+
+
+def sparq_attention_torch(q: Tensor, cache: KVCache, length: int, config: SparQConfig) -> Tensor:
+    """SparQ decode attention on the static cache. q (B, n_kv, g, d) -> (B, n_kv, g, d)."""
+    B = q.shape[0]
+    s_hat = approximate_scores(q, cache.k, cache.k_t, length, config.r)  # (B, n_kv, g, S)
+    positions = select_positions(s_hat, length, config.k, config.local)  # (B, n_kv, k)
+    y = sparse_attention(q, cache.k, cache.v, positions)  # fp32
+    if config.mean_v:
+        alpha = torch.gather(s_hat, 3, positions[:, :, None, :].expand(-1, -1, s_hat.shape[2], -1)).sum(-1, keepdim=True)
+        v_mean = (cache.v_sum[:B] / length)[:, :, None, :]  # (B, n_kv, 1, d)
+        y = alpha * y + (1 - alpha) * v_mean
+    return y.to(q.dtype)
+
+
+class SparQDecode(nn.Module):
+    """The SparQ decode attention policy, for Transformer.set_decode_attention."""
+
+    name = "sparq"
+
+    def __init__(self, config: SparQConfig, kernel: str = "torch"):
+        super().__init__()
+        self.config = config
+        self.kernel = kernel
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        if self.kernel == "torch":
+            return sparq_attention_torch(q, cache, length, self.config)
+        import kernels
+
+        return kernels.sparq_attention(q, cache, length, self.config, self.kernel)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        """Elements moved per KV head per step (paper, eq. 11): S r + 2 k d + 4 d."""
+        k = min(self.config.k, seq_len)
+        return seq_len * self.config.r + 2 * k * head_dim + 4 * head_dim
+
+
+# ---------------------------------------------------------------------------------------------
+# Transfer accounting
+# ---------------------------------------------------------------------------------------------
+
+
+def kv_bytes_read_per_step(args: ModelArgs, policy: nn.Module, seq_len: int, batch_size: int,
+                           element_bytes: int) -> int:
+    """KV-cache bytes one decode step moves over all layers and batch rows at live length seq_len."""
+    per_head = policy.transfer_elements(seq_len, args.head_dim)
+    return per_head * args.n_kv_head * args.n_layer * batch_size * element_bytes
+
+
+def compression_ratio(policy: nn.Module, dense: nn.Module, seq_len: int, head_dim: int) -> float:
+    """Transfers of `policy` relative to dense attention at the same length (paper, Appendix G)."""
+    return policy.transfer_elements(seq_len, head_dim) / dense.transfer_elements(seq_len, head_dim)

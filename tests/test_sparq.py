@@ -1,0 +1,148 @@
+"""SparQ decode attention: the batched torch path against the paper's algorithm (sparq_reference),
+and the reference against exact dense attention where the two must coincide."""
+import math
+
+import pytest
+import torch
+
+from model import KVCache, dense_attention
+from sparq import SparQConfig, SparQDecode, kv_bytes_read_per_step, sparq_attention_torch, sparq_reference
+
+
+def filled_cache(B, n_kv, d, S, S_max, layout="twice", dtype=torch.float32, seed=0, garbage=True):
+    """A cache with S live positions of random K/V; the unused slots hold NaN garbage."""
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(B + 1, S_max, n_kv, d, dtype, layout)
+    if garbage:  # never-live positions and batch rows must never be read
+        for t in (cache.k, cache.v) + ((cache.k_t,) if cache.k_t is not None else ()):
+            t.fill_(float("nan"))
+    k = torch.randn(B, n_kv, S, d, generator=g).to(dtype)
+    v = torch.randn(B, n_kv, S, d, generator=g).to(dtype)
+    cache.update(torch.arange(S), k, v)
+    return cache, k, v
+
+
+def random_query(B, n_kv, g_, d, seed=1, dtype=torch.float32):
+    return torch.randn(B, n_kv, g_, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+CASES = [
+    # (B, n_kv, g, d, S, S_max, r, k, mean_v, layout)
+    (2, 4, 1, 64, 300, 301, 16, 64, True, "twice"),  # MHA
+    (2, 3, 3, 64, 517, 600, 8, 128, False, "twice"),  # SmolLM2-like GQA
+    (3, 2, 4, 80, 1000, 1003, 8, 128, True, "once"),
+    (1, 2, 8, 128, 257, 300, 32, 64, False, "once"),
+    (2, 1, 8, 128, 100, 130, 1, 128, True, "twice"),  # S < k: everything selected
+    (2, 3, 3, 80, 7, 9, 80, 128, False, "twice"),
+]
+
+
+@pytest.mark.parametrize("B,n_kv,g_,d,S,S_max,r,k,mean_v,layout", CASES)
+def test_torch_path_matches_reference(B, n_kv, g_, d, S, S_max, r, k, mean_v, layout):
+    cache, _, _ = filled_cache(B, n_kv, d, S, S_max, layout)
+    q = random_query(B, n_kv, g_, d)
+    config = SparQConfig(r=r, k=k, mean_v=mean_v)
+    expected = sparq_reference(q, cache.k, cache.v, cache.v_sum, S, config)
+    actual = sparq_attention_torch(q, cache, S, config)
+    assert actual.shape == (B, n_kv, g_, d)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_torch_path_matches_reference():
+    cache, _, _ = filled_cache(2, 3, 64, 700, 800, dtype=torch.bfloat16)
+    q = random_query(2, 3, 3, 64, dtype=torch.bfloat16)
+    config = SparQConfig(r=16, k=64, mean_v=True)
+    expected = sparq_reference(q, cache.k, cache.v, cache.v_sum, 700, config)
+    actual = sparq_attention_torch(q, cache, 700, config)
+    # Both compute in fp32 from the same bf16 values; the output is rounded to bf16 (8 bits of mantissa).
+    torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("layout", ["twice", "once"])
+@pytest.mark.parametrize("g_", [1, 3])
+def test_full_r_and_k_equal_dense(layout, g_):
+    """r = d and k >= S: SparQ attends over everything with exact scores, i.e. it is dense attention."""
+    B, n_kv, d, S = 2, 3, 64, 200
+    cache, k, v = filled_cache(B, n_kv, d, S, 256, layout)
+    q = random_query(B, n_kv, g_, d)
+    dense = dense_attention(q, k, v)
+    for mean_v in (False, True):  # alpha = 1 when every position is selected
+        config = SparQConfig(r=d, k=256, local=0, mean_v=mean_v)
+        torch.testing.assert_close(sparq_attention_torch(q, cache, S, config), dense, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(sparq_reference(q, cache.k, cache.v, cache.v_sum, S, config), dense,
+                                   atol=2e-6, rtol=1e-5)
+
+
+def test_sparse_attention_differs_from_dense_when_k_is_small():
+    """Guard against a test that cannot fail: with k << S the output is not dense attention."""
+    cache, k, v = filled_cache(1, 2, 64, 500, 500)
+    q = random_query(1, 2, 2, 64) * 3
+    sparse = sparq_attention_torch(q, cache, 500, SparQConfig(r=8, k=16))
+    assert (sparse - dense_attention(q, k, v)).abs().max() > 1e-3
+
+
+def test_local_window_is_always_selected():
+    """Positions in the local window are attended even when their keys score worst."""
+    B, n_kv, d, S, local = 1, 1, 16, 64, 4
+    cache, k, v = filled_cache(B, n_kv, d, S, S, garbage=False)
+    q = torch.ones(B, n_kv, 1, d)
+    cache.k[:, :, S - local:] = -10.0  # the recent keys get the lowest scores
+    cache.k_t[:, :, :, S - local:] = -10.0
+    config = SparQConfig(r=d, k=8, local=local)
+    out = sparq_reference(q, cache.k, cache.v, cache.v_sum, S, config)
+    expected_positions = list(range(S - local, S)) + torch.topk(
+        (q[0, 0, 0] @ cache.k[0, 0, : S - local].T), 8 - local).indices.tolist()
+    idx = torch.tensor(expected_positions)
+    keys, values = cache.k[0, 0, idx], cache.v[0, 0, idx]
+    manual = torch.softmax(q[0, 0] @ keys.T / math.sqrt(d), -1) @ values
+    torch.testing.assert_close(out[0, 0], manual)
+    torch.testing.assert_close(sparq_attention_torch(q, cache, S, config), out)
+
+
+def test_running_v_sum_tracks_live_positions():
+    B, n_kv, d, S_max = 2, 3, 8, 32
+    cache = KVCache(B, S_max, n_kv, d, torch.bfloat16)
+    prefill_v = torch.randn(B, n_kv, 10, d).bfloat16()
+    cache.update(torch.arange(10), torch.randn(B, n_kv, 10, d).bfloat16(), prefill_v)
+    torch.testing.assert_close(cache.v_sum, cache.v[:, :, :10].float().sum(2))
+    for pos in range(10, 20):
+        cache.update(torch.tensor([pos]), torch.randn(B, n_kv, 1, d).bfloat16(), torch.randn(B, n_kv, 1, d).bfloat16())
+        torch.testing.assert_close(cache.v_sum, cache.v[:, :, : pos + 1].float().sum(2))
+    assert cache.v[:, :, 20:].abs().sum() == 0
+    cache.reset()
+    assert cache.v_sum.abs().sum() == 0
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="--sparq-r"):
+        SparQConfig(r=0).validate(64)
+    with pytest.raises(ValueError, match="--sparq-r"):
+        SparQConfig(r=65).validate(64)
+    with pytest.raises(ValueError, match="--sparq-k"):
+        SparQConfig(r=8, k=0).validate(64)
+    with pytest.raises(ValueError, match="--sparq-local"):
+        SparQConfig(r=8, k=16, local=17).validate(64)
+    assert SparQConfig(r=8, k=128).local == 32
+
+
+def test_transfer_accounting_matches_paper_formulas():
+    from model import DenseDecode, ModelArgs
+
+    args = ModelArgs(vocab_size=10, dim=576, n_layer=30, n_head=9, n_kv_head=3, head_dim=64, intermediate_size=10)
+    S, B = 8192, 4
+    sparq = SparQDecode(SparQConfig(r=16, k=128))
+    assert sparq.transfer_elements(S, 64) == S * 16 + 2 * 128 * 64 + 4 * 64
+    assert DenseDecode().transfer_elements(S, 64) == 2 * S * 64 + 2 * 64
+    assert kv_bytes_read_per_step(args, sparq, S, B, 2) == (S * 16 + 2 * 128 * 64 + 4 * 64) * 3 * 30 * B * 2
+    assert sparq.transfer_elements(50, 64) == 50 * 16 + 2 * 50 * 64 + 4 * 64  # k capped at the live length
+
+
+def test_compiled_sparq_equals_eager():
+    B, n_kv, g_, d = 2, 3, 3, 64
+    cache, _, _ = filled_cache(B, n_kv, d, 400, 512, garbage=False)
+    config = SparQConfig(r=16, k=64, mean_v=True)
+    compiled = torch.compile(sparq_attention_torch, fullgraph=True, dynamic=True)
+    for S in (300, 301, 400):
+        q = random_query(B, n_kv, g_, d, seed=S)
+        torch.testing.assert_close(compiled(q, cache, S, config), sparq_attention_torch(q, cache, S, config),
+                                   atol=1e-5, rtol=1e-5)
