@@ -127,8 +127,10 @@ def build_state_dict(targets: list[Target], load: Callable[[str], Tensor], desc:
 
     state = {}
     # disable=None: a bar on a terminal, nothing when stderr is a pipe or a file.
-    for target in tqdm(targets, desc=desc, unit="tensor", disable=None, leave=False):
+    for target in tqdm(targets, desc=desc, unit="tensor", disable=None):
         tensor = target.build([load(s) for s in target.sources]).contiguous()
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()  # a view into a shared storage: save only this tensor's bytes
         if tuple(tensor.shape) != target.shape:  # the sources were checked; this guards the plumbing
             raise ConversionError(f"internal error: {target.name} has shape {_shape_str(tensor.shape)}, "
                                   f"expected {_shape_str(target.shape)}")
@@ -192,7 +194,7 @@ def hf_rope(config: dict) -> tuple[float, Optional[dict]]:
         theta = config.get("rope_theta", 10000.0)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None)
     scaling.pop("type", None)
-    if rope_type in (None, "default") :
+    if rope_type in (None, "default"):
         return float(theta), None
     if rope_type != "llama3":
         raise ConversionError(f"unsupported rope scaling type {rope_type!r} (only Llama 3.1 'llama3' is)")
@@ -202,8 +204,11 @@ def hf_rope(config: dict) -> tuple[float, Optional[dict]]:
     return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
 
 
-def hf_model_args(config: dict, hf_dir: Path) -> ModelArgs:
+def hf_architecture(config: dict) -> str:
+    """'llama' or 'mistral', or a ConversionError for anything else."""
     architectures = config.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
     known = [HF_ARCHITECTURES[a] for a in architectures if a in HF_ARCHITECTURES]
     if architectures and not known:
         raise ConversionError(f"unsupported architecture {', '.join(map(str, architectures))} "
@@ -213,13 +218,15 @@ def hf_model_args(config: dict, hf_dir: Path) -> ModelArgs:
         if model_type not in HF_MODEL_TYPES:
             raise ConversionError(f"unsupported model_type {model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})")
         known = [HF_MODEL_TYPES[model_type]]
-    architecture = known[0]
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ConversionError("unsupported: this checkpoint has attention/MLP biases")
     if config.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"unsupported activation {config.get('hidden_act')!r} (expected silu)")
-    if config.get("pretraining_tp", 1) not in (None, 1):
-        pass  # only a training-time detail: the stored weights are the full matrices
+    return known[0]
+
+
+def hf_model_args(config: dict, hf_dir: Path, has_lm_head: bool) -> ModelArgs:
+    architecture = hf_architecture(config)
 
     def need(key):
         if key not in config or config[key] is None:
@@ -246,6 +253,9 @@ def hf_model_args(config: dict, hf_dir: Path) -> ModelArgs:
             eos_ids += [e for e in _int_list(json.loads(generation.read_text()).get("eos_token_id")) if e not in eos_ids]
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError, AttributeError):
             pass  # optional file: ignore a damaged one
+    tied = config.get("tie_word_embeddings")
+    if tied is None:  # older configs omit the key when it has the library default: trust the weights
+        tied = not has_lm_head
     bos = config.get("bos_token_id")
     if isinstance(bos, list):
         bos = bos[0] if bos else None
@@ -253,7 +263,7 @@ def hf_model_args(config: dict, hf_dir: Path) -> ModelArgs:
         vocab_size=int(need("vocab_size")), dim=dim, n_layer=int(need("num_hidden_layers")), n_head=n_head,
         n_kv_head=n_kv, head_dim=int(head_dim), intermediate_size=int(need("intermediate_size")),
         rope_base=rope_base, rope_scaling=rope_scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)), max_context=max_context,
+        tie_embeddings=bool(tied), max_context=max_context,
         architecture=architecture, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
     )
 
@@ -331,8 +341,12 @@ class HFTensors:
 
 def convert_hf(hf_dir: Path, out_dir: Path) -> ModelArgs:
     config = _read_json(hf_dir / "config.json", "config.json")
-    args = hf_model_args(config, hf_dir)
+    hf_architecture(config)  # unsupported architectures fail before the weights are read
     tensors = HFTensors(hf_dir)
+    try:
+        args = hf_model_args(config, hf_dir, has_lm_head=HF_NAMES["output"] in tensors.shapes)
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ConversionError(f"config.json ({hf_dir}) has an invalid value: {e}") from None
     what = f"checkpoint {hf_dir}"
     tied_lm_head = args.tie_embeddings and HF_NAMES["output"] in tensors.shapes
     check_sources(args, HF_NAMES, tensors.shapes,
@@ -346,8 +360,7 @@ def convert_hf(hf_dir: Path, out_dir: Path) -> ModelArgs:
     targets = plan_targets(args, HF_NAMES, lambda i: _concat)
     state = build_state_dict(targets, tensors.load, f"converting {hf_dir.name}")
     save_checkpoint(state, args, out_dir)
-    tokenizer = _tokenizer_module()
-    tokenizer.copy_tokenizer_files(hf_dir, out_dir)
+    write_tokenizer(lambda tokenizer: tokenizer.copy_tokenizer_files(hf_dir, out_dir))
     return args
 
 
@@ -467,7 +480,10 @@ def convert_gguf(path: Path, out_dir: Path) -> ModelArgs:
     tensors = {t.name: t for t in reader.tensors}
     # GGUF lists dimensions fastest-first (ne0 = columns): PyTorch order is the reverse.
     shapes = {name: tuple(int(s) for s in reversed(t.shape.tolist())) for name, t in tensors.items()}
-    args = gguf_model_args(reader, shapes, path)
+    try:
+        args = gguf_model_args(reader, shapes, path)
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ConversionError(f"GGUF file {path} has an invalid metadata value: {e}") from None
 
     def load(name: str) -> Tensor:
         t = tensors[name]
@@ -496,8 +512,7 @@ def convert_gguf(path: Path, out_dir: Path) -> ModelArgs:
     targets = plan_targets(args, GGUF_NAMES, qkv_build)
     state = build_state_dict(targets, load, f"converting {path.name}")
     save_checkpoint(state, args, out_dir)
-    tokenizer = _tokenizer_module()
-    tokenizer.write_tokenizer_from_gguf(reader, out_dir)
+    write_tokenizer(lambda tokenizer: tokenizer.write_tokenizer_from_gguf(reader, out_dir))
     return args
 
 
@@ -506,12 +521,19 @@ def convert_gguf(path: Path, out_dir: Path) -> ModelArgs:
 # ---------------------------------------------------------------------------------------------
 
 
-def _tokenizer_module():
+def write_tokenizer(write: Callable) -> None:
+    """Run write(tokenizer_module). The weights are usable without a tokenizer (token-id prompts,
+    benchmarks, tests), so an absent or unsupported tokenizer is a warning, not an error."""
     try:
         import tokenizer
     except ImportError as e:
         raise ConversionError(f"cannot import tokenizer.py: {e}") from None
-    return tokenizer
+    try:
+        write(tokenizer)
+    except ValueError as e:  # tokenizer.py's "absent / unsupported tokenizer"
+        print(f"warning: no tokenizer written: {e}", file=sys.stderr)
+    except OSError as e:
+        raise ConversionError(f"cannot write the tokenizer files: {e}") from None
 
 
 def _atomic_write(path: Path, write: Callable) -> None:

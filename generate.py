@@ -22,8 +22,10 @@ from torch import Tensor
 
 import data
 from model import CheckpointError, DenseDecode, Transformer, checkpoint_paths, load_model
-from sparq import SparQConfig, SparQDecode, compression_ratio, kv_bytes_read_per_step
+from sparq import (H2ODecode, LocalDecode, OracleDecode, SparQConfig, SparQDecode, TopKDecode, compression_ratio,
+                   kv_bytes_read_per_step)
 
+ATTENTION_POLICIES = ["dense", "sparq", "topk", "oracle", "h2o", "local"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -144,26 +146,39 @@ def synchronize(device: torch.device) -> None:
 
 
 def decode_policy_factory(args: argparse.Namespace, model: Transformer):
-    """make_policy(layer_index) for Transformer.set_decode_attention, from the parsed flags."""
-    if args.attention == "dense":
-        return lambda layer: DenseDecode()
-    mean_v = {"on": True, "off": False, "auto": model.args.n_kv_head == model.args.n_head}[args.sparq_mean_v]
-    config = SparQConfig(r=args.sparq_r, k=args.sparq_k, local=args.sparq_local, mean_v=mean_v)
+    """make_policy(layer_index) for Transformer.set_decode_attention, from the parsed flags.
+
+    Every layer gets its own instance: H2O keeps per-layer state.
+    """
+    model_args = model.args
+    budget = args.kv_budget if args.kv_budget is not None else args.sparq_k
+    mean_v = {"on": True, "off": False, "auto": model_args.n_kv_head == model_args.n_head}[args.sparq_mean_v]
+    config = SparQConfig(r=args.sparq_r or model_args.head_dim, k=budget, local=args.sparq_local, mean_v=mean_v)
     try:
-        config.validate(model.args.head_dim)
+        config.validate(model_args.head_dim)
+        if args.attention == "local":
+            LocalDecode(budget)  # validates the budget against the sink tokens
     except ValueError as e:
         raise UserError(str(e)) from None
-    kernel = resolve_kernel(args.kernel, args.device)
-    return lambda layer: SparQDecode(config, kernel)
+    if args.attention == "sparq":
+        kernel = resolve_kernel(args.kernel, args.device, args.kv_layout)
+        return lambda layer: SparQDecode(config, kernel)
+    return {
+        "dense": lambda layer: DenseDecode(),
+        "oracle": lambda layer: OracleDecode(config),
+        "topk": lambda layer: TopKDecode(budget),
+        "h2o": lambda layer: H2ODecode(budget, config.local),
+        "local": lambda layer: LocalDecode(budget),
+    }[args.attention]
 
 
-def resolve_kernel(kernel: str, device: str) -> str:
+def resolve_kernel(kernel: str, device: str, kv_layout: str) -> str:
     if kernel == "torch":
         return "torch"
     import kernels  # only the fused paths need it
 
     try:
-        resolved = kernels.resolve_kernel(kernel, device)
+        resolved = kernels.resolve_kernel(kernel, device, kv_layout)
     except ValueError as e:
         raise UserError(str(e)) from None
     if resolved == "cpu" and not kernels.cpu_kernel_available():
@@ -212,8 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_attention_flags(p: argparse.ArgumentParser) -> None:
     """Decode attention flags, shared by generate.py, bench.py and eval.py."""
-    p.add_argument("--attention", choices=["dense", "sparq"], default=None,
+    p.add_argument("--attention", choices=ATTENTION_POLICIES, default=None,
                    help="decode attention policy (default: sparq when --sparq-r is given, else dense)")
+    p.add_argument("--kv-budget", type=int, default=None,
+                   help="positions attended by topk/oracle/h2o/local (default: --sparq-k)")
     p.add_argument("--sparq-r", type=int, default=None, help="query components used for approximate scores")
     p.add_argument("--sparq-k", type=int, default=128, help="positions attended exactly")
     p.add_argument("--sparq-local", type=int, default=None, help="recent positions always kept (default k/4)")
@@ -230,6 +247,8 @@ def resolve_attention_flags(args: argparse.Namespace) -> None:
         args.attention = "sparq" if args.sparq_r is not None else "dense"
     if args.attention == "sparq" and args.sparq_r is None:
         raise UserError("--attention sparq needs --sparq-r")
+    if args.attention not in ("dense", "sparq") and args.sparq_r is not None:
+        raise UserError(f"--sparq-r applies to --attention sparq, not {args.attention}")
 
 
 def prompt_tokens(args: argparse.Namespace, tokenizer) -> list[int]:

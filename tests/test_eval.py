@@ -1,0 +1,300 @@
+"""eval.py: scoring, budgets, task construction, the shared-prefill rewind, the CLI, and a smoke run."""
+import json
+import math
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import eval as ev
+from generate import Generator, UserError
+from model import ModelArgs, Transformer
+
+REPO = Path(__file__).resolve().parent.parent
+CHECKPOINT = data.DEFAULT_CHECKPOINT
+HAVE_CHECKPOINT = (CHECKPOINT / "model.pth").is_file() and (CHECKPOINT / "config.json").is_file()
+
+
+class ByteTokenizer:
+    """A stand-in tokenizer: one token per UTF-8 byte, a fake chat template, stop id 256."""
+
+    stop_ids = {256}
+    eos_id = 256
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def encode_prompt(self, text, chat=False):
+        return self.encode(f"<user>{text}</user><assistant>" if chat else text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring on hand-made inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_repetition_counts_characters_before_divergence():
+    assert ev.repetition_chars("can; for my good uncle", "can; for my good uncle Gloucester") == 22
+    assert ev.repetition_chars("can; for my goad", "can; for my good") == 14  # "can; for my go"
+    assert ev.repetition_chars("x", "can") == 0
+    assert ev.repetition_chars("", "can") == 0
+    assert ev.repetition_chars("can you", "can") == 3  # capped by the reference
+
+
+def test_needle_match_ignores_case_and_spacing():
+    assert ev.contains_key(" eat a sandwich and sit in dolores  park.", "Dolores Park")
+    assert ev.contains_key(" 71432.", "71432")
+    assert not ev.contains_key(" 71423.", "71432")
+    assert not ev.contains_key(" visit the Golden Gate Bridge.", "Dolores Park")
+
+
+def test_bpc_of_uniform_distribution():
+    V, tokens, chars = 49152, 10, 37
+    logprobs = [-math.log(V)] * tokens
+    assert ev.bits_per_character(logprobs, chars) == pytest.approx(math.log2(V) * tokens / chars)
+    assert ev.answer_nll(logprobs) == pytest.approx(math.log(V))
+
+
+def test_mean_and_standard_error():
+    mean, se = ev.mean_stderr([1.0, 0.0, 1.0, 0.0])
+    assert mean == 0.5 and se == pytest.approx(math.sqrt(1 / 3 / 4))
+    assert math.isnan(ev.mean_stderr([2.0])[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets (paper, Appendix G)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sparq_r_for_one_eighth_at_2048_matches_the_formula():
+    S, d, k = 2048, 64, 128
+    budget = ev.solve_budget("sparq", Fraction(1, 8), S, d)
+    dense = 2 * S * d + 2 * d
+    r_star = (dense / 8 - 2 * k * d - 4 * d) / S  # S r + 2 k d + 4 d = dense / 8
+    assert budget.k == 128 and budget.r == round(r_star) == 8
+    assert budget.achieved == pytest.approx((S * 8 + 2 * k * d + 4 * d) / dense)
+
+
+@pytest.mark.parametrize("target", [Fraction(1, 2), Fraction(1, 4), Fraction(1, 8)])
+@pytest.mark.parametrize("S", [1024, 2048, 4096])
+def test_budgets_hit_the_target(target, S):
+    d = 64
+    dense = 2 * S * d + 2 * d
+    for method, transfers in [("h2o", lambda k: 2 * k * d + 2 * d + 2 * S),
+                              ("local", lambda k: 2 * k * d + 2 * d),
+                              ("oracle", lambda k: 2 * k * d + 2 * d)]:
+        b = ev.solve_budget(method, target, S, d)
+        assert b.achieved == pytest.approx(transfers(b.k) / dense)
+        # the closest integer budget
+        assert abs(transfers(b.k) / dense - target) <= abs(transfers(b.k + 1) / dense - target)
+        assert abs(transfers(b.k) / dense - target) <= abs(transfers(b.k - 1) / dense - target)
+    sparq = ev.solve_budget("sparq", target, S, d)
+    err = lambda r: abs((S * r + 2 * 128 * d + 4 * d) / dense - target)
+    assert all(err(sparq.r) <= err(r) for r in range(1, d + 1))  # the closest r (r=1 at S=1024, 1/8: k=128 alone costs 1/8)
+
+
+def test_topk_cannot_go_below_one_half_and_dense_is_one():
+    b = ev.solve_budget("topk", Fraction(1, 8), 2048, 64)
+    assert b.k == 1 and b.achieved == pytest.approx(0.5, abs=0.01)
+    for method in ("sparq", "h2o", "local", "dense"):
+        assert ev.solve_budget(method, Fraction(1), 2048, 64).method == "dense"
+
+
+@pytest.mark.parametrize("text", ["1/0", "abc", "0", "2", "-1/4", ""])
+def test_bad_compression_is_a_user_error(text):
+    with pytest.raises(UserError):
+        ev.parse_compression(text)
+
+
+def test_compression_parsing():
+    assert ev.parse_compression("1/4") == Fraction(1, 4)
+    assert ev.parse_compression("0.125") == Fraction(1, 8)
+    assert ev.parse_lengths("1k,2048") == [1024, 2048]
+
+
+# ---------------------------------------------------------------------------------------------
+# Task construction: exact lengths, determinism
+# ---------------------------------------------------------------------------------------------
+
+
+def test_retrieval_examples_are_deterministic_from_the_seed():
+    tok = ByteTokenizer()
+    a = ev.retrieval_examples(tok, 1500, 3, seed=7)
+    b = ev.retrieval_examples(tok, 1500, 3, seed=7)
+    c = ev.retrieval_examples(tok, 1500, 3, seed=8)
+    assert [e.prompt for e in a] == [e.prompt for e in b]
+    assert [e.prompt for e in a] != [e.prompt for e in c]
+    for e in a:
+        assert len(e.prompt) == 1500
+        text = tok.decode(e.prompt)
+        key = e.meta["key"]
+        assert f"\n{key}: {e.key}\n" in text  # the asked key's line is in the context, with its value
+        assert text.count(f"{key}:") == 1
+        assert text.endswith(f"What is the value of {key}?</user><assistant>The value of {key} is")
+        assert tok.decode(e.answer) == f" {e.key}."
+
+
+def test_needle_examples_have_exact_length_and_the_needle():
+    tok = ByteTokenizer()
+    examples = ev.needle_examples(tok, 3000, 4, seed=0)
+    assert {len(e.prompt) for e in examples} == {3000}
+    sf, passkey = examples[0], examples[1]
+    assert ev.SF_NEEDLE in tok.decode(sf.prompt) and sf.key == "Dolores Park"
+    assert f"The pass key is {passkey.key}." in tok.decode(passkey.prompt)
+    depths = [e.meta["depth"] for e in examples]
+    assert depths == sorted(depths) and depths[0] < 0.5 < depths[-1]
+
+
+def test_repetition_examples_repeat_a_passage_from_the_context():
+    tok = ByteTokenizer()
+    for e in ev.repetition_examples(tok, 8000, 2, seed=0):
+        assert len(e.prompt) == 8000
+        text, passage = tok.decode(e.prompt), e.meta["passage"]
+        assert text.endswith("\n\n" + passage)
+        context = text[:-len(passage) - 2]
+        assert len(context) >= 6000 and len(passage) >= 128
+        assert passage + e.continuation in context  # the true continuation follows the passage in the context
+        assert len(e.continuation) == 256
+
+
+def test_bpc_examples_continue_the_context():
+    tok = ByteTokenizer()
+    e = ev.bpc_examples(tok, 2000, 1, seed=0, continuation_tokens=64)[0]
+    assert len(e.prompt) == 2000 and len(e.answer) == 64 and e.answer_chars == 64
+    assert tok.decode(e.prompt + e.answer) in data.essays_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared prefill and its rewind on a tiny random model
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    args = ModelArgs(vocab_size=97, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=128,
+                     max_context=512)
+    return Transformer(args).eval()
+
+
+def configs_for(model, budgets):
+    out = []
+    for b in budgets:
+        make = ev.policy_factory(b, model, ev.PolicyOptions(kernel="torch"))
+        out.append(ev.Config(b, [make(i) for i in range(model.args.n_layer)]))
+    return out
+
+
+def test_oracle_with_full_budget_equals_dense_through_the_model():
+    model = tiny_model()
+    S = 60
+    runner = ev.Runner(model, ev.PolicyOptions(kernel="torch"))
+    dense, oracle = configs_for(model, [ev.Budget("dense", Fraction(1), S),
+                                        ev.Budget("oracle", Fraction(1, 2), S, k=S + 64)])
+    prompts = torch.randint(0, 97, (3, S)).tolist()
+    targets = torch.randint(0, 97, (3, 20)).tolist()
+    runner.prefill(prompts, [dense, oracle], 21)
+    lp_dense, _, _ = runner.teacher_force(dense, targets)
+    lp_oracle, _, _ = runner.teacher_force(oracle, targets)
+    torch.testing.assert_close(torch.tensor(lp_oracle), torch.tensor(lp_dense), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefill_and_rewind_equal_fresh_runs():
+    """Every policy decoding from one shared prefill (after another policy ran) matches generate.py's
+    Generator running that policy alone: the rewind is exact, H2O included."""
+    model = tiny_model(1)
+    S, new = 48, 12
+    budgets = [ev.Budget("dense", Fraction(1), S), ev.Budget("h2o", Fraction(1, 4), S, k=12),
+               ev.Budget("sparq", Fraction(1, 4), S, r=4, k=8), ev.Budget("local", Fraction(1, 4), S, k=20),
+               ev.Budget("topk", Fraction(1, 2), S, k=5)]
+    prompts = torch.randint(0, 97, (2, S))
+    runner = ev.Runner(model, ev.PolicyOptions(kernel="torch"))
+    configs = configs_for(model, budgets)
+    runner.prefill(prompts.tolist(), configs, new + 1)
+    shared = {}
+    for config in configs:
+        runner.teacher_force(config, torch.randint(0, 97, (2, 7)).tolist())  # disturb the cache and state
+        tokens, _ = runner.greedy(config, new, set(), lambda b, t: False)
+        shared[config.method] = tokens
+    for config in configs_for(model, budgets):
+        model.setup_caches(2, S + new)
+        model.set_decode_attention(lambda i: config.layers[i])
+        fresh, _ = Generator(model).generate(prompts, new)
+        assert shared[config.method] == fresh, config.method
+    assert shared["h2o"] != shared["dense"] or shared["local"] != shared["dense"]  # the budgets bite
+
+
+def test_teacher_forcing_handles_ragged_targets():
+    model = tiny_model(2)
+    runner = ev.Runner(model, ev.PolicyOptions(kernel="torch"))
+    (dense,) = configs_for(model, [ev.Budget("dense", Fraction(1), 30)])
+    prompts = torch.randint(0, 97, (2, 30)).tolist()
+    targets = [[5, 6, 7, 8, 9], [11, 12]]
+    runner.prefill(prompts, [dense], 6)
+    lp, _, _ = runner.teacher_force(dense, targets)
+    assert [len(x) for x in lp] == [5, 2]
+    runner.prefill(prompts[1:], [dense], 6)
+    alone, _, _ = runner.teacher_force(dense, [targets[1]])
+    torch.testing.assert_close(torch.tensor(lp[1]), torch.tensor(alone[0]), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "bogus"], "unknown --task"),
+    (["--attention", "sparq,nope"], "unknown --attention"),
+    (["--compression", "1/0"], "--compression"),
+    (["--compression", "abc"], "--compression"),
+    (["--lengths", "two"], "--lengths"),
+    (["--checkpoint", "/nonexistent/model.pth"], "checkpoint not found"),
+])
+def test_bad_input_is_one_line_error(argv, message, capsys):
+    assert ev.main(argv + ["--quiet"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+def test_bad_flag_is_one_line_without_traceback():
+    proc = subprocess.run([sys.executable, "eval.py", "--examples", "x"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Smoke run on the embedded model
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
+def test_smoke_every_task_on_the_embedded_model(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    png = tmp_path / "eval.png"
+    rc = ev.main(["--task", "needle,repetition,bpc,retrieval,diagnostics", "--attention", "dense,sparq,h2o,local",
+                  "--compression", "1/8", "--examples", "2", "--lengths", "1024", "--batch-size", "2",
+                  "--kernel", "torch", "--json", str(out), "--plot", str(png), "--quiet"])
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]
+    got = {(r["task"], r["metric"], r["attention"]): r for r in rows}
+    for r in rows:
+        assert set(r) >= {"task", "metric", "higher_is_better", "attention", "compression", "score", "stderr", "n"}
+    assert got[("needle", "exact_match", "dense")]["score"] >= 0.5
+    assert got[("needle", "answer_nll", "dense")]["score"] < 1.5
+    assert got[("retrieval", "answer_nll", "dense")]["score"] < 2.0
+    assert got[("bpc", "bpc", "dense")]["score"] < 1.5
+    assert got[("repetition", "chars", "dense")]["score"] > 20
+    assert got[("diagnostics", "top1_agreement", "dense")]["score"] == 1.0
+    assert got[("diagnostics", "attn_rel_l2", "dense")]["score"] == pytest.approx(0, abs=1e-6)
+    assert 0.3 < got[("diagnostics", "topk_agreement", "sparq")]["score"] <= 1.0
+    for method in ("sparq", "h2o", "local"):
+        assert got[("bpc", "bpc", method)]["achieved_compression"] == pytest.approx(0.125, abs=0.02)
+    assert png.stat().st_size > 10_000
+    assert "needle" in capsys.readouterr().out

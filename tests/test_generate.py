@@ -1,0 +1,154 @@
+"""generate.py end to end on the embedded model, SparQ against dense, and one-line errors for bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+from conftest import REPO
+from generate import Generator
+from model import DenseDecode, load_model
+from sparq import SparQConfig, SparQDecode
+
+
+def run_generate(*args, timeout=600):
+    return subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 or lines[-1].startswith(("error:", "usage:")) or "error:" in lines[-1], result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_checkpoint):
+    import tokenizer
+
+    model = load_model(smollm2_checkpoint)
+    return model, tokenizer.load_tokenizer(smollm2_checkpoint)
+
+
+def greedy(model, prompt_ids, new_tokens, policy_factory, stop_ids=frozenset(), batch_size=1, kv_layout="twice"):
+    model.setup_caches(batch_size, len(prompt_ids) + new_tokens, kv_layout=kv_layout)
+    model.set_decode_attention(policy_factory)
+    generator = Generator(model, stop_ids=set(stop_ids))
+    rows, _ = generator.generate(torch.tensor([prompt_ids] * batch_size), new_tokens)
+    return rows
+
+
+def test_sparq_with_full_r_and_k_generates_exactly_dense(smollm2):
+    """r = d and k >= S: SparQ must reproduce dense greedy decoding token for token (2k-token prompt)."""
+    model, tok = smollm2
+    prompt = data.essay_tokens(tok, 2048)
+    dense = greedy(model, prompt, 64, lambda layer: DenseDecode())
+    full = SparQConfig(r=model.args.head_dim, k=4096, local=0)
+    sparq = greedy(model, prompt, 64, lambda layer: SparQDecode(full, "torch"))
+    assert len(dense[0]) == 64
+    assert sparq == dense
+
+
+NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+
+
+def needle_prompt(tok, n_haystack_tokens=1900):
+    haystack = tok.decode(data.essay_tokens(tok, n_haystack_tokens))
+    cut = haystack.rfind(". ", 0, len(haystack) // 2) + 2
+    context = haystack[:cut] + NEEDLE + " " + haystack[cut:]
+    question = (f"{context}\n\nWhat is the best thing to do in San Francisco? "
+                "Answer with one sentence from the text above.")
+    return tok.encode_prompt(question, chat=True)
+
+
+def test_needle_sparq_gives_the_same_answer_as_dense(smollm2):
+    model, tok = smollm2
+    prompt = needle_prompt(tok)
+    assert 1800 < len(prompt) < 2300
+    dense = tok.decode(greedy(model, prompt, 24, lambda layer: DenseDecode(), tok.stop_ids)[0])
+    config = SparQConfig(r=16, k=128, mean_v=False)
+    sparq = tok.decode(greedy(model, prompt, 24, lambda layer: SparQDecode(config, "torch"), tok.stop_ids)[0])
+    assert "Dolores Park" in dense, dense  # the model does retrieve it densely at this length
+    assert "Dolores Park" in sparq, sparq
+
+
+def test_fused_cpu_kernel_generates_the_same_tokens_as_the_torch_path(smollm2):
+    import kernels
+
+    if not kernels.cpu_kernel_available():
+        pytest.fail("the fused CPU kernel did not build")
+    model, tok = smollm2
+    prompt = data.essay_tokens(tok, 1024)
+    config = SparQConfig(r=16, k=128)
+    torch_path = greedy(model, prompt, 64, lambda layer: SparQDecode(config, "torch"), batch_size=2)
+    fused = greedy(model, prompt, 64, lambda layer: SparQDecode(config, "cpu"), batch_size=2)
+    assert fused == torch_path
+
+
+def test_generate_cli_json_with_sparq(tmp_path, smollm2_checkpoint):
+    out = tmp_path / "out.json"
+    result = run_generate("--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "300", "--max-new-tokens", "8",
+                          "--sparq-r", "16", "--sparq-k", "64", "--batch-size", "2", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["prompt_tokens"] == 300 and report["batch_size"] == 2 and len(report["samples"]) == 2
+    assert report["attention"] == "sparq"
+    assert report["sparq"] == {"r": 16, "k": 64, "local": 16, "mean_v": False}  # GQA: mean-V off by default
+    assert all(len(s["tokens"]) == 8 for s in report["samples"])
+    # KV bytes per step by the SparQ formula, averaged over the 7 decode steps at lengths 301..307.
+    per_head = [S * 16 + 2 * 64 * 64 + 4 * 64 for S in range(301, 308)]
+    expected = sum(per_head) * 3 * 30 * 2 * 4 // 7
+    assert report["kv_bytes_read_per_step"] == expected
+    assert 0 < report["compression_ratio"] < 1
+    for key in ("prefill_s", "decode_tokens_per_s", "total_tokens_per_s", "bandwidth_gb_s", "weight_bytes"):
+        assert report[key] > 0
+    assert report["total_tokens_per_s"] == pytest.approx(2 * report["decode_tokens_per_s"])
+
+
+def test_generate_chat_answers_sensibly(smollm2_checkpoint):
+    result = run_generate("--checkpoint", str(smollm2_checkpoint), "--chat", "--prompt",
+                          "What is the capital of France?", "--max-new-tokens", "20")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "tokens/s" in result.stderr and "bandwidth achieved" in result.stderr
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--batch-size", "0"], "--batch-size"),
+    (["--device", "tpu"], "--device"),
+    (["--dtype", "float8"], "--dtype"),
+    (["--sparq-r", "0"], "--sparq-r"),
+    (["--sparq-r", "65"], "--sparq-r"),
+    (["--sparq-r", "8", "--sparq-k", "0"], "--sparq-k"),
+    (["--sparq-r", "8", "--sparq-k", "16", "--sparq-local", "17"], "--sparq-local"),
+    (["--sparq-r", "8", "--kernel", "triton"], "--kernel triton"),
+    (["--prompt-tokens", "100", "--max-seq-length", "50"], "--max-seq-length"),
+    (["--max-seq-length", "100000"], "context"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file"),
+    (["--attention", "local", "--kv-budget", "8"], "sink"),
+])
+def test_bad_input_is_a_one_line_error(args, fragment, smollm2_checkpoint):
+    assert_one_line_error(run_generate("--checkpoint", str(smollm2_checkpoint), "--max-new-tokens", "2", *args),
+                          fragment)
+
+
+def test_cuda_without_a_gpu_is_a_one_line_error(smollm2_checkpoint):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert_one_line_error(run_generate("--checkpoint", str(smollm2_checkpoint), "--device", "cuda"), "cuda")
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path, smollm2_checkpoint):
+    assert_one_line_error(run_generate("--checkpoint", str(tmp_path / "nothing")), "not found")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text((smollm2_checkpoint / "config.json").read_text())
+    (corrupt / "model.pth").write_bytes(b"this is not a checkpoint" * 100)
+    assert_one_line_error(run_generate("--checkpoint", str(corrupt)), "corrupt")
+    (corrupt / "config.json").write_text('{"vocab_size": 10, "mystery": 1}')
+    assert_one_line_error(run_generate("--checkpoint", str(corrupt)), "config.json")

@@ -1,0 +1,232 @@
+"""Triton SparQ kernels (kernels.sparq_attention_triton) against the oracle `sparq.sparq_reference`.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors. The interpreter is chosen when
+`triton.jit` runs, i.e. when triton and kernels.py are first imported, so TRITON_INTERPRET=1 must be
+set before that. This module sets it at import; if an earlier test module already imported triton
+(e.g. through kernels.py) without it, the cases here are skipped in-process and
+`test_interpreter_in_subprocess` runs this file again in a fresh interpreter with the variable set.
+On a CUDA machine the kernels are compiled and run for real (the variable is not touched).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+from model import KVCache  # noqa: E402
+from sparq import SparQConfig, sparq_reference  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+IN_PROCESS = ON_GPU or type(kernels._sparq_step1_kernel).__name__ == "InterpretedFunction"
+in_process = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1: "
+                                "these cases run in test_interpreter_in_subprocess")
+REPO = Path(__file__).resolve().parent.parent
+
+# fp32: the kernels compute in fp32 (the interpreter's dots are exact fp32; on GPU tf32x3 is ~fp32).
+# bf16: inputs are identical for both sides and both compute in fp32, so the outputs differ by the
+# final rounding to bf16 (one ulp = 2^-8 relative) plus fp32 noise: atol = rtol = 1e-2.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def make_cache(B, n_kv, g, d, S, S_max, dtype, seed, layout="twice"):
+    """q and a static cache whose dead positions (>= S) and unused batch rows hold NaN garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, n_kv, g, d, generator=gen).to(dtype)
+    k = torch.randn(B + 1, n_kv, S_max, d, generator=gen).to(dtype)
+    v = torch.randn(B + 1, n_kv, S_max, d, generator=gen).to(dtype)
+    k[:, :, S:] = float("nan")
+    v[:, :, S:] = float("nan")
+    k[B:] = float("nan")
+    v[B:] = float("nan")
+    v_sum = torch.full((B + 1, n_kv, d), float("nan"))
+    v_sum[:B] = v[:B, :, :S].float().sum(2)
+    k_t = k.transpose(2, 3).contiguous() if layout == "twice" else None
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return to(q), to(k), to(k_t), to(v), to(v_sum)
+
+
+def as_length(S, kind):
+    if kind == "int":
+        return S
+    dtype = torch.int32 if kind.endswith("int32") else torch.int64
+    shape = (1,) if kind.startswith("vec") else ()
+    return torch.full(shape, S, dtype=dtype, device=DEVICE)
+
+
+# A sample of the grid (B, n_kv, g, d, S, S_max, r, k, local, mean_v, layout, dtype, length), covering
+# MHA and GQA (g = 1, 3, 4, 8), d = 64 / 80 / 128, B = 1 / 3, S = 1 / 7 / 129 / 1000 (S < k
+# included), r = 1 / 8 / d, mean-V on and off, both K layouts, fp32 and bf16, int and tensor lengths.
+f32, bf16 = torch.float32, torch.bfloat16
+CASES = [
+    (1, 2, 1, 64, 1, 16, 8, 4, None, True, "twice", f32, "int"),
+    (3, 2, 1, 128, 129, 160, 1, 16, None, False, "twice", f32, "scalar_int64"),
+    (1, 2, 3, 80, 7, 40, 80, 16, None, True, "once", f32, "vec_int32"),
+    (3, 2, 4, 64, 1000, 1024, 8, 64, None, True, "twice", f32, "int"),
+    (1, 2, 8, 128, 1000, 1000, 128, 128, None, False, "once", bf16, "scalar_int64"),
+    (3, 2, 4, 80, 129, 130, 8, 32, None, True, "twice", bf16, "int"),
+    (1, 3, 8, 64, 129, 200, 1, 8, 0, False, "once", f32, "int"),
+    (3, 2, 1, 80, 1000, 1100, 80, 128, None, True, "once", f32, "scalar_int32"),
+    (3, 2, 3, 128, 7, 8, 8, 128, None, True, "twice", bf16, "vec_int64"),
+    (1, 2, 1, 64, 1000, 1050, 64, 32, None, True, "twice", bf16, "scalar_int64"),
+    (3, 1, 8, 80, 1, 33, 1, 8, None, False, "twice", f32, "scalar_int64"),
+    (1, 2, 4, 128, 7, 7, 128, 4, 4, False, "once", f32, "int"),
+    (3, 2, 3, 64, 1000, 1000, 1, 128, None, True, "once", bf16, "int"),
+    (1, 2, 1, 128, 129, 256, 8, 128, None, False, "once", bf16, "scalar_int32"),
+    (1, 1, 4, 80, 1000, 1200, 8, 128, 0, True, "twice", f32, "scalar_int64"),
+    (3, 2, 8, 128, 129, 129, 32, 64, 16, True, "twice", f32, "int"),
+]
+
+
+def case_id(c):
+    B, n_kv, g, d, S, S_max, r, k, local, mean_v, layout, dtype, length = c
+    return (f"B{B}-kv{n_kv}-g{g}-d{d}-S{S}-r{r}-k{k}-l{local}-{'meanv' if mean_v else 'nomv'}-{layout}"
+            f"-{str(dtype).removeprefix('torch.')}-{length}")
+
+
+@in_process
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_reference(case):
+    B, n_kv, g, d, S, S_max, r, k_top, local, mean_v, layout, dtype, length_kind = case
+    config = SparQConfig(r=r, k=k_top, local=local, mean_v=mean_v)
+    q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, S, S_max, dtype, seed=hash(case_id(case)) % 2**31, layout=layout)
+    out = kernels.sparq_attention_triton(q, k, k_t, v, v_sum, as_length(S, length_kind), config.r, config.k,
+                                         config.local, config.mean_v)
+    expected = sparq_reference(q.cpu(), k.cpu(), v.cpu(), v_sum.cpu(), S, config)
+    assert out.shape == (B, n_kv, g, d) and out.dtype == dtype
+    assert torch.isfinite(out).all(), "garbage past the live length leaked into the output"
+    torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[dtype])
+
+
+@in_process
+def test_static_bound_below_cache_size():
+    """A tensor length with max_length < S_max: the logits and the grid are sized by the bound."""
+    B, n_kv, g, d, S = 2, 2, 4, 64, 150
+    config = SparQConfig(r=16, k=32, mean_v=True)
+    q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, S, 512, torch.float32, seed=1)
+    out = kernels.sparq_attention_triton(q, k, k_t, v, v_sum, as_length(S, "scalar_int64"), config.r, config.k,
+                                         config.local, config.mean_v, max_length=200)
+    torch.testing.assert_close(out.cpu(), sparq_reference(q.cpu(), k.cpu(), v.cpu(), v_sum.cpu(), S, config),
+                               **TOLERANCE[torch.float32])
+
+
+@in_process
+def test_dispatch_through_kv_cache():
+    """kernels.sparq_attention(kernel="triton") on a KVCache filled by update (v_sum kept by the cache)."""
+    B, n_kv, g, d, S_max = 2, 2, 3, 64, 96
+    config = SparQConfig(r=8, k=16, mean_v=True)
+    gen = torch.Generator().manual_seed(2)
+    for layout in ("twice", "once"):
+        cache = KVCache(B + 1, S_max, n_kv, d, torch.float32, layout).to(DEVICE)
+        cache.update(torch.arange(40, device=DEVICE), torch.randn(B, n_kv, 40, d, generator=gen).to(DEVICE),
+                     torch.randn(B, n_kv, 40, d, generator=gen).to(DEVICE))
+        cache.update(torch.tensor([40], device=DEVICE), torch.randn(B, n_kv, 1, d, generator=gen).to(DEVICE),
+                     torch.randn(B, n_kv, 1, d, generator=gen).to(DEVICE))
+        q = torch.randn(B, n_kv, g, d, generator=gen).to(DEVICE)
+        out = kernels.sparq_attention(q, cache, 41, config, "triton")
+        expected = sparq_reference(q.cpu(), cache.k.cpu(), cache.v.cpu(), cache.v_sum.cpu(), 41, config)
+        torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
+
+
+@in_process
+def test_compiles_once_for_a_changing_tensor_length():
+    """Under torch.compile(fullgraph) the op is traced once (fake impl) and reused as the length grows."""
+    from torch._dynamo.testing import CompileCounter
+
+    B, n_kv, g, d, S_max = 1, 2, 4, 64, 64
+    config = SparQConfig(r=8, k=16, mean_v=True)
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(q, k, k_t, v, v_sum, length):
+        return kernels.sparq_attention_triton(q, k, k_t, v, v_sum, length, config.r, config.k, config.local,
+                                              config.mean_v) * 2
+
+    torch._dynamo.reset()
+    q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, 40, S_max, torch.float32, seed=3)
+    length = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    for S in (9, 40):
+        length.fill_(S)
+        v_sum_S = v[:B + 1, :, :S].float().sum(2)  # as the cache would hold at length S
+        out = step(q, k, k_t, v, v_sum_S, length)
+        expected = sparq_reference(q.cpu(), k.cpu(), v.cpu(), v_sum_S.cpu(), S, config) * 2
+        torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
+    assert counter.frame_count == 1
+
+
+@in_process
+def test_opcheck():
+    """torch.library.opcheck: schema, fake impl and dispatch of sparq::decode_triton."""
+    q, k, k_t, v, v_sum = make_cache(1, 1, 3, 64, 7, 16, torch.float32, seed=4)
+    length = torch.tensor(7, device=DEVICE)
+    torch.library.opcheck(torch.ops.sparq.decode_triton.default, (q, k, k_t, v, v_sum, 0, length, 8, 4, 1, True, 16))
+    torch.library.opcheck(torch.ops.sparq.decode_triton.default, (q, k, None, v, v_sum, 7, None, 8, 4, 1, False, 7))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_with_changing_length():
+    """With a device-tensor length, one captured graph serves every live length (no host sync)."""
+    B, n_kv, g, d, S_max = 2, 4, 4, 128, 2048
+    config = SparQConfig(r=16, k=64, mean_v=True)
+    q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, S_max, S_max, torch.bfloat16, seed=5)
+    sums = v[:B + 1].float().cumsum(2)  # v_sum at each live length
+    length = torch.tensor(S_max, device=DEVICE)
+    v_sum_buf = sums[:, :, -1].clone()
+
+    def step():
+        return kernels.sparq_attention_triton(q, k, k_t, v, v_sum_buf, length, config.r, config.k, config.local,
+                                              config.mean_v)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for S in (1, 100, 1500, S_max):
+        length.fill_(S)
+        v_sum_buf.copy_(sums[:, :, S - 1])
+        graph.replay()
+        expected = sparq_reference(q.cpu(), k.cpu(), v.cpu(), v_sum_buf.cpu(), S, config)
+        torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.bfloat16])
+
+
+def test_kernels_imports_without_triton():
+    """kernels.py imports where triton is missing; the Triton entry point then fails with one clear line."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, kernels\n"
+            "assert not kernels.HAS_TRITON\n"
+            "q = torch.zeros(1, 1, 1, 8); k = torch.zeros(1, 1, 4, 8)\n"
+            "try:\n"
+            "    kernels.sparq_attention_triton(q, k, None, k, torch.zeros(1, 1, 8), 4, 2, 2, 0, False)\n"
+            "except RuntimeError as e:\n"
+            "    assert 'triton' in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('no error without triton')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the interpreter cases ran in this process")
+def test_interpreter_in_subprocess():
+    """Re-run this file where TRITON_INTERPRET=1 is set before triton is imported."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
