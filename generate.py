@@ -111,7 +111,7 @@ class Generator:
             if bool(done.all()):
                 break
             input_pos = torch.tensor([position], device=device)
-            logits = self._decode(self.model, next_token.view(B, 1), input_pos, position + 1)
+            logits = self._decode(self.model, next_token.view(B, 1), input_pos, self._read_length(position + 1))
             next_token = sample(logits, self.temperature, self.top_k)
             generated.append(next_token)
             done |= self._is_stop(next_token)
@@ -122,6 +122,11 @@ class Generator:
 
         tokens = torch.stack(generated, dim=1).tolist()  # (B, n)
         return [self._cut_at_stop(row) for row in tokens], DecodeStats(prefill_s, decode_s, steps, kv_bytes)
+
+    def _read_length(self, live_length: int) -> int:
+        """Cache positions decode attention reads: the live length rounded up to the length bucket."""
+        bucket = self.model.layers[0].attention.kv_cache.length_bucket
+        return min(-(-live_length // bucket) * bucket, self.model.max_seq_length)
 
     def _is_stop(self, token: Tensor) -> Tensor:
         if not self.stop_ids:
@@ -219,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--compile-prefill", action="store_true", help="torch.compile the prefill")
+    p.add_argument("--length-bucket", type=positive_int, default=None,
+                   help="decode attention reads the live length rounded up to a multiple of this, masking "
+                        "the rest (default: 1 on CPU = exact; 256 on CUDA = one CUDA graph per bucket)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, help="write the results as JSON")
     add_attention_flags(p)
@@ -319,7 +327,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-seq-length {max_seq_length} exceeds the model's context of {max_context} tokens")
     max_new_tokens = min(args.max_new_tokens, max_seq_length - len(ids))
 
-    model.setup_caches(args.batch_size, max_seq_length, kv_layout=args.kv_layout)
+    length_bucket = args.length_bucket or (256 if args.device == "cuda" else 1)
+    if length_bucket > 1 and args.attention not in ("dense", "sparq"):
+        raise UserError(f"--length-bucket applies to dense and sparq attention, not {args.attention}")
+    model.setup_caches(args.batch_size, max_seq_length, kv_layout=args.kv_layout, length_bucket=length_bucket)
     model.set_decode_attention(decode_policy_factory(args, model))
     policy = model.layers[0].attention.decode_attention
     element_bytes = model.layers[0].attention.kv_cache.k.element_size()

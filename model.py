@@ -80,14 +80,22 @@ class KVCache(nn.Module):
     k_t   (B, n_kv, d, S_max)  S-contiguous: the r rows SparQ step 1 reads (absent with layout "once")
     v     (B, n_kv, S_max, d)
     v_sum (B, n_kv, d) fp32    running sum of V over the live positions (SparQ mean-V)
+    live_length ()  int64      positions [0, live_length) are live: a device tensor, so a step
+                               never syncs with the host
+
+    length_bucket: decode attention reads `length` positions, the live length rounded up to a
+    multiple of length_bucket. With 1 (CPU) it reads exactly the live prefix and needs no mask;
+    with larger buckets (CUDA graphs: one graph per bucket, not per length) the positions from
+    live_length to `length` are masked.
     """
 
     def __init__(self, max_batch: int, max_seq_length: int, n_kv_head: int, head_dim: int,
-                 dtype: torch.dtype, layout: str = "twice"):
+                 dtype: torch.dtype, layout: str = "twice", length_bucket: int = 1):
         super().__init__()
         if layout not in ("twice", "once"):
             raise ValueError(f"unknown KV layout {layout!r} (expected 'twice' or 'once')")
         self.layout = layout
+        self.length_bucket = length_bucket
         shape = (max_batch, n_kv_head, max_seq_length, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
@@ -95,6 +103,7 @@ class KVCache(nn.Module):
         self.register_buffer("k_t", k_t, persistent=False)
         self.register_buffer("v_sum", torch.zeros((max_batch, n_kv_head, head_dim), dtype=torch.float32),
                              persistent=False)
+        self.register_buffer("live_length", torch.zeros((), dtype=torch.long), persistent=False)
 
     @property
     def max_seq_length(self) -> int:
@@ -108,9 +117,10 @@ class KVCache(nn.Module):
         if self.k_t is not None:
             self.k_t[:B].index_copy_(3, input_pos, k.transpose(2, 3))
         self.v_sum[:B] += v.float().sum(dim=2)
+        self.live_length.copy_(input_pos[-1] + 1)
 
     def reset(self) -> None:
-        for buffer in (self.k, self.v, self.k_t, self.v_sum):
+        for buffer in (self.k, self.v, self.k_t, self.v_sum, self.live_length):
             if buffer is not None:
                 buffer.zero_()
 
@@ -123,13 +133,21 @@ class KVCache(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def dense_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Exact attention of one decode query over S live positions.
+def beyond_live(length: int, live_length: Tensor) -> Tensor:
+    """(length,) True at the positions a bucketed read covers but that are not live yet."""
+    return torch.arange(length, device=live_length.device) >= live_length
 
-    q (B, n_kv, g, d); k, v (B, n_kv, S, d) -> (B, n_kv, g, d). Matmul-softmax-matmul with fp32
-    softmax: on CPU it matches SDPA in fp32 and is several times faster in bf16.
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    """Exact attention of one decode query over S positions.
+
+    q (B, n_kv, g, d); k, v (B, n_kv, S, d) -> (B, n_kv, g, d); mask (S,) True = excluded.
+    Matmul-softmax-matmul with fp32 softmax: on CPU it matches SDPA in fp32 and is several
+    times faster in bf16.
     """
     scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])  # (B, n_kv, g, S)
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return probs @ v
 
@@ -137,8 +155,9 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 class DecodePolicy(nn.Module):
     """How one layer attends during single-token decode (dense here; SparQ and baselines in sparq.py).
 
-    forward(q (B, n_kv, g, d), cache, length) -> (B, n_kv, g, d), where positions [0, length)
-    of the cache are live, the current token included.
+    forward(q (B, n_kv, g, d), cache, length) -> (B, n_kv, g, d) reads positions [0, length)
+    of the cache: exactly the live ones (the current token included) when cache.length_bucket
+    is 1, else the live ones (cache.live_length) and masked ones up to the bucket's end.
     """
 
     name = "policy"
@@ -158,7 +177,8 @@ class DenseDecode(DecodePolicy):
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B = q.shape[0]
-        return dense_attention(q, cache.k[:B, :, :length], cache.v[:B, :, :length])
+        mask = beyond_live(length, cache.live_length) if cache.length_bucket > 1 else None
+        return dense_attention(q, cache.k[:B, :, :length], cache.v[:B, :, :length], mask)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Paper, Appendix G: 2Sd + 2d (read K and V, write the new k and v)."""
@@ -286,8 +306,9 @@ class Transformer(nn.Module):
         self.max_batch_size = -1
         self.max_seq_length = -1
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_layout: str = "twice") -> None:
-        """Allocate the static KV caches (in the model's dtype, on its device)."""
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_layout: str = "twice",
+                     length_bucket: int = 1) -> None:
+        """Allocate the static KV caches (in the model's dtype, on its device); see KVCache for length_bucket."""
         dtype = self.tok_embeddings.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             dtype = torch.float32  # quantized embeddings keep fp32 activations
@@ -295,7 +316,7 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.args.n_kv_head,
-                                               self.args.head_dim, dtype, kv_layout).to(device)
+                                               self.args.head_dim, dtype, kv_layout, length_bucket).to(device)
         self.rope = rope_cache(self.args, max_seq_length).to(device)
 
     def reset_caches(self) -> None:
@@ -311,7 +332,8 @@ class Transformer(nn.Module):
             layer.attention.decode_attention = make_policy(i)
 
     def forward(self, idx: Tensor, input_pos: Tensor, length: int) -> Tensor:
-        """idx (B, T) tokens at positions input_pos (T,); length = live length after this step.
+        """idx (B, T) tokens at positions input_pos (T,); length = cache positions decode attention reads:
+        the live length after this step, rounded up to the caches' length_bucket.
 
         Returns logits (B, vocab) for the last position only, in fp32.
         """

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from model import DecodePolicy, KVCache, ModelArgs
+from model import DecodePolicy, KVCache, ModelArgs, beyond_live
 
 
 @dataclass
@@ -90,11 +90,13 @@ def sparq_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int,
 # ---------------------------------------------------------------------------------------------
 
 
-def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int, r: int) -> Tensor:
+def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int, r: int,
+                       mask: Optional[Tensor] = None) -> Tensor:
     """Step 1 for all rows and heads at once: s_hat (B, n_kv, g, S) in fp32.
 
     q (B, n_kv, g, d). With k_t (B, n_kv, d, S_max) the r rows are read S-contiguously; without it
     (layout "once") the r columns are gathered from k (B, n_kv, S_max, d) along d.
+    mask (S,): True at positions that are not live (bucketed lengths only).
     """
     B, n_kv, g, d = q.shape
     qf = q.float()
@@ -107,37 +109,52 @@ def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int,
         cols = torch.gather(k[:B, :, :length], 3, i1[:, :, None, :].expand(B, n_kv, length, r))  # (B, n_kv, S, r)
         logits = q_hat @ cols.to(q_hat.dtype).transpose(-1, -2)
     tau = torch.sqrt(d * q_hat.abs().sum(-1, keepdim=True) / qf.abs().sum(-1, keepdim=True))  # (B, n_kv, g, 1)
-    return torch.softmax(logits / tau, dim=-1)
+    logits = logits / tau
+    if mask is not None:
+        logits = logits.masked_fill(mask, float("-inf"))
+    return torch.softmax(logits, dim=-1)
 
 
-def select_positions(s_hat: Tensor, length: int, k: int, local: int) -> Tensor:
-    """Step 2 selection: (B, n_kv, min(k, S)) positions, the last `local` ones always included."""
+def select_positions(s_hat: Tensor, length: int, k: int, local: int, live_length: Optional[Tensor] = None) -> Tensor:
+    """Step 2 selection: (B, n_kv, min(k, S)) positions, the last `local` live ones always included.
+
+    With live_length (bucketed lengths) positions beyond it rank last; sparse_attention masks them.
+    """
     score = s_hat.sum(2)  # (B, n_kv, S)
-    n_local = min(local, length)
-    if n_local > 0:
-        score[..., length - n_local:] = float("inf")
+    if live_length is None:
+        n_local = min(local, length)
+        if n_local > 0:
+            score[..., length - n_local:] = float("inf")
+    else:
+        position = torch.arange(length, device=score.device)
+        score = torch.where(position >= live_length - local, float("inf"), score)
+        score = torch.where(position >= live_length, float("-inf"), score)
     return torch.topk(score, min(k, length), dim=-1).indices
 
 
-def sparse_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, live_length: Optional[Tensor] = None) -> Tensor:
     """Exact attention over the selected positions (B, n_kv, k): gathers k rows of K and V once per KV head."""
     B, n_kv, g, d = q.shape
     index = positions[..., None].expand(*positions.shape, d)  # (B, n_kv, k, d)
     k_sel = torch.gather(k[:B], 2, index)  # (B, n_kv, k, d)
     v_sel = torch.gather(v[:B], 2, index)
     scores = (q.float() @ k_sel.float().transpose(-1, -2)) / math.sqrt(d)  # (B, n_kv, g, k)
+    if live_length is not None:
+        scores = scores.masked_fill((positions >= live_length)[:, :, None, :], float("-inf"))
     return torch.softmax(scores, dim=-1) @ v_sel.float()  # (B, n_kv, g, d) fp32
 
 
 def sparq_attention_torch(q: Tensor, cache: KVCache, length: int, config: SparQConfig) -> Tensor:
     """SparQ decode attention on the static cache. q (B, n_kv, g, d) -> (B, n_kv, g, d)."""
     B = q.shape[0]
-    s_hat = approximate_scores(q, cache.k, cache.k_t, length, config.r)  # (B, n_kv, g, S)
-    positions = select_positions(s_hat, length, config.k, config.local)  # (B, n_kv, k)
-    y = sparse_attention(q, cache.k, cache.v, positions)  # fp32
+    live = cache.live_length if cache.length_bucket > 1 else None  # None: exactly `length` live positions
+    mask = beyond_live(length, live) if live is not None else None
+    s_hat = approximate_scores(q, cache.k, cache.k_t, length, config.r, mask)  # (B, n_kv, g, S)
+    positions = select_positions(s_hat, length, config.k, config.local, live)  # (B, n_kv, k)
+    y = sparse_attention(q, cache.k, cache.v, positions, live)  # fp32
     if config.mean_v:
         alpha = torch.gather(s_hat, 3, positions[:, :, None, :].expand(-1, -1, s_hat.shape[2], -1)).sum(-1, keepdim=True)
-        v_mean = (cache.v_sum[:B] / length)[:, :, None, :]  # (B, n_kv, 1, d)
+        v_mean = (cache.v_sum[:B] / (length if live is None else live))[:, :, None, :]  # (B, n_kv, 1, d)
         y = alpha * y + (1 - alpha) * v_mean
     return y.to(q.dtype)
 

@@ -108,6 +108,7 @@ def test_running_v_sum_tracks_live_positions():
     for pos in range(10, 20):
         cache.update(torch.tensor([pos]), torch.randn(B, n_kv, 1, d).bfloat16(), torch.randn(B, n_kv, 1, d).bfloat16())
         torch.testing.assert_close(cache.v_sum, cache.v[:, :, : pos + 1].float().sum(2))
+        assert int(cache.live_length) == pos + 1
     assert cache.v[:, :, 20:].abs().sum() == 0
     cache.reset()
     assert cache.v_sum.abs().sum() == 0
@@ -146,3 +147,25 @@ def test_compiled_sparq_equals_eager():
         q = random_query(B, n_kv, g_, d, seed=S)
         torch.testing.assert_close(compiled(q, cache, S, config), sparq_attention_torch(q, cache, S, config),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_bucketed_lengths_equal_exact_lengths():
+    """Reading past the live length (CUDA-graph buckets) with masking gives the exact-length result."""
+    from model import DenseDecode
+
+    B, n_kv, g_, d, S, bucket = 2, 3, 3, 64, 300, 128
+    exact, _, _ = filled_cache(B, n_kv, d, S, 512, garbage=False)
+    bucketed = KVCache(B + 1, 512, n_kv, d, torch.float32, length_bucket=bucket)
+    for name in ("k", "k_t", "v", "v_sum"):
+        getattr(bucketed, name).copy_(getattr(exact, name))
+    for cache in (exact, bucketed):  # finite garbage beyond the live length (NaN would poison 0 * v)
+        cache.k[:, :, S:] = 100.0
+        cache.k_t[:, :, :, S:] = 100.0
+        cache.v[:, :, S:] = 1e4
+    bucketed.live_length.fill_(S)
+    read = 384  # S rounded up to the bucket
+    q = random_query(B, n_kv, g_, d)
+    torch.testing.assert_close(DenseDecode()(q, bucketed, read), DenseDecode()(q, exact, S))
+    for config in (SparQConfig(r=16, k=64, mean_v=True), SparQConfig(r=8, k=512, local=0)):
+        torch.testing.assert_close(sparq_attention_torch(q, bucketed, read, config),
+                                   sparq_attention_torch(q, exact, S, config), atol=1e-5, rtol=1e-5)
