@@ -275,19 +275,24 @@ class HFTensors:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._where: dict[str, object] = {}  # name -> safetensors handle, or the tensor itself (.bin)
         self._handles = []
-        files, kind = self._files(hf_dir)
+        files, kind, indexed = self._files(hf_dir)
         for file in files:
             if kind == "safetensors":
                 self._open_safetensors(file)
             else:
                 self._open_bin(file)
+        if indexed is not None and indexed != set(self.shapes):
+            odd = sorted(indexed ^ set(self.shapes))
+            raise ConversionError(f"the shard index of {hf_dir} and its shards disagree about {odd[0]}"
+                                  + (f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""))
 
     @staticmethod
-    def _files(hf_dir: Path) -> tuple[list[Path], str]:
+    def _files(hf_dir: Path) -> tuple[list[Path], str, Optional[set[str]]]:
+        """The weight files, their kind, and the tensor names a shard index promises (or None)."""
         for single, index, kind in (("model.safetensors", "model.safetensors.index.json", "safetensors"),
                                     ("pytorch_model.bin", "pytorch_model.bin.index.json", "bin")):
             if (hf_dir / single).is_file():
-                return [hf_dir / single], kind
+                return [hf_dir / single], kind, None
             if (hf_dir / index).is_file():
                 weight_map = _read_json(hf_dir / index, "shard index").get("weight_map")
                 if not isinstance(weight_map, dict) or not weight_map:
@@ -296,7 +301,7 @@ class HFTensors:
                 for f in files:
                     if not f.is_file():
                         raise ConversionError(f"missing shard {f} (listed in {index})")
-                return files, kind
+                return files, kind, set(weight_map)
         raise ConversionError(f"no weights in {hf_dir} (expected model.safetensors, a sharded "
                               f"model.safetensors.index.json, or pytorch_model.bin)")
 
@@ -321,7 +326,12 @@ class HFTensors:
 
     def _open_bin(self, file: Path) -> None:
         try:
-            state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            try:
+                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                state = torch.load(file, map_location="cpu", weights_only=True)  # legacy (non-zip) format
         except Exception as e:
             raise ConversionError(f"corrupt PyTorch checkpoint {file}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):

@@ -386,4 +386,6 @@ def load_model(checkpoint: Path | str, device: str = "cpu", dtype: torch.dtype =
     for name, p in model.named_parameters():
         if name in floating:
             p.data = p.data.to(dtype)
+    if quantization is not None:
+        quantize.finalize_model(model)  # pick the kernels and pack the weights for `device`
     return model.eval()

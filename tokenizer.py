@@ -10,6 +10,9 @@
 Both BPE kinds run on tiktoken. For an HF tokenizer.json the merge list becomes tiktoken ranks
 (rank = position of the first merge producing a token), so tiktoken's "merge the adjacent pair
 whose concatenation has the lowest rank" replays HF's merge order; ranks map back to HF ids.
+tiktoken also returns a pre-token whole when it is a token, as HF does with ignore_merges=true
+(Llama 3); with ignore_merges=false that agrees as long as each token's own merges rebuild it,
+which holds for every token of SmolLM2 (the tests compare with HF on all essays).
 
 The converter calls write_tokenizer_from_gguf (GGUF -> tokenizer.json + tokenizer_config.json)
 or copy_tokenizer_files (HF model dir -> checkpoint dir).
@@ -109,13 +112,15 @@ class Tokenizer:
                 if name not in self.special_tokens:
                     raise ValueError(f"{key} {name!r} of {checkpoint_dir} is not a special token of the tokenizer")
                 setattr(self, key.replace("_token", "_id"), self.special_tokens[name])
+        stop_ids = {self.special_tokens[t] for t in STOP_TOKENS if t in self.special_tokens}
+        if self.eos_id is None:  # no config: the first known end token the vocab has
+            self.eos_id = next((self.special_tokens[t] for t in STOP_TOKENS if t in self.special_tokens), None)
         if self.eos_id is None:
             raise ValueError(f"no eos token: set eos_token in {checkpoint_dir / 'tokenizer_config.json'}")
         self.add_bos = bool(config.get("add_bos_token", self.add_bos)) and self.bos_id is not None
         self.chat_template = _chat_template(checkpoint_dir, config) or self.chat_template
-        eos = _read_json(checkpoint_dir / "generation_config.json").get("eos_token_id", [])
-        self.stop_ids = {self.eos_id, *([eos] if isinstance(eos, int) else eos)}
-        self.stop_ids |= {self.special_tokens[t] for t in STOP_TOKENS if t in self.special_tokens}
+        eos = _read_json(checkpoint_dir / "generation_config.json").get("eos_token_id") or []
+        self.stop_ids = {self.eos_id, *([eos] if isinstance(eos, int) else eos), *stop_ids}
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -164,7 +169,8 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def from_tiktoken_file(cls, path: Path) -> "BPETokenizer":
-        """Llama 3's tokenizer.model: lines "base64(token bytes) rank"; the 256 special tokens follow."""
+        """Llama 3's tokenizer.model: lines "base64(token bytes) rank"; the 256 special tokens follow.
+        Any tiktoken file is taken to be Llama 3's (its split regex and special tokens)."""
         ranks = _read_tiktoken_ranks(path)
         specials = {s: len(ranks) + i for i, s in enumerate(LLAMA3_SPECIAL_TOKENS)}
         tok = cls(ranks, None, LLAMA3_PATTERN, specials, {**{r: b for b, r in ranks.items()},

@@ -334,6 +334,12 @@ def test_unsupported_gguf_tokenizer_is_an_error(model, pre, message, tmp_path):
     assert not (tmp_path / "tokenizer.json").exists()
 
 
+def test_tokenizer_json_alone(smollm2_dir, tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes((smollm2_dir / "tokenizer.json").read_bytes())
+    tok = T.load_tokenizer(tmp_path)  # no tokenizer_config.json: eos is the first known end token
+    assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.chat_template) == (None, 2, False, None)
+
+
 def test_copy_tokenizer_files_from_hf_dir(smollm2_dir, tmp_path):
     hf_dir, out = tmp_path / "hf", tmp_path / "out"
     hf_dir.mkdir()
