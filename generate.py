@@ -158,7 +158,8 @@ def decode_policy_factory(args: argparse.Namespace, model: Transformer):
     model_args = model.args
     budget = args.kv_budget if args.kv_budget is not None else args.sparq_k
     mean_v = {"on": True, "off": False, "auto": model_args.n_kv_head == model_args.n_head}[args.sparq_mean_v]
-    config = SparQConfig(r=args.sparq_r or model_args.head_dim, k=budget, local=args.sparq_local, mean_v=mean_v)
+    r = args.sparq_r if args.sparq_r is not None else model_args.head_dim  # oracle: exact scores
+    config = SparQConfig(r=r, k=budget, local=args.sparq_local, mean_v=mean_v)
     try:
         config.validate(model_args.head_dim)
         if args.attention == "local":

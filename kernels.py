@@ -21,7 +21,114 @@ KERNELS = ("auto", "triton", "cpu", "torch")
 # CPU: fused C++ kernel (csrc/sparq_cpu.cpp), built on first use, registered as a torch.library op
 # =============================================================================================
 
-# (CPU section: owned by the CPU-kernel work)
+# The op sparq::decode_cpu is defined here at import (schema + fake impl, no compiler needed), so
+# torch.compile(fullgraph=True) can trace calls to it before anything is built. Its kernels:
+#   CPU                        the C++ kernel, registered by the extension when it loads;
+#   CompositeExplicitAutograd  this module's Python impl, reached only while the C++ kernel is not
+#                              registered: it builds/loads the extension on first use and re-dispatches
+#                              to it, or falls back to the torch path (one warning) if building fails.
+# So eager calls after the first go straight from the dispatcher to C++ (no Python in between).
+
+import hashlib
+import os
+import sys
+import threading
+import types
+import warnings
+from typing import Optional
+
+_CPU_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "sparq_cpu.cpp")
+_CPU_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_CPU_LDFLAGS = ["-fopenmp"]
+_cpu_ext = {"ok": None, "error": None}  # ok: None = not tried yet, True = loaded, False = unavailable
+_cpu_ext_lock = threading.Lock()
+
+_DECODE_CPU_SCHEMA = ("(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, SymInt length, int r, "
+                      "int k_top, int local, bool mean_v) -> Tensor")
+
+
+def _cpu_build_tag() -> str:
+    """Hash of the source, flags, torch version and CPU: a -march=native build never crosses machines."""
+    h = hashlib.sha1()
+    with open(_CPU_SOURCE, "rb") as f:
+        h.update(f.read())
+    h.update(" ".join(_CPU_CFLAGS + _CPU_LDFLAGS).encode())
+    h.update(torch.__version__.encode())
+    try:
+        with open("/proc/cpuinfo") as f:
+            h.update("".join(line for line in f if line.startswith(("model name", "flags"))).encode())
+    except OSError:
+        pass
+    return h.hexdigest()[:12]
+
+
+def _load_cpu_extension() -> bool:
+    """Build (first use only; cached in the torch extensions dir) and load the C++ kernel. Never raises."""
+    if _cpu_ext["ok"] is not None:
+        return _cpu_ext["ok"]
+    with _cpu_ext_lock:
+        if _cpu_ext["ok"] is not None:
+            return _cpu_ext["ok"]
+        try:
+            from torch.utils import cpp_extension
+
+            name = f"sparq_cpu_{_cpu_build_tag()}"
+            try:
+                built = os.path.exists(os.path.join(cpp_extension._get_build_directory(name, False), name + ".so"))
+            except Exception:
+                built = False
+            if not built:
+                print("building the fused CPU SparQ kernel (first use only)...", file=sys.stderr, flush=True)
+            cpp_extension.load(name=name, sources=[_CPU_SOURCE], extra_cflags=_CPU_CFLAGS,
+                               extra_ldflags=_CPU_LDFLAGS, is_python_module=False, verbose=False)
+            _cpu_ext["ok"] = True
+        except Exception as e:  # no compiler, no ninja, a build error: run the torch path instead
+            msg = str(e).strip().splitlines()
+            _cpu_ext["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"
+            warnings.warn(f"fused CPU SparQ kernel unavailable ({_cpu_ext['error']}); using the torch path",
+                          RuntimeWarning, stacklevel=3)
+            _cpu_ext["ok"] = False
+    return _cpu_ext["ok"]
+
+
+def cpu_kernel_available() -> bool:
+    """True if the fused C++ kernel is built and loaded (builds it on first call; False if it cannot)."""
+    return _load_cpu_extension()
+
+
+def _sparq_cpu_fallback(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v) -> Tensor:
+    cache = types.SimpleNamespace(k=k, k_t=k_t, v=v, v_sum=v_sum, length_bucket=1, live_length=None)
+    return sparq_attention_torch(q, cache, int(length), SparQConfig(r=r, k=k_top, local=local, mean_v=mean_v))
+
+
+if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must not redefine the op
+    torch.library.define("sparq::decode_cpu", _DECODE_CPU_SCHEMA)
+
+    @torch.library.impl("sparq::decode_cpu", "CompositeExplicitAutograd")
+    def _decode_cpu_first_use(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v):
+        if q.device.type == "cpu" and _load_cpu_extension():
+            return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v)
+        return _sparq_cpu_fallback(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v)
+
+    @torch.library.register_fake("sparq::decode_cpu")
+    def _decode_cpu_fake(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v):
+        return q.new_empty(q.shape)
+
+
+_decode_cpu = torch.ops.sparq.decode_cpu.default
+
+
+def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
+                        r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+    """SparQ decode attention with the fused C++ CPU kernel: same semantics as `sparq.sparq_reference`.
+
+    q (B, n_kv, g, d) fp32/bf16/fp16; k, v (B_max, n_kv, S_max, d) d-contiguous; k_t (B_max, n_kv, d,
+    S_max) S-contiguous, or None (1xK layout: step 1 gathers r columns of k); v_sum (B_max, n_kv, d)
+    fp32; length = live length S (int or SymInt), 1 <= S <= S_max; 0 <= local <= k_top.
+    Reads only rows [:B] and positions [:S]. Returns (B, n_kv, g, d) in q.dtype.
+    Threads: torch.get_num_threads(). Falls back to the torch path if the kernel cannot be built.
+    """
+    return _decode_cpu(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v)
 
 
 # =============================================================================================
@@ -31,13 +138,19 @@ KERNELS = ("auto", "triton", "cpu", "torch")
 import math
 from typing import Optional
 
-# Two Triton kernels around a few cheap torch ops, all on the device, no host sync:
+# Two Triton kernels around a few torch ops, all on the device, no host sync:
 #   step 0 (torch)  i1 = top-r of |q| summed over the group, q_hat = q[i1], tau    (B, n_kv, g, r) tiny
 #   step 1 (Triton) logits = q_hat . K^T[i1] / tau: gathers the r rows of K^T    (B, n_kv, g, S_bound)
+#                   grid (B * n_kv, S blocks): every K element is read once per KV head, for all g
+#                   heads; blocks past the live length only write -inf; fully live blocks load unmasked
 #   select (torch)  s_hat = softmax(logits); score = sum_g s_hat, local window forced, dead = -inf; topk
-#   step 2 (Triton) exact softmax(q K_sel^T / sqrt(d)) V_sel over the k selected rows, then the mean-V mix
+#                   (fp32 round trips of (B, n_kv, g, S): small next to K^T for MHA, not for GQA at small r)
+#   step 2 (Triton) grid (B * n_kv,): gathers the k selected rows of K and V once for the g heads, exact
+#                   online softmax(q K_sel^T / sqrt(d)) V_sel, then the mean-V mix
 # `length` is a python int (shapes follow it) or a 0-dim / 1-element int device tensor (shapes follow
-# the static bound S_bound = max_length or S_max; dead positions are masked), for CUDA graphs.
+# the static bound S_bound = max_length or S_max; positions >= length are masked everywhere), so a
+# decode step can be captured once in a CUDA graph. On CPU tensors the kernels run only in Triton's
+# interpreter (TRITON_INTERPRET=1 set before triton is imported): that is how the tests run them.
 #
 # All arithmetic is fp32 (K/V tiles are upcast after the load). GQA (g > 1): tl.dot on fp32 operands
 # with input_precision "tf32x3" (3 TF32 tensor-core MMAs, about fp32 accurate), g padded to the MMA
@@ -59,6 +172,33 @@ TRITON_DOT_PRECISION = "tf32x3"  # "ieee" for exact fp32 FMAs (slower; the inter
 
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _sparq_step1_rows(qhat_row, idx_row, k_base, stride_krow, stride_ks, offs_g, g_mask, offs_s, live, G, R, r_end,
+                          G_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr,
+                          K_TRANSPOSED: tl.constexpr, MASK_S: tl.constexpr, PRECISION: tl.constexpr):
+        """sum over the selected rows r < r_end of q_hat[:, r] * K^T[i1[r], offs_s]: (G_PAD, BLOCK_S) fp32."""
+        acc = tl.zeros((G_PAD, BLOCK_S), dtype=tl.float32)
+        for r0 in range(0, r_end, R_BLOCK):
+            offs_r = r0 + tl.arange(0, R_BLOCK)
+            r_mask = offs_r < R
+            rows = tl.load(idx_row + offs_r, mask=r_mask, other=0).to(tl.int64)
+            q_hat = tl.load(qhat_row + offs_g[:, None] * R + offs_r[None, :],
+                            mask=g_mask[:, None] & r_mask[None, :], other=0.0)  # (G_PAD, R_BLOCK)
+            if K_TRANSPOSED:  # K^T rows: BLOCK_S contiguous elements each (coalesced)
+                k_ptrs = k_base + rows[:, None] * stride_krow + offs_s[None, :]
+            else:  # 1xK layout: gather r columns of d-contiguous rows
+                k_ptrs = k_base + rows[:, None] + offs_s[None, :].to(tl.int64) * stride_ks
+            if MASK_S:
+                k_mask = r_mask[:, None] & live[None, :]
+            else:
+                k_mask = r_mask[:, None]
+            k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0).to(tl.float32)  # (R_BLOCK, BLOCK_S)
+            if USE_DOT:  # GQA: tensor cores, g padded to G_PAD >= 16 rows
+                acc = tl.dot(q_hat, k_tile, acc, input_precision=PRECISION)
+            else:  # MHA (G_PAD = 1): one FMA per K element on CUDA cores
+                acc += tl.sum(q_hat[:, :, None] * k_tile[None, :, :], axis=1)
+        return acc
 
     @triton.jit(do_not_specialize=["length", "S_bound"])
     def _sparq_step1_kernel(
@@ -83,24 +223,15 @@ if HAS_TRITON:
         g_mask = offs_g < G
         live = offs_s < n
         k_base = k_ptr + b * stride_kb + h * stride_kh
-        acc = tl.zeros((G_PAD, BLOCK_S), dtype=tl.float32)
-        # Blocks entirely past the live length skip the loop (no K traffic) and only write -inf.
-        r_end = tl.where(pid_s * BLOCK_S < n, R, 0)
-        for r0 in range(0, r_end, R_BLOCK):
-            offs_r = r0 + tl.arange(0, R_BLOCK)
-            r_mask = offs_r < R
-            rows = tl.load(idx_ptr + pid_bh * R + offs_r, mask=r_mask, other=0).to(tl.int64)
-            q_hat = tl.load(qhat_ptr + pid_bh * G * R + offs_g[:, None] * R + offs_r[None, :],
-                            mask=g_mask[:, None] & r_mask[None, :], other=0.0)  # (G_PAD, R_BLOCK)
-            if K_TRANSPOSED:  # K^T rows: BLOCK_S contiguous elements each (coalesced)
-                k_ptrs = k_base + rows[:, None] * stride_krow + offs_s[None, :]
-            else:  # 1xK layout: gather r columns of d-contiguous rows
-                k_ptrs = k_base + rows[:, None] + offs_s[None, :].to(tl.int64) * stride_ks
-            k_tile = tl.load(k_ptrs, mask=r_mask[:, None] & live[None, :], other=0.0).to(tl.float32)
-            if USE_DOT:  # GQA: tensor cores, g padded to G_PAD >= 16 rows
-                acc = tl.dot(q_hat, k_tile, acc, input_precision=PRECISION)  # (G_PAD, BLOCK_S)
-            else:  # MHA (G_PAD = 1): one FMA per K element on CUDA cores
-                acc += tl.sum(q_hat[:, :, None] * k_tile[None, :, :], axis=1)
+        qhat_row = qhat_ptr + pid_bh * G * R
+        idx_row = idx_ptr + pid_bh * R
+        if (pid_s + 1) * BLOCK_S <= n:  # fully live block: no mask along S, so loads vectorize (16 B)
+            acc = _sparq_step1_rows(qhat_row, idx_row, k_base, stride_krow, stride_ks, offs_g, g_mask, offs_s,
+                                    live, G, R, R, G_PAD, R_BLOCK, BLOCK_S, USE_DOT, K_TRANSPOSED, False, PRECISION)
+        else:  # the block holding the live end (masked), or one past it: no K traffic, only -inf written
+            r_end = tl.where(pid_s * BLOCK_S < n, R, 0)
+            acc = _sparq_step1_rows(qhat_row, idx_row, k_base, stride_krow, stride_ks, offs_g, g_mask, offs_s,
+                                    live, G, R, r_end, G_PAD, R_BLOCK, BLOCK_S, USE_DOT, K_TRANSPOSED, True, PRECISION)
         tau = tl.load(tau_ptr + pid_bh * G + offs_g, mask=g_mask, other=1.0)
         logits = tl.where(live[None, :], acc / tau[:, None], float("-inf"))
         out_ptrs = logits_ptr + pid_bh.to(tl.int64) * G * S_bound + offs_g[:, None] * S_bound + offs_s[None, :]
@@ -116,8 +247,8 @@ if HAS_TRITON:
         v_sum_ptr, stride_sb, stride_sh,  # (B_max, n_kv, D) fp32, D unit-stride
         out_ptr,  # (B, n_kv, G, D) in q's dtype, contiguous
         length, n_kv, G, D, KT, S_bound, sm_scale,
-        G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-        MEAN_V: tl.constexpr, LEN_IS_PTR: tl.constexpr, PRECISION: tl.constexpr,
+        G_PAD: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_DOT: tl.constexpr, MEAN_V: tl.constexpr, LEN_IS_PTR: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One program per (batch row, KV head): exact attention of all G heads over the KT selected rows.
 
@@ -147,7 +278,10 @@ if HAS_TRITON:
             pos = tl.load(pos_ptr + pid_bh * KT + offs_k, mask=offs_k < KT, other=0)
             valid = (offs_k < KT) & (pos < n)
             pos = pos.to(tl.int64)
-            kv_mask = valid[:, None] & d_mask[None, :]
+            if EVEN_D:  # no mask along d (D == D_PAD): the row loads vectorize (16 B)
+                kv_mask = valid[:, None]
+            else:
+                kv_mask = valid[:, None] & d_mask[None, :]
             k_sel = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             if USE_DOT:
                 s = tl.dot(q, tl.trans(k_sel), input_precision=PRECISION)  # (G_PAD, BLOCK_K)
@@ -186,6 +320,23 @@ def _triton_ready(device: torch.device) -> None:
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
 
 
+def _triton_configs(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int) -> tuple[dict, dict]:
+    """Launch parameters (constexprs, num_warps, num_stages) of step 1 and step 2. No autotuning:
+    fixed choices that compile for sm_90 without register spills (tests/test_kernels_triton.py)."""
+    use_dot = g > 1  # GQA: tensor-core dots over g padded to >= 16 rows; MHA: CUDA-core FMAs
+    G_PAD = max(16, triton.next_power_of_2(g)) if use_dot else 1
+    # Step 1: 256 positions x 16 rows of K^T per loop step (R_BLOCK = 32 doubles the registers, to
+    # ~160 with the dot: 1 CTA per SM); 128 positions when 256 would give < 2 waves on 132 SMs.
+    BLOCK_S = 256 if B * n_kv * triton.cdiv(S_bound, 256) >= 264 else 128
+    step1 = dict(G_PAD=G_PAD, R_BLOCK=16, BLOCK_S=BLOCK_S, USE_DOT=use_dot, PRECISION=TRITON_DOT_PRECISION,
+                 num_warps=8 if BLOCK_S >= 256 else 4, num_stages=3)
+    # Step 2: 32 selected rows of K and V per loop step (64 spills with the dot).
+    D_PAD = max(16, triton.next_power_of_2(d))
+    step2 = dict(G_PAD=G_PAD, D_PAD=D_PAD, EVEN_D=d == D_PAD, BLOCK_K=16 if KT <= 16 else 32,
+                 USE_DOT=use_dot, PRECISION=TRITON_DOT_PRECISION, num_warps=8 if use_dot else 4, num_stages=3)
+    return step1, step2
+
+
 def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
                        length_t: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
                        max_length: int) -> Tensor:
@@ -195,6 +346,9 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     if k.stride(-1) != 1 or v.stride(-1) != 1 or v_sum.stride(-1) != 1 or (k_t is not None and k_t.stride(-1) != 1):
         raise ValueError("k, v and v_sum must be contiguous along d, k_t along S")
     dynamic = length_t is not None
+    if dynamic and (length_t.device != q.device or length_t.dtype not in (torch.int32, torch.int64)
+                    or length_t.numel() != 1):
+        raise ValueError("a tensor length must be one int32/int64 element on q's device")
     S_bound = max_length if dynamic else length  # width of the logits: static under CUDA graphs
     len_arg = length_t.reshape(()) if dynamic else length
     device = q.device
@@ -208,21 +362,16 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     i1 = i1.to(torch.int32).contiguous()
 
     # Step 1: approximate logits; programs past the live length write -inf.
-    use_dot = g > 1
-    G_PAD = max(16, triton.next_power_of_2(g)) if use_dot else 1
-    R_BLOCK = 16 if r <= 16 else 32
-    n_blocks_256 = triton.cdiv(S_bound, 256)
-    BLOCK_S = 256 if B * n_kv * n_blocks_256 >= 264 else 128  # >= 2 waves of 132 SMs when possible
+    KT = min(k_top, S_bound)  # with a tensor length, selections past the live length get weight 0
+    step1, step2 = _triton_configs(B, n_kv, g, d, S_bound, KT)
     logits = torch.empty((B, n_kv, g, S_bound), dtype=torch.float32, device=device)
     if k_t is not None:
         kk, strides = k_t, (k_t.stride(0), k_t.stride(1), k_t.stride(2), k_t.stride(3))
     else:
         kk, strides = k, (k.stride(0), k.stride(1), k.stride(3), k.stride(2))
-    grid1 = (B * n_kv, triton.cdiv(S_bound, BLOCK_S))
-    _sparq_step1_kernel[grid1](
-        q_hat, tau, i1, kk, *strides, logits, len_arg, n_kv, g, r, S_bound,
-        G_PAD=G_PAD, R_BLOCK=R_BLOCK, BLOCK_S=BLOCK_S, USE_DOT=use_dot, K_TRANSPOSED=k_t is not None,
-        LEN_IS_PTR=dynamic, PRECISION=TRITON_DOT_PRECISION, num_warps=8 if BLOCK_S >= 256 else 4, num_stages=3)
+    grid1 = (B * n_kv, triton.cdiv(S_bound, step1["BLOCK_S"]))
+    _sparq_step1_kernel[grid1](q_hat, tau, i1, kk, *strides, logits, len_arg, n_kv, g, r, S_bound,
+                               K_TRANSPOSED=k_t is not None, LEN_IS_PTR=dynamic, **step1)
 
     # Selection: softmax per head over live positions, group sum, local window forced, top-k.
     s_hat = torch.softmax(logits, dim=-1)  # dead positions: -inf -> 0
@@ -234,7 +383,6 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
         score = s_hat.sum(2)  # (B, n_kv, S_bound), a fresh tensor: force the window in place
         if local > 0:
             score[..., max(length - local, 0):] = float("inf")
-    KT = min(k_top, S_bound)  # with a tensor length, selections past the live length get weight 0
     positions = torch.topk(score, KT, dim=-1).indices.to(torch.int32).contiguous()  # (B, n_kv, KT)
 
     # Step 2: exact attention over the selection, then the mean-V mix.
@@ -242,8 +390,7 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     _sparq_step2_kernel[(B * n_kv,)](
         qf, positions, k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
         s_hat, v_sum, v_sum.stride(0), v_sum.stride(1), out, len_arg, n_kv, g, d, KT, S_bound, 1.0 / math.sqrt(d),
-        G_PAD=G_PAD, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_K=32 if KT <= 32 else 64, USE_DOT=use_dot,
-        MEAN_V=mean_v, LEN_IS_PTR=dynamic, PRECISION=TRITON_DOT_PRECISION, num_warps=4, num_stages=3)
+        MEAN_V=mean_v, LEN_IS_PTR=dynamic, **step2)
     return out
 
 
@@ -257,7 +404,7 @@ def _decode_triton_op(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_
 
 
 @_decode_triton_op.register_fake
-def _(q, k, k_t, v, v_sum, length, length_t, r, k_top, local, mean_v, max_length):
+def _decode_triton_fake(q, k, k_t, v, v_sum, length, length_t, r, k_top, local, mean_v, max_length):
     return q.new_empty(q.shape)
 
 
@@ -309,9 +456,20 @@ def _resolve_for_device(kernel: str, device_type: str) -> str:
 
 
 def sparq_attention(q: Tensor, cache: KVCache, length: int, config: SparQConfig, kernel: str) -> Tensor:
-    """SparQ decode attention with the chosen (already resolved) kernel."""
-    if kernel == "torch":
+    """SparQ decode attention with the chosen (already resolved) kernel.
+
+    `length` positions are read: exactly the live ones when cache.length_bucket is 1, else the
+    live ones (the device tensor cache.live_length) plus masked ones up to the bucket's end.
+    """
+    bucketed = cache.length_bucket > 1
+    if kernel == "torch" or (kernel == "cpu" and bucketed):  # the CPU kernel reads exact lengths only
         return sparq_attention_torch(q, cache, length, config)
+    if kernel == "cpu":
+        return sparq_attention_cpu(q, cache.k, cache.k_t, cache.v, cache.v_sum, length,
+                                   config.r, config.k, config.local, config.mean_v)
     if kernel == "triton":
-        return sparq_attention_triton(q, cache.k, cache.k_t, cache.v, cache.v_sum, length, config.r, config.k, config.local, config.mean_v)
-    raise NotImplementedError(f"kernel {kernel!r} is not implemented yet")
+        live = cache.live_length if bucketed else length
+        return sparq_attention_triton(q, cache.k, cache.k_t, cache.v, cache.v_sum, live,
+                                      config.r, config.k, config.local, config.mean_v,
+                                      max_length=length if bucketed else None)
+    raise ValueError(f"unknown kernel {kernel!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,8 @@ IN_PROCESS = ON_GPU or type(kernels._sparq_step1_kernel).__name__ == "Interprete
 in_process = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1: "
                                 "these cases run in test_interpreter_in_subprocess")
 REPO = Path(__file__).resolve().parent.parent
+INNER = os.environ.get("SPARQ_TRITON_INNER") == "1"  # set by test_interpreter_in_subprocess
+outer_only = pytest.mark.skipif(INNER, reason="runs in the outer pytest process")
 
 # fp32: the kernels compute in fp32 (the interpreter's dots are exact fp32; on GPU tf32x3 is ~fp32).
 # bf16: inputs are identical for both sides and both compute in fp32, so the outputs differ by the
@@ -98,7 +101,7 @@ def case_id(c):
 def test_matches_reference(case):
     B, n_kv, g, d, S, S_max, r, k_top, local, mean_v, layout, dtype, length_kind = case
     config = SparQConfig(r=r, k=k_top, local=local, mean_v=mean_v)
-    q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, S, S_max, dtype, seed=hash(case_id(case)) % 2**31, layout=layout)
+    q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, S, S_max, dtype, seed=zlib.crc32(case_id(case).encode()), layout=layout)
     out = kernels.sparq_attention_triton(q, k, k_t, v, v_sum, as_length(S, length_kind), config.r, config.k,
                                          config.local, config.mean_v)
     expected = sparq_reference(q.cpu(), k.cpu(), v.cpu(), v_sum.cpu(), S, config)
@@ -120,6 +123,24 @@ def test_static_bound_below_cache_size():
 
 
 @in_process
+@pytest.mark.parametrize("length_kind", ["int", "scalar_int64"])
+def test_underflowed_scores_rank_above_dead_positions(length_kind):
+    """S < k: every live position is attended, even those whose approximate score underflows to 0."""
+    B, n_kv, g, d, S, S_max = 1, 1, 1, 64, 20, 200
+    config = SparQConfig(r=1, k=64, local=0)
+    q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, S, S_max, torch.float32, seed=6)
+    q.fill_(1.0)
+    q[..., 0] = 5.0  # the r = 1 component
+    k[:, :, 3, 0] = 100.0  # position 3 takes all the approximate mass: the others' s_hat underflow to 0...
+    k[:, :, 3, 1:] = -20.0  # ...but it gets ~none of the exact mass, so missing a live position shows
+    k_t = k.transpose(2, 3).contiguous()
+    out = kernels.sparq_attention_triton(q, k, k_t, v, v_sum, as_length(S, length_kind), config.r, config.k,
+                                         config.local, config.mean_v)
+    expected = sparq_reference(q.cpu(), k.cpu(), v.cpu(), v_sum.cpu(), S, config)
+    torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
+
+
+@in_process
 def test_dispatch_through_kv_cache():
     """kernels.sparq_attention(kernel="triton") on a KVCache filled by update (v_sum kept by the cache)."""
     B, n_kv, g, d, S_max = 2, 2, 3, 64, 96
@@ -135,6 +156,10 @@ def test_dispatch_through_kv_cache():
         out = kernels.sparq_attention(q, cache, 41, config, "triton")
         expected = sparq_reference(q.cpu(), cache.k.cpu(), cache.v.cpu(), cache.v_sum.cpu(), 41, config)
         torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
+        # Bucketed lengths (CUDA graphs): read 64 positions, the live length comes from cache.live_length.
+        cache.length_bucket = 32
+        bucketed = kernels.sparq_attention(q, cache, 64, config, "triton")
+        torch.testing.assert_close(bucketed.cpu(), expected, **TOLERANCE[torch.float32])
 
 
 @in_process
@@ -206,6 +231,71 @@ def test_cuda_graph_replay_with_changing_length():
         torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.bfloat16])
 
 
+COMPILE_FOR_H100 = r'''
+import shutil, subprocess, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+import kernels
+
+target = GPUTarget("cuda", 90, 32)
+cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+POINTEE = {"k_ptr": "K", "v_ptr": "K", "out_ptr": "K", "idx_ptr": "i32", "pos_ptr": "i32"}
+
+def compile_one(kernel, config, kdt, length_ptr, **constexprs):
+    config = dict(config)
+    options = dict(num_warps=config.pop("num_warps"), num_stages=config.pop("num_stages"))
+    constexprs.update(config)
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name == "length":
+            signature[name] = "*i64" if length_ptr else "i32"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + POINTEE.get(name, "fp32").replace("K", kdt)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "sm_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride"):  # S_max and d multiples of 16, as in real caches
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
+    usage = ""
+    if cuobjdump.is_file():
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"]); f.flush()
+            out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        usage = " ".join(w for w in out.split() if w.startswith(("REG:", "STACK:", "LOCAL:")))
+        stack = int(usage.split("STACK:")[1].split()[0]) if "STACK:" in usage else 0
+        assert stack <= 64, f"{kernel.__name__} {constexprs} spills: {usage}"
+    print(kernel.__name__, kdt, constexprs, options, usage)
+
+# (B, n_kv, g, d, S_bound, KT): Table 4 MHA, Llama-3-8B GQA at B=1, d=80 GQA, small MHA d=64
+for (B, n_kv, g, d, S, KT), kdt in [((64, 32, 1, 128, 4096, 128), "bf16"), ((1, 8, 4, 128, 4096, 128), "bf16"),
+                                    ((3, 2, 3, 80, 1000, 128), "fp32"), ((1, 2, 1, 64, 129, 16), "fp16")]:
+    step1, step2 = kernels._triton_configs(B, n_kv, g, d, S, KT)
+    for k_transposed in (True, False):
+        compile_one(kernels._sparq_step1_kernel, step1, kdt, True, K_TRANSPOSED=k_transposed, LEN_IS_PTR=True)
+    compile_one(kernels._sparq_step1_kernel, step1, kdt, False, K_TRANSPOSED=True, LEN_IS_PTR=False)
+    compile_one(kernels._sparq_step2_kernel, step2, kdt, True, MEAN_V=True, LEN_IS_PTR=True)
+    compile_one(kernels._sparq_step2_kernel, step2, kdt, False, MEAN_V=False, LEN_IS_PTR=False)
+'''
+
+
+@outer_only
+def test_kernels_compile_for_h100():
+    """Without a GPU: the real Triton compiler (not the interpreter) lowers both kernels to sm_90 cubin
+    with the launch configurations the wrapper picks, and ptxas reports no large spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@outer_only
 def test_kernels_imports_without_triton():
     """kernels.py imports where triton is missing; the Triton entry point then fails with one clear line."""
     code = ("import sys; sys.modules['triton'] = None\n"
@@ -226,7 +316,7 @@ def test_kernels_imports_without_triton():
 @pytest.mark.skipif(IN_PROCESS, reason="the interpreter cases ran in this process")
 def test_interpreter_in_subprocess():
     """Re-run this file where TRITON_INTERPRET=1 is set before triton is imported."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SPARQ_TRITON_INNER": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
