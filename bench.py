@@ -1,0 +1,544 @@
+"""Benchmarks for sparq-fast.
+
+  python bench.py attention --shape smollm2 --batch-size 1,4,16 --seq-len 2048,8192,32768 --sparq-r 16
+  python bench.py decode --prompt-tokens 1024,4096,8192 --batch-size 1,4,8 --sparq-r 16 --sparq-k 128
+
+`decode`: the whole model's decode step on a checkpoint, dense and SparQ from the same prefilled
+cache in one process; tokens/s, KV GB/s (bytes by the transfer formulas), measured speedup and the
+theoretical one: (weights + dense KV bytes) / (weights + SparQ KV bytes) per step.
+
+`attention`: one layer's decode-attention op (one query token per batch row), dense against every
+SparQ variant, side by side in one process. Each configuration rotates among enough copies of
+the cache (k, k_t, v, v_sum, q) that every call reads from DRAM, not from the last-level cache, and
+reports the median over the iterations after warm-up. Bytes are the paper's transfer counts
+(Appendix G): dense 2Sd + 2d, SparQ Sr + 2kd + 4d elements per KV head, times B * n_kv * element size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import types
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+# Shapes of one layer's attention: (KV heads, query heads, head dim).
+SHAPES = {
+    "smollm2": (3, 9, 64),  # SmolLM2-135M: GQA, 3 query heads per KV head
+    "llama2-7b": (32, 32, 128),  # Llama 2 7B: MHA
+}
+DTYPES = ("float32", "bfloat16", "float16")
+MEMORY_LIMIT = 8 * 2**30  # skip configurations whose cache copies would exceed this
+LLC_BYTES = 36 * 2**20  # rotate copies until every method's working set is a few times the LLC
+# The paper's Table 4 microbenchmark (A100): B=64, 32 heads, d=128, S=4096, r=32, k=128.
+TABLE4 = dict(shape="llama2-7b", batch_size="64", seq_len="4096", sparq_r=32, sparq_k=128)
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(message)
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or any(x < 1 for x in values):
+        raise UsageError(f"{what} must list positive integers, got {text!r}")
+    return values
+
+
+def _name_list(text: str, what: str, allowed) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in allowed]
+    if not names or bad:
+        raise UsageError(f"unknown {what} {', '.join(bad) or repr(text)} (choose from {', '.join(allowed)})")
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str  # "dense" | "sparq"
+    fn: Callable  # fn(copy) -> Tensor
+    layout: str = "twice"  # which K layouts the call reads
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _make_copy(B, n_kv, g, d, S, dtype, device, gen, with_kt: bool):
+    """One independent cache (exactly S positions) and query, filled with N(0, 1) values."""
+    import torch
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    k = randn(B, n_kv, S, d)
+    v = randn(B, n_kv, S, d)
+    k_t = k.transpose(2, 3).contiguous() if with_kt else None
+    v_sum = v.float().sum(dim=2)
+    q = randn(B, n_kv, g, d)
+    return dict(q=q, k=k, k_t=k_t, v=v, v_sum=v_sum)
+
+
+def _methods(device: str, kernels_wanted: list[str], cfg, S: int) -> list[Method]:
+    import torch
+    import torch.nn.functional as F
+
+    import kernels
+    from model import dense_attention
+    from sparq import sparq_attention_torch
+
+    methods = [
+        Method("dense-matmul", "dense", lambda c: dense_attention(c["q"], c["k"], c["v"])),
+        Method("dense-sdpa", "dense", lambda c: F.scaled_dot_product_attention(c["q"], c["k"], c["v"])),
+    ]
+    if device == "cpu" and hasattr(kernels, "dense_attention_cpu") and "cpu" in kernels_wanted:
+        methods.append(Method("dense-fused", "dense",
+                              lambda c: kernels.dense_attention_cpu(c["q"], c["k"], c["v"], S)))
+
+    def cache_of(c, layout):  # what sparq_attention_torch reads of a KVCache, as views of the copy
+        return types.SimpleNamespace(k=c["k"], v=c["v"], k_t=c["k_t"] if layout == "twice" else None,
+                                     v_sum=c["v_sum"], layout=layout, length_bucket=1, live_length=None)
+
+    r, k_top, local, mean_v = cfg.r, cfg.k, cfg.local, cfg.mean_v
+    if "torch" in kernels_wanted:
+        methods.append(Method("sparq-torch", "sparq", lambda c: sparq_attention_torch(c["q"], cache_of(c, "twice"), S, cfg)))
+    if device == "cpu":
+        fused = kernels.sparq_attention_cpu
+    else:
+        fused = getattr(kernels, "sparq_attention_triton", None)
+    wanted_fused = "cpu" in kernels_wanted or "triton" in kernels_wanted
+    if fused is not None and wanted_fused:
+        methods.append(Method("sparq-fused", "sparq",
+                              lambda c: fused(c["q"], c["k"], c["k_t"], c["v"], c["v_sum"], S, r, k_top, local, mean_v)))
+        methods.append(Method("sparq-fused-1xk", "sparq",
+                              lambda c: fused(c["q"], c["k"], None, c["v"], c["v_sum"], S, r, k_top, local, mean_v),
+                              layout="once"))
+    elif wanted_fused:
+        print(f"note: no fused SparQ kernel for {device} in kernels.py; skipping sparq-fused", file=sys.stderr)
+    return methods
+
+
+def _time_call(fn, copy, device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(copy)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn(copy)
+    return time.perf_counter() - t0
+
+
+def cmd_attention(args) -> int:
+    import torch
+
+    from model import DenseDecode
+    from sparq import SparQConfig, SparQDecode
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but CUDA is not available")
+    if device == "cuda":  # default to the paper's Table 4 setting
+        for key, value in TABLE4.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    shapes = _name_list(args.shape or "smollm2", "shape", SHAPES)
+    batch_sizes = _int_list(args.batch_size or "1,4,16", "--batch-size")
+    seq_lens = _int_list(args.seq_len or "2048,8192,32768", "--seq-len")
+    dtypes = _name_list(args.dtype, "dtype", DTYPES)
+    kernels_wanted = _name_list(args.kernel, "kernel", ("all", "torch", "cpu", "triton"))
+    if "all" in kernels_wanted:
+        kernels_wanted = ["torch", "cpu" if device == "cpu" else "triton"]
+    r = args.sparq_r if args.sparq_r is not None else 16
+    k_top = args.sparq_k if args.sparq_k is not None else 128
+    if args.iters < 1 or args.warmup < 0:
+        raise UsageError("--iters must be >= 1 and --warmup >= 0")
+    for shape in shapes:
+        try:
+            SparQConfig(r=r, k=k_top, local=args.sparq_local, mean_v=args.mean_v).validate(SHAPES[shape][2])
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device == "cpu":
+        import kernels
+
+        kernels.cpu_kernel_available()  # build before timing anything (first use only)
+
+    from tqdm import tqdm
+
+    configs = [(s, dt, b, n) for s in shapes for dt in dtypes for b in batch_sizes for n in seq_lens]
+    rows, notes = [], []
+    gen = torch.Generator().manual_seed(args.seed)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"# attention op, device={device}, threads={torch.get_num_threads()}, r={r}, k={k_top}, "
+          f"local={k_top // 4 if args.sparq_local is None else args.sparq_local}, mean_v={args.mean_v}, "
+          f"median of {args.iters} iterations after {args.warmup} warm-up, "
+          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, load average {load:.1f}", flush=True)
+    if device == "cpu" and load > (os.cpu_count() or 1):
+        print(f"warning: load average {load:.1f} exceeds the {os.cpu_count()} CPUs: other processes distort the timings",
+              file=sys.stderr)
+    bar = tqdm(configs, desc="attention", unit="config", file=sys.stderr, dynamic_ncols=True)
+    for shape, dt_name, B, S in bar:
+        n_kv, H, d = SHAPES[shape]
+        g = H // n_kv
+        dtype = _dtype(dt_name)
+        es = torch.finfo(dtype).bits // 8
+        cfg = SparQConfig(r=r, k=k_top, local=args.sparq_local, mean_v=args.mean_v)
+        dense_bytes = DenseDecode().transfer_elements(S, d) * B * n_kv * es
+        sparq_bytes = SparQDecode(cfg).transfer_elements(S, d) * B * n_kv * es
+        copy_bytes = 3 * B * n_kv * S * d * es + B * n_kv * (g + 1) * d * 4
+        # enough copies that even SparQ's working set (the smallest) spans a few LLCs
+        n_copies = max(2, math.ceil(3 * LLC_BYTES / sparq_bytes)) if device == "cpu" else 2
+        n_copies = min(n_copies, args.max_copies)
+        scratch = B * n_kv * (r + 3 * g) * S * 4 + dense_bytes  # torch-path temporaries, roughly
+        if copy_bytes + scratch > MEMORY_LIMIT:
+            note = f"skipped {shape} {dt_name} B={B} S={S}: needs {(copy_bytes + scratch) / 2**30:.1f} GiB > 8 GiB"
+            notes.append(note)
+            bar.write("note: " + note, file=sys.stderr)
+            continue
+        n_copies = max(1, min(n_copies, int((MEMORY_LIMIT - scratch) // copy_bytes)))
+        if n_copies * copy_bytes < 3 * LLC_BYTES and device == "cpu":
+            bar.write(f"note: {shape} {dt_name} B={B} S={S}: only {n_copies} cache copies fit", file=sys.stderr)
+        bar.set_postfix_str(f"{shape} {dt_name} B={B} S={S} ({n_copies} copies)")
+        copies = [_make_copy(B, n_kv, g, d, S, dtype, device, gen, with_kt=True) for _ in range(n_copies)]
+        methods = _methods(device, kernels_wanted, cfg, S)
+        times = {m.name: [] for m in methods}
+        with torch.inference_mode():
+            for i in range(args.warmup):
+                for m in methods:
+                    m.fn(copies[i % n_copies])
+            start = time.perf_counter()
+            for i in range(args.iters):  # interleaved: every method sees the same machine state
+                for m in methods:
+                    times[m.name].append(_time_call(m.fn, copies[(i + args.warmup) % n_copies], device))
+                if i + 1 >= args.min_iters and time.perf_counter() - start > args.max_seconds:
+                    break
+        del copies
+        median = {name: statistics.median(ts) for name, ts in times.items()}
+        dense_names = [m.name for m in methods if m.kind == "dense"]
+        best_dense = min(dense_names, key=lambda n: median[n])
+        for m in methods:
+            nbytes = dense_bytes if m.kind == "dense" else sparq_bytes
+            rows.append(dict(shape=shape, dtype=dt_name, batch_size=B, seq_len=S, method=m.name,
+                             time_ms=median[m.name] * 1e3, gb_s=nbytes / median[m.name] / 1e9,
+                             speedup_vs_dense=median[best_dense] / median[m.name],
+                             theoretical_speedup=dense_bytes / nbytes, dense_baseline=best_dense,
+                             iterations=len(times[m.name]), copies=n_copies))
+    bar.close()
+    _print_table(rows)
+    for note in notes:
+        print("note: " + note)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "threads": torch.get_num_threads(), "r": r, "k": k_top,
+                       "mean_v": args.mean_v, "notes": notes, "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plot(rows, args.plot, r, k_top)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _print_table(rows: list[dict]) -> None:
+    header = f"{'shape':<10} {'dtype':<9} {'B':>3} {'S':>6}  {'method':<16} {'time ms':>9} {'GB/s':>6} {'speedup':>8} {'theory':>7}"
+    print(header)
+    print("-" * len(header))
+    last = None
+    for row in rows:
+        key = (row["shape"], row["dtype"], row["batch_size"], row["seq_len"])
+        if last is not None and key != last:
+            print()
+        last = key
+        mark = "*" if row["method"] == row["dense_baseline"] else " "
+        print(f"{row['shape']:<10} {row['dtype']:<9} {row['batch_size']:>3} {row['seq_len']:>6}  "
+              f"{row['method'] + mark:<16} {row['time_ms']:>9.3f} {row['gb_s']:>6.1f} "
+              f"{row['speedup_vs_dense']:>7.2f}x {row['theoretical_speedup']:>6.2f}x")
+    print("(* = the dense baseline: the fastest dense method; speedup = its time / the method's time;"
+          " theory = dense bytes / method bytes)")
+
+
+def _plot(rows: list[dict], path: str, r: int, k: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(row["shape"], row["dtype"]) for row in rows})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (shape, dt) in zip(axes[0], panels):
+        sub = [row for row in rows if row["shape"] == shape and row["dtype"] == dt]
+        batches = sorted({row["batch_size"] for row in sub})
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for ci, B in enumerate(batches):
+            color = colors[ci % len(colors)]
+            for name, style in (("sparq-fused", "-o"), ("sparq-fused-1xk", ":^"), ("sparq-torch", "-.s")):
+                pts = sorted((row["seq_len"], row["speedup_vs_dense"]) for row in sub
+                             if row["batch_size"] == B and row["method"] == name)
+                if pts:
+                    ax.plot(*zip(*pts), style, color=color, label=f"B={B} {name}", markersize=4)
+            theory = sorted({(row["seq_len"], row["theoretical_speedup"]) for row in sub
+                             if row["batch_size"] == B and row["method"] == "sparq-fused"})
+            if theory:
+                ax.plot(*zip(*theory), "--", color=color, alpha=0.5, label=f"B={B} theoretical")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length S")
+        ax.set_ylabel("speedup vs best dense")
+        ax.set_title(f"{shape} {dt}, r={r}, k={k}")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: dense vs SparQ end to end on a real checkpoint, side by side in one process
+# ---------------------------------------------------------------------------------------------
+
+
+def _fill_batch_rows(model, batch_size: int) -> None:
+    """Copy batch row 0 of every cache into rows 1..B-1: all rows hold the same prompt."""
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        for buffer in (cache.k, cache.k_t, cache.v, cache.v_sum):
+            if buffer is not None:
+                buffer[1:batch_size].copy_(buffer[:1].expand_as(buffer[1:batch_size]))
+
+
+def _restore_v_sums(model, length: int) -> None:
+    """Make every running V sum cover exactly positions [0, length) again (timed steps add to it)."""
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        cache.v_sum.copy_(cache.v[:, :, :length].float().sum(dim=2))
+
+
+def _time_decode(step, model, batch_size: int, context: int, steps: int, warmup: int) -> float:
+    """Seconds per decode step at live lengths context + 1, context + 2, ... (steps after warm-up)."""
+    import torch
+
+    token = torch.zeros(batch_size, 1, dtype=torch.long)
+    times = []
+    with torch.no_grad():
+        _restore_v_sums(model, context)
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            step(model, token, torch.tensor([context + i]), context + i + 1)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:])
+
+
+def _resolve_decode_kernel(kernel: str) -> str:
+    import kernels
+
+    resolved = kernels.resolve_kernel(kernel, "cpu")
+    if resolved == "cpu" and not kernels.cpu_kernel_available():
+        return "torch"  # cpu_kernel_available() printed why
+    return resolved
+
+
+def cmd_decode(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    import data
+    import tokenizer as tokenizer_module
+    from generate import decode_step, prefill, weight_bytes
+    from model import CheckpointError, DenseDecode, checkpoint_paths, load_model
+    from sparq import SparQConfig, SparQDecode, kv_bytes_read_per_step
+
+    contexts = _int_list(args.prompt_tokens, "--prompt-tokens")
+    batches = _int_list(args.batch_size, "--batch-size")
+    dtypes = _name_list(args.dtype, "dtype", DTYPES)
+    try:
+        _, checkpoint_dir = checkpoint_paths(args.checkpoint)
+        tok = tokenizer_module.load_tokenizer(checkpoint_dir)
+        model = load_model(args.checkpoint)
+    except (CheckpointError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    model_args = model.args
+    if max(contexts) + args.warmup + args.steps > model_args.max_context:
+        raise UsageError(f"--prompt-tokens {max(contexts)} plus the timed steps exceeds the model's "
+                         f"context of {model_args.max_context} tokens")
+    mean_v = {"on": True, "off": False, "auto": model_args.n_kv_head == model_args.n_head}[args.sparq_mean_v]
+    config = SparQConfig(r=args.sparq_r, k=args.sparq_k, local=args.sparq_local, mean_v=mean_v)
+    try:
+        config.validate(model_args.head_dim)
+        kernel = _resolve_decode_kernel(args.kernel)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    policies = {"dense": DenseDecode(), "sparq": SparQDecode(config, kernel)}
+    prompt = torch.tensor([data.essay_tokens(tok, max(contexts))])
+
+    rows = []
+    progress = tqdm(total=len(dtypes) * len(contexts) * len(batches) * len(policies), desc="decode bench",
+                    file=sys.stderr)
+    for dtype_name in dtypes:
+        model = load_model(args.checkpoint, dtype=_dtype(dtype_name))
+        model.setup_caches(max(batches), max(contexts) + args.warmup + args.steps)
+        with torch.no_grad():  # one dense prefill of the longest prompt serves every shorter context (causal)
+            progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}")
+            prefill(model, prompt)
+        _fill_batch_rows(model, max(batches))
+        weights = weight_bytes(model)
+        element_bytes = model.layers[0].attention.kv_cache.k.element_size()
+        step = torch.compile(decode_step, dynamic=True, fullgraph=True) if args.compile else decode_step
+        for context in contexts:
+            for B in batches:
+                seconds = {}
+                for name, policy in policies.items():
+                    model.set_decode_attention(lambda layer, policy=policy: policy)
+                    progress.set_postfix_str(f"{dtype_name} S={context} B={B} {name}")
+                    seconds[name] = _time_decode(step, model, B, context, args.steps, args.warmup)
+                    progress.update()
+                for name, policy in policies.items():
+                    S = context + args.warmup + args.steps // 2 + 1  # the median step's live length
+                    kv = kv_bytes_read_per_step(model_args, policy, S, B, element_bytes)
+                    dense_kv = kv_bytes_read_per_step(model_args, policies["dense"], S, B, element_bytes)
+                    rows.append({
+                        "prompt_tokens": context, "batch_size": B, "dtype": dtype_name, "attention": name,
+                        "decode_tokens_per_s": 1 / seconds[name], "total_tokens_per_s": B / seconds[name],
+                        "kv_gb_s": kv / seconds[name] / 1e9,
+                        "speedup_vs_dense": seconds["dense"] / seconds[name],
+                        "theoretical_speedup": (weights + dense_kv) / (weights + kv),
+                        "theoretical_kv_speedup": dense_kv / kv,
+                    })
+    progress.close()
+    _print_decode_table(rows, config, kernel, args.compile)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=2)
+    if args.plot:
+        _plot_decode(rows, args.plot)
+    return 0
+
+
+def _print_decode_table(rows: list[dict], config, kernel: str, compiled: bool) -> None:
+    print(f"\ndecode, SparQ r={config.r} k={config.k} local={config.local} mean_v={config.mean_v} "
+          f"kernel={kernel}{' compiled' if compiled else ' eager'}; tok/s per sequence")
+    print(f"{'dtype':9} {'context':>7} {'B':>3} {'dense tok/s':>11} {'SparQ tok/s':>11} {'speedup':>7} "
+          f"{'theory':>6} {'KV theory':>9} {'dense KV GB/s':>13} {'SparQ KV GB/s':>13}")
+    by_key = {(r["dtype"], r["prompt_tokens"], r["batch_size"], r["attention"]): r for r in rows}
+    for (dtype, context, B, attention), sparq in by_key.items():
+        if attention != "sparq":
+            continue
+        dense = by_key[(dtype, context, B, "dense")]
+        print(f"{dtype:9} {context:7d} {B:3d} {dense['decode_tokens_per_s']:11.2f} "
+              f"{sparq['decode_tokens_per_s']:11.2f} {sparq['speedup_vs_dense']:6.2f}x "
+              f"{sparq['theoretical_speedup']:5.2f}x {sparq['theoretical_kv_speedup']:8.2f}x "
+              f"{dense['kv_gb_s']:13.2f} {sparq['kv_gb_s']:13.2f}")
+
+
+def _plot_decode(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r["dtype"] for r in rows})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        for B in sorted({r["batch_size"] for r in rows}):
+            for attention, style in (("dense", "--"), ("sparq", "-")):
+                pts = sorted((r["prompt_tokens"], r["total_tokens_per_s"]) for r in rows
+                             if r["dtype"] == dtype and r["batch_size"] == B and r["attention"] == attention)
+                ax.plot(*zip(*pts), style, marker="o", label=f"{attention} B={B}")
+        ax.set(title=f"decode throughput ({dtype})", xlabel="context (tokens)", ylabel="tokens/s (all rows)",
+               xscale="log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="bench.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("attention", help="decode-attention op: dense vs SparQ variants")
+    p.add_argument("--shape", default=None, help=f"comma list of {', '.join(SHAPES)} (default smollm2)")
+    p.add_argument("--batch-size", default=None, help="comma list (default 1,4,16; cuda: 64)")
+    p.add_argument("--seq-len", default=None, help="comma list (default 2048,8192,32768; cuda: 4096)")
+    p.add_argument("--sparq-r", type=int, default=None, help="default 16 (cuda: 32)")
+    p.add_argument("--sparq-k", type=int, default=None, help="default 128")
+    p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
+    p.add_argument("--mean-v", action="store_true", help="SparQ mean-value reallocation")
+    p.add_argument("--dtype", default="float32", help=f"comma list of {', '.join(DTYPES)}")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--kernel", default="all", help="SparQ kernels: comma list of all, torch, cpu, triton")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per method (median reported)")
+    p.add_argument("--min-iters", type=int, default=5, help="iterations before --max-seconds can stop")
+    p.add_argument("--max-seconds", type=float, default=20.0, help="time budget per configuration")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-copies", type=int, default=256, help="cap on rotated cache copies")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-thp", dest="thp", action="store_false",
+                   help="do not ask torch for transparent huge pages (THP_MEM_ALLOC_ENABLE=1)")
+    p.add_argument("--json", default=None, help="write the rows as JSON")
+    p.add_argument("--plot", default=None, help="write a PNG: speedup vs seq_len per batch size")
+    p.set_defaults(func=cmd_attention)
+
+    p = sub.add_parser("decode", help="end-to-end decode on a checkpoint: dense vs SparQ")
+    p.add_argument("--checkpoint", default="checkpoints/SmolLM2-135M-Instruct", help="model.pth or its directory")
+    p.add_argument("--prompt-tokens", default="1024,4096,8192", help="comma list of context lengths")
+    p.add_argument("--batch-size", default="1,4,8", help="comma list")
+    p.add_argument("--dtype", default="float32", help=f"comma list of {', '.join(DTYPES)}")
+    p.add_argument("--sparq-r", type=int, default=16)
+    p.add_argument("--sparq-k", type=int, default=128)
+    p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
+    p.add_argument("--sparq-mean-v", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"))
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (dynamic shapes)")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per configuration (median)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the rows as JSON")
+    p.add_argument("--plot", default=None, help="write a PNG: tokens/s vs context")
+    p.set_defaults(func=cmd_decode)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "thp", False) and "torch" not in sys.modules:
+            # torch's CPU allocator backs big tensors with transparent huge pages (madvise mode):
+            # fewer TLB misses for every method (random row gathers gain the most)
+            os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+        return args.func(args)
+    except UsageError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
