@@ -169,10 +169,12 @@ def cmd_attention(args) -> int:
     shapes = _name_list(args.shape or "smollm2", "shape", SHAPES)
     batch_sizes = _int_list(args.batch_size or "1,4,16", "--batch-size")
     seq_lens = _int_list(args.seq_len or "2048,8192,32768", "--seq-len")
-    dtypes = _name_list(args.dtype, "dtype", DTYPES)
+    dtypes = _name_list(args.dtype or ("float16" if device == "cuda" else "float32"), "dtype", DTYPES)
     kernels_wanted = _name_list(args.kernel, "kernel", ("all", "torch", "cpu", "triton"))
     if "all" in kernels_wanted:
         kernels_wanted = ["torch", "cpu" if device == "cpu" else "triton"]
+    if ("cpu" in kernels_wanted and device != "cpu") or ("triton" in kernels_wanted and device != "cuda"):
+        raise UsageError("--kernel cpu runs on --device cpu, --kernel triton on --device cuda")
     r = args.sparq_r if args.sparq_r is not None else 16
     k_top = args.sparq_k if args.sparq_k is not None else 128
     if args.iters < 1 or args.warmup < 0:
@@ -215,7 +217,7 @@ def cmd_attention(args) -> int:
         # enough copies that even SparQ's working set (the smallest) spans a few LLCs
         n_copies = max(2, math.ceil(3 * LLC_BYTES / sparq_bytes)) if device == "cpu" else 2
         n_copies = min(n_copies, args.max_copies)
-        scratch = B * n_kv * (r + 3 * g) * S * 4 + dense_bytes  # torch-path temporaries, roughly
+        scratch = B * n_kv * (r * es + 4 * 4 * g) * S  # sparq-torch temporaries, roughly
         if copy_bytes + scratch > MEMORY_LIMIT:
             note = f"skipped {shape} {dt_name} B={B} S={S}: needs {(copy_bytes + scratch) / 2**30:.1f} GiB > 8 GiB"
             notes.append(note)
@@ -240,12 +242,14 @@ def cmd_attention(args) -> int:
                     break
         del copies
         median = {name: statistics.median(ts) for name, ts in times.items()}
+        fastest = {name: min(ts) for name, ts in times.items()}
         dense_names = [m.name for m in methods if m.kind == "dense"]
         best_dense = min(dense_names, key=lambda n: median[n])
         for m in methods:
             nbytes = dense_bytes if m.kind == "dense" else sparq_bytes
             rows.append(dict(shape=shape, dtype=dt_name, batch_size=B, seq_len=S, method=m.name,
-                             time_ms=median[m.name] * 1e3, gb_s=nbytes / median[m.name] / 1e9,
+                             time_ms=median[m.name] * 1e3, time_ms_min=fastest[m.name] * 1e3,
+                             gb_s=nbytes / median[m.name] / 1e9,
                              speedup_vs_dense=median[best_dense] / median[m.name],
                              theoretical_speedup=dense_bytes / nbytes, dense_baseline=best_dense,
                              iterations=len(times[m.name]), copies=n_copies))
@@ -265,7 +269,8 @@ def cmd_attention(args) -> int:
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = f"{'shape':<10} {'dtype':<9} {'B':>3} {'S':>6}  {'method':<16} {'time ms':>9} {'GB/s':>6} {'speedup':>8} {'theory':>7}"
+    header = (f"{'shape':<10} {'dtype':<9} {'B':>3} {'S':>6}  {'method':<16} {'time ms':>9} {'min ms':>9} {'GB/s':>6} "
+              f"{'speedup':>8} {'theory':>7}")
     print(header)
     print("-" * len(header))
     last = None
@@ -276,10 +281,10 @@ def _print_table(rows: list[dict]) -> None:
         last = key
         mark = "*" if row["method"] == row["dense_baseline"] else " "
         print(f"{row['shape']:<10} {row['dtype']:<9} {row['batch_size']:>3} {row['seq_len']:>6}  "
-              f"{row['method'] + mark:<16} {row['time_ms']:>9.3f} {row['gb_s']:>6.1f} "
+              f"{row['method'] + mark:<16} {row['time_ms']:>9.3f} {row['time_ms_min']:>9.3f} {row['gb_s']:>6.1f} "
               f"{row['speedup_vs_dense']:>7.2f}x {row['theoretical_speedup']:>6.2f}x")
-    print("(* = the dense baseline: the fastest dense method; speedup = its time / the method's time;"
-          " theory = dense bytes / method bytes)")
+    print("(time = median, min = fastest call; * = the dense baseline, the fastest dense method by median;"
+          " speedup = its median / the method's; GB/s = transfer bytes / median; theory = dense bytes / method bytes)")
 
 
 def _plot(rows: list[dict], path: str, r: int, k: int) -> None:
@@ -492,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparq-k", type=int, default=None, help="default 128")
     p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
     p.add_argument("--mean-v", action="store_true", help="SparQ mean-value reallocation")
-    p.add_argument("--dtype", default="float32", help=f"comma list of {', '.join(DTYPES)}")
+    p.add_argument("--dtype", default=None, help=f"comma list of {', '.join(DTYPES)} (default float32; cuda: float16)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--kernel", default="all", help="SparQ kernels: comma list of all, torch, cpu, triton")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")

@@ -14,11 +14,13 @@ Tasks (offline data only; examples are built by token count, so a batch shares o
   needle      Paul Graham essays with a needle at a depth: the paper's San Francisco sentence or a
               numeric pass key. Chat prompt. exact_match (the answer contains the key phrase) and
               answer_nll (mean NLL per token, nats, of the reference answer, teacher-forced).
-  repetition  Shakespeare context (>= 6000 characters), then a >= 128-character passage from inside it
-              (the paper's Appendix G.1.4 format); chars = characters generated greedily before
-              diverging from the true continuation (at most --repetition-chars).
+  repetition  Shakespeare context (>= 6000 characters), then a --repetition-passage (256) character
+              passage from inside it (the paper's Appendix G.1.4 format); chars = characters generated
+              greedily before diverging from the true continuation (at most --repetition-chars).
   bpc         bits per character of --bpc-tokens tokens of essay continuing a long essay context.
-  retrieval   synthetic key-value lines ("key-xxxx-xxxx: 123456"), asked for one key's value.
+  retrieval   synthetic multi-key retrieval (RULER niah_multikey style), deterministic from --seed:
+              --retrieval-keys key-value sentences ("One of the special magic numbers for
+              quiet-harbor is: 4821937.") in an essay haystack; asked for one key's value.
               exact_match and answer_nll, as for needle.
   diagnostics on real activations at one decode step after an essay context: topk_agreement of
               SparQ's approximate and exact scores (top --sparq-k, group-summed, per layer),
@@ -28,8 +30,9 @@ Tasks (offline data only; examples are built by token count, so a batch shares o
 Everything after the prompt goes through the model's decode path with the chosen policy, one token
 per step, exactly as generate.py and bench.py run it. The dense prefill is identical for every
 policy (H2O observes it), so each batch is prefilled once and every policy decodes from it: the
-cache positions past the prompt are never read before they are rewritten, so restoring the
-running V sum and a copy of each policy's post-prefill state is an exact rewind.
+cache positions past the prompt are never read before they are rewritten, so restoring the cache's
+other state (running V sum, live length) and a copy of each policy's post-prefill state is an exact
+rewind (tests/test_eval.py checks it against generate.py's Generator run from scratch).
 """
 from __future__ import annotations
 
@@ -67,9 +70,12 @@ METRICS: dict[str, list[tuple[str, bool]]] = {
     "retrieval": [("exact_match", True), ("answer_nll", False)],
     "diagnostics": [("topk_agreement", True), ("attn_rel_l2", False), ("top1_agreement", True)],
 }
-DEFAULT_LENGTHS = {"needle": [2048, 4096], "repetition": [2048], "bpc": [2048], "retrieval": [2048],
-                   "diagnostics": [2048]}
+# 2048 tokens everywhere: it keeps the default run near 20 minutes on a shared 2-core CPU (a 4k batch
+# costs ~3x a 2k one), lets SparQ's k = 128 reach 1/8 (at S = 1024, k alone costs 1/8 of dense), and
+# repetition needs it for >= 6000 characters of Shakespeare. Longer needles: --lengths 2k,4k,8k.
+DEFAULT_LENGTHS = {task: [2048] for task in ("needle", "repetition", "bpc", "retrieval", "diagnostics")}
 DENSE = Fraction(1)
+POSITIONAL_BUFFERS = ("k", "v", "k_t")  # KV-cache buffers indexed by position (see Runner.prefill)
 
 SF_NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 SF_QUESTION = "What is the best thing to do in San Francisco?"
@@ -242,8 +248,14 @@ class FanOut(DecodePolicy):
         self._policies = policies  # a plain list: not submodules
 
     def observe_prefill(self, q: Tensor, k: Tensor) -> None:
+        shared: dict[int, Tensor] = {}  # H2O's received attention does not depend on its budget: compute once
         for policy in self._policies:
-            policy.observe_prefill(q, k)
+            if isinstance(policy, H2ODecode):
+                if policy.prefill_chunk not in shared:
+                    shared[policy.prefill_chunk] = H2ODecode.prefill_received(q, k, policy.prefill_chunk)
+                policy.start_from_prefill(shared[policy.prefill_chunk])
+            else:
+                policy.observe_prefill(q, k)
 
     def forward(self, q, cache, length):  # pragma: no cover - prefill only
         raise RuntimeError("FanOut is installed only for the prefill")
@@ -268,7 +280,7 @@ class Runner:
         self.sparq_k = sparq_k
         self.device = model.norm.weight.device
         self._cache_shape: Optional[tuple[int, int]] = None
-        self._v_sums: list[Tensor] = []
+        self._cache_state: list[dict[str, Tensor]] = []
         self.T = 0
         self.first_logits: Optional[Tensor] = None
 
@@ -300,13 +312,22 @@ class Runner:
         self.model.set_decode_attention(lambda i: FanOut([c.layers[i] for c in configs]))
         idx = torch.tensor(prompts, device=self.device)
         self.first_logits = prefill(self.model, idx)
-        self._v_sums = [layer.attention.kv_cache.v_sum.clone() for layer in self.model.layers]
-        assert len(self._v_sums) == n_layer
+        # Decode steps write K, K^T, V only at new positions, which are never read before being
+        # rewritten: the rest of the cache state (running V sum, live length, ...) is what to rewind.
+        self._cache_state = [{name: buf.clone() for name, buf in layer.attention.kv_cache.named_buffers()
+                              if name not in POSITIONAL_BUFFERS} for layer in self.model.layers]
+        assert len(self._cache_state) == n_layer
+
+    def rewind(self) -> None:
+        """Restore the cache state just after the prefill."""
+        for layer, state in zip(self.model.layers, self._cache_state):
+            buffers = dict(layer.attention.kv_cache.named_buffers())
+            for name, saved in state.items():
+                buffers[name].copy_(saved)
 
     def install(self, config: Config) -> list[DecodePolicy]:
         """Rewind to just after the prefill and decode with a fresh copy of config's post-prefill policies."""
-        for layer, v_sum in zip(self.model.layers, self._v_sums):
-            layer.attention.kv_cache.v_sum.copy_(v_sum)
+        self.rewind()
         policies = [copy.deepcopy(p) for p in config.layers]
         self.model.set_decode_attention(lambda i: policies[i])
         return policies
@@ -484,64 +505,50 @@ def needle_examples(tokenizer, length: int, n: int, seed: int) -> list[Example]:
     return out
 
 
-def retrieval_examples(tokenizer, length: int, n: int, seed: int) -> list[Example]:
-    """Synthetic key-value retrieval (RULER / LongBench KV style), deterministic from the seed."""
+ADJECTIVES = ("red blue green black white golden silver quiet loud happy brave calm dark bright cold warm swift slow "
+              "tiny giant ancient young wild gentle proud hidden frozen sunny stormy lucky noble rusty sweet bitter "
+              "empty busy clever lazy fancy plain royal").split()
+NOUNS = ("river mountain tiger falcon garden castle forest ocean candle mirror rocket violin lantern harbor meadow "
+         "dragon pirate wizard island bridge tower comet desert canyon engine kettle pencil rabbit turtle hammer "
+         "basket anchor ladder window planet guitar compass").split()
+
+
+def retrieval_examples(tokenizer, length: int, n: int, seed: int, n_keys: int = 4) -> list[Example]:
+    """Multi-key retrieval (RULER's niah_multikey style), deterministic from the seed: n_keys
+    "special magic number" key-value sentences (word-pair keys, 7-digit values) spread through an
+    essay haystack; the question asks for one key's value, the others are distractors. (Plain lists of
+    hex / uuid keys are beyond the 135M model: 0-12% exact match dense at 2k tokens.)"""
+    source = TextSource(tokenizer, data.essays_text())
     out = []
-    header = "Below is a list of keys, each with its value.\n\n"
     for i in range(n):
-        depth = (i + 0.5) / n
         for attempt in range(20):
             rng = example_rng("retrieval", seed, length, i, attempt)
-            n_lines = length // 8 + 16  # ~12 tokens per line: more lines than fit
-            keys: set[str] = set()
-            lines = []
-            while len(lines) < n_lines:
-                key = f"key-{rng.getrandbits(16):04x}-{rng.getrandbits(16):04x}"
-                if key not in keys:
-                    keys.add(key)
-                    lines.append((key, str(rng.randrange(100000, 1000000))))
-            rendered = [f"{k}: {v}\n" for k, v in lines]
-            line_tokens = [len(tokenizer.encode(t)) for t in rendered]
-
-            def keep_last(m: int) -> int:
-                """Number of trailing lines whose tokens fit in m."""
-                total, count = 0, 0
-                for t in reversed(line_tokens):
-                    if total + t > m:
-                        break
-                    total, count = total + t, count + 1
-                return count
-
-            target = length - len(chat_prompt(tokenizer, header, "The value of key-0000-0000 is"))
-            count = keep_last(target - 40)
-            kept = lines[len(lines) - count:]
-            if count < 8:
-                raise UserError(f"--lengths {length} is too short for the retrieval task")
-            qi = min(int(depth * count), count - 1)
-            qkey, qvalue = kept[qi]
-            body = tokenizer.encode("".join(f"{k}: {v}\n" for k, v in kept))
-            # Pad at the front with a partial line (text of earlier lines) to hit the exact length.
-            earlier = tokenizer.encode("".join(rendered[:len(lines) - count]))
+            words = rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], n_keys)
+            pairs = [(key, str(rng.randrange(1_000_000, 10_000_000))) for key in words]
+            asked = i % n_keys  # depth of the asked key cycles over the examples
+            qkey, qvalue = pairs[asked]
+            body = source.window(rng.randrange(0, len(source.text) - 8 * length), length + 200)
 
             def build(m: int) -> Optional[list[int]]:
-                if m > len(earlier):
-                    return None
-                front = tokenizer.decode(earlier[len(earlier) - m:]) if m else ""
-                user = f"{header}{front}{tokenizer.decode(body)}\nWhat is the value of {qkey}?"
-                return chat_prompt(tokenizer, user, f"The value of {qkey} is")
+                haystack = tokenizer.decode(body[:m])
+                for j, (key, value) in enumerate(pairs):
+                    haystack = insert_at_depth(haystack, f"One of the special magic numbers for {key} is: {value}.",
+                                               (j + 0.5) / n_keys)
+                user = f"{haystack}\n\nWhat is the special magic number for {qkey} mentioned in the text above?"
+                return chat_prompt(tokenizer, user, f"The special magic number for {qkey} is")
 
             ids = fit_length(build, length)
             if ids is not None:
                 break
         else:
             raise UserError(f"cannot build a retrieval example of exactly {length} tokens")
-        out.append(Example(prompt=ids, answer=tokenizer.encode(f" {qvalue}."), key=qvalue, max_new=12,
-                           meta={"key": qkey, "depth": round(depth, 3), "lines": count}))
+        out.append(Example(prompt=ids, answer=tokenizer.encode(f" {qvalue}."), key=qvalue, max_new=14,
+                           meta={"key": qkey, "depth": round((asked + 0.5) / n_keys, 3), "keys": n_keys}))
     return out
 
 
 def repetition_examples(tokenizer, length: int, n: int, seed: int, continuation_chars: int = 256,
-                        passage_chars: int = 128) -> list[Example]:
+                        passage_chars: int = 256) -> list[Example]:
     """The paper's text repetition (Appendix G.1.4): a Shakespeare context, then a passage from inside
     it; the model should continue it verbatim."""
     plays = data.shakespeare_texts()
@@ -556,8 +563,8 @@ def repetition_examples(tokenizer, length: int, n: int, seed: int, continuation_
             source = TextSource(tokenizer, plays[name])
             window = source.window(rng.randrange(len(plays[name]) // 20, len(plays[name]) - 9 * length), length)
             context = tokenizer.decode(window[:length])
-            if len(context) < 6000 + continuation_chars:
-                raise UserError(f"--lengths {length} gives a repetition context under 6000 characters")
+            if len(context) < 6000:  # this play tokenizes too densely at this length: try the next one
+                continue
             # A passage starting at a line, >= passage_chars, ending before a space, in the first 70%.
             start = context.find("\n", rng.randrange(0, int(0.7 * len(context)) - passage_chars - continuation_chars)) + 1
             while context[start] in "\r\n ":
@@ -570,20 +577,23 @@ def repetition_examples(tokenizer, length: int, n: int, seed: int, continuation_
 
             def build(m: int) -> Optional[list[int]]:
                 ctx = tokenizer.decode(window[:m])
-                return tokenizer.encode(f"{ctx}\n\n{passage}") if len(ctx) >= end + continuation_chars else None
+                if len(ctx) < max(6000, end + continuation_chars):
+                    return None  # too short: try another window
+                return tokenizer.encode(f"{ctx}\n\n{passage}")
 
             ids = fit_length(build, length, overhead=len(tokenizer.encode(f"\n\n{passage}")))
             if ids is not None:
                 break
         else:
-            raise UserError(f"cannot build a repetition example of exactly {length} tokens")
+            raise UserError(f"cannot build a repetition example of exactly {length} tokens with >= 6000 characters "
+                            f"of context (use --lengths 2048 or more)")
         max_new = len(tokenizer.encode(continuation)) + 8
         out.append(Example(prompt=ids, continuation=continuation, max_new=max_new,
                            meta={"play": name, "passage": passage}))
     return out
 
 
-def bpc_examples(tokenizer, length: int, n: int, seed: int, continuation_tokens: int = 128,
+def bpc_examples(tokenizer, length: int, n: int, seed: int, continuation_tokens: int = 64,
                  task: str = "bpc") -> list[Example]:
     """Essay context of `length` tokens, then the next continuation_tokens tokens, teacher-forced."""
     source = TextSource(tokenizer, data.essays_text())
@@ -601,12 +611,13 @@ def build_examples(task: str, tokenizer, length: int, n: int, seed: int, args=No
     if task == "needle":
         return needle_examples(tokenizer, length, n, seed)
     if task == "retrieval":
-        return retrieval_examples(tokenizer, length, n, seed)
+        return retrieval_examples(tokenizer, length, n, seed, getattr(args, "retrieval_keys", 4))
     if task == "repetition":
         return repetition_examples(tokenizer, length, n, seed,
-                                   continuation_chars=getattr(args, "repetition_chars", 256))
+                                   continuation_chars=getattr(args, "repetition_chars", 256),
+                                   passage_chars=getattr(args, "repetition_passage", 256))
     if task == "bpc":
-        return bpc_examples(tokenizer, length, n, seed, getattr(args, "bpc_tokens", 128))
+        return bpc_examples(tokenizer, length, n, seed, getattr(args, "bpc_tokens", 64))
     if task == "diagnostics":
         return bpc_examples(tokenizer, length, n, seed, continuation_tokens=17, task="diagnostics")
     raise UserError(f"unknown task {task!r}")
@@ -636,6 +647,12 @@ class Results:
                    "attention": method, "compression": float(target), "compression_label": fraction_label(target),
                    "achieved_compression": sum(achieved) / len(achieved) if achieved else 1.0,
                    "score": score, "stderr": stderr, "n": len(values)}
+            dense = self.values.get((task, metric, "dense", DENSE))
+            if method != "dense" and dense is not None and len(dense) == len(values):
+                # Every example ran under every policy (same order): the paired difference is far
+                # tighter than the per-cell standard errors when examples differ a lot (bpc).
+                delta, delta_se = mean_stderr([v - d for v, d in zip(values, dense)])
+                row["delta_vs_dense"], row["delta_stderr"] = delta, delta_se
             layers = self.per_layer.get((task, metric, method, target))
             if layers:
                 row["per_layer"] = [sum(col) / len(col) for col in zip(*layers)]
@@ -713,8 +730,7 @@ def diagnose_batch(runner: Runner, examples: list[Example], configs: list[Config
     model = runner.model
     runner.prefill([e.prompt for e in examples], configs, len(examples[0].answer) + 1)
     # One probed decode step on the first continuation token, dense activations throughout.
-    for layer, v_sum in zip(model.layers, runner._v_sums):
-        layer.attention.kv_cache.v_sum.copy_(v_sum)
+    runner.rewind()
     probes = []
     for i in range(model.args.n_layer):
         policies = [(ci, copy.deepcopy(c.layers[i])) for ci, c in enumerate(configs)]
@@ -802,6 +818,36 @@ def table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
     return "\n".join(lines)
 
 
+def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
+    """Paired differences from dense (same examples), per task, metric and compression."""
+    sparse_targets = [t for t in targets if t != DENSE]
+    shown = [m for m in methods if m != "dense"]
+    if not sparse_targets or not shown:
+        return ""
+    index = {(r["task"], r["metric"], r["attention"], Fraction(r["compression"]).limit_denominator(1 << 16)): r
+             for r in rows}
+    header = ["task/metric", "method"] + [fraction_label(t) for t in sparse_targets]
+    body = []
+    for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in rows):
+        for method in shown:
+            cells = []
+            for t in sparse_targets:
+                r = index.get((task, metric, method, t))
+                if r is None or "delta_vs_dense" not in r:
+                    cells.append("-")
+                    continue
+                scale = 100 if metric == "exact_match" else 1
+                digits = 1 if metric in ("exact_match", "chars") else 3
+                d, se = scale * r["delta_vs_dense"], scale * r["delta_stderr"]
+                cells.append(f"{d:+.{digits}f}" + ("" if math.isnan(se) else f"±{se:.{digits}f}"))
+            body.append([f"{task}/{metric}", method] + cells)
+    widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
+    lines = ["\npaired difference from dense (same examples; exact_match in points)"]
+    for row in [header] + body:
+        lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
 def achieved_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
     sparse_targets = [t for t in targets if t != DENSE]
     if not sparse_targets:
@@ -820,6 +866,30 @@ def achieved_table(rows: list[dict], methods: list[str], targets: list[Fraction]
     return "\n".join(lines)
 
 
+def budget_summary(budgets: dict[tuple, Budget]) -> str:
+    """One line per (length, method): the setting chosen for each target and its compression."""
+    lines = []
+    by_key: dict[tuple[int, str], dict[Fraction, Budget]] = defaultdict(dict)
+    for (_, method, target, seq_len), budget in budgets.items():
+        if method != "dense":
+            by_key[(seq_len, method)][target] = budget
+    for (seq_len, method), chosen in sorted(by_key.items()):
+        parts = []
+        for target, b in sorted(chosen.items(), reverse=True):
+            setting = f"r={b.r}" if method == "sparq" else f"k={b.k}"
+            parts.append(f"{fraction_label(target)}: {setting} ({b.achieved:.3f})")
+        extra = f" (k={next(iter(chosen.values())).k}, local k/4)" if method == "sparq" else ""
+        lines.append(f"  S={seq_len} {method}{extra}: " + ", ".join(parts))
+    return "budgets (setting: transfers / dense at the prompt length)\n" + "\n".join(lines) if lines else ""
+
+
+def write_json(path: Path, rows: list[dict], meta: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"results": rows, "meta": meta}, indent=2) + "\n")
+    tmp.replace(path)
+
+
 def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
     import matplotlib
 
@@ -832,9 +902,8 @@ def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
     for ax, (task, metric) in zip(axes.flat, panels):
         dense = [r for r in rows if r["task"] == task and r["metric"] == metric and r["attention"] == "dense"]
-        for method in methods:
-            if method == "dense":
-                continue
+        sparse = [m for m in methods if m != "dense"]
+        for i, method in enumerate(sparse):
             pts = sorted(((r["achieved_compression"], r["score"], r["stderr"]) for r in rows
                           if r["task"] == task and r["metric"] == metric and r["attention"] == method))
             if dense:
@@ -842,8 +911,9 @@ def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
             if not pts:
                 continue
             x, y, e = zip(*pts)
+            shift = 2 ** (0.06 * (i - (len(sparse) - 1) / 2))  # side by side, so error bars stay readable
             e = [0 if math.isnan(v) else v for v in e]
-            ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=method)
+            ax.errorbar([v * shift for v in x], y, yerr=e, marker="o", capsize=3, label=method)
         if dense:
             ax.axhline(dense[0]["score"], color="gray", linestyle="--", linewidth=1, label="dense")
         ax.set_xscale("log", base=2)
@@ -904,7 +974,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", default="1/2,1/4,1/8", help="comma list of target compressions in (0, 1]")
     p.add_argument("--examples", type=int, default=8, help="examples per task and length")
     p.add_argument("--lengths", default=None,
-                   help="prompt lengths in tokens, e.g. 2k,4k (default: needle 2048,4096; other tasks 2048)")
+                   help="prompt lengths in tokens for every task, e.g. 2k,4k (default 2048)")
     p.add_argument("--checkpoint", type=Path, default=data.DEFAULT_CHECKPOINT)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="example generation seed")
@@ -915,9 +985,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", choices=["auto", "cpu", "torch"], default="auto",
                    help="SparQ kernel, as in generate.py")
     p.add_argument("--kv-layout", choices=["twice", "once"], default="twice")
-    p.add_argument("--bpc-tokens", type=int, default=128, help="continuation tokens scored by the bpc task")
+    p.add_argument("--bpc-tokens", type=int, default=64, help="continuation tokens scored by the bpc task")
     p.add_argument("--repetition-chars", type=int, default=256, help="continuation characters the repetition task checks")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--repetition-passage", type=int, default=256,
+                   help="characters of the repeated passage (>= 128; the 135M model copies 256 far better than 128)")
+    p.add_argument("--retrieval-keys", type=int, default=4, help="key-value pairs in each retrieval haystack")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared 2-core machine two OpenMP threads spin at every "
+                        "barrier and decode ~10x slower; use 2 on an idle machine)")
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--plot", type=Path, help="write a PNG of score vs compression per task")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -925,7 +1000,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return run(args)
     except (UserError, CheckpointError, data.DataMissing) as e:
@@ -941,13 +1018,16 @@ def run(args: argparse.Namespace) -> int:
     methods = parse_list(args.attention, tuple(ATTENTION_POLICIES), "--attention")
     targets = list(dict.fromkeys([DENSE] + [parse_compression(c) for c in args.compression.split(",") if c.strip()]))
     lengths = {t: parse_lengths(args.lengths) if args.lengths else DEFAULT_LENGTHS[t] for t in tasks}
-    for flag in ("examples", "batch_size", "sparq_k", "bpc_tokens", "repetition_chars"):
+    if args.repetition_passage < 128:
+        raise UserError("--repetition-passage must be at least 128 characters")
+    for flag in ("examples", "batch_size", "sparq_k", "bpc_tokens", "repetition_chars", "retrieval_keys"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.sparq_k < 4:
         raise UserError("--sparq-k must be at least 4")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        raise UserError("--threads must be at least 1")
+    torch.set_num_threads(args.threads)
 
     import tokenizer as tokenizer_module
     from tqdm import tqdm
@@ -967,42 +1047,47 @@ def run(args: argparse.Namespace) -> int:
     results = Results()
     start = time.perf_counter()
 
-    # Build every example first (fast), so the progress bar knows the total.
-    work = []
+    # Build every example first (fast), so the progress bar knows the total. Batches are interleaved
+    # across tasks and lengths, so a run cut short still has results for all of them.
+    queues = []
     for task in tasks:
         for length in lengths[task]:
             examples = build_examples(task, tokenizer, length, args.examples, args.seed, args)
-            for i in range(0, len(examples), args.batch_size):
-                work.append((task, length, examples[i:i + args.batch_size]))
+            queues.append([(task, length, examples[i:i + args.batch_size])
+                           for i in range(0, len(examples), args.batch_size)])
+    work = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
     n_configs = 1 + sum(1 for m in methods if m != "dense") * sum(1 for t in targets if t != DENSE)
+
+    def meta() -> dict:
+        return {"checkpoint": str(args.checkpoint), "tasks": tasks, "attention": methods,
+                "compression": [fraction_label(t) for t in targets], "lengths": lengths,
+                "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
+                "kernel": args.kernel, "kv_layout": args.kv_layout, "sparq_k": args.sparq_k,
+                "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,
+                "budgets": [{"task": task, "attention": m, "compression": fraction_label(t), "seq_len": s,
+                             "r": b.r, "k": b.k, "achieved": b.achieved}
+                            for (task, m, t, s), b in results.budgets.items()]}
+
     with tqdm(total=len(work) * n_configs, disable=args.quiet, unit="policy-batch", file=sys.stderr) as progress:
-        for task, length, batch in work:
+        for done, (task, length, batch) in enumerate(work, 1):
             progress.set_description(f"{task} S={length} B={len(batch)}")
             configs = runner.configs(methods, targets, length)
             for c in configs:
                 results.budgets[(task, c.method, c.budget.target, length)] = c.budget
             evaluate_batch(task, runner, tokenizer, batch, configs, results, progress)
+            if args.json:  # partial results after every batch
+                write_json(args.json, results.rows(), {**meta(), "complete": done == len(work),
+                                                       "batches_done": done, "batches": len(work)})
     elapsed = time.perf_counter() - start
 
     rows = results.rows()
     print(f"model {checkpoint_dir.name}: {model.args.n_layer} layers, head dim {model.args.head_dim}, "
           f"{model.args.n_head} heads / {model.args.n_kv_head} KV heads, {args.dtype}; "
           f"{args.examples} examples per task and length; {elapsed / 60:.1f} min")
-    print("budgets: " + "; ".join(sorted({b.describe() for (task, m, t, s), b in results.budgets.items()
-                                          if m != "dense"})) if len(results.budgets) > 1 else "budgets: dense only")
+    print(budget_summary(results.budgets))
     print(table(rows, methods, targets))
+    print(delta_table(rows, methods, targets))
     print(achieved_table(rows, methods, targets))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"checkpoint": str(args.checkpoint), "tasks": tasks, "attention": methods,
-                "compression": [fraction_label(t) for t in targets], "lengths": lengths,
-                "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
-                "kernel": args.kernel, "kv_layout": args.kv_layout, "sparq_k": args.sparq_k,
-                "elapsed_s": elapsed,
-                "budgets": [{"task": task, "attention": m, "compression": fraction_label(t), "seq_len": s,
-                             "r": b.r, "k": b.k, "achieved": b.achieved}
-                            for (task, m, t, s), b in results.budgets.items()]}
-        args.json.write_text(json.dumps({"results": rows, "meta": meta}, indent=2) + "\n")
     if args.plot:
         plot(rows, args.plot, methods)
     return 0

@@ -279,21 +279,39 @@ class H2ODecode(DecodePolicy):
         self.score: Optional[Tensor] = None  # (B, n_kv, k) fp32 cumulative attention
 
     def observe_prefill(self, q: Tensor, k: Tensor) -> None:
+        self.start_from_prefill(self.prefill_received(q, k, self.prefill_chunk))
+
+    @staticmethod
+    def prefill_received(q: Tensor, k: Tensor, chunk: int = 256) -> Tensor:
+        """(B, n_kv, T) fp32: attention each prefill key received, summed over queries, averaged over
+        the group. Independent of the budget, so several H2O budgets can share it (eval.py does)."""
         B, H, T, d = q.shape
         n_kv = k.shape[1]
+        g = H // n_kv
         received = torch.zeros(B, n_kv, T, dtype=torch.float32, device=q.device)  # attention each key received
-        for start in range(0, T, self.prefill_chunk):
-            rows = torch.arange(start, min(start + self.prefill_chunk, T), device=q.device)
-            qc = q[:, :, rows].float().view(B, n_kv, H // n_kv, len(rows), d)
-            logits = qc @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(d)  # (B, n_kv, g, rows, T)
-            causal = torch.arange(T, device=q.device)[None, :] <= rows[:, None]  # (rows, T)
-            probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-            received += probs.sum(3).mean(2)
-        key = self._keep_priority(received, torch.arange(T, device=q.device), T)
+        qf = q.float().reshape(B, n_kv, g, T, d)  # query heads grouped by their KV head
+        kf = k.float()
+        future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # (row, key) above the diagonal
+        for start in range(0, T, chunk):
+            end = min(start + chunk, T)  # rows [start, end) see only keys [0, end)
+            n = end - start
+            # The group's rows stacked into one GEMM per (batch row, KV head): (B, n_kv, g * n, end).
+            qc = qf[:, :, :, start:end].reshape(B, n_kv, g * n, d)
+            logits = torch.matmul(qc, kf[:, :, :end].transpose(-1, -2)).view(B, n_kv, g, n, end)
+            logits.div_(math.sqrt(d))
+            logits[..., start:end].masked_fill_(future[:n, :n], float("-inf"))  # causal mask: diagonal block only
+            received[..., :end] += torch.softmax(logits, dim=-1).sum(3).mean(2)
+        return received
+
+    def start_from_prefill(self, received: Tensor) -> None:
+        """Keep the budget's positions of a prefill from prefill_received's scores."""
+        B, n_kv, T = received.shape
+        device = received.device
+        key = self._keep_priority(received, torch.arange(T, device=device), T)
         count = min(self.k, T)
         top = torch.topk(key, count, dim=-1).indices  # (B, n_kv, count)
-        self.kept = torch.full((B, n_kv, self.k), -1, dtype=torch.long, device=q.device)
-        self.score = torch.zeros(B, n_kv, self.k, dtype=torch.float32, device=q.device)
+        self.kept = torch.full((B, n_kv, self.k), -1, dtype=torch.long, device=device)
+        self.score = torch.zeros(B, n_kv, self.k, dtype=torch.float32, device=device)
         self.kept[..., :count] = top
         self.score[..., :count] = torch.gather(received, 2, top)
 

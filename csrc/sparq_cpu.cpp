@@ -1,30 +1,34 @@
-// Fused SparQ decode attention for CPU (Ribar et al., ICML 2024), one query token per row.
+// Fused SparQ decode attention for CPU (Ribar et al., ICML 2024), one query token per row, and
+// a fused dense decode attention (the baseline SparQ is measured against).
 //
-// Registered as the CPU kernel of the op sparq::decode_cpu, whose schema (and fake/meta
-// implementation) kernels.py defines:
+// Registered as the CPU kernels of sparq::decode_cpu and sparq::dense_cpu, whose schemas (and
+// fake implementations, for torch.compile) kernels.py defines:
 //   decode_cpu(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, SymInt length,
 //              int r, int k_top, int local, bool mean_v) -> Tensor
-// It computes exactly what sparq.sparq_reference computes, in fp32:
+//   dense_cpu(Tensor q, Tensor k, Tensor v, SymInt length) -> Tensor
+// decode_cpu computes what sparq.sparq_reference computes, in fp32:
 //   i1 = top-r of |q| summed over the g query heads of a KV head;
 //   s_hat_h = softmax_s(q_h[i1] . K[s, i1] / tau_h), tau_h = sqrt(d |q_h[i1]|_1 / |q_h|_1);
 //   i2 = the last min(local, S) positions + the top of sum_h s_hat_h over the others
-//        (min(k_top, S) positions in all);
+//        (min(k_top, S) positions in all; ties go to the lower position);
 //   y_h = softmax(q_h . K[i2] / sqrt(d)) @ V[i2];  mean-V: y = alpha y + (1 - alpha) v_sum / S,
 //        alpha_h = sum_{i2} s_hat_h.
 //
-// Work plan per (batch row, KV head) -- "bh" -- split over S into chunks when there are too few
-// bh for the threads (B = 1 and 3 KV heads on 2 cores):
-//   A. stream the r rows i1 of K^T (S-contiguous; or gather r columns of K when k_t is None) once
-//      for all g heads, writing the g logits per position into a per-thread buffer (in cache)
-//      and keeping a running max per head;
-//   B. e = exp(logit - chunk max) in place, chunk sums;
-//   C. combine the chunk maxima/sums into the softmax weights w_h = exp(m_chunk - m) / Z, score
-//      positions with sum_h w_h e_h and keep the best candidates in a small heap (vectorised
-//      threshold test, no sort of the row); merge the chunk candidates;
-//   D. gather the selected rows of K and V directly from the cache (software-prefetched) and
-//      attend exactly; apply mean-V.
+// Work per (batch row, KV head) -- "bh" -- split over S into chunks when there are too few bh
+// for the threads (B = 1 with 3 KV heads on 2 cores):
+//   A. stream the r rows i1 of K^T (S-contiguous) once for all g heads (without k_t: read whole
+//      K rows, dotted with q masked to i1), in groups of <= 8 rows over 4096-position segments, software-prefetched
+//      into L2; the exp of the softmax is fused in (lazy running max, see finish_block), so the
+//      buffer holds e = exp(l - m_block) and each 32-position block's m_block;
+//   B. combine maxima and sums (over chunks) into per-block weights exp(m_block - m) / Z;
+//   C. score positions sum_h s_hat_h, keep those reaching a threshold that at least k positions
+//      reach (the k-th largest 32-block maximum), and pick the top k among the few survivors by
+//      a binary search on the score: no sort, no heap;
+//   D. prefetch the selected rows of K and V in one burst, gather them directly from the cache
+//      and attend exactly; mean-V.
 // Positions >= S and batch rows >= B are never loaded (tails use masked loads).
-// Buffers are reused across calls (one workspace that only grows).
+// Buffers are reused across calls (one workspace that only grows, on huge pages).
+// Threads: a claim-based helper pool (see Pool), sized by torch.get_num_threads().
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,11 +42,19 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <atomic>
+#include <chrono>
+#include <initializer_list>
+#include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#ifdef SPARQ_PROFILE
+#include <x86intrin.h>
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -52,6 +64,15 @@
 
 namespace sparq_cpu {
 namespace {
+
+#ifdef SPARQ_PROFILE
+static double g_prof[8][8];
+#define PROF_T0 _mm_lfence(); uint64_t _pt = __rdtsc();
+#define PROF_LAP(tid, slot) do { _mm_lfence(); uint64_t _n = __rdtsc(); g_prof[tid][slot] += (double)(_n - _pt); _pt = _n; } while (0)
+#else
+#define PROF_T0
+#define PROF_LAP(tid, slot) do {} while (0)
+#endif
 
 using bf16 = c10::BFloat16;
 using f16 = c10::Half;
@@ -73,9 +94,15 @@ static inline V vmul(V a, V b) { return {_mm512_mul_ps(a.x, b.x)}; }
 static inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.x, b.x, c.x)}; }  // a * b + c
 static inline V vmax(V a, V b) { return {_mm512_max_ps(a.x, b.x)}; }
 static inline V vmax_masked(V acc, M m, V b) { return {_mm512_mask_max_ps(acc.x, m, acc.x, b.x)}; }
+static inline V vmin_masked(V acc, M m, V b) { return {_mm512_mask_min_ps(acc.x, m, acc.x, b.x)}; }
+static inline float hmin(V a) { return _mm512_reduce_min_ps(a.x); }
 static inline float hsum(V a) { return _mm512_reduce_add_ps(a.x); }
+static inline V vabs(V a) { return {_mm512_abs_ps(a.x)}; }
 static inline float hmax(V a) { return _mm512_reduce_max_ps(a.x); }
 static inline M cmp_ge(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_GE_OQ); }
+static inline bool cmp_gt_any(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_GT_OQ) != 0; }
+static inline M cmp_gt(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_GT_OQ); }
+static inline M cmp_eq(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_EQ_OQ); }
 static inline M tail_mask(int64_t n) { return n >= 16 ? (M)0xFFFF : (M)((1u << n) - 1u); }
 static inline V vselect(M m, V a, V b) { return {_mm512_mask_blend_ps(m, b.x, a.x)}; }  // m ? a : b
 
@@ -111,35 +138,22 @@ static inline V vexp(V v) {
   return {_mm512_scalef_ps(p, n)};
 }
 
-// Step 1 without K^T: 16 positions (rows `stride` elements apart) of column `col` of K.
-struct ColGather {
-  __m512i index;  // lane * stride + col (fp32) or + (col & ~1) (16-bit types, read as 32-bit pairs)
-  bool high;      // 16-bit types: the element is the upper half of the pair
-};
-static inline ColGather col_gather_setup(int64_t stride, int64_t col, bool sixteen_bit) {
-  __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  int32_t c = (int32_t)(sixteen_bit ? (col & ~int64_t(1)) : col);
-  __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32((int32_t)stride)), _mm512_set1_epi32(c));
-  return {idx, sixteen_bit && (col & 1)};
+// Append the lanes of (a, idx) selected by m at dst_s/dst_i (16 slots of slack needed); returns count.
+static inline int compress_store(float* dst_s, int32_t* dst_i, M m, V a, __m512i idx) {
+  _mm512_storeu_ps(dst_s, _mm512_maskz_compress_ps(m, a.x));
+  _mm512_storeu_si512(dst_i, _mm512_maskz_compress_epi32(m, idx));
+  return __builtin_popcount((unsigned)m);
 }
-static inline V gather(const float* base, const ColGather& g, M m) {
-  return {_mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, g.index, base, 4)};
+struct Lanes { __m512i x; };
+static inline Lanes lane_ids(int32_t start) {
+  return {_mm512_add_epi32(_mm512_set1_epi32(start), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))};
 }
-static inline __m512i gather_pairs(const void* base, const ColGather& g, M m) {
-  // 4-byte loads at even element offsets: never cross the end of a row (d is even).
-  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, g.index, base, 2);
+static inline Lanes load_ids(const int32_t* p, M m) { return {_mm512_maskz_loadu_epi32(m, p)}; }
+static inline int compress_store(float* dst_s, int32_t* dst_i, M m, V a, Lanes idx) {
+  return compress_store(dst_s, dst_i, m, a, idx.x);
 }
-static inline V gather(const bf16* base, const ColGather& g, M m) {
-  __m512i w = gather_pairs(base, g, m);
-  w = g.high ? _mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)) : _mm512_slli_epi32(w, 16);
-  return {_mm512_castsi512_ps(w)};
-}
-static inline V gather(const f16* base, const ColGather& g, M m) {
-  __m512i w = gather_pairs(base, g, m);
-  if (g.high) w = _mm512_srli_epi32(w, 16);
-  return {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(w))};
-}
-static inline void prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+static inline void prefetch(const void* p) { __asm__ __volatile__("prefetcht0 (%0)" : : "r"(p)); }
+static inline void prefetch_l2(const void* p) { __asm__ __volatile__("prefetcht1 (%0)" : : "r"(p)); }
 
 #else  // portable fallback
 
@@ -154,9 +168,15 @@ static inline V vmul(V a, V b) { V r; SPARQ_LANES r.x[l] = a.x[l] * b.x[l]; retu
 static inline V vfma(V a, V b, V c) { V r; SPARQ_LANES r.x[l] = std::fma(a.x[l], b.x[l], c.x[l]); return r; }
 static inline V vmax(V a, V b) { V r; SPARQ_LANES r.x[l] = a.x[l] > b.x[l] ? a.x[l] : b.x[l]; return r; }
 static inline V vmax_masked(V acc, M m, V b) { V r; SPARQ_LANES r.x[l] = ((m >> l) & 1) && b.x[l] > acc.x[l] ? b.x[l] : acc.x[l]; return r; }
+static inline V vmin_masked(V acc, M m, V b) { V r; SPARQ_LANES r.x[l] = ((m >> l) & 1) && b.x[l] < acc.x[l] ? b.x[l] : acc.x[l]; return r; }
+static inline float hmin(V a) { float s = std::numeric_limits<float>::infinity(); SPARQ_LANES s = a.x[l] < s ? a.x[l] : s; return s; }
 static inline float hsum(V a) { float s = 0.f; SPARQ_LANES s += a.x[l]; return s; }
+static inline V vabs(V a) { V r; SPARQ_LANES r.x[l] = std::fabs(a.x[l]); return r; }
 static inline float hmax(V a) { float s = kNegInf; SPARQ_LANES s = a.x[l] > s ? a.x[l] : s; return s; }
 static inline M cmp_ge(V a, V b) { M m = 0; SPARQ_LANES m |= (M)(a.x[l] >= b.x[l]) << l; return m; }
+static inline bool cmp_gt_any(V a, V b) { bool r = false; SPARQ_LANES r |= a.x[l] > b.x[l]; return r; }
+static inline M cmp_gt(V a, V b) { M m = 0; SPARQ_LANES m |= (M)(a.x[l] > b.x[l]) << l; return m; }
+static inline M cmp_eq(V a, V b) { M m = 0; SPARQ_LANES m |= (M)(a.x[l] == b.x[l]) << l; return m; }
 static inline M tail_mask(int64_t n) { return n >= 16 ? (M)0xFFFF : (M)((1u << n) - 1u); }
 static inline V vselect(M m, V a, V b) { V r; SPARQ_LANES r.x[l] = ((m >> l) & 1) ? a.x[l] : b.x[l]; return r; }
 template <typename T> static inline V load(const T* p) { V r; SPARQ_LANES r.x[l] = (float)p[l]; return r; }
@@ -164,20 +184,19 @@ template <typename T> static inline V load(const T* p, M m) { V r; SPARQ_LANES r
 static inline void store(float* p, V a) { SPARQ_LANES p[l] = a.x[l]; }
 static inline void store(float* p, V a, M m) { SPARQ_LANES if ((m >> l) & 1) p[l] = a.x[l]; }
 static inline V vexp(V v) { V r; SPARQ_LANES r.x[l] = std::exp(v.x[l]); return r; }
-struct ColGather { int64_t stride, col; };
-static inline ColGather col_gather_setup(int64_t stride, int64_t col, bool) { return {stride, col}; }
-template <typename T> static inline V gather(const T* base, const ColGather& g, M m) {
-  V r; SPARQ_LANES r.x[l] = ((m >> l) & 1) ? (float)base[l * g.stride + g.col] : 0.f; return r;
+struct Lanes { int32_t x[16]; };
+static inline Lanes lane_ids(int32_t start) { Lanes r; for (int l = 0; l < 16; ++l) r.x[l] = start + l; return r; }
+static inline Lanes load_ids(const int32_t* p, M m) { Lanes r; for (int l = 0; l < 16; ++l) r.x[l] = ((m >> l) & 1) ? p[l] : 0; return r; }
+static inline int compress_store(float* dst_s, int32_t* dst_i, M m, V a, Lanes idx) {
+  int c = 0;
+  for (int l = 0; l < 16; ++l) if ((m >> l) & 1) { dst_s[c] = a.x[l]; dst_i[c++] = idx.x[l]; }
+  return c;
 }
 static inline void prefetch(const void* p) { __builtin_prefetch(p); }
+static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #undef SPARQ_LANES
 #endif
 
-static inline float lane(V a, int l) {
-  alignas(64) float t[16];
-  store(t, a);
-  return t[l];
-}
 
 template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
 template <typename T> static inline T from_f(float x) { return static_cast<T>(x); }
@@ -201,12 +220,6 @@ struct Problem {
   int64_t cs;  // chunk length (multiple of 64)
 };
 
-struct Cand {
-  float s;
-  int32_t i;
-};
-// Total order used for every selection: higher score first, then the lower position.
-static inline bool better(const Cand& a, const Cand& b) { return a.s > b.s || (a.s == b.s && a.i < b.i); }
 
 // ---------------------------------------------------------------------------------------------
 // Per-bh preparation: q in fp32, i1, q_hat = q[i1] / tau (laid out [i][h])
@@ -214,200 +227,476 @@ static inline bool better(const Cand& a, const Cand& b) { return a.s > b.s || (a
 
 template <typename QT>
 static void prepare(const Problem& P, const QT* q, int64_t b, int64_t h, float* qf, int32_t* order,
+                    int32_t* i1, float* qhat);
+
+// ---------------------------------------------------------------------------------------------
+// Pass A, fused with the exp of the softmax: for 32-position blocks of [p0, p1) and a group of G
+// heads, logits l = q_hat . K^T[i1, p], then e = exp(l - m_run) stored in E, with m_run the running
+// max (raised lazily: only when a block exceeds it, rescaling the running sum Z). mb[blk] records
+// the m_run each block used, so the true s_hat = e * exp(mb[blk] - m) / Z once the final max m and
+// sum Z (over all chunks) are known. One pass over K^T, the exps overlap with the memory stream.
+// ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kBlock = 32;            // positions per block (two vectors)
+#ifndef SPARQ_PF_BYTES
+#define SPARQ_PF_BYTES 2048
+#endif
+constexpr int64_t kPrefetchAhead = SPARQ_PF_BYTES;  // bytes ahead in each of the r streams
+
+struct RunState {  // per head of a chunk: running max, running sum (16 lanes)
+  alignas(64) float z[16];
+  float m;
+};
+
+#define SPARQ_INLINE inline __attribute__((always_inline))
+
+template <int G, bool TAIL>
+static SPARQ_INLINE void finish_block(V* acc0, V* acc1, M m0, M m1, float* E, int64_t ldE, RunState* st, float* mb,
+                                int64_t ldmb) {
+  for (int h = 0; h < G; ++h) {
+    V a0 = acc0[h], a1 = acc1[h];
+    if (TAIL) {
+      a0 = vselect(m0, a0, vset(kNegInf));
+      a1 = vselect(m1, a1, vset(kNegInf));
+    }
+    const V bm = vmax(a0, a1);
+    float mr = st[h].m;
+    if (cmp_gt_any(bm, vset(mr))) {
+      const float nm = hmax(bm);
+      const float scale = std::exp(mr - nm);  // 0 on the first block (mr = -inf)
+      store(st[h].z, vmul(load(st[h].z), vset(scale)));
+      st[h].m = mr = nm;
+    }
+    const V cur = vset(mr);
+    V e0 = vexp(vsub(a0, cur)), e1 = vexp(vsub(a1, cur));
+    if (TAIL) {
+      e0 = vselect(m0, e0, vzero());
+      e1 = vselect(m1, e1, vzero());
+      store(E + h * ldE, e0, m0);
+      store(E + h * ldE + 16, e1, m1);
+    } else {
+      store(E + h * ldE, e0);
+      store(E + h * ldE + 16, e1);
+    }
+    store(st[h].z, vadd(load(st[h].z), vadd(e0, e1)));
+    mb[h * ldmb] = mr;
+  }
+}
+
+// One 32-position block of pass A over the rows [i0, i1): starts from zero (first row group) or
+// from the partial logits the previous group left in E, and ends with finish_block (last group)
+// or by storing the partial logits back.
+template <int G, typename KT, bool TAIL>
+static SPARQ_INLINE void block_2k(const KT* const* rows, int64_t i0, int64_t i1, const float* qhat, int64_t qstride,
+                            int64_t p, int64_t n, bool first, bool last, int64_t pf_i0, int64_t pf_i1, int64_t pf_pos,
+                            float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb) {
+  for (int64_t i = pf_i0; i < pf_i1; ++i) {  // the stream position kPrefetchAhead bytes ahead
+    prefetch_l2(rows[i] + pf_pos);
+    if (sizeof(KT) == 4) prefetch_l2(rows[i] + pf_pos + 16);
+  }
+  const M m0 = TAIL ? tail_mask(n) : (M)0xFFFF, m1 = TAIL ? tail_mask(std::max<int64_t>(0, n - 16)) : (M)0xFFFF;
+  V acc0[G], acc1[G];
+  for (int h = 0; h < G; ++h) {
+    if (first) {
+      acc0[h] = acc1[h] = vzero();
+    } else if (TAIL) {
+      acc0[h] = load(E + h * ldE, m0);
+      acc1[h] = load(E + h * ldE + 16, m1);
+    } else {
+      acc0[h] = load(E + h * ldE);
+      acc1[h] = load(E + h * ldE + 16);
+    }
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    const KT* row = rows[i] + p;
+    V k0, k1;
+    if (TAIL) {
+      k0 = load(row, m0);
+      k1 = load(row + 16, m1);
+    } else {
+      k0 = load(row);
+      k1 = load(row + 16);
+    }
+    const float* qi = qhat + i * qstride;
+#pragma GCC unroll 8
+    for (int h = 0; h < G; ++h) {
+      const V qv = vset(qi[h]);
+      acc0[h] = vfma(qv, k0, acc0[h]);
+      acc1[h] = vfma(qv, k1, acc1[h]);
+    }
+  }
+  if (last) {
+    finish_block<G, TAIL>(acc0, acc1, m0, m1, E, ldE, st, mb, ldmb);
+  } else {
+    for (int h = 0; h < G; ++h) {
+      store(E + h * ldE, acc0[h], m0);
+      store(E + h * ldE + 16, acc1[h], m1);
+    }
+  }
+}
+
+// Pass A over one segment [p0, p1) of at most kSegment positions, rows in groups of at most
+// kRowGroup: a group's rows are streamed over the whole segment before the next group's. Fewer
+// concurrent streams than r (32 for Llama) keep DRAM efficient: measured on this machine, 32
+// interleaved streams ran at ~14 GB/s on one core, groups of 8 over 2048 positions at ~21 GB/s
+// (2 cores: 17.5 vs 41 GB/s).
+#ifndef SPARQ_SEGMENT
+#define SPARQ_SEGMENT 4096
+#endif
+#ifndef SPARQ_ROW_GROUP
+#define SPARQ_ROW_GROUP 8
+#endif
+constexpr int64_t kSegment = SPARQ_SEGMENT;
+constexpr int64_t kRowGroup = SPARQ_ROW_GROUP;
+
+template <int G, typename KT>
+static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64_t qstride, int64_t p0, int64_t p1,
+                      int64_t pf_end, float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb) {
+  constexpr int64_t PF = kPrefetchAhead / (int64_t)sizeof(KT);
+  const int64_t ng = (r + kRowGroup - 1) / kRowGroup;
+  auto group = [&](int64_t gi, int64_t* i0, int64_t* i1) { *i0 = r * gi / ng; *i1 = r * (gi + 1) / ng; };
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    int64_t i0, i1;
+    group(gi, &i0, &i1);
+    const bool first = gi == 0, last = gi == ng - 1;
+    int64_t p = p0;
+    for (; p + kBlock <= p1; p += kBlock) {
+      // prefetch target PF positions ahead in streaming order: this group further on, else the
+      // next group from the segment start, else (last group) the first group in the next segment
+      int64_t t = p + PF, q0 = i0, q1 = i1;
+      if (t + kBlock > p1) {
+        if (!last) {
+          group(gi + 1, &q0, &q1);
+          t = p0 + (t - p1);
+        } else {
+          group(0, &q0, &q1);
+          if (t + kBlock > pf_end) q1 = q0;  // past the chunk: nothing to prefetch
+        }
+      }
+      block_2k<G, KT, false>(rows, i0, i1, qhat, qstride, p, kBlock, first, last, q0, q1, t, E + (p - p0), ldE, st,
+                             mb + (p - p0) / kBlock, ldmb);
+    }
+    if (p < p1)
+      block_2k<G, KT, true>(rows, i0, i1, qhat, qstride, p, p1 - p, first, last, 0, 0, 0, E + (p - p0), ldE, st,
+                            mb + (p - p0) / kBlock, ldmb);
+  }
+}
+
+// Pass A without K^T (the 1xK layout): every live K row is read whole (its r columns are spread
+// over its cache lines anyway) and dotted with q masked to i1 (zeros elsewhere, 1/tau folded in),
+// so each row costs d/16 FMAs and a horizontal sum per head instead of r gathers.
+template <int G, typename KT>
+static void pass_a_1k(const KT* kbh, int64_t stride, const float* qmask, int64_t d, int64_t p0, int64_t p1,
+                      float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb) {
+  const int64_t nfull = d / 16, rem = d % 16;
+  const M mrem = tail_mask(rem);
+  alignas(64) float lt[G][kBlock];
+  for (int64_t p = p0; p < p1; p += kBlock) {
+    const int64_t n = std::min(kBlock, p1 - p);
+    for (int64_t s = 0; s < n; ++s) {
+      const KT* row = kbh + (p + s) * stride;
+      if (s + 4 < n) prefetch(row + 4 * stride);
+      V acc[G];
+      for (int h = 0; h < G; ++h) acc[h] = vzero();
+      for (int64_t c = 0; c < nfull; ++c) {
+        const V kv = load(row + 16 * c);
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) acc[h] = vfma(load(qmask + h * d + 16 * c), kv, acc[h]);
+      }
+      if (rem) {
+        const V kv = load(row + 16 * nfull, mrem);
+        for (int h = 0; h < G; ++h) acc[h] = vfma(load(qmask + h * d + 16 * nfull, mrem), kv, acc[h]);
+      }
+      for (int h = 0; h < G; ++h) lt[h][s] = hsum(acc[h]);
+    }
+    V acc0[G], acc1[G];
+    const M m0 = tail_mask(n), m1 = tail_mask(std::max<int64_t>(0, n - 16));
+    for (int h = 0; h < G; ++h) {
+      acc0[h] = load(lt[h], m0);
+      acc1[h] = load(lt[h] + 16, m1);
+    }
+    if (n < kBlock) finish_block<G, true>(acc0, acc1, m0, m1, E + (p - p0), ldE, st, mb + (p - p0) / kBlock, ldmb);
+    else finish_block<G, false>(acc0, acc1, m0, m1, E + (p - p0), ldE, st, mb + (p - p0) / kBlock, ldmb);
+  }
+}
+
+template <typename KT>
+static void pass_a(const Problem& P, const KT* const* rows, const KT* kbh, const float* qmask, const float* qhat,
+                   int64_t p0, int64_t p1, float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb) {
+  // segment by segment; within one, head groups after the first re-read the rows from L2
+  for (int64_t a = p0; a < p1; a += kSegment) {
+    const int64_t b = std::min(p1, a + kSegment);
+    for (int64_t h0 = 0; h0 < P.g; h0 += 8) {
+      const int64_t G = std::min<int64_t>(8, P.g - h0);
+      const float* qh = qhat + h0;
+      float* Eh = E + h0 * ldE + (a - p0);
+      float* mbh = mb + h0 * ldmb + (a - p0) / kBlock;
+      RunState* sh = st + h0;
+#define SPARQ_CASE(n)                                                                              \
+  case n:                                                                                          \
+    if (P.two_k) pass_a_2k<n, KT>(rows, P.r, qh, P.g, a, b, p1, Eh, ldE, sh, mbh, ldmb);           \
+    else pass_a_1k<n, KT>(kbh, P.ks2, qmask + h0 * P.d, P.d, a, b, Eh, ldE, sh, mbh, ldmb);        \
+    break;
+      switch (G) {
+        SPARQ_CASE(1) SPARQ_CASE(2) SPARQ_CASE(3) SPARQ_CASE(4)
+        SPARQ_CASE(5) SPARQ_CASE(6) SPARQ_CASE(7) SPARQ_CASE(8)
+      }
+#undef SPARQ_CASE
+    }
+  }
+}
+
+// corr[blk] = exp(mb[blk] - m) / Z in place, for n blocks.
+static void block_weights(float* mb, int64_t n, float m, float Z) {
+  const V vm = vset(m), inv = vset(1.0f / Z);
+  for (int64_t b = 0; b < n; b += 16) {
+    const M mk = tail_mask(n - b);
+    store(mb + b, vmul(vexp(vsub(load(mb + b, mk), vm)), inv), mk);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pass C: scores and the top-k selection without sorting the row.
+// ---------------------------------------------------------------------------------------------
+
+// The best `cap` of n candidates (scores ss, positions si, positions ascending; higher score
+// first, then the lower position), compacted in place in ascending position order. Binary search on the score (non-negative floats
+// order like their bit patterns) with vectorised counting, then one filtering pass: no sort.
+static inline int64_t count_ge(const float* ss, int64_t n, float t) {
+  const V vt = vset(t);
+  int64_t c = 0;
+  for (int64_t o = 0; o < n; o += 16) {
+    const M mk = tail_mask(n - o);
+    c += __builtin_popcount((unsigned)(cmp_ge(load(ss + o, mk), vt) & mk));
+  }
+  return c;
+}
+static inline uint32_t float_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
+static inline float bits_float(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
+
+static int64_t select_from(float* ss, int32_t* si, int64_t n, int64_t cap) {
+  if (n <= cap) return n;
+  V vmn = vset(std::numeric_limits<float>::infinity()), vmx = vzero();
+  for (int64_t j = 0; j < n; j += 16) {
+    const M mk = tail_mask(n - j);
+    const V x = load(ss + j, mk);
+    vmx = vmax_masked(vmx, mk, x);
+    vmn = vmin_masked(vmn, mk, x);
+  }
+  // invariant: count(>= lo) >= cap > count(>= hi)
+  uint32_t lo = float_bits(std::max(hmin(vmn), 0.f)), hi = float_bits(hmax(vmx)) + 1;
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (count_ge(ss, n, bits_float(mid)) >= cap) lo = mid; else hi = mid;
+  }
+  const float t = bits_float(lo);
+  int64_t ties = cap - count_ge(ss, n, bits_float(lo + 1));  // all above t, then the first ties at t
+  const V vt = vset(t);
+  int64_t k = 0;
+  for (int64_t j = 0; j < n; j += 16) {  // in-place compaction: writes stay at or behind the reads
+    const M mk = tail_mask(n - j);
+    const V x = load(ss + j, mk);
+    const Lanes ids = load_ids(si + j, mk);
+    const M gt = cmp_gt(x, vt) & mk;
+    M eq = cmp_eq(x, vt) & mk;
+    if (eq) {
+      if (__builtin_popcount((unsigned)eq) > ties) {
+        M keep = 0;
+        for (int64_t c = 0; c < ties; ++c) { keep |= eq & (M)(-(int32_t)eq); eq &= eq - 1; }
+        eq = keep;
+      }
+      ties -= __builtin_popcount((unsigned)eq);
+    }
+    k += compress_store(ss + k, si + k, (M)(gt | eq), x, ids);
+  }
+  return k;
+}
+
+template <typename QT>
+static void prepare(const Problem& P, const QT* q, int64_t b, int64_t h, float* qf, int32_t* order,
                     int32_t* i1, float* qhat) {
   const int64_t g = P.g, d = P.d, r = P.r;
   const QT* qb = q + b * P.qs0 + h * P.qs1;
-  for (int64_t hh = 0; hh < g; ++hh)
-    for (int64_t j = 0; j < d; ++j) qf[hh * d + j] = to_f(qb[hh * P.qs2 + j * P.qs3]);
-  // |q| summed over the group (accumulated in head order, as torch does for small g)
-  float* absum = qhat;  // scratch: qhat has room for r * g >= ... not necessarily d; use order space below
-  (void)absum;
-  std::vector<float>* dummy = nullptr;
-  (void)dummy;
-  float* a = qf + g * d;  // qf has d extra floats of scratch
-  for (int64_t j = 0; j < d; ++j) {
-    float s = 0.f;
-    for (int64_t hh = 0; hh < g; ++hh) s += std::fabs(qf[hh * d + j]);
-    a[j] = s;
+  if (P.qs3 == 1) {
+    for (int64_t hh = 0; hh < g; ++hh)
+      for (int64_t j = 0; j < d; j += 16) store(qf + hh * d + j, load(qb + hh * P.qs2 + j, tail_mask(d - j)), tail_mask(d - j));
+  } else {
+    for (int64_t hh = 0; hh < g; ++hh)
+      for (int64_t j = 0; j < d; ++j) qf[hh * d + j] = to_f(qb[hh * P.qs2 + j * P.qs3]);
+  }
+  // i1: top-r of |q| summed over the group, ascending (qf has d + 16 floats of scratch after g x d)
+  float* a = qf + g * d;
+  for (int64_t j = 0; j < d; j += 16) {
+    const M mk = tail_mask(d - j);
+    V s = vzero();
+    for (int64_t hh = 0; hh < g; ++hh) s = vadd(s, vabs(load(qf + hh * d + j, mk)));
+    store(a + j, s, mk);
   }
   for (int64_t j = 0; j < d; ++j) order[j] = (int32_t)j;
-  auto cmp = [a](int32_t x, int32_t y) { return a[x] > a[y] || (a[x] == a[y] && x < y); };
-  if (r < d) std::nth_element(order, order + r, order + d, cmp);
+  const int64_t n = select_from(a, order, d, r);  // ascending indices: friendlier K^T streams
+  (void)n;
   std::copy(order, order + r, i1);
-  std::sort(i1, i1 + r);  // ascending rows of K^T: friendlier streams
   for (int64_t hh = 0; hh < g; ++hh) {
-    float tot = 0.f, sel = 0.f;
-    for (int64_t j = 0; j < d; ++j) tot += std::fabs(qf[hh * d + j]);
+    V t = vzero();
+    for (int64_t j = 0; j < d; j += 16) t = vadd(t, vabs(load(qf + hh * d + j, tail_mask(d - j))));
+    const float tot = hsum(t);
+    float sel = 0.f;
     for (int64_t i = 0; i < r; ++i) sel += std::fabs(qf[hh * d + i1[i]]);
     const float inv_tau = 1.0f / std::sqrt((float)d * sel / tot);
     for (int64_t i = 0; i < r; ++i) qhat[i * g + hh] = qf[hh * d + i1[i]] * inv_tau;
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Pass A: approximate logits for positions [p0, p1), heads [0, G) of a head group.
-//   L[h * ldL + (p - p0)]; mx[h] updated with the running max.
-// ---------------------------------------------------------------------------------------------
-
-constexpr int64_t kPrefetchAhead = 1024;  // bytes ahead in each of the r streams
-
-template <int G, typename KT>
-static void logits_2k(const KT* const* rows, int64_t r, const float* qhat, int64_t qstride, int64_t p0,
-                      int64_t p1, float* L, int64_t ldL, float* mx) {
-  constexpr int64_t PF = kPrefetchAhead / (int64_t)sizeof(KT);
-  V vmx[G];
-  for (int h = 0; h < G; ++h) vmx[h] = vset(mx[h]);
-  int64_t p = p0;
-  for (; p + 32 <= p1; p += 32) {
-    V acc0[G], acc1[G];
-    for (int h = 0; h < G; ++h) acc0[h] = acc1[h] = vzero();
-    const bool pf = p + PF + 32 <= p1;
-    for (int64_t i = 0; i < r; ++i) {
-      const KT* row = rows[i] + p;
-      if (pf) {
-        prefetch(row + PF);
-        if (sizeof(KT) == 4) prefetch(row + PF + 16);
-      }
-      const V k0 = load(row), k1 = load(row + 16);
-      const float* qi = qhat + i * qstride;
-#pragma GCC unroll 8
-      for (int h = 0; h < G; ++h) {
-        const V qv = vset(qi[h]);
-        acc0[h] = vfma(qv, k0, acc0[h]);
-        acc1[h] = vfma(qv, k1, acc1[h]);
-      }
-    }
-    float* out = L + (p - p0);
-    for (int h = 0; h < G; ++h) {
-      store(out + h * ldL, acc0[h]);
-      store(out + h * ldL + 16, acc1[h]);
-      vmx[h] = vmax(vmx[h], vmax(acc0[h], acc1[h]));
-    }
+// The k-th largest of n >= k non-negative floats (binary search on the bits, vectorised counts).
+static float kth_largest(const float* x, int64_t n, int64_t k) {
+  V vmx = vzero();
+  for (int64_t j = 0; j < n; j += 16) vmx = vmax_masked(vmx, tail_mask(n - j), load(x + j, tail_mask(n - j)));
+  uint32_t lo = 0, hi = float_bits(hmax(vmx)) + 1;  // count(>= lo) >= k > count(>= hi)
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (count_ge(x, n, bits_float(mid)) >= k) lo = mid; else hi = mid;
   }
-  for (; p < p1; p += 16) {
-    const M mk = tail_mask(p1 - p);
-    V acc[G];
-    for (int h = 0; h < G; ++h) acc[h] = vzero();
-    for (int64_t i = 0; i < r; ++i) {
-      const V kv = load(rows[i] + p, mk);
-      const float* qi = qhat + i * qstride;
-      for (int h = 0; h < G; ++h) acc[h] = vfma(vset(qi[h]), kv, acc[h]);
-    }
-    for (int h = 0; h < G; ++h) {
-      store(L + h * ldL + (p - p0), acc[h], mk);
-      vmx[h] = vmax_masked(vmx[h], mk, acc[h]);
-    }
-  }
-  for (int h = 0; h < G; ++h) mx[h] = hmax(vmx[h]);
+  return bits_float(lo);
 }
 
-template <int G, typename KT>
-static void logits_1k(const KT* kbh, int64_t stride, const ColGather* cols, int64_t r, const float* qhat,
-                      int64_t qstride, int64_t p0, int64_t p1, float* L, int64_t ldL, float* mx) {
-  V vmx[G];
-  for (int h = 0; h < G; ++h) vmx[h] = vset(mx[h]);
-  for (int64_t p = p0; p < p1; p += 16) {
-    const M mk = tail_mask(p1 - p);
-    const KT* base = kbh + p * stride;
-    V acc[G];
-    for (int h = 0; h < G; ++h) acc[h] = vzero();
-    for (int64_t i = 0; i < r; ++i) {
-      const V kv = gather(base, cols[i], mk);
-      const float* qi = qhat + i * qstride;
-#pragma GCC unroll 8
-      for (int h = 0; h < G; ++h) acc[h] = vfma(vset(qi[h]), kv, acc[h]);
+// Scores sum_h s_hat_h over positions [p0, hi) of a chunk starting at p0, and their best `cap`
+// (ascending positions in ss/si): a threshold that at least `cap` positions reach keeps every
+// member of the top `cap`; select_from then picks them among the few survivors.
+static int64_t select_top(const float* E, int64_t ldE, const float* corr, int64_t ldc, int64_t g, int64_t p0,
+                          int64_t hi, int64_t cap, float* sc, float* bmax, float* ss, int32_t* si) {
+  const int64_t n = hi - p0;
+  if (n <= 0 || cap <= 0) return 0;
+  PROF_T0
+  const int64_t nb = (n + kBlock - 1) / kBlock;
+  for (int64_t blk = 0; blk < nb; ++blk) {  // scores, and the max of each 32-position block
+    const int64_t o = blk * kBlock;
+    const M m0 = tail_mask(n - o), m1 = tail_mask(std::max<int64_t>(0, n - o - 16));
+    V s0 = vzero(), s1 = vzero();
+    for (int64_t h = 0; h < g; ++h) {
+      const V c = vset(corr[h * ldc + blk]);
+      const float* e = E + h * ldE + o;
+      s0 = vfma(c, load(e, m0), s0);
+      s1 = vfma(c, load(e + 16, m1), s1);
     }
-    for (int h = 0; h < G; ++h) {
-      store(L + h * ldL + (p - p0), acc[h], mk);
-      vmx[h] = vmax_masked(vmx[h], mk, acc[h]);
-    }
+    store(sc + o, s0, m0);
+    store(sc + o + 16, s1, m1);
+    bmax[blk] = hmax(vmax(vselect(m0, s0, vset(kNegInf)), vselect(m1, s1, vset(kNegInf))));
   }
-  for (int h = 0; h < G; ++h) mx[h] = hmax(vmx[h]);
-}
-
-template <typename KT>
-static void logits_any(const Problem& P, const KT* const* rows, const KT* kbh, const ColGather* cols,
-                       const float* qhat, int64_t p0, int64_t p1, float* L, int64_t ldL, float* mx) {
-  for (int64_t h0 = 0; h0 < P.g; h0 += 8) {
-    const int64_t G = std::min<int64_t>(8, P.g - h0);
-    const float* qh = qhat + h0;
-    float* Lh = L + h0 * ldL;
-    float* mh = mx + h0;
-#define SPARQ_CASE(n)                                                                        \
-  case n:                                                                                    \
-    if (P.two_k) logits_2k<n, KT>(rows, P.r, qh, P.g, p0, p1, Lh, ldL, mh);                \
-    else logits_1k<n, KT>(kbh, P.ks2, cols, P.r, qh, P.g, p0, p1, Lh, ldL, mh);            \
-    break;
-    switch (G) {
-      SPARQ_CASE(1) SPARQ_CASE(2) SPARQ_CASE(3) SPARQ_CASE(4)
-      SPARQ_CASE(5) SPARQ_CASE(6) SPARQ_CASE(7) SPARQ_CASE(8)
-    }
-#undef SPARQ_CASE
+  PROF_LAP(1, 0);
+  if (n <= cap) {
+    for (int64_t o = 0; o < n; o += 16)
+      compress_store(ss + o, si + o, tail_mask(n - o), load(sc + o, tail_mask(n - o)), lane_ids((int32_t)(p0 + o)));
+    return n;
   }
-}
-
-// Pass B: e = exp(L - m) in place for positions [0, n); returns sum(e).
-static float exp_inplace(float* L, int64_t n, float m) {
-  const V vm = vset(m);
-  V s0 = vzero(), s1 = vzero();
-  int64_t p = 0;
-  for (; p + 32 <= n; p += 32) {
-    const V e0 = vexp(vsub(load(L + p), vm)), e1 = vexp(vsub(load(L + p + 16), vm));
-    store(L + p, e0);
-    store(L + p + 16, e1);
-    s0 = vadd(s0, e0);
-    s1 = vadd(s1, e1);
-  }
-  for (; p < n; p += 16) {
-    const M mk = tail_mask(n - p);
-    const V e = vexp(vsub(load(L + p, mk), vm));
-    store(L + p, e, mk);
-    s0 = vadd(s0, vselect(mk, e, vzero()));
-  }
-  return hsum(vadd(s0, s1));
-}
-
-// Pass C: candidates among positions [lo, hi) (absolute), scores sum_h w[h] * E[h * ldL + p - base].
-// Keeps the best `cap` in a heap (worst on top). Returns how many it holds.
-static int64_t select_range(const float* E, int64_t ldL, int64_t base, int64_t g, const float* w, int64_t lo,
-                            int64_t hi, int64_t cap, Cand* heap) {
-  if (cap <= 0 || hi <= lo) return 0;
-  int64_t n = 0;
-  V thr = vset(kNegInf);
-  alignas(64) float sc_l[16];
-  // Backward scan: recent positions tend to score high, which raises the threshold early.
-  for (int64_t p = hi; p > lo;) {
-    const int64_t cnt = std::min<int64_t>(16, p - lo);
-    p -= cnt;
-    const M mk = tail_mask(cnt);
-    const float* e = E + (p - base);
-    V sc = vmul(vset(w[0]), load(e, mk));
-    for (int64_t h = 1; h < g; ++h) sc = vfma(vset(w[h]), load(e + h * ldL, mk), sc);
-    M hit = n < cap ? mk : (M)(cmp_ge(sc, thr) & mk);
-    if (!hit) continue;
-    store(sc_l, sc);
-    while (hit) {
-      const int l = __builtin_ctz((unsigned)hit);
-      hit &= hit - 1;
-      const Cand c{sc_l[l], (int32_t)(p + l)};
-      if (n < cap) {
-        heap[n++] = c;
-        std::push_heap(heap, heap + n, better);
-        if (n == cap) thr = vset(heap[0].s);
-      } else if (better(c, heap[0])) {
-        std::pop_heap(heap, heap + n, better);
-        heap[n - 1] = c;
-        std::push_heap(heap, heap + n, better);
-        thr = vset(heap[0].s);
-      }
+  // threshold t0 that at least `cap` positions reach, so the top `cap` all survive it:
+  float t0 = std::numeric_limits<float>::infinity();
+  if (nb >= cap) {  // the cap-th largest block maximum (cap blocks hold a position >= it)
+    t0 = kth_largest(bmax, nb, cap);
+  } else {  // the minimum over `cap` disjoint groups of each group's maximum
+    const int64_t bl = n / cap;
+    for (int64_t j = 0; j < cap; ++j) {
+      const int64_t a = j * bl, b = j == cap - 1 ? n : a + bl;
+      V mx = vset(kNegInf);
+      for (int64_t o = a; o < b; o += 16) mx = vmax_masked(mx, tail_mask(b - o), load(sc + o, tail_mask(b - o)));
+      t0 = std::min(t0, hmax(mx));
     }
   }
-  return n;
+  PROF_LAP(1, 1);
+  const V vt = vset(t0);
+  int64_t cnt = 0;
+  for (int64_t blk = 0; blk < nb; ++blk) {  // branchless: survivors are data-dependent and scattered
+    if (!(bmax[blk] >= t0)) continue;       // none in this block
+    for (int64_t o = blk * kBlock; o < std::min(n, (blk + 1) * kBlock); o += 16) {
+      const M mk = tail_mask(n - o);
+      const V x = load(sc + o, mk);
+      cnt += compress_store(ss + cnt, si + cnt, cmp_ge(x, vt) & mk, x, lane_ids((int32_t)(p0 + o)));
+    }
+  }
+  PROF_LAP(1, 2);
+  int64_t res = select_from(ss, si, cnt, cap);
+  PROF_LAP(1, 3);
+#ifdef SPARQ_PROFILE
+  g_prof[1][4] += cnt;
+#endif
+  return res;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Step 2-3: exact attention over the selected positions, mean-V, output.
 // ---------------------------------------------------------------------------------------------
+
+template <typename KT>
+static inline void prefetch_row_l2(const KT* row, int64_t d) {
+  const char* c = reinterpret_cast<const char*>(row);
+  const int64_t bytes = d * (int64_t)sizeof(KT);
+  for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(c + o);
+  if ((reinterpret_cast<uintptr_t>(c) + bytes - 1) / 64 != (reinterpret_cast<uintptr_t>(c) + (bytes - 1) / 64 * 64) / 64)
+    prefetch_l2(c + bytes - 1);  // a row straddling one more line
+}
+
+// Ask for every selected row of K and V at once (into L2): many independent misses in flight.
+template <typename KT>
+static void prefetch_rows(const Problem& P, const KT* k, const KT* v, int64_t b, int64_t h, const int32_t* pos,
+                          int64_t kk) {
+  const KT* kb = k + b * P.ks0 + h * P.ks1;
+  const KT* vb = v + b * P.vs0 + h * P.vs1;
+  for (int64_t j = 0; j < kk; ++j) prefetch_row_l2(kb + (int64_t)pos[j] * P.ks2, P.d);
+  for (int64_t j = 0; j < kk; ++j) prefetch_row_l2(vb + (int64_t)pos[j] * P.vs2, P.d);
+}
+
+// Register-blocked pieces of the exact attention for d = 16 * NV.
+template <int NV, typename KT>
+static void dots_nv(const float* qf, int64_t g, const KT* kb, int64_t ks, const int32_t* pos, int64_t kk,
+                    float scale, float* lg) {
+  constexpr int64_t d = 16 * NV;
+  for (int64_t hh = 0; hh < g; ++hh) {
+    V qv[NV];
+    for (int c = 0; c < NV; ++c) qv[c] = load(qf + hh * d + 16 * c);
+    int64_t j = 0;
+    for (; j + 4 <= kk; j += 4) {  // four rows at once: independent FMA chains
+      const KT* r0 = kb + (int64_t)pos[j] * ks;
+      const KT* r1 = kb + (int64_t)pos[j + 1] * ks;
+      const KT* r2 = kb + (int64_t)pos[j + 2] * ks;
+      const KT* r3 = kb + (int64_t)pos[j + 3] * ks;
+      V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) {
+        a0 = vfma(qv[c], load(r0 + 16 * c), a0);
+        a1 = vfma(qv[c], load(r1 + 16 * c), a1);
+        a2 = vfma(qv[c], load(r2 + 16 * c), a2);
+        a3 = vfma(qv[c], load(r3 + 16 * c), a3);
+      }
+      float* l = lg + hh * kk + j;
+      l[0] = hsum(a0) * scale;
+      l[1] = hsum(a1) * scale;
+      l[2] = hsum(a2) * scale;
+      l[3] = hsum(a3) * scale;
+    }
+    for (; j < kk; ++j) {
+      const KT* r0 = kb + (int64_t)pos[j] * ks;
+      V a0 = vzero();
+      for (int c = 0; c < NV; ++c) a0 = vfma(qv[c], load(r0 + 16 * c), a0);
+      lg[hh * kk + j] = hsum(a0) * scale;
+    }
+  }
+}
+
+template <int NV, typename KT>
+static void pv_nv(const float* lg, int64_t g, const KT* vb, int64_t vs, const int32_t* pos, int64_t kk, float* y) {
+  constexpr int64_t d = 16 * NV;
+  for (int64_t hh = 0; hh < g; ++hh) {
+    V acc[NV];
+    for (int c = 0; c < NV; ++c) acc[c] = vzero();
+    const float* p = lg + hh * kk;
+    for (int64_t j = 0; j < kk; ++j) {
+      const KT* row = vb + (int64_t)pos[j] * vs;
+      const V pj = vset(p[j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) acc[c] = vfma(pj, load(row + 16 * c), acc[c]);
+    }
+    for (int c = 0; c < NV; ++c) store(y + hh * d + 16 * c, acc[c]);
+  }
+}
 
 template <typename KT, typename QT>
 static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_t h, const float* qf,
@@ -418,19 +707,19 @@ static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_
   const float scale = 1.0f / std::sqrt((float)d);
   const int64_t nfull = d / 16, rem = d % 16;
   const M mrem = tail_mask(rem);
-  constexpr int64_t AHEAD = 6;
-  const int64_t row_bytes = d * (int64_t)sizeof(KT);
-  auto prefetch_row = [row_bytes](const KT* row) {
-    const char* c = reinterpret_cast<const char*>(row);
-    for (int64_t o = 0; o < row_bytes; o += 64) prefetch(c + o);
-    prefetch(c + row_bytes - 1);
-  };
-  for (int64_t j = 0; j < std::min(AHEAD, kk); ++j) prefetch_row(kb + (int64_t)pos[j] * P.ks2);
+  PROF_T0
+  bool blocked = rem == 0;
+#define SPARQ_NV_CASES(X) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(16)
+  if (blocked) {
+    switch (nfull) {
+#define SPARQ_DOTS(n) case n: dots_nv<n, KT>(qf, g, kb, P.ks2, pos, kk, scale, lg); break;
+      SPARQ_NV_CASES(SPARQ_DOTS)
+#undef SPARQ_DOTS
+      default: blocked = false;
+    }
+  }
   // logits: g x kk
-  for (int64_t j = 0; j < kk; ++j) {
-    if (j + AHEAD < kk) prefetch_row(kb + (int64_t)pos[j + AHEAD] * P.ks2);
-    if (j < 2 * AHEAD) prefetch_row(vb + (int64_t)pos[j] * P.vs2);
-    else if (j - 2 * AHEAD < kk) prefetch_row(vb + (int64_t)pos[j - 2 * AHEAD + 2 * AHEAD] * P.vs2);
+  for (int64_t j = 0; j < kk && !blocked; ++j) {
     const KT* row = kb + (int64_t)pos[j] * P.ks2;
     for (int64_t hh = 0; hh < g; ++hh) {
       const float* qh = qf + hh * d;
@@ -440,18 +729,35 @@ static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_
       lg[hh * kk + j] = hsum(acc) * scale;
     }
   }
+  PROF_LAP(2, 0);
   // softmax per head
   for (int64_t hh = 0; hh < g; ++hh) {
     float* l = lg + hh * kk;
-    float mx = kNegInf;
-    for (int64_t j = 0; j < kk; ++j) mx = std::max(mx, l[j]);
-    const float s = exp_inplace(l, kk, mx);
-    const float inv = 1.0f / s;
-    for (int64_t j = 0; j < kk; ++j) l[j] *= inv;
+    V mx = vset(kNegInf);
+    for (int64_t j = 0; j < kk; j += 16) mx = vmax_masked(mx, tail_mask(kk - j), load(l + j, tail_mask(kk - j)));
+    const V vm = vset(hmax(mx));
+    V sum = vzero();
+    for (int64_t j = 0; j < kk; j += 16) {
+      const M mk = tail_mask(kk - j);
+      const V e = vselect(mk, vexp(vsub(load(l + j, mk), vm)), vzero());
+      store(l + j, e, mk);
+      sum = vadd(sum, e);
+    }
+    const V inv = vset(1.0f / hsum(sum));
+    for (int64_t j = 0; j < kk; j += 16) store(l + j, vmul(load(l + j, tail_mask(kk - j)), inv), tail_mask(kk - j));
   }
+  PROF_LAP(2, 1);
   // y = p @ V
-  std::fill(y, y + g * d, 0.f);
-  for (int64_t j = 0; j < kk; ++j) {
+  if (blocked) {
+    switch (nfull) {
+#define SPARQ_PV(n) case n: pv_nv<n, KT>(lg, g, vb, P.vs2, pos, kk, y); break;
+      SPARQ_NV_CASES(SPARQ_PV)
+#undef SPARQ_PV
+    }
+  } else {
+    std::fill(y, y + g * d, 0.f);
+  }
+  for (int64_t j = 0; j < kk && !blocked; ++j) {
     const KT* row = vb + (int64_t)pos[j] * P.vs2;
     for (int64_t c = 0; c < nfull; ++c) {
       const V vr = load(row + 16 * c);
@@ -468,6 +774,8 @@ static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_
       }
     }
   }
+  PROF_LAP(2, 2);
+#undef SPARQ_NV_CASES
   QT* o = out + (b * P.H + h) * g * d;
   if (alpha) {
     const float* vs = P.vsum + b * P.vss0 + h * P.vss1;
@@ -482,6 +790,135 @@ static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_
 }
 
 // ---------------------------------------------------------------------------------------------
+// Threads: a claim-based helper pool instead of an OpenMP team. Work comes in phases of
+// independent units; every participant claims units with an atomic counter and waits only for
+// the units others have claimed. The caller is participant 0 and starts at once; a helper that
+// is late (on a busy machine the OS may not run it for milliseconds) finds the units taken and
+// does nothing: the caller never waits for a thread to show up, which an OpenMP region's closing
+// barrier does (measured here with co-tenant load: every call stretched to 4-30 ms).
+// ---------------------------------------------------------------------------------------------
+
+struct Job {
+  static constexpr int kMaxPhases = 4;
+  int phases = 0;
+  int64_t total[kMaxPhases] = {};
+  std::atomic<int64_t> next[kMaxPhases];
+  std::atomic<int64_t> done[kMaxPhases];
+  int helpers = 0;                                       // slots 1..helpers may join
+  void (*call)(void* ctx, int phase, int64_t unit, int slot) = nullptr;
+  void* ctx = nullptr;                                   // only touched after a successful claim
+  Job() {
+    for (int i = 0; i < kMaxPhases; ++i) { next[i].store(0); done[i].store(0); }
+  }
+};
+
+static inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+static void participate(Job& job, int slot) {
+  for (int ph = 0; ph < job.phases; ++ph) {
+    for (;;) {
+      const int64_t u = job.next[ph].fetch_add(1, std::memory_order_relaxed);
+      if (u >= job.total[ph]) break;
+      job.call(job.ctx, ph, u, slot);
+      job.done[ph].fetch_add(1, std::memory_order_release);
+    }
+    // the next phase reads what this one wrote: wait for the units others claimed
+    for (int64_t spins = 0; job.done[ph].load(std::memory_order_acquire) < job.total[ph]; ++spins) {
+      if (spins < 20000) cpu_relax();
+      else std::this_thread::yield();
+    }
+  }
+}
+
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool();  // never destroyed: helpers may outlive static destruction
+    return *pool;
+  }
+
+  // Runs the job's phases on the caller and up to job->helpers helper threads; returns when every
+  // unit of every phase is done.
+  void run(const std::shared_ptr<Job>& job) {
+    if (job->helpers > 0) {
+      ensure(job->helpers);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        current_ = job;
+      }
+      gen_.fetch_add(1, std::memory_order_release);
+      if (sleeping_.load(std::memory_order_acquire) > 0) gen_.notify_all();
+    }
+    participate(*job, 0);
+    if (job->helpers > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (current_ == job) current_.reset();
+    }
+  }
+
+ private:
+  void ensure(int n) {
+    std::lock_guard<std::mutex> lock(spawn_mu_);
+    while ((int)threads_ < n) {
+      const int slot = (int)++threads_;
+      std::thread([this, slot] { loop(slot); }).detach();
+    }
+  }
+
+  void loop(int slot) {
+    uint32_t seen = gen_.load(std::memory_order_acquire);
+    for (;;) {
+      // spin briefly (back-to-back calls, e.g. one per layer), then sleep on the generation
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t i = 0; gen_.load(std::memory_order_acquire) == seen; ++i) {
+        cpu_relax();
+        if ((i & 63) == 63 && std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(50)) {
+          sleeping_.fetch_add(1, std::memory_order_acq_rel);
+          if (gen_.load(std::memory_order_acquire) == seen) gen_.wait(seen, std::memory_order_acquire);
+          sleeping_.fetch_sub(1, std::memory_order_acq_rel);
+        }
+      }
+      seen = gen_.load(std::memory_order_acquire);
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        job = current_;
+      }
+      if (job && slot <= job->helpers) participate(*job, slot);
+    }
+  }
+
+  std::mutex mu_, spawn_mu_;
+  std::shared_ptr<Job> current_;
+  std::atomic<uint32_t> gen_{0};
+  std::atomic<int> sleeping_{0};
+  size_t threads_ = 0;
+};
+
+// Phases of units over the caller and nthreads - 1 helpers: fn(phase, unit, slot), slot < nthreads.
+template <class F>
+static void run_phases(int nthreads, std::initializer_list<int64_t> units, F& fn) {
+  auto job = std::make_shared<Job>();
+  job->phases = (int)units.size();
+  int64_t most = 0;
+  int i = 0;
+  for (int64_t n : units) { job->total[i++] = n; most = std::max(most, n); }
+  job->helpers = (int)std::max<int64_t>(0, std::min<int64_t>(nthreads, most) - 1);
+  job->ctx = &fn;
+  job->call = [](void* ctx, int phase, int64_t unit, int slot) { (*static_cast<F*>(ctx))(phase, unit, slot); };
+  Pool::get().run(job);
+}
+
+// Threads to use: torch's intra-op setting, 1 inside a parallel region of torch's.
+static int thread_count() {
+  return at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+}
+
+// ---------------------------------------------------------------------------------------------
 // Workspace: one buffer that only grows (big allocations are returned to the OS on free, so a
 // fresh one per call would page-fault every step).
 // ---------------------------------------------------------------------------------------------
@@ -493,9 +930,15 @@ struct Workspace {
   float* get(size_t n) {
     if (n > cap) {
       std::free(data);
-      size_t bytes = ((n * sizeof(float) + 4095) / 4096) * 4096;
-      data = static_cast<float*>(std::aligned_alloc(64, bytes));
+      // 2 MiB-aligned and backed by huge pages where the kernel allows: the scratch is touched
+      // between long streams over the cache, and TLB misses are expensive (more so in a VM).
+      constexpr size_t kHuge = size_t(2) << 20;
+      size_t bytes = (n * sizeof(float) + kHuge - 1) / kHuge * kHuge;
+      data = static_cast<float*>(std::aligned_alloc(kHuge, bytes));
       TORCH_CHECK(data != nullptr, "sparq::decode_cpu: out of memory for the workspace");
+#ifdef MADV_HUGEPAGE
+      madvise(data, bytes, MADV_HUGEPAGE);
+#endif
       cap = bytes / sizeof(float);
     }
     return data;
@@ -508,27 +951,34 @@ static Workspace& workspace() {
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Per-thread scratch layout (floats).
+// Offsets (floats, 64-byte aligned) of the per-thread scratch.
 struct Scratch {
-  int64_t qf, order, i1, qhat, rows, cols, stats, cand, pos, lg, y, alpha, total;
+  int64_t qf, order, i1, qhat, rows, qmask, st, sc, bmax, ss, si, pos, lg, y, alpha, E, mb, total;
 };
-static Scratch scratch_layout(const Problem& P, int64_t nbuf_logits) {
+static Scratch scratch_layout(const Problem& P, int64_t len, bool own_logits) {
   Scratch s{};
   int64_t o = 0;
   auto take = [&o](int64_t n) { int64_t at = o; o += round_up(std::max<int64_t>(n, 1), 16); return at; };
-  s.qf = take(P.g * P.d + P.d);
-  s.order = take(P.d);
+  const int64_t g = P.g, m = std::max<int64_t>(P.m, 1);
+  s.qf = take(g * P.d + P.d + 16);
+  s.order = take(P.d + 16);
   s.i1 = take(P.d);
-  s.qhat = take(P.r * P.g);
-  s.rows = take(P.r * 2);                      // r pointers
-  s.cols = take(P.r * (int64_t)(sizeof(ColGather) / sizeof(float) + 1));
-  s.stats = take(3 * P.g);                     // m, Z, w (single-chunk path)
-  s.cand = take(2 * std::max<int64_t>(P.m, 1) * P.nc);  // Cand = 2 floats
+  s.qhat = take(P.r * g);
+  s.rows = take(P.r * 2);
+  s.qmask = take(P.two_k ? 0 : g * P.d + 16);
+  s.st = take(g * (int64_t)(sizeof(RunState) / sizeof(float)));
+  s.sc = take(len);
+  s.bmax = take(len / kBlock + 1);
+  s.ss = take(std::max(len, m * P.nc) + 16);  // + 16: compress_store slack
+  s.si = take(std::max(len, m * P.nc) + 16);
   s.pos = take(P.kk);
-  s.lg = take(P.g * P.kk);
-  s.y = take(P.g * P.d);
-  s.alpha = take(P.g);
-  s.total = o + nbuf_logits;  // logits buffer last
+  s.lg = take(g * P.kk);
+  s.y = take(g * P.d);
+  s.alpha = take(g);
+  const int64_t ld = round_up(len, kBlock);
+  s.E = take(own_logits ? g * ld : 0);
+  s.mb = take(own_logits ? g * (ld / kBlock) : 0);
+  s.total = o;
   return s;
 }
 
@@ -536,175 +986,177 @@ template <typename KT, typename QT>
 static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const KT* v, QT* out) {
   const int64_t BH = P.B * P.H;
   const int64_t units = BH * P.nc;
-  int nt = 1;
-#ifdef _OPENMP
-  nt = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
-  if (omp_in_parallel()) nt = 1;
-#endif
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));  // slots
   const int64_t g = P.g;
-  // Logits buffers: one (g x S) per thread when a bh is one unit; else (g x cs) per unit, shared.
-  const int64_t ld_single = round_up(P.S, 16);
-  const int64_t per_thread_logits = P.nc == 1 ? g * ld_single : 0;
-  const Scratch L = scratch_layout(P, per_thread_logits);
-  const int64_t thread_floats = round_up(L.total, 16);
-  const int64_t shared_logits = P.nc > 1 ? units * g * P.cs : 0;
-  const int64_t shared_stats = P.nc > 1 ? units * g * 3 : 0;        // m, Z, w per unit and head
-  const int64_t shared_cand = P.nc > 1 ? units * (2 * std::max<int64_t>(P.m, 1) + 16) : 0;  // + count
+  const bool single = P.nc == 1;  // one unit per bh: everything in the slot's own buffers
+  const int64_t len = single ? P.S : P.cs;
+  const int64_t ldE = round_up(len, kBlock), nblk = ldE / kBlock;
+  const Scratch L = scratch_layout(P, len, single);
+  const int64_t slot_floats = round_up(L.total, 16);
+  // chunked path, per unit: E (g x cs), block maxima / weights (g x cs/32), m and Z per head,
+  // candidates (count, scores, positions)
+  const int64_t m1 = std::max<int64_t>(P.m, 1);
+  const int64_t u_E = g * ldE, u_mb = g * nblk, u_stat = round_up(2 * g, 16), u_cand = 16 + 2 * m1;
+  const int64_t unit_floats = single ? 0 : round_up(u_E + u_mb + u_stat + u_cand, 16);
   Workspace& ws = workspace();
   std::lock_guard<std::mutex> lock(ws.mu);
-  float* base = ws.get(nt * thread_floats + shared_logits + shared_stats + shared_cand + 64);
-  float* sh_logits = base + nt * thread_floats;
-  float* sh_stats = sh_logits + shared_logits;
-  float* sh_cand = sh_stats + shared_stats;
-  const int64_t cand_stride = 2 * std::max<int64_t>(P.m, 1) + 16;
+  float* base = ws.get(nt * slot_floats + units * unit_floats + 64);
+  float* units_base = base + nt * slot_floats;
+  auto uE = [&](int64_t u) { return units_base + u * unit_floats; };
+  auto umb = [&](int64_t u) { return uE(u) + u_E; };
+  auto ustat = [&](int64_t u) { return umb(u) + u_mb; };  // [m(g), Z(g)]
+  auto ucand = [&](int64_t u) { return ustat(u) + u_stat; };
 
-  auto body = [&](int tid) {
-    float* T = base + tid * thread_floats;
-    float* qf = T + L.qf;
-    int32_t* order = reinterpret_cast<int32_t*>(T + L.order);
-    int32_t* i1 = reinterpret_cast<int32_t*>(T + L.i1);
-    float* qhat = T + L.qhat;
-    const KT** rows = reinterpret_cast<const KT**>(T + L.rows);
-    ColGather* cols = reinterpret_cast<ColGather*>(T + L.cols);
-    float* stats = T + L.stats;
-    Cand* cand = reinterpret_cast<Cand*>(T + L.cand);
-    int32_t* pos = reinterpret_cast<int32_t*>(T + L.pos);
-    float* lg = T + L.lg;
-    float* y = T + L.y;
-    float* alpha = T + L.alpha;
-    float* Lbuf = T + L.total - per_thread_logits;
-
-    auto setup_bh = [&](int64_t bh) -> const KT* {  // q prep + stream pointers; returns K base of bh
-      const int64_t b = bh / P.H, h = bh % P.H;
-      prepare(P, q, b, h, qf, order, i1, qhat);
-      const KT* kbh = k + b * P.ks0 + h * P.ks1;
-      if (P.two_k) {
-        const KT* ktbh = kt + b * P.kts0 + h * P.kts1;
-        for (int64_t i = 0; i < P.r; ++i) rows[i] = ktbh + (int64_t)i1[i] * P.kts2;
-      } else {
-        for (int64_t i = 0; i < P.r; ++i) cols[i] = col_gather_setup(P.ks2, i1[i], sizeof(KT) == 2);
-      }
-      return kbh;
-    };
-    auto locals_into = [&](int32_t* dst) {
-      for (int64_t j = 0; j < P.n_local; ++j) dst[j] = (int32_t)(P.S - P.n_local + j);
-    };
-
-    if (P.nc == 1) {
-      const int64_t lo = BH * tid / nt, hi = BH * (tid + 1) / nt;
-      for (int64_t bh = lo; bh < hi; ++bh) {
-        const KT* kbh = setup_bh(bh);
-        float* mx = stats;
-        float* w = stats + 2 * g;
-        for (int64_t hh = 0; hh < g; ++hh) mx[hh] = kNegInf;
-        logits_any<KT>(P, rows, kbh, cols, qhat, 0, P.S, Lbuf, ld_single, mx);
-        for (int64_t hh = 0; hh < g; ++hh) w[hh] = 1.0f / exp_inplace(Lbuf + hh * ld_single, P.S, mx[hh]);
-        const int64_t nsel = select_range(Lbuf, ld_single, 0, g, w, 0, P.n_scored, P.m, cand);
-        locals_into(pos);
-        for (int64_t j = 0; j < nsel; ++j) pos[P.n_local + j] = cand[j].i;
-        const int64_t kk = P.n_local + nsel;
-        float* al = nullptr;
-        if (P.mean_v) {
-          for (int64_t hh = 0; hh < g; ++hh) {
-            float a = 0.f;
-            for (int64_t j = 0; j < kk; ++j) a += Lbuf[hh * ld_single + pos[j]];
-            alpha[hh] = a * w[hh];
-          }
-          al = alpha;
-        }
-        attend<KT, QT>(P, k, v, bh / P.H, bh % P.H, qf, pos, kk, al, lg, y, out);
-      }
-      return;
+  struct Slot {
+    float *qf, *qhat, *qmask, *sc, *bmax, *ss, *lg, *y, *alpha, *E, *mb;
+    int32_t *order, *i1, *si, *pos;
+    const KT** rows;
+    RunState* st;
+  };
+  auto slot_of = [&](int slot) {
+    float* T = base + slot * slot_floats;
+    Slot x;
+    x.qf = T + L.qf;
+    x.order = reinterpret_cast<int32_t*>(T + L.order);
+    x.i1 = reinterpret_cast<int32_t*>(T + L.i1);
+    x.qhat = T + L.qhat;
+    x.rows = reinterpret_cast<const KT**>(T + L.rows);
+    x.qmask = T + L.qmask;
+    x.st = reinterpret_cast<RunState*>(T + L.st);
+    x.sc = T + L.sc;
+    x.bmax = T + L.bmax;
+    x.ss = T + L.ss;
+    x.si = reinterpret_cast<int32_t*>(T + L.si);
+    x.pos = reinterpret_cast<int32_t*>(T + L.pos);
+    x.lg = T + L.lg;
+    x.y = T + L.y;
+    x.alpha = T + L.alpha;
+    x.E = T + L.E;
+    x.mb = T + L.mb;
+    return x;
+  };
+  auto setup_bh = [&](const Slot& x, int64_t bh) -> const KT* {  // q prep + stream pointers; K base
+    const int64_t b = bh / P.H, h = bh % P.H;
+    prepare(P, q, b, h, x.qf, x.order, x.i1, x.qhat);
+    const KT* kbh = k + b * P.ks0 + h * P.ks1;
+    if (P.two_k) {
+      const KT* ktbh = kt + b * P.kts0 + h * P.kts1;
+      for (int64_t i = 0; i < P.r; ++i) x.rows[i] = ktbh + (int64_t)x.i1[i] * P.kts2;
+    } else {  // q masked to i1, scaled by 1/tau: qhat[i][h] at column i1[i]
+      std::fill(x.qmask, x.qmask + g * P.d, 0.f);
+      for (int64_t i = 0; i < P.r; ++i)
+        for (int64_t hh = 0; hh < g; ++hh) x.qmask[hh * P.d + x.i1[i]] = x.qhat[i * g + hh];
     }
-
-    // ---- several chunks per bh: three phases separated by barriers
-    const int64_t ulo = units * tid / nt, uhi = units * (tid + 1) / nt;
-    int64_t prepared = -1;
-    const KT* kbh = nullptr;
-    for (int64_t u = ulo; u < uhi; ++u) {
-      const int64_t bh = u / P.nc, c = u % P.nc;
-      const int64_t p0 = c * P.cs, p1 = std::min(P.S, p0 + P.cs);
-      float* st = sh_stats + u * g * 3;  // [m(g), Z(g), w(g)]
-      for (int64_t hh = 0; hh < g; ++hh) { st[hh] = kNegInf; st[g + hh] = 0.f; }
-      if (p1 <= p0) continue;
-      if (prepared != bh) { kbh = setup_bh(bh); prepared = bh; }
-      float* Lu = sh_logits + u * g * P.cs;
-      logits_any<KT>(P, rows, kbh, cols, qhat, p0, p1, Lu, P.cs, st);
-      for (int64_t hh = 0; hh < g; ++hh) st[g + hh] = exp_inplace(Lu + hh * P.cs, p1 - p0, st[hh]);
-    }
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-    for (int64_t u = ulo; u < uhi; ++u) {
-      const int64_t bh = u / P.nc, c = u % P.nc;
-      const int64_t p0 = c * P.cs, p1 = std::min(P.S, p0 + P.cs);
-      float* st = sh_stats + u * g * 3;
-      const float* st0 = sh_stats + bh * P.nc * g * 3;
-      for (int64_t hh = 0; hh < g; ++hh) {
-        float M_ = kNegInf;
-        for (int64_t cc = 0; cc < P.nc; ++cc) M_ = std::max(M_, st0[cc * g * 3 + hh]);
-        float Z = 0.f;
-        for (int64_t cc = 0; cc < P.nc; ++cc) {
-          const float* s2 = st0 + cc * g * 3;
-          if (s2[g + hh] > 0.f) Z += s2[g + hh] * std::exp(s2[hh] - M_);
-        }
-        st[2 * g + hh] = st[g + hh] > 0.f ? std::exp(st[hh] - M_) / Z : 0.f;
-      }
-      float* cu = sh_cand + u * cand_stride;
-      int32_t* count = reinterpret_cast<int32_t*>(cu);
-      Cand* cl = reinterpret_cast<Cand*>(cu + 16);
-      *count = 0;
-      const int64_t shi = std::min(p1, P.n_scored);
-      if (shi > p0)
-        *count = (int32_t)select_range(sh_logits + u * g * P.cs, P.cs, p0, g, st + 2 * g, p0, shi, P.m, cl);
-    }
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-    const int64_t lo = BH * tid / nt, hi = BH * (tid + 1) / nt;
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      int64_t n = 0;
-      for (int64_t c = 0; c < P.nc; ++c) {
-        const float* cu = sh_cand + (bh * P.nc + c) * cand_stride;
-        const int32_t cnt = *reinterpret_cast<const int32_t*>(cu);
-        const Cand* cl = reinterpret_cast<const Cand*>(cu + 16);
-        std::copy(cl, cl + cnt, cand + n);
-        n += cnt;
-      }
-      if (n > P.m) {
-        std::nth_element(cand, cand + P.m, cand + n, better);
-        n = P.m;
-      }
-      locals_into(pos);
-      for (int64_t j = 0; j < n; ++j) pos[P.n_local + j] = cand[j].i;
-      const int64_t kk = P.n_local + n;
-      float* al = nullptr;
-      if (P.mean_v) {
-        for (int64_t hh = 0; hh < g; ++hh) alpha[hh] = 0.f;
-        for (int64_t j = 0; j < kk; ++j) {
-          const int64_t c = pos[j] / P.cs;
-          const int64_t u = bh * P.nc + c;
-          const float* Lu = sh_logits + u * g * P.cs;
-          const float* w = sh_stats + u * g * 3 + 2 * g;
-          for (int64_t hh = 0; hh < g; ++hh) alpha[hh] += Lu[hh * P.cs + (pos[j] - c * P.cs)] * w[hh];
-        }
-        al = alpha;
-      }
-      setup_bh(bh);  // qf for this bh (cheap)
-      attend<KT, QT>(P, k, v, bh / P.H, bh % P.H, qf, pos, kk, al, lg, y, out);
+    return kbh;
+  };
+  auto reset_state = [&](const Slot& x) {
+    for (int64_t hh = 0; hh < g; ++hh) {
+      x.st[hh].m = kNegInf;
+      std::fill(x.st[hh].z, x.st[hh].z + 16, 0.f);
     }
   };
+  auto locals_into = [&](int32_t* dst) {
+    for (int64_t j = 0; j < P.n_local; ++j) dst[j] = (int32_t)(P.S - P.n_local + j);
+  };
 
-#ifdef _OPENMP
-  if (nt > 1) {
-#pragma omp parallel num_threads(nt)
-    body(omp_get_thread_num());
-  } else {
-    body(0);
+  if (single) {
+    auto fn = [&](int, int64_t bh, int slot) {
+      const Slot x = slot_of(slot);
+      PROF_T0
+      const KT* kbh = setup_bh(x, bh);
+      reset_state(x);
+      PROF_LAP(slot, 0);
+      pass_a<KT>(P, x.rows, kbh, x.qmask, x.qhat, 0, P.S, x.E, ldE, x.st, x.mb, nblk);
+      PROF_LAP(slot, 1);
+      for (int64_t hh = 0; hh < g; ++hh) block_weights(x.mb + hh * nblk, nblk, x.st[hh].m, hsum(load(x.st[hh].z)));
+      PROF_LAP(slot, 2);
+      const int64_t nsel = select_top(x.E, ldE, x.mb, nblk, g, 0, P.n_scored, P.m, x.sc, x.bmax, x.ss, x.si);
+      PROF_LAP(slot, 3);
+      locals_into(x.pos);
+      std::copy(x.si, x.si + nsel, x.pos + P.n_local);
+      const int64_t kk = P.n_local + nsel;
+      if (P.mean_v) {
+        for (int64_t hh = 0; hh < g; ++hh) {
+          float a = 0.f;
+          for (int64_t j = 0; j < kk; ++j) a += x.E[hh * ldE + x.pos[j]] * x.mb[hh * nblk + x.pos[j] / kBlock];
+          x.alpha[hh] = a;
+        }
+      }
+      // Overlapping these random reads with the next bh's stream was measured: no gain (they
+      // share the core's outstanding-miss capacity); one burst of prefetches is as good.
+      prefetch_rows(P, k, v, bh / P.H, bh % P.H, x.pos, kk);
+      PROF_LAP(slot, 4);
+      attend<KT, QT>(P, k, v, bh / P.H, bh % P.H, x.qf, x.pos, kk, P.mean_v ? x.alpha : nullptr, x.lg, x.y, out);
+      PROF_LAP(slot, 5);
+    };
+    run_phases(nt, {BH}, fn);
+    return;
   }
-#else
-  body(0);
-#endif
+
+  // ---- several chunks per bh: pass A per chunk | softmax weights and chunk candidates | merge, attend
+  auto fn = [&](int phase, int64_t u, int slot) {
+    const Slot x = slot_of(slot);
+    if (phase == 0) {
+      const int64_t bh = u / P.nc, c = u % P.nc;
+      const int64_t p0 = c * P.cs, p1 = std::min(P.S, p0 + P.cs);
+      float* stat = ustat(u);
+      for (int64_t hh = 0; hh < g; ++hh) { stat[hh] = kNegInf; stat[g + hh] = 0.f; }
+      if (p1 <= p0) return;
+      const KT* kbh = setup_bh(x, bh);
+      reset_state(x);
+      pass_a<KT>(P, x.rows, kbh, x.qmask, x.qhat, p0, p1, uE(u), ldE, x.st, umb(u), nblk);
+      for (int64_t hh = 0; hh < g; ++hh) { stat[hh] = x.st[hh].m; stat[g + hh] = hsum(load(x.st[hh].z)); }
+    } else if (phase == 1) {
+      const int64_t bh = u / P.nc, c = u % P.nc;
+      const int64_t p0 = c * P.cs, p1 = std::min(P.S, p0 + P.cs);
+      int32_t* count = reinterpret_cast<int32_t*>(ucand(u));
+      *count = 0;
+      if (p1 <= p0) return;
+      for (int64_t hh = 0; hh < g; ++hh) {
+        float M_ = kNegInf, Z = 0.f;
+        for (int64_t cc = 0; cc < P.nc; ++cc) M_ = std::max(M_, ustat(bh * P.nc + cc)[hh]);
+        for (int64_t cc = 0; cc < P.nc; ++cc) {
+          const float* s2 = ustat(bh * P.nc + cc);
+          if (s2[g + hh] > 0.f) Z += s2[g + hh] * std::exp(s2[hh] - M_);
+        }
+        block_weights(umb(u) + hh * nblk, (p1 - p0 + kBlock - 1) / kBlock, M_, Z);
+      }
+      const int64_t shi = std::min(p1, P.n_scored);
+      if (shi > p0) {
+        const int64_t cnt = select_top(uE(u), ldE, umb(u), nblk, g, p0, shi, P.m, x.sc, x.bmax, x.ss, x.si);
+        *count = (int32_t)cnt;
+        std::copy(x.ss, x.ss + cnt, ucand(u) + 16);
+        std::copy(x.si, x.si + cnt, reinterpret_cast<int32_t*>(ucand(u) + 16 + m1));
+      }
+    } else {
+      const int64_t bh = u;
+      int64_t n = 0;
+      for (int64_t c = 0; c < P.nc; ++c) {  // chunks hold ascending positions: so does the concatenation
+        const float* cu = ucand(bh * P.nc + c);
+        const int32_t cnt = *reinterpret_cast<const int32_t*>(cu);
+        std::copy(cu + 16, cu + 16 + cnt, x.ss + n);
+        const int32_t* ci = reinterpret_cast<const int32_t*>(cu + 16 + m1);
+        std::copy(ci, ci + cnt, x.si + n);
+        n += cnt;
+      }
+      n = select_from(x.ss, x.si, n, P.m);
+      locals_into(x.pos);
+      std::copy(x.si, x.si + n, x.pos + P.n_local);
+      const int64_t kk = P.n_local + n;
+      if (P.mean_v) {
+        for (int64_t hh = 0; hh < g; ++hh) x.alpha[hh] = 0.f;
+        for (int64_t j = 0; j < kk; ++j) {
+          const int64_t c = x.pos[j] / P.cs, o = x.pos[j] - c * P.cs;
+          const int64_t uu = bh * P.nc + c;
+          for (int64_t hh = 0; hh < g; ++hh) x.alpha[hh] += uE(uu)[hh * ldE + o] * umb(uu)[hh * nblk + o / kBlock];
+        }
+      }
+      prefetch_rows(P, k, v, bh / P.H, bh % P.H, x.pos, kk);
+      setup_bh(x, bh);  // q in fp32 for this bh (cheap)
+      attend<KT, QT>(P, k, v, bh / P.H, bh % P.H, x.qf, x.pos, kk, P.mean_v ? x.alpha : nullptr, x.lg, x.y, out);
+    }
+  };
+  run_phases(nt, {units, units, BH}, fn);
 }
 
 // How many chunks to split S into: enough units to balance the threads, chunks >= 1024 positions.
@@ -752,8 +1204,6 @@ at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optio
     TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(0) >= B && t.size(1) == H && t.size(2) == d &&
                     t.size(3) >= length && t.scalar_type() == k.scalar_type() && t.stride(3) == 1,
                 "sparq::decode_cpu: k_t must be (B_max, n_kv, d, S_max), S-contiguous, k's dtype");
-  } else {
-    TORCH_CHECK(k.stride(2) < (int64_t(1) << 27), "sparq::decode_cpu: k row stride too large for gathers");
   }
   const auto kdt = k.scalar_type(), qdt = q.scalar_type();
   TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf, "sparq::decode_cpu: unsupported cache dtype");
@@ -773,11 +1223,7 @@ at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optio
   P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
   P.vss0 = v_sum.stride(0); P.vss1 = v_sum.stride(1);
   P.vsum = v_sum.data_ptr<float>();
-  int nthreads = 1;
-#ifdef _OPENMP
-  nthreads = at::get_num_threads();
-#endif
-  P.nc = choose_chunks(B * H, length, nthreads);
+  P.nc = choose_chunks(B * H, length, thread_count());
   P.cs = round_up((length + P.nc - 1) / P.nc, 64);
   P.nc = (int)((length + P.cs - 1) / P.cs);
 
@@ -798,7 +1244,275 @@ at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optio
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Dense decode attention, fused (flash-decoding): every K and V row read once, for all g heads,
+// split over (bh, S chunk) units; chunk results (max, sum, unnormalised output) are combined.
+// ---------------------------------------------------------------------------------------------
+
+struct DenseProblem {
+  int64_t B, H, g, d, S;
+  int64_t qs0, qs1, qs2, qs3, ks0, ks1, ks2, vs0, vs1, vs2;
+  int nc;
+  int64_t cs;
+};
+
+// Register-blocked dense pieces for d = 16 * NV: blocks of 64 positions (in L1 after the first
+// head), four independent dot products at a time, output accumulators in registers.
+template <int NV, typename KT>
+static void dense_logits_nv(const float* qf, int64_t g, const KT* kb, int64_t ks, int64_t p0, int64_t n, float* L,
+                            int64_t ldL) {
+  constexpr int64_t d = 16 * NV;
+  for (int64_t s0 = 0; s0 < n; s0 += 64) {
+    const int64_t s1 = std::min(n, s0 + 64);
+    for (int64_t hh = 0; hh < g; ++hh) {
+      V qv[NV];
+      for (int c = 0; c < NV; ++c) qv[c] = load(qf + hh * d + 16 * c);
+      float* l = L + hh * ldL;
+      int64_t s = s0;
+      for (; s + 4 <= s1; s += 4) {
+        const KT* r0 = kb + (p0 + s) * ks;
+        V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) {
+          a0 = vfma(qv[c], load(r0 + 16 * c), a0);
+          a1 = vfma(qv[c], load(r0 + ks + 16 * c), a1);
+          a2 = vfma(qv[c], load(r0 + 2 * ks + 16 * c), a2);
+          a3 = vfma(qv[c], load(r0 + 3 * ks + 16 * c), a3);
+        }
+        l[s] = hsum(a0);
+        l[s + 1] = hsum(a1);
+        l[s + 2] = hsum(a2);
+        l[s + 3] = hsum(a3);
+      }
+      for (; s < s1; ++s) {
+        const KT* r0 = kb + (p0 + s) * ks;
+        V a0 = vzero();
+        for (int c = 0; c < NV; ++c) a0 = vfma(qv[c], load(r0 + 16 * c), a0);
+        l[s] = hsum(a0);
+      }
+    }
+  }
+}
+
+template <int NV, typename KT>
+static void dense_pv_nv(const float* L, int64_t ldL, int64_t g, const KT* vb, int64_t vs, int64_t p0, int64_t n,
+                        float* y) {
+  constexpr int64_t d = 16 * NV;
+  std::fill(y, y + g * d, 0.f);
+  for (int64_t s0 = 0; s0 < n; s0 += 64) {
+    const int64_t s1 = std::min(n, s0 + 64);
+    for (int64_t hh = 0; hh < g; ++hh) {
+      V acc[NV];
+      for (int c = 0; c < NV; ++c) acc[c] = load(y + hh * d + 16 * c);
+      const float* e = L + hh * ldL;
+      for (int64_t s = s0; s < s1; ++s) {
+        const KT* row = vb + (p0 + s) * vs;
+        const V es = vset(e[s]);
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) acc[c] = vfma(es, load(row + 16 * c), acc[c]);
+      }
+      for (int c = 0; c < NV; ++c) store(y + hh * d + 16 * c, acc[c]);
+    }
+  }
+}
+
+// One unit: positions [p0, p1) of bh. Writes y (g x d, unnormalised) and mz = [m(g), Z(g)].
+template <typename KT, typename QT>
+static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT* v, int64_t bh, int64_t p0,
+                       int64_t p1, float* qf, float* L, int64_t ldL, float* y, float* mz) {
+  const int64_t g = P.g, d = P.d, b = bh / P.H, h = bh % P.H;
+  const int64_t nfull = d / 16, rem = d % 16;
+  const M mrem = tail_mask(rem);
+  const float scale = 1.0f / std::sqrt((float)d);
+  const QT* qb = q + b * P.qs0 + h * P.qs1;
+  for (int64_t hh = 0; hh < g; ++hh)
+    for (int64_t j = 0; j < d; ++j) qf[hh * d + j] = to_f(qb[hh * P.qs2 + j * P.qs3]) * scale;
+  const KT* kb = k + b * P.ks0 + h * P.ks1;
+  const KT* vb = v + b * P.vs0 + h * P.vs1;
+  const int64_t n = p1 - p0;
+  bool blocked = rem == 0;
+#define SPARQ_NV_CASES(X) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(16)
+  if (blocked) {
+    switch (nfull) {
+#define SPARQ_DL(n_) case n_: dense_logits_nv<n_, KT>(qf, g, kb, P.ks2, p0, n, L, ldL); break;
+      SPARQ_NV_CASES(SPARQ_DL)
+#undef SPARQ_DL
+      default: blocked = false;
+    }
+  }
+  // logits
+  for (int64_t s = 0; s < n && !blocked; ++s) {
+    const KT* row = kb + (p0 + s) * P.ks2;
+    for (int64_t hh = 0; hh < g; ++hh) {
+      const float* qh = qf + hh * d;
+      V acc = vzero();
+      for (int64_t c = 0; c < nfull; ++c) acc = vfma(load(qh + 16 * c), load(row + 16 * c), acc);
+      if (rem) acc = vfma(load(qh + 16 * nfull, mrem), load(row + 16 * nfull, mrem), acc);
+      L[hh * ldL + s] = hsum(acc);
+    }
+  }
+  // softmax numerators
+  for (int64_t hh = 0; hh < g; ++hh) {
+    float* l = L + hh * ldL;
+    V mx = vset(kNegInf);
+    for (int64_t s = 0; s < n; s += 16) mx = vmax_masked(mx, tail_mask(n - s), load(l + s, tail_mask(n - s)));
+    const float m = hmax(mx);
+    const V vm = vset(m);
+    V sum = vzero();
+    for (int64_t s = 0; s < n; s += 16) {
+      const M mk = tail_mask(n - s);
+      const V e = vselect(mk, vexp(vsub(load(l + s, mk), vm)), vzero());
+      store(l + s, e, mk);
+      sum = vadd(sum, e);
+    }
+    mz[hh] = m;
+    mz[g + hh] = hsum(sum);
+  }
+  // y = e @ V
+  if (blocked) {
+    switch (nfull) {
+#define SPARQ_DPV(n_) case n_: dense_pv_nv<n_, KT>(L, ldL, g, vb, P.vs2, p0, n, y); break;
+      SPARQ_NV_CASES(SPARQ_DPV)
+#undef SPARQ_DPV
+    }
+    return;
+  }
+#undef SPARQ_NV_CASES
+  std::fill(y, y + g * d, 0.f);
+  for (int64_t s = 0; s < n; ++s) {
+    const KT* row = vb + (p0 + s) * P.vs2;
+    for (int64_t c = 0; c < nfull; ++c) {
+      const V vr = load(row + 16 * c);
+      for (int64_t hh = 0; hh < g; ++hh) {
+        float* yc = y + hh * d + 16 * c;
+        store(yc, vfma(vset(L[hh * ldL + s]), vr, load(yc)));
+      }
+    }
+    if (rem) {
+      const V vr = load(row + 16 * nfull, mrem);
+      for (int64_t hh = 0; hh < g; ++hh) {
+        float* yc = y + hh * d + 16 * nfull;
+        store(yc, vfma(vset(L[hh * ldL + s]), vr, load(yc, mrem)), mrem);
+      }
+    }
+  }
+}
+
+template <typename KT, typename QT>
+static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT* v, QT* out) {
+  const int64_t BH = P.B * P.H, units = BH * P.nc, g = P.g, d = P.d;
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));
+  const int64_t ldL = round_up(P.cs, 16);
+  const int64_t slot_floats = round_up(g * d, 16) + g * ldL + round_up(g * d, 16) + round_up(2 * g, 16);
+  const int64_t unit_floats = P.nc > 1 ? round_up(g * d + 2 * g, 16) : 0;  // y (g x d), m (g), Z (g)
+  Workspace& ws = workspace();
+  std::lock_guard<std::mutex> lock(ws.mu);
+  float* base = ws.get(nt * slot_floats + units * unit_floats + 64);
+  float* ubase = base + nt * slot_floats;
+  auto fn = [&](int phase, int64_t u, int slot) {
+    float* qf = base + slot * slot_floats;
+    float* L = qf + round_up(g * d, 16);
+    float* y = L + g * ldL;
+    float* mz = y + round_up(g * d, 16);
+    if (phase == 0) {
+      const int64_t bh = u / P.nc, c = u % P.nc;
+      const int64_t p0 = c * P.cs, p1 = std::min(P.S, p0 + P.cs);
+      if (P.nc == 1) {
+        dense_unit<KT, QT>(P, q, k, v, bh, p0, p1, qf, L, ldL, y, mz);
+        QT* o = out + bh * g * d;
+        for (int64_t hh = 0; hh < g; ++hh) {
+          const float inv = 1.0f / mz[g + hh];
+          for (int64_t j = 0; j < d; ++j) o[hh * d + j] = from_f<QT>(y[hh * d + j] * inv);
+        }
+        return;
+      }
+      float* U = ubase + u * unit_floats;
+      if (p1 <= p0) {
+        std::fill(U, U + g * d, 0.f);
+        for (int64_t hh = 0; hh < g; ++hh) { U[g * d + hh] = kNegInf; U[g * d + g + hh] = 0.f; }
+        return;
+      }
+      dense_unit<KT, QT>(P, q, k, v, bh, p0, p1, qf, L, ldL, U, U + g * d);
+      return;
+    }
+    const int64_t bh = u;  // phase 1: combine the chunks of bh
+    QT* o = out + bh * g * d;
+    for (int64_t hh = 0; hh < g; ++hh) {
+      float M_ = kNegInf;
+      for (int64_t c = 0; c < P.nc; ++c) M_ = std::max(M_, ubase[(bh * P.nc + c) * unit_floats + g * d + hh]);
+      float Z = 0.f;
+      std::fill(y, y + d, 0.f);
+      for (int64_t c = 0; c < P.nc; ++c) {
+        const float* U = ubase + (bh * P.nc + c) * unit_floats;
+        if (!(U[g * d + g + hh] > 0.f)) continue;
+        const float w = std::exp(U[g * d + hh] - M_);
+        Z += w * U[g * d + g + hh];
+        for (int64_t j = 0; j < d; ++j) y[j] += w * U[hh * d + j];
+      }
+      const float inv = 1.0f / Z;
+      for (int64_t j = 0; j < d; ++j) o[hh * d + j] = from_f<QT>(y[j] * inv);
+    }
+  };
+  if (P.nc == 1) run_phases(nt, {units}, fn);
+  else run_phases(nt, {units, BH}, fn);
+}
+
+at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "sparq::dense_cpu: expected q (B, n_kv, g, d), k/v (B_max, n_kv, S_max, d)");
+  const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "sparq::dense_cpu: CPU tensors only");
+  TORCH_CHECK(k.size(0) >= B && k.size(1) == H && k.size(3) == d && v.sizes() == k.sizes(),
+              "sparq::dense_cpu: k/v shape ", k.sizes(), " does not match q ", q.sizes());
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "sparq::dense_cpu: k and v dtypes differ");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "sparq::dense_cpu: k and v must be contiguous in the head dim");
+  TORCH_CHECK(1 <= length && length <= k.size(2), "sparq::dense_cpu: length ", length, " outside [1, ", k.size(2), "]");
+  const auto kdt = k.scalar_type(), qdt = q.scalar_type();
+  TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf, "sparq::dense_cpu: unsupported cache dtype");
+  TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, "sparq::dense_cpu: unsupported q dtype");
+  DenseProblem P{};
+  P.B = B; P.H = H; P.g = g; P.d = d; P.S = length;
+  P.qs0 = q.stride(0); P.qs1 = q.stride(1); P.qs2 = q.stride(2); P.qs3 = q.stride(3);
+  P.ks0 = k.stride(0); P.ks1 = k.stride(1); P.ks2 = k.stride(2);
+  P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
+  // chunks: balance the threads, and bound the logits buffer (g x cs floats per thread)
+  P.nc = choose_chunks(B * H, length, thread_count());
+  P.cs = round_up((length + P.nc - 1) / P.nc, 64);
+  const int64_t max_cs = std::max<int64_t>(1024, (int64_t(1) << 18) / std::max<int64_t>(g, 1));
+  if (P.cs > max_cs) P.cs = round_up(max_cs, 64);
+  P.nc = (int)((length + P.cs - 1) / P.cs);
+  at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+#define SPARQ_RUN(KT, QT) run_dense<KT, QT>(P, q.data_ptr<QT>(), k.data_ptr<KT>(), v.data_ptr<KT>(), out.data_ptr<QT>())
+#define SPARQ_Q(KT)                                  \
+  if (qdt == at::kFloat) SPARQ_RUN(KT, float);       \
+  else if (qdt == at::kBFloat16) SPARQ_RUN(KT, bf16); \
+  else SPARQ_RUN(KT, f16);
+  if (kdt == at::kFloat) { SPARQ_Q(float) }
+  else if (kdt == at::kBFloat16) { SPARQ_Q(bf16) }
+  else { SPARQ_Q(f16) }
+#undef SPARQ_Q
+#undef SPARQ_RUN
+  return out;
+}
+
 }  // namespace
 }  // namespace sparq_cpu
 
-TORCH_LIBRARY_IMPL(sparq, CPU, m) { m.impl("decode_cpu", &sparq_cpu::decode_cpu); }
+#ifdef SPARQ_PROFILE
+at::Tensor prof_counters(bool reset) {
+  at::Tensor t = at::empty({8, 8}, at::kDouble);
+  std::memcpy(t.data_ptr<double>(), sparq_cpu::g_prof, sizeof(sparq_cpu::g_prof));
+  if (reset) std::memset(sparq_cpu::g_prof, 0, sizeof(sparq_cpu::g_prof));
+  return t;
+}
+TORCH_LIBRARY(sparqprof, m) {
+  m.def("decode(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, int length, int r, int k_top, int local, bool mean_v) -> Tensor", &sparq_cpu::decode_cpu);
+  m.def("counters(bool reset) -> Tensor", &prof_counters);
+  m.def("dense(Tensor q, Tensor k, Tensor v, int length) -> Tensor", &sparq_cpu::dense_cpu);
+}
+#else
+TORCH_LIBRARY_IMPL(sparq, CPU, m) {
+  m.impl("decode_cpu", &sparq_cpu::decode_cpu);
+  m.impl("dense_cpu", &sparq_cpu::dense_cpu);
+}
+#endif

@@ -126,19 +126,21 @@ def test_compression_parsing():
 
 def test_retrieval_examples_are_deterministic_from_the_seed():
     tok = ByteTokenizer()
-    a = ev.retrieval_examples(tok, 1500, 3, seed=7)
-    b = ev.retrieval_examples(tok, 1500, 3, seed=7)
-    c = ev.retrieval_examples(tok, 1500, 3, seed=8)
+    a = ev.retrieval_examples(tok, 3000, 4, seed=7)
+    b = ev.retrieval_examples(tok, 3000, 4, seed=7)
+    c = ev.retrieval_examples(tok, 3000, 4, seed=8)
     assert [e.prompt for e in a] == [e.prompt for e in b]
     assert [e.prompt for e in a] != [e.prompt for e in c]
     for e in a:
-        assert len(e.prompt) == 1500
+        assert len(e.prompt) == 3000
         text = tok.decode(e.prompt)
         key = e.meta["key"]
-        assert f"\n{key}: {e.key}\n" in text  # the asked key's line is in the context, with its value
-        assert text.count(f"{key}:") == 1
-        assert text.endswith(f"What is the value of {key}?</user><assistant>The value of {key} is")
-        assert tok.decode(e.answer) == f" {e.key}."
+        assert text.count("One of the special magic numbers for ") == 4  # the asked key and 3 distractors
+        assert f"One of the special magic numbers for {key} is: {e.key}." in text
+        assert text.endswith(f"for {key} mentioned in the text above?</user><assistant>"
+                             f"The special magic number for {key} is")
+        assert tok.decode(e.answer) == f" {e.key}." and len(e.key) == 7
+    assert sorted(e.meta["depth"] for e in a) == [0.125, 0.375, 0.625, 0.875]  # the asked key's depth cycles
 
 
 def test_needle_examples_have_exact_length_and_the_needle():
@@ -162,6 +164,13 @@ def test_repetition_examples_repeat_a_passage_from_the_context():
         assert len(context) >= 6000 and len(passage) >= 128
         assert passage + e.continuation in context  # the true continuation follows the passage in the context
         assert len(e.continuation) == 256
+
+
+def test_repetition_needs_6000_characters_of_context():
+    tok = ByteTokenizer()  # one token per character
+    with pytest.raises(UserError, match="6000 characters"):
+        ev.repetition_examples(tok, 6100, 1, seed=0)  # the passage leaves < 6000 characters of context
+    assert all(len(e.prompt) == 6600 for e in ev.repetition_examples(tok, 6600, 3, seed=0))
 
 
 def test_bpc_examples_continue_the_context():
@@ -211,6 +220,7 @@ def test_shared_prefill_and_rewind_equal_fresh_runs():
     model = tiny_model(1)
     S, new = 48, 12
     budgets = [ev.Budget("dense", Fraction(1), S), ev.Budget("h2o", Fraction(1, 4), S, k=12),
+               ev.Budget("h2o", Fraction(1, 8), S, k=6),  # shares the first H2O's prefill scores
                ev.Budget("sparq", Fraction(1, 4), S, r=4, k=8), ev.Budget("local", Fraction(1, 4), S, k=20),
                ev.Budget("topk", Fraction(1, 2), S, k=5)]
     prompts = torch.randint(0, 97, (2, S))
@@ -221,13 +231,29 @@ def test_shared_prefill_and_rewind_equal_fresh_runs():
     for config in configs:
         runner.teacher_force(config, torch.randint(0, 97, (2, 7)).tolist())  # disturb the cache and state
         tokens, _ = runner.greedy(config, new, set(), lambda b, t: False)
-        shared[config.method] = tokens
+        shared[config.budget] = tokens
     for config in configs_for(model, budgets):
         model.setup_caches(2, S + new)
         model.set_decode_attention(lambda i: config.layers[i])
         fresh, _ = Generator(model).generate(prompts, new)
-        assert shared[config.method] == fresh, config.method
-    assert shared["h2o"] != shared["dense"] or shared["local"] != shared["dense"]  # the budgets bite
+        assert shared[config.budget] == fresh, config.budget.describe()
+    assert len({str(tokens) for tokens in shared.values()}) > 2  # the budgets bite
+
+
+def test_shared_h2o_prefill_scores_match_a_naive_reference():
+    """FanOut computes H2O's prefill scores once for every budget: they must be the column sums of the
+    causal softmax, averaged over each KV head's query heads (chunk boundaries included)."""
+    from sparq import H2ODecode
+
+    torch.manual_seed(3)
+    B, H, n_kv, T, d = 2, 6, 2, 300, 16
+    q = (2 * torch.randn(B, T, H, d)).transpose(1, 2)  # non-contiguous, as in the model
+    k = 2 * torch.randn(B, n_kv, T, d)
+    logits = q @ k.repeat_interleave(H // n_kv, dim=1).transpose(-1, -2) / math.sqrt(d)  # (B, H, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    expected = probs.sum(2).view(B, n_kv, H // n_kv, T).mean(2)
+    torch.testing.assert_close(H2ODecode.prefill_received(q, k, chunk=128), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_teacher_forcing_handles_ragged_targets():
@@ -242,6 +268,37 @@ def test_teacher_forcing_handles_ragged_targets():
     runner.prefill(prompts[1:], [dense], 6)
     alone, _, _ = runner.teacher_force(dense, [targets[1]])
     torch.testing.assert_close(torch.tensor(lp[1]), torch.tensor(alone[0]), atol=1e-5, rtol=1e-5)
+
+
+def test_results_rows_tables_and_plot(tmp_path):
+    results = ev.Results()
+    dense = ev.Config(ev.Budget("dense", Fraction(1), 2048), [])
+    sparq = ev.Config(ev.Budget("sparq", Fraction(1, 8), 2048, r=8, k=128, achieved=0.126), [])
+    local = ev.Config(ev.Budget("local", Fraction(1, 8), 2048, k=255, achieved=0.125), [])
+    results.add("bpc", dense, "bpc", [0.9, 1.3, 1.1])
+    results.add("bpc", sparq, "bpc", [0.91, 1.31, 1.12])
+    results.add("bpc", local, "bpc", [1.0, 1.4, 1.2])
+    results.add("needle", dense, "exact_match", [1.0, 1.0, 0.0, 1.0])
+    results.add("needle", local, "exact_match", [0.0, 1.0, 0.0, 0.0])
+    results.achieved[("bpc", "sparq", Fraction(1, 8))] += [0.126]
+    rows = {(r["task"], r["attention"]): r for r in results.rows()}
+    assert rows[("bpc", "sparq")]["score"] == pytest.approx(1.113333, abs=1e-5)
+    assert rows[("bpc", "sparq")]["delta_vs_dense"] == pytest.approx(0.013333, abs=1e-5)
+    assert rows[("bpc", "sparq")]["delta_stderr"] < rows[("bpc", "sparq")]["stderr"] / 10  # pairing helps
+    assert rows[("bpc", "local")]["delta_vs_dense"] == pytest.approx(0.1)
+    assert rows[("bpc", "sparq")]["achieved_compression"] == 0.126
+    assert rows[("needle", "dense")]["higher_is_better"] and not rows[("bpc", "dense")]["higher_is_better"]
+    assert "delta_vs_dense" not in rows[("needle", "dense")]
+    all_rows = results.rows()
+    text = ev.table(all_rows, ["dense", "sparq", "local"], [Fraction(1), Fraction(1, 8)])
+    assert "bpc↓ 1/8" in text and "exact_match %↑ 1" in text
+    sparq_line = next(line for line in text.splitlines() if line.startswith("sparq") and "1.113" in line)
+    assert "1.100±" in sparq_line and "1.113±" in sparq_line and "*" in sparq_line  # dense column, best marked
+    assert "75.0±25.0" in text  # needle dense, in percent
+    deltas = ev.delta_table(all_rows, ["sparq", "local"], [Fraction(1), Fraction(1, 8)])
+    assert "+0.100±0.000" in deltas and "-50.0±28.9" in deltas  # needle diffs -1, 0, 0, -1
+    ev.plot(all_rows, tmp_path / "p.png", ["dense", "sparq", "local"])
+    assert (tmp_path / "p.png").stat().st_size > 5000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,25 +333,34 @@ def test_bad_flag_is_one_line_without_traceback():
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
 def test_smoke_every_task_on_the_embedded_model(tmp_path, capsys):
-    out = tmp_path / "eval.json"
-    png = tmp_path / "eval.png"
-    rc = ev.main(["--task", "needle,repetition,bpc,retrieval,diagnostics", "--attention", "dense,sparq,h2o,local",
-                  "--compression", "1/8", "--examples", "2", "--lengths", "1024", "--batch-size", "2",
-                  "--kernel", "torch", "--json", str(out), "--plot", str(png), "--quiet"])
-    assert rc == 0
-    rows = json.loads(out.read_text())["results"]
+    out, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    common = ["--attention", "dense,sparq,h2o,local", "--batch-size", "2", "--kernel", "torch", "--json", str(out),
+              "--quiet"]
+    rows = []
+    for argv in (["--task", "needle,retrieval", "--lengths", "1024", "--examples", "2", "--compression", "1/8",
+                  "--plot", str(png)],
+                 ["--task", "bpc,diagnostics", "--lengths", "512", "--examples", "2", "--compression", "1/2",
+                  "--bpc-tokens", "24"],
+                 # repetition needs >= 6000 characters of context: 2048 tokens of Shakespeare
+                 ["--task", "repetition", "--lengths", "2048", "--examples", "1", "--compression", "1/8",
+                  "--repetition-chars", "96"]):
+        assert ev.main(argv + common) == 0
+        rows += json.loads(out.read_text())["results"]
     got = {(r["task"], r["metric"], r["attention"]): r for r in rows}
     for r in rows:
         assert set(r) >= {"task", "metric", "higher_is_better", "attention", "compression", "score", "stderr", "n"}
     assert got[("needle", "exact_match", "dense")]["score"] >= 0.5
-    assert got[("needle", "answer_nll", "dense")]["score"] < 1.5
-    assert got[("retrieval", "answer_nll", "dense")]["score"] < 2.0
+    assert got[("needle", "answer_nll", "dense")]["score"] < 1.0
+    assert got[("retrieval", "answer_nll", "dense")]["score"] < 1.5
     assert got[("bpc", "bpc", "dense")]["score"] < 1.5
-    assert got[("repetition", "chars", "dense")]["score"] > 20
+    assert got[("repetition", "chars", "dense")]["score"] > 10
     assert got[("diagnostics", "top1_agreement", "dense")]["score"] == 1.0
     assert got[("diagnostics", "attn_rel_l2", "dense")]["score"] == pytest.approx(0, abs=1e-6)
-    assert 0.3 < got[("diagnostics", "topk_agreement", "sparq")]["score"] <= 1.0
+    assert 0.5 < got[("diagnostics", "topk_agreement", "sparq")]["score"] <= 1.0  # r = 32 of 64
+    assert got[("diagnostics", "attn_rel_l2", "sparq")]["score"] < 0.5
     for method in ("sparq", "h2o", "local"):
-        assert got[("bpc", "bpc", method)]["achieved_compression"] == pytest.approx(0.125, abs=0.02)
+        assert got[("bpc", "bpc", method)]["achieved_compression"] == pytest.approx(0.5, abs=0.01)
+        assert got[("needle", "exact_match", method)]["achieved_compression"] == pytest.approx(0.125, abs=0.012)
     assert png.stat().st_size > 10_000
-    assert "needle" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "needle" in printed and "exact_match" in printed

@@ -1,0 +1,698 @@
+"""Weight-only int8 / int4 quantization of a checkpoint, and the modules that run it.
+
+    python quantize.py --checkpoint checkpoints/SmolLM2-135M-Instruct/model.pth --mode int8
+    python quantize.py --checkpoint checkpoints/SmolLM2-135M-Instruct --mode int4 --group-size 32
+
+writes model_int8.pth / model_int4.g{gs}.pth next to the input (or --out). The file is a state dict
+plus a plain "__quantization__" dict; model.load_model pops it, calls prepare_model() on the meta
+model before load_state_dict(assign=True), and finalize_model() once the model is on its device.
+Loading never looks at the file name.
+
+Schemes (w is one row of a weight (N out, K in); every scale and zero is a bfloat16 value):
+  int8  symmetric per output channel:  w ~ q * s,               q in [-127, 127], s = amax / 127
+  int4  affine per group of K:         w ~ (q - 8) * s + z,     q in [0, 15], one (s, z) per group
+The (q - 8) * s + z form is the one PyTorch's int4 kernels use, so the file feeds them directly.
+Scales and zeros are chosen as bfloat16 values (s rounded up, so the grid still covers the group)
+and q is computed against those rounded values: the packed kernels (which read bf16 scales) and
+the plain fallback dequantize to exactly the same weights, and |w - dq(w)| <= s / 2 holds exactly.
+
+What is quantized, and why:
+  * Every linear layer of the blocks (wqkv, wo, w1, w2, w3): the bulk of the bytes read per step.
+  * The output head, int8 per channel by default in both modes (--head int8|int4|none). The head
+    is 49152 x 576 on SmolLM2, 21% of the parameters, and at batch 1 it is read whole every step,
+    so it must be quantized for speed. int8 rather than int4 by default: the llama.cpp Q4_1 file
+    we compare with keeps this tensor in Q8_0, and the logits are what sampling sees. --head int4
+    is faster still (the head becomes ~1/3 of an int8 head's time) at some cost in logit error.
+  * The embedding. When it is tied to the head (SmolLM2) it IS the head's tensor: the lookup
+    gathers the B rows it needs and dequantizes them with the head's per-row (= per output
+    channel) scales, so tying costs nothing and the file holds the tensor once. An untied
+    embedding is quantized int8 per row: a lookup reads only B rows, so this saves memory, not time.
+  * RMSNorm weights stay floating point (tiny; load_model casts them to the requested dtype).
+Quantized embeddings emit fp32 activations: model.setup_caches keeps fp32 KV caches for them.
+
+Kernels (CPU, torch 2.13): aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu are only
+vectorized for bfloat16 activations (AVX512/AVX2); with fp32 activations they run a scalar loop,
+10-30x slower. So the fast path ("packed") casts the activations to bf16, runs the kernel (fp32
+accumulation inside) and casts the result back. It was the fastest choice for every linear shape of
+SmolLM2 at batch 1-8 and even at prefill sizes (see the numbers in the PR note); "dequant" (the
+plain fallback: dequantize, then F.linear in the activation dtype) stays beside it and is used
+where no packed kernel applies. On CUDA: int4 uses aten._weight_int4pack_mm, int8 the fallback
+(which inductor fuses). finalize_model checks each packed kernel once against the fallback on the
+running machine and falls back (with a warning) if it disagrees.
+
+File portability: the int4 weights are stored unpacked-portable (two 4-bit values per byte, low
+nibble = even column) and packed for the local kernel at load time, because the CPU packed layout
+depends on the machine's vector ISA (64-wide blocks on AVX512, 32-wide on AVX2) and CUDA's differs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+FORMAT_VERSION = 1
+MODES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128, 256)
+DEFAULT_GROUP_SIZE = 32
+HEAD_CHOICES = ("int8", "int4", "none")
+BACKENDS = ("auto", "int4x2", "int8pack", "dequant")  # see Int8Linear; int4 layers: auto = int4pack
+BACKEND_ENV = "SPARQ_QUANT_BACKEND"  # force a backend (benchmarks, debugging)
+KERNEL_DTYPE = torch.bfloat16  # the activation dtype the packed kernels are vectorized for
+
+
+class QuantizationError(Exception):
+    """A user mistake: unknown mode, bad group size, already-quantized input... (one line)."""
+
+
+# =============================================================================================
+# Numerics: quantize / dequantize (pure functions; the tests use them as the reference)
+# =============================================================================================
+
+
+def round_up_bf16(x: Tensor) -> Tensor:
+    """Smallest bfloat16 value >= x (x > 0, fp32), returned as fp32."""
+    x = x.float()
+    b = x.to(torch.bfloat16)
+    low = b.float() < x
+    if bool(low.any()):  # round-to-nearest went down: step one bf16 ulp up (positive values)
+        bumped = (b.view(torch.int16) + 1).view(torch.bfloat16)
+        b = torch.where(low, bumped, b)
+    return b.float()
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8. w (N, K) -> q int8 (N, K), scales (N,) bf16.
+
+    s = amax / 127 rounded up to bf16, so |w| <= 127 s and nothing clips: |w - q s| <= s / 2.
+    """
+    w = w.float()
+    amax = w.abs().amax(dim=1)
+    scales = round_up_bf16(torch.clamp(amax / 127.0, min=1e-12))
+    q = torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8)
+    return q, scales.to(torch.bfloat16)
+
+
+def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
+    """q (N, K) int8, scales (N,) -> fp32 (N, K)."""
+    return q.float() * scales.float()[:, None]
+
+
+def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Grouped affine int4. w (N, K) -> q uint8 (N, K) in [0, 15], scales, zeros (N, K / gs) bf16.
+
+    Dequantization: (q - 8) * s + z. z = bf16(midpoint of the group's [min, max]); s is the smallest
+    bf16 step for which the 16-level grid around that z still covers [min, max], so no value clips
+    and |w - dq(w)| <= s / 2.
+    """
+    N, K = w.shape
+    if K % group_size:
+        raise QuantizationError(f"group size {group_size} does not divide the input dimension {K}")
+    g = w.float().reshape(N, K // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    zeros = (lo + 8.0 / 15.0 * (hi - lo)).to(torch.bfloat16).float()  # level 8 sits 8/15 up the range
+    step = torch.maximum((zeros - lo) / 8.0, (hi - zeros) / 7.0)
+    scales = round_up_bf16(torch.clamp(step, min=1e-12))
+    q = torch.clamp(torch.round((g - zeros[..., None]) / scales[..., None]) + 8, 0, 15)
+    return q.reshape(N, K).to(torch.uint8), scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
+
+
+def dequantize_int4(q: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+    """q (N, K) values in [0, 15], scales / zeros (N, K / gs) -> fp32 (N, K)."""
+    N, K = q.shape
+    groups = scales.shape[-1]
+    g = (q.float().reshape(N, groups, K // groups) - 8.0) * scales.float()[..., None] + zeros.float()[..., None]
+    return g.reshape(N, K)
+
+
+def pack_nibbles(q: Tensor) -> Tensor:
+    """(N, K) uint8 values in [0, 15] -> (N, K / 2) uint8: low nibble = even column, high = odd."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(p: Tensor) -> Tensor:
+    """Inverse of pack_nibbles, on any leading shape: (..., K / 2) uint8 -> (..., K) uint8."""
+    return torch.stack([p & 0x0F, p >> 4], dim=-1).flatten(-2)
+
+
+# =============================================================================================
+# Modules
+# =============================================================================================
+
+
+def _forced_backend() -> Optional[str]:
+    forced = os.environ.get(BACKEND_ENV, "")
+    if forced and forced not in BACKENDS:
+        warnings.warn(f"ignoring {BACKEND_ENV}={forced!r} (expected one of {', '.join(BACKENDS)})")
+        return None
+    return forced or None
+
+
+def _as_2d_bf16(x: Tensor, K: int) -> Tensor:
+    return x.reshape(-1, K).to(KERNEL_DTYPE).contiguous()
+
+
+def _int4_scales_and_zeros(scales: Tensor, zeros: Tensor) -> Tensor:
+    """(N, G) scales and zeros -> the kernels' (G, N, 2) bf16 layout."""
+    return torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+
+
+def _int4pack_mm(x2: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
+    if packed.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x2, packed, group_size, scales_and_zeros)
+
+
+def pack_int4_for_kernel(q: Tensor) -> Tensor:
+    """(N, K) values in [0, 15] (any integer dtype) -> the layout of this device's int4 kernel."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    K = q.shape[1]
+    inner_k_tiles = next(t for t in (8, 4, 2) if K % (t * 16) == 0)
+    q = q.to(torch.uint8)
+    cuda_nibbles = ((q[:, 0::2] << 4) | q[:, 1::2]).contiguous()  # CUDA: high nibble = even column
+    return torch.ops.aten._convert_weight_to_int4pack(cuda_nibbles, inner_k_tiles)
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T, W = q * s stored int8 per output channel: buffers weight (N, K) int8, scales (N,) bf16.
+
+    Kernels (self.kernel, chosen by finalize):
+      "int4x2"   q = 16 hi + lo with hi in [-8, 7], lo in [0, 15]: both halves go through the int4
+                 kernel as one (N, 2K) matrix -- [hi | lo] with scales 16 s / s and zeros 0 / 8 s --
+                 against [x | x]. Exactly the same weights; the int4 kernel is ~1.3x faster than
+                 the int8 one here because the int8 kernel is compute-bound on this CPU.
+      "int8pack" aten._weight_int8pack_mm.
+      "dequant"  F.linear(x, q.to(x.dtype)) * s (the plain fallback; CUDA's path, fused by inductor).
+    """
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, dtype=torch.bfloat16, device=device))
+        self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("scales_and_zeros", None, persistent=False)
+        self.split_group_size = 0
+        self.kernel = "dequant"  # finalize() picks a packed kernel where one applies
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+
+    def supports(self, kernel: str) -> bool:
+        cpu = self.scales.device.type == "cpu"
+        if kernel == "int4x2":  # int4 kernel: N in blocks of 16; groups must not straddle hi | lo
+            return cpu and self.out_features % 16 == 0 and self.in_features % 32 == 0
+        if kernel == "int8pack":  # the CPU kernel walks K in steps of 16 (AVX512) with no tail
+            return cpu and self.in_features % 32 == 0
+        return kernel == "dequant"
+
+    def use_kernel(self, kernel: str) -> None:
+        """Build what `kernel` reads (from the int8 weight) and switch to it."""
+        if kernel == "int4x2":
+            N, K = self.weight.shape
+            gs = next(g for g in (256, 128, 64, 32) if K % g == 0)
+            q = self.weight.to(torch.int32)
+            hi = torch.div(q, 16, rounding_mode="floor")  # [-8, 7]
+            lo = q - 16 * hi  # [0, 15]
+            self.packed = pack_int4_for_kernel(torch.cat([hi + 8, lo], dim=1))
+            s = self.scales.float()[:, None].expand(N, K // gs)
+            scales = torch.cat([16 * s, s], dim=1)  # exact in bf16: powers of two times a bf16 value
+            zeros = torch.cat([torch.zeros_like(s), 8 * s], dim=1)
+            self.scales_and_zeros = _int4_scales_and_zeros(scales, zeros)
+            self.split_group_size = gs
+        elif kernel == "int8pack":
+            if self.weight.data_ptr() % 64:  # the kernel uses aligned loads: own, aligned memory
+                self.weight = self.weight.clone()
+        elif kernel != "dequant":
+            raise ValueError(f"unknown int8 kernel {kernel!r}")
+        self.kernel = kernel
+
+    def finalize(self, backend: Optional[str] = None, keep_weight: bool = False) -> None:
+        """Pick the kernel (backend None/"auto" = fastest that applies and passes the self-check).
+        Drops the int8 weight when the kernel no longer reads it, unless keep_weight."""
+        if self.kernel != "dequant":
+            return
+        choices = {"auto": ("int4x2", "int8pack"), "int4x2": ("int4x2",), "int8pack": ("int8pack",),
+                   "dequant": ()}[backend or "auto"]
+        for kernel in choices:
+            if self.supports(kernel) and _kernel_ok(kernel, self.scales.device):
+                self.use_kernel(kernel)
+                break
+        if self.kernel == "int4x2" and not keep_weight:
+            self.weight = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel == "int4x2":
+            return self.forward_int4x2(x)
+        if self.kernel == "int8pack":
+            return self.forward_int8pack(x)
+        return self.forward_dequant(x)
+
+    def forward_int4x2(self, x: Tensor) -> Tensor:
+        x2 = _as_2d_bf16(x, self.in_features)
+        y = _int4pack_mm(torch.cat([x2, x2], dim=1), self.packed, self.split_group_size, self.scales_and_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def forward_int8pack(self, x: Tensor) -> Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(_as_2d_bf16(x, self.in_features), self.weight, self.scales)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def forward_dequant(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+
+    def dequantized_weight(self) -> Tensor:
+        return dequantize_int8(self.weight, self.scales)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T, W int4 affine per group of `group_size` inputs: w = (q - 8) * s + z.
+
+    Stored (persistent): weight (N, K/2) uint8 portable nibbles, scales and zeros (N, K/gs) bf16.
+    Kernels: "int4pack" (aten int4 kernel; finalize packs the weight for this machine into
+    `packed` / `scales_and_zeros` and drops the portable tensors unless keep_weight) or "dequant".
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, device=None):
+        super().__init__()
+        if in_features % group_size:
+            raise QuantizationError(f"group size {group_size} does not divide the input dimension {in_features}")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        groups = in_features // group_size
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.bfloat16, device=device))
+        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.bfloat16, device=device))
+        self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("scales_and_zeros", None, persistent=False)
+        self.kernel = "dequant"
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, kernel={self.kernel}")
+
+    def supports(self, kernel: str) -> bool:
+        device = self.scales.device.type
+        if kernel == "int4pack":
+            if device == "cpu":  # the kernel's N blocks are 16, 32, 48 or 64 wide
+                return self.out_features % 16 == 0
+            return device == "cuda" and self.out_features % 8 == 0 and self.in_features % 32 == 0
+        return kernel == "dequant"
+
+    def use_kernel(self, kernel: str) -> None:
+        if kernel == "int4pack":
+            self.packed = pack_int4_for_kernel(unpack_nibbles(self.weight))
+            self.scales_and_zeros = _int4_scales_and_zeros(self.scales, self.zeros)
+        elif kernel != "dequant":
+            raise ValueError(f"unknown int4 kernel {kernel!r}")
+        self.kernel = kernel
+
+    def finalize(self, backend: Optional[str] = None, keep_weight: bool = False) -> None:
+        if self.kernel != "dequant" or backend == "dequant":
+            return
+        if self.supports("int4pack") and _kernel_ok("int4pack", self.scales.device, self.group_size):
+            self.use_kernel("int4pack")
+            if not keep_weight:  # the packed copies replace them (and weight_bytes counts them once)
+                self.weight = self.scales = self.zeros = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel == "int4pack":
+            return self.forward_int4pack(x)
+        return self.forward_dequant(x)
+
+    def forward_int4pack(self, x: Tensor) -> Tensor:
+        y = _int4pack_mm(_as_2d_bf16(x, self.in_features), self.packed, self.group_size, self.scales_and_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def forward_dequant(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.dequantized_weight().to(x.dtype))
+
+    def dequantized_weight(self) -> Tensor:
+        if self.weight is None:
+            raise RuntimeError("the portable int4 weight was dropped after packing (finalize keep_weight=False)")
+        return dequantize_int4(unpack_nibbles(self.weight), self.scales, self.zeros)
+
+
+class Int8Embedding(nn.Module):
+    """Embedding rows stored int8 with one bf16 scale per row (= the head's output channel when tied)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(num_embeddings, dtype=torch.bfloat16, device=device))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.weight[idx].float() * self.scales[idx].float().unsqueeze(-1)
+
+
+class Int4Embedding(nn.Module):
+    """Embedding rows in the Int4Linear portable format (used when an int4 head is tied)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group_size: int, device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.group_size = num_embeddings, embedding_dim, group_size
+        groups = embedding_dim // group_size
+        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(num_embeddings, groups, dtype=torch.bfloat16, device=device))
+        self.register_buffer("zeros", torch.empty(num_embeddings, groups, dtype=torch.bfloat16, device=device))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        q = unpack_nibbles(self.weight[idx]).float()  # (..., D)
+        shape = (*q.shape[:-1], self.embedding_dim // self.group_size, self.group_size)
+        scales = self.scales[idx].float().unsqueeze(-1)
+        zeros = self.zeros[idx].float().unsqueeze(-1)
+        return ((q.reshape(shape) - 8.0) * scales + zeros).flatten(-2)
+
+
+QUANTIZED_MODULES = (Int8Linear, Int4Linear, Int8Embedding, Int4Embedding)
+
+
+# Self-check of each packed kernel on the running machine, once per (kernel, device, group size).
+_KERNEL_CHECKS: dict[tuple[str, str, int], bool] = {}
+
+
+def _kernel_ok(kernel: str, device: torch.device, group_size: int = 0) -> bool:
+    key = (kernel, str(device), group_size)
+    if key not in _KERNEL_CHECKS:
+        _KERNEL_CHECKS[key] = _check_kernel(kernel, device, group_size)
+    return _KERNEL_CHECKS[key]
+
+
+def _check_kernel(kernel: str, device: torch.device, group_size: int) -> bool:
+    """Run `kernel` on a small random layer and compare it with the dequantized matmul."""
+    gen = torch.Generator().manual_seed(0)
+    N, K = 64, max(2 * group_size, 128)
+    w = torch.randn(N, K, generator=gen)
+    x = torch.randn(5, K, generator=gen).to(KERNEL_DTYPE).float()  # bf16 values: the kernels' input
+    try:
+        if kernel == "int4pack":
+            layer = Int4Linear(K, N, group_size)
+            q, layer.scales, layer.zeros = quantize_int4(w, group_size)
+            layer.weight = pack_nibbles(q)
+        else:
+            layer = Int8Linear(K, N)
+            layer.weight, layer.scales = quantize_int8(w)
+        layer = layer.to(device)
+        expected = (x @ layer.dequantized_weight().T).cpu()
+        layer.use_kernel(kernel)
+        actual = layer(x.to(device)).cpu()
+        # The same weights on both sides; the kernel rounds its output to bf16 (8 bits of mantissa).
+        ok = torch.allclose(actual, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+    except (RuntimeError, NotImplementedError, AttributeError, StopIteration) as e:
+        warnings.warn(f"{kernel} kernel unavailable on {device} ({str(e).splitlines()[0]}); "
+                      f"using another kernel or the dequantize-then-matmul fallback")
+        return False
+    if not ok:
+        warnings.warn(f"{kernel} kernel disagrees with the reference on {device}; "
+                      f"using another kernel or the dequantize-then-matmul fallback")
+    return ok
+
+
+# =============================================================================================
+# Model-level: what gets quantized, prepare (meta swap before loading), finalize (after loading)
+# =============================================================================================
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The block linears, in model order (the output head is handled separately)."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "output"]
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _check_metadata(quantization: dict) -> tuple[str, Optional[int], str]:
+    """(mode, group_size, head) from a file's metadata; CheckpointError for anything unknown."""
+    from model import CheckpointError
+
+    if not isinstance(quantization, dict):
+        raise CheckpointError("corrupt quantization metadata (not a dict)")
+    version = quantization.get("format", 1)
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"quantized checkpoint format {version} is not supported (this code reads {FORMAT_VERSION})")
+    mode = quantization.get("mode")
+    if mode not in MODES:
+        raise CheckpointError(f"unknown quantization mode {mode!r} in the checkpoint")
+    group_size = quantization.get("group_size")
+    if mode == "int4" and group_size not in GROUP_SIZES:
+        raise CheckpointError(f"unsupported int4 group size {group_size!r} in the checkpoint")
+    head = quantization.get("head", "int8")
+    if head not in HEAD_CHOICES:
+        raise CheckpointError(f"unknown head quantization {head!r} in the checkpoint")
+    return mode, group_size, head
+
+
+def prepare_model(model: nn.Module, quantization: dict) -> None:
+    """Swap the float modules of a (meta-device) Transformer for the quantized ones the file holds.
+
+    Called by model.load_model before load_state_dict(assign=True, strict=True): the buffer names
+    here are exactly the keys quantize_state_dict writes.
+    """
+    from model import CheckpointError
+
+    mode, group_size, head = _check_metadata(quantization)
+    args = model.args
+    device = model.norm.weight.device
+    try:
+        for name in _linear_names(model):
+            linear = model.get_submodule(name)
+            K, N = linear.in_features, linear.out_features
+            new = Int8Linear(K, N, device) if mode == "int8" else Int4Linear(K, N, group_size, device)
+            _set_module(model, name, new)
+        V, D = args.vocab_size, args.dim
+        if head == "int8":
+            model.output = Int8Linear(D, V, device)
+        elif head == "int4":
+            model.output = Int4Linear(D, V, group_size, device)
+        if args.tie_embeddings:
+            if head == "int8":
+                model.tok_embeddings = Int8Embedding(V, D, device)
+            elif head == "int4":
+                model.tok_embeddings = Int4Embedding(V, D, group_size, device)
+        else:
+            model.tok_embeddings = Int8Embedding(V, D, device)
+    except QuantizationError as e:
+        raise CheckpointError(f"quantized checkpoint does not fit its config.json: {e}") from None
+    model.quantization = dict(quantization)
+
+
+def finalize_model(model: nn.Module, backend: Optional[str] = None) -> nn.Module:
+    """Pick each quantized linear's kernel and pack its weights for the device it is on. Call once
+    the model is on its final device (model.load_model does); the packed layouts are device-specific.
+
+    backend: None or "auto" = the fastest kernel that applies and passes its self-check
+    (int8: "int4x2", else "int8pack"; int4: "int4pack"), or force "int4x2" / "int8pack" / "dequant"
+    (also via $SPARQ_QUANT_BACKEND). Tensors a kernel no longer reads are released; a tied
+    embedding keeps its own reference to the head's stored tensors, so the lookup still works.
+    """
+    backend = backend or _forced_backend() or "auto"
+    if backend not in BACKENDS:
+        raise QuantizationError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            module.finalize(backend)
+    return model
+
+
+def quantize_state_dict(state: dict, args, mode: str, group_size: Optional[int], head: str,
+                        source: str = "", progress: bool = True) -> dict:
+    """A float state dict (the converter's names) -> the quantized state dict with its metadata."""
+    from model import Transformer
+
+    if mode not in MODES:
+        raise QuantizationError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    if head not in HEAD_CHOICES:
+        raise QuantizationError(f"unknown --head {head!r} (choose from {', '.join(HEAD_CHOICES)})")
+    if mode == "int8":
+        if group_size is not None:
+            raise QuantizationError("--group-size applies to --mode int4 only (int8 is per output channel)")
+        if head == "int4":
+            raise QuantizationError("--head int4 needs --mode int4 (it uses the int4 group size)")
+    else:
+        group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+        if group_size not in GROUP_SIZES:
+            raise QuantizationError(f"unsupported group size {group_size} (choose from {', '.join(map(str, GROUP_SIZES))})")
+
+    with torch.device("meta"):
+        reference = Transformer(args)
+    linear_names = _linear_names(reference)
+    expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    if args.tie_embeddings:
+        expected.pop("output.weight", None)  # the converter omits the tied head
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise QuantizationError(f"the checkpoint does not match its config.json: missing {missing[0]}")
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != shape:
+            raise QuantizationError(f"the checkpoint does not match its config.json: {k} has shape "
+                                    f"{tuple(state[k].shape)}, expected {shape}")
+    # Check every group size before any work (one line, no half-written file).
+    if mode == "int4" or head == "int4":
+        for name in linear_names + (["output"] if head == "int4" else []):
+            K = expected.get(f"{name}.weight", (0, args.dim))[1]
+            if K % group_size:
+                raise QuantizationError(f"group size {group_size} does not divide the input dimension {K} of {name}")
+
+    out: dict = {}
+    for k, v in state.items():  # norms and anything else float: kept as they are
+        if k not in expected or k == "tok_embeddings.weight" or k.endswith(".weight") and k[: -len(".weight")] in linear_names:
+            continue
+        out[k] = v
+
+    def put_linear(prefix: str, w: Tensor, kind: str) -> None:
+        if kind == "int8":
+            out[prefix + ".weight"], out[prefix + ".scales"] = quantize_int8(w)
+        else:
+            q, out[prefix + ".scales"], out[prefix + ".zeros"] = quantize_int4(w, group_size)
+            out[prefix + ".weight"] = pack_nibbles(q)
+
+    by_layer: dict[str, list[str]] = {}
+    for name in linear_names:
+        by_layer.setdefault(name.split(".attention")[0].split(".feed_forward")[0], []).append(name)
+    bar = _progress(list(by_layer.items()), desc=f"quantizing {mode}", unit="layer", enable=progress)
+    for _, names in bar:
+        for name in names:
+            put_linear(name, state[f"{name}.weight"], mode)
+
+    embedding = state["tok_embeddings.weight"]
+    head_weight = embedding if args.tie_embeddings else state["output.weight"]
+    if head != "none":
+        put_linear("output", head_weight, head)
+    else:
+        out["output.weight"] = head_weight
+    if args.tie_embeddings:
+        for suffix in (".weight", ".scales", ".zeros"):  # the same tensors: torch.save stores them once
+            if "output" + suffix in out:
+                out["tok_embeddings" + suffix] = out["output" + suffix]
+        if head == "none":
+            out["tok_embeddings.weight"] = embedding
+            out.pop("output.weight")  # tied float head: the converter's convention
+    else:
+        out["tok_embeddings.weight"], out["tok_embeddings.scales"] = quantize_int8(embedding)
+
+    out["__quantization__"] = {
+        "format": FORMAT_VERSION,
+        "mode": mode,
+        "group_size": group_size if mode == "int4" else None,
+        "head": head,
+        "embedding": head if args.tie_embeddings else "int8",
+        "source": source,
+        "int4_layout": "portable: 2 values per byte, low nibble = even column; w = (q - 8) * scale + zero",
+        "int8_layout": "symmetric per output channel: w = q * scale",
+        "scale_dtype": "bfloat16",
+        "torch": str(torch.__version__),
+    }
+    return out
+
+
+def _progress(items, desc: str, unit: str, enable: bool):
+    if not enable:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, leave=False)
+
+
+# =============================================================================================
+# Command line
+# =============================================================================================
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, required=True, help="model.pth (fp32/bf16) or its directory")
+    p.add_argument("--mode", required=True, help="int8 (per output channel) or int4 (grouped affine)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help=f"int4 group size along the input dim: 32, 64, 128 or 256 (default {DEFAULT_GROUP_SIZE})")
+    p.add_argument("--head", default="int8",
+                   help="output head (and the tied embedding): int8 (default), int4 (int4 mode only) or none")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output file (default: model_int8.pth / model_int4.g{gs}.pth next to the input)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def default_out(path: Path, mode: str, group_size: Optional[int]) -> Path:
+    name = "model_int8.pth" if mode == "int8" else f"model_int4.g{group_size}.pth"
+    return path.parent / name
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except QuantizationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # CheckpointError and I/O errors: still one line
+        from model import CheckpointError
+
+        if isinstance(e, (CheckpointError, OSError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
+    return 0
+
+
+def run(args: argparse.Namespace) -> Path:
+    from model import CheckpointError, ModelArgs, checkpoint_paths
+
+    if args.mode not in MODES:
+        raise QuantizationError(f"unknown mode {args.mode!r} (choose from {', '.join(MODES)})")
+    try:
+        path, directory = checkpoint_paths(args.checkpoint)
+    except CheckpointError as e:
+        raise QuantizationError(str(e)) from None
+    model_args = ModelArgs.from_json(directory / "config.json")
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise QuantizationError(f"corrupt checkpoint {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise QuantizationError(f"corrupt checkpoint {path}: not a state dict")
+    if "__quantization__" in state:
+        q = state["__quantization__"]
+        what = f"{q.get('mode')}" + (f" g{q['group_size']}" if isinstance(q, dict) and q.get("group_size") else "") \
+            if isinstance(q, dict) else "?"
+        raise QuantizationError(f"{path} is already quantized ({what}); quantize the original float checkpoint")
+    if args.mode == "int8" and args.group_size is not None:
+        raise QuantizationError("--group-size applies to --mode int4 only (int8 is per output channel)")
+    group_size = (args.group_size or DEFAULT_GROUP_SIZE) if args.mode == "int4" else None
+    out_path = args.out or default_out(path, args.mode, group_size)
+    if out_path.resolve() == path.resolve():
+        raise QuantizationError(f"--out {out_path} would overwrite the input checkpoint")
+    if out_path.parent.resolve() != directory.resolve() and not (out_path.parent / "config.json").is_file():
+        print(f"note: {out_path.parent} has no config.json; load_model needs one next to the file", file=sys.stderr)
+    quantized = quantize_state_dict(state, model_args, args.mode, group_size, args.head, source=str(path),
+                                    progress=not args.no_progress)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    torch.save(quantized, tmp)
+    os.replace(tmp, out_path)
+    meta = quantized["__quantization__"]
+    print(f"wrote {out_path}: {meta['mode']}" + (f" group size {meta['group_size']}" if meta["group_size"] else "")
+          + f", head {meta['head']}; {out_path.stat().st_size / 1e6:.1f} MB (from {path.stat().st_size / 1e6:.1f} MB)")
+    return out_path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

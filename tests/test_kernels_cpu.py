@@ -1,0 +1,307 @@
+"""The fused CPU SparQ kernel (csrc/sparq_cpu.cpp via kernels.sparq_attention_cpu) against the
+oracle `sparq.sparq_reference`, on random caches.
+
+Tolerances: fp32 atol = rtol = 1e-5. bf16 caches are compared with the reference computed from
+the same bf16 values: with an fp32 query (fp32 output) at 1e-5; with a bf16 query the output is
+rounded to bf16 by both, so they may differ by one bf16 ulp: atol = rtol = 1e-2.
+
+Ties: which of two tied candidates is taken is unspecified (the kernel prefers the lower index,
+torch.topk does not say), so the random data is redrawn until |q| summed over the group has no tie
+at the top-r boundary and the selection scores none at the top-k boundary (low r on bf16 caches
+gives equal logits).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kernels  # noqa: E402
+from model import KVCache  # noqa: E402
+from sparq import SparQConfig, sparq_reference  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fused_kernel():
+    if not kernels.cpu_kernel_available():
+        pytest.fail(f"the fused CPU kernel did not build: {kernels._cpu_ext['error']}")
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test (the kernel splits S across threads when B * n_kv is small)."""
+    before = torch.get_num_threads()
+
+    def set_threads(n: int) -> None:
+        torch.set_num_threads(n)
+
+    yield set_threads
+    torch.set_num_threads(before)
+
+
+def _query(gen, B, n_kv, g, d, r, dtype) -> torch.Tensor:
+    """Random q whose |q| summed over each group has no tie at the top-r boundary."""
+    for _ in range(100):
+        q = torch.randn(B, n_kv, g, d, generator=gen).to(dtype)
+        if r == d:
+            return q
+        top = q.float().abs().sum(2).sort(dim=-1, descending=True).values  # (B, n_kv, d)
+        if bool((top[..., r - 1] > top[..., r]).all()):
+            return q
+    raise AssertionError("could not draw a tie-free query")
+
+
+def _cache(gen, B_max, n_kv, S_max, d, S, dtype, layout):
+    """k, k_t (or None), v, v_sum with positions >= S zero, as a KVCache holds them."""
+    k = torch.zeros(B_max, n_kv, S_max, d)
+    v = torch.zeros(B_max, n_kv, S_max, d)
+    k[:, :, :S] = torch.randn(B_max, n_kv, S, d, generator=gen)
+    v[:, :, :S] = torch.randn(B_max, n_kv, S, d, generator=gen)
+    k, v = k.to(dtype), v.to(dtype)
+    k_t = k.transpose(2, 3).contiguous() if layout == "twice" else None
+    v_sum = v[:, :, :S].float().sum(2)
+    return k, k_t, v, v_sum
+
+
+def _tie_free(q, K, S, cfg) -> bool:
+    """No tie at the top-k boundary of the reference's selection scores for one (row, KV head):
+    q (g, d), K (S, d). Low r on bf16 caches gives equal logits, and which of two tied positions
+    is taken is unspecified."""
+    g, d = q.shape
+    n_local = min(cfg.local, S)
+    m = min(cfg.k, S) - n_local
+    if m <= 0 or m >= S - n_local:
+        return True
+    qh, K = q.float(), K[:S].float()
+    i1 = torch.topk(qh.abs().sum(0), cfg.r).indices
+    tau = torch.sqrt(d * qh[:, i1].abs().sum(-1) / qh.abs().sum(-1))
+    score = torch.softmax(qh[:, i1] @ K[:, i1].T / tau[:, None], dim=-1).sum(0)[: S - n_local]
+    top = score.sort(descending=True).values
+    return bool(top[m - 1] > top[m])
+
+
+def _untie(gen, q, k, v, S, cfg) -> None:
+    """Redraw (in place) the live K rows of every (row, KV head) whose selection has a tie."""
+    B, n_kv = q.shape[:2]
+    for b in range(B):
+        for h in range(n_kv):
+            for _ in range(500):
+                if _tie_free(q[b, h], k[b, h], S, cfg) and _tie_free(q[b, h].float(), k[b, h], S, cfg):
+                    break
+                k[b, h, :S] = torch.randn(S, k.shape[-1], generator=gen).to(k.dtype)
+            else:
+                raise AssertionError("could not draw K rows without ties at the top-k boundary")
+
+
+def _fused(q, k, k_t, v, v_sum, S, cfg):
+    return kernels.sparq_attention_cpu(q, k, k_t, v, v_sum, S, cfg.r, cfg.k, cfg.local, cfg.mean_v)
+
+
+def _check(out, ref, atol, rtol):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+# A sampled grid (not the full product): every value of every axis appears.
+G = (1, 3, 4, 8)
+D = (64, 80, 128)
+BATCH = (1, 3)
+SEQ = (1, 7, 100, 129, 1000, 4097)
+R = ("1", "8", "d")
+MEAN_V = (False, True)
+LAYOUT = ("twice", "once")
+DTYPE = ("float32", "bfloat16")
+THREADS = (1, 2)
+_ALL = list(itertools.product(G, D, BATCH, SEQ, R, MEAN_V, LAYOUT, DTYPE, THREADS))
+CASES = random.Random(4).sample(_ALL, 44)
+
+
+def test_grid_covers_every_value():
+    for axis, values in enumerate((G, D, BATCH, SEQ, R, MEAN_V, LAYOUT, DTYPE, THREADS)):
+        assert {case[axis] for case in CASES} == set(values)
+
+
+@pytest.mark.parametrize("g,d,B,S,r,mean_v,layout,dtype,n_threads", CASES)
+def test_matches_reference(g, d, B, S, r, mean_v, layout, dtype, n_threads, threads):
+    threads(n_threads)
+    dtype = getattr(torch, dtype)
+    r = d if r == "d" else int(r)
+    n_kv = 3 if g < 8 else 2
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((g, d, B, S, r, mean_v, layout)).encode()))
+    cfg = SparQConfig(r=r, k=128, mean_v=mean_v)
+    q = _query(gen, B, n_kv, g, d, r, dtype)
+    k, k_t, v, v_sum = _cache(gen, B + 1, n_kv, S + 9, d, S, dtype, layout)
+    _untie(gen, q, k, v, S, cfg)
+    if k_t is not None:
+        k_t = k.transpose(2, 3).contiguous()
+    ref = sparq_reference(q, k, v, v_sum, S, cfg)
+    if dtype == torch.float32:
+        _check(_fused(q, k, k_t, v, v_sum, S, cfg), ref, 1e-5, 1e-5)
+    else:
+        _check(_fused(q, k, k_t, v, v_sum, S, cfg), ref, 1e-2, 1e-2)
+        qf = q.float()  # bf16 cache read in fp32: as tight as fp32
+        _check(_fused(qf, k, k_t, v, v_sum, S, cfg), sparq_reference(qf, k, v, v_sum, S, cfg), 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("S,k_top,local", [(64, 128, 32), (128, 128, 32), (500, 16, 16), (500, 16, 0), (3000, 40, 10)])
+@pytest.mark.parametrize("extreme", ["local_best", "local_worst"])
+@pytest.mark.parametrize("layout", ["twice", "once"])
+def test_local_window_and_top_k(S, k_top, local, extreme, layout, threads):
+    """The last `local` positions are always attended, and the other k - local come from the rest:
+    with the window scoring highest (a kernel ranking it again would pick duplicates and miss
+    positions) and lowest (a kernel not forcing it in would drop it)."""
+    threads(2)
+    B, n_kv, g, d = 1, 2, 3, 64
+    gen = torch.Generator().manual_seed(S + k_top + local)
+    q = _query(gen, B, n_kv, g, d, 8, torch.float32)
+    k, k_t, v, v_sum = _cache(gen, B, n_kv, S, d, S, torch.float32, layout)
+    direction = q.sum(2, keepdim=True)  # (B, n_kv, 1, d): raises every head's logits
+    sign = 1.0 if extreme == "local_best" else -1.0
+    k[:, :, S - local:] += sign * 0.5 * direction
+    if k_t is not None:
+        k_t = k.transpose(2, 3).contiguous()
+    for mean_v in (False, True):
+        cfg = SparQConfig(r=8, k=k_top, local=local, mean_v=mean_v)
+        _check(_fused(q, k, k_t, v, v_sum, S, cfg), sparq_reference(q, k, v, v_sum, S, cfg), 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["twice", "once"])
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("S", [33, 2500])
+def test_dead_positions_and_rows_are_never_read(dtype, layout, n_threads, S, threads):
+    """NaN / inf / huge values beyond the live length and in batch rows >= B change nothing."""
+    threads(n_threads)
+    dtype = getattr(torch, dtype)
+    B, B_max, n_kv, g, d, S_max = 2, 4, 3, 3, 64, S + 77
+    gen = torch.Generator().manual_seed(S)
+    cfg = SparQConfig(r=16, k=128, local=32, mean_v=True)
+    q = _query(gen, B, n_kv, g, d, cfg.r, dtype)
+    k, k_t, v, v_sum = _cache(gen, B_max, n_kv, S_max, d, S, dtype, layout)
+    clean = _fused(q, k, k_t, v, v_sum, S, cfg)
+    _check(clean, sparq_reference(q, k, v, v_sum, S, cfg), *((1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)))
+    for garbage in (float("nan"), float("inf"), 1e30):
+        k2, v2, v_sum2 = k.clone(), v.clone(), v_sum.clone()
+        k2[:, :, S:] = garbage
+        v2[:, :, S:] = garbage
+        k2[B:], v2[B:], v_sum2[B:] = garbage, garbage, garbage
+        k_t2 = None
+        if k_t is not None:
+            k_t2 = k_t.clone()
+            k_t2[:, :, :, S:] = garbage
+            k_t2[B:] = garbage
+        out = _fused(q, k2, k_t2, v2, v_sum2, S, cfg)
+        assert torch.equal(out, clean), f"garbage {garbage} beyond the live data changed the output"
+
+
+def test_kv_cache_dispatch(threads):
+    """kernels.sparq_attention(..., "cpu") on a KVCache filled by update(), step by step."""
+    threads(2)
+    B, n_kv, g, d, S_max = 2, 3, 3, 64, 3000
+    gen = torch.Generator().manual_seed(7)
+    cache = KVCache(B + 1, S_max, n_kv, d, torch.float32)
+    prefill = 2040
+    cache.update(torch.arange(prefill), torch.randn(B, n_kv, prefill, d, generator=gen),
+                 torch.randn(B, n_kv, prefill, d, generator=gen))
+    cfg = SparQConfig(r=16, k=64, mean_v=True)
+    for pos in range(prefill, prefill + 3):
+        cache.update(torch.tensor([pos]), torch.randn(B, n_kv, 1, d, generator=gen), torch.randn(B, n_kv, 1, d, generator=gen))
+        q = _query(gen, B, n_kv, g, d, cfg.r, torch.float32)
+        out = kernels.sparq_attention(q, cache, pos + 1, cfg, "cpu")
+        _check(out, sparq_reference(q, cache.k, cache.v, cache.v_sum, pos + 1, cfg), 1e-5, 1e-5)
+
+
+def test_noncontiguous_query_and_fp16():
+    """A non-contiguous q and an fp16 cache."""
+    B, n_kv, g, d, S = 2, 3, 3, 64, 700
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(g, B, n_kv, d, generator=gen).permute(1, 2, 0, 3)  # strides in every order
+    assert not q.is_contiguous()
+    cfg = SparQConfig(r=8, k=64, mean_v=True)
+    k, k_t, v, v_sum = _cache(gen, B, n_kv, S, d, S, torch.float16, "twice")
+    _check(_fused(q, k, k_t, v, v_sum, S, cfg), sparq_reference(q, k, v, v_sum, S, cfg), 1e-5, 1e-5)
+
+
+def test_rejects_bad_arguments():
+    q = torch.randn(1, 2, 1, 64)
+    k = torch.randn(1, 2, 16, 64)
+    v_sum = torch.zeros(1, 2, 64)
+    with pytest.raises(RuntimeError, match="length"):
+        kernels.sparq_attention_cpu(q, k, None, k, v_sum, 17, 8, 8, 2, False)
+    with pytest.raises(RuntimeError, match="r must"):
+        kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, 65, 8, 2, False)
+    with pytest.raises(RuntimeError, match="local"):
+        kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, 8, 8, 9, False)
+
+
+def test_fallback_matches_reference():
+    """The torch path used when the kernel cannot be built computes the same thing."""
+    B, n_kv, g, d, S = 2, 3, 3, 64, 300
+    gen = torch.Generator().manual_seed(5)
+    cfg = SparQConfig(r=8, k=64, mean_v=True)
+    q = _query(gen, B, n_kv, g, d, cfg.r, torch.float32)
+    k, k_t, v, v_sum = _cache(gen, B, n_kv, S, d, S, torch.float32, "twice")
+    out = kernels._sparq_cpu_fallback(q, k, k_t, v, v_sum, S, cfg.r, cfg.k, cfg.local, cfg.mean_v)
+    _check(out, sparq_reference(q, k, v, v_sum, S, cfg), 1e-5, 1e-5)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """The ops are opaque to torch.compile: no graph break, and `length` may be a SymInt."""
+    torch._dynamo.reset()
+    B, n_kv, g, d, S_max = 1, 3, 3, 64, 2048
+    gen = torch.Generator().manual_seed(3)
+    k, k_t, v, v_sum = _cache(gen, B, n_kv, S_max, d, S_max, torch.float32, "twice")
+
+    def step(q, length: int):
+        y = kernels.sparq_attention_cpu(q, k, k_t, v, v_sum, length, 16, 64, 16, True)
+        return y * 2.0 + kernels.dense_attention_cpu(q, k, v, length)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for length in (1500, 1700, 2048):
+        q = _query(gen, B, n_kv, g, d, 16, torch.float32)
+        torch.testing.assert_close(compiled(q, length), step(q, length), atol=0, rtol=0)
+
+
+def test_softmax_extremes_do_not_overflow():
+    """Large logits (a running max that keeps rising) stay finite and match the reference."""
+    B, n_kv, g, d, S = 1, 1, 2, 64, 3000
+    gen = torch.Generator().manual_seed(9)
+    q = _query(gen, B, n_kv, g, d, 8, torch.float32) * 4
+    k, k_t, v, v_sum = _cache(gen, B, n_kv, S, d, S, torch.float32, "twice")
+    ramp = torch.linspace(0, 6, S)[None, None, :, None]  # logits grow along the sequence
+    k = k * (1 + ramp)
+    k_t = k.transpose(2, 3).contiguous()
+    cfg = SparQConfig(r=8, k=128, mean_v=True)
+    out = _fused(q, k, k_t, v, v_sum, S, cfg)
+    assert torch.isfinite(out).all()
+    _check(out, sparq_reference(q, k, v, v_sum, S, cfg), 1e-5, 1e-5)
+    assert math.isfinite(float(out.abs().max()))
+
+
+@pytest.mark.parametrize("g,d,B,S,dtype,n_threads", [
+    (3, 64, 1, 1, "float32", 2), (1, 128, 3, 1000, "float32", 1), (4, 80, 1, 4097, "float32", 2),
+    (8, 64, 3, 129, "float32", 2), (3, 64, 1, 3000, "bfloat16", 2), (1, 128, 2, 700, "bfloat16", 1)])
+def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
+    """kernels.dense_attention_cpu: exact attention over [0, S), against model.dense_attention in fp32."""
+    from model import dense_attention
+
+    threads(n_threads)
+    dtype = getattr(torch, dtype)
+    n_kv = 2
+    gen = torch.Generator().manual_seed(S + g)
+    q = torch.randn(B, n_kv, g, d, generator=gen).to(dtype)
+    k, _, v, _ = _cache(gen, B + 1, n_kv, S + 5, d, S, dtype, "once")
+    ref = dense_attention(q.float(), k[:B, :, :S].float(), v[:B, :, :S].float()).to(dtype)
+    out = kernels.dense_attention_cpu(q, k, v, S)
+    _check(out, ref, *((1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, S:], v2[:, :, S:], k2[B:], v2[B:] = float("nan"), float("nan"), float("nan"), float("nan")
+    assert torch.equal(kernels.dense_attention_cpu(q, k2, v2, S), out)

@@ -1,0 +1,451 @@
+"""Weight-only int8 / int4 quantization (quantize.py): round-trip bounds, every kernel against an
+independent float64 reference, loading through model.load_model (eager and compiled), the embedded
+model against fp32, the CLI's errors, and generate.py on a quantized checkpoint."""
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import model as M
+import quantize as Q
+from conftest import REPO
+from generate import decode_step
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent references (float64, written from the scheme's definition, not from quantize.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_dequant_int8(q, scales):
+    return q.double() * scales.double()[:, None]
+
+
+def ref_unpack(p):
+    """(N, K/2) bytes -> (N, K) values; low nibble = even column."""
+    out = torch.empty(p.shape[0], p.shape[1] * 2, dtype=torch.int64)
+    out[:, 0::2] = p.long() % 16
+    out[:, 1::2] = p.long() // 16
+    return out
+
+
+def ref_dequant_int4(q, scales, zeros):
+    N, K = q.shape
+    gs = K // scales.shape[1]
+    s = scales.double().repeat_interleave(gs, dim=1)
+    z = zeros.double().repeat_interleave(gs, dim=1)
+    return (q.double() - 8) * s + z
+
+
+def bf16_exact(t):
+    return torch.equal(t.float(), t.float().bfloat16().float())
+
+
+def test_weights(N=96, K=256, seed=0):
+    """Gaussian rows at very different scales, heavy outliers, a constant row, an all-zero row."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * torch.logspace(-3, 1, N)[:, None]
+    w[3, 17] = 40.0  # outlier
+    w[5] = 0.25  # constant row
+    w[6] = 0.0
+    w[7] += 3.0  # offset row (all positive)
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips
+# ---------------------------------------------------------------------------------------------
+
+
+def test_int8_round_trip_within_half_a_step_per_channel():
+    w = test_weights()
+    q, scales = Q.quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (w.shape[0],)
+    assert int(q.min()) >= -127 and int(q.max()) <= 127
+    assert bf16_exact(scales)
+    err = (w.double() - ref_dequant_int8(q, scales)).abs()
+    assert (err <= scales.double()[:, None] / 2 + 1e-12).all()
+    # ...and the step is not inflated to make that easy: at most one bf16 rounding above amax / 127.
+    ideal = w.abs().amax(1).double() / 127
+    nonzero = ideal > 0
+    assert (scales.double()[nonzero] <= ideal[nonzero] * (1 + 2 ** -7)).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_int4_round_trip_within_half_a_step_per_group(group_size):
+    w = test_weights(K=512)
+    q, scales, zeros = Q.quantize_int4(w, group_size)
+    N, K = w.shape
+    assert q.shape == (N, K) and scales.shape == zeros.shape == (N, K // group_size)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    assert bf16_exact(scales) and bf16_exact(zeros)
+    err = (w.double() - ref_dequant_int4(q, scales, zeros)).abs()
+    step = scales.double().repeat_interleave(group_size, dim=1)
+    assert (err <= step / 2 + 1e-12).all()
+    groups = w.double().reshape(N, K // group_size, group_size)
+    ideal = (groups.amax(-1) - groups.amin(-1)) / 15
+    spread = ideal > 1e-6
+    ratio = scales.double()[spread] / ideal[spread]
+    assert ratio.max() < 1.02, "the step should be within bf16 rounding of (max - min) / 15"
+    assert float((err.reshape(N, -1, group_size).amax(-1)[spread] / ideal[spread]).max()) < 0.52
+
+
+def test_group_size_must_divide_the_input_dimension():
+    with pytest.raises(Q.QuantizationError, match="does not divide"):
+        Q.quantize_int4(torch.randn(8, 576), 128)
+
+
+def test_nibble_packing_round_trips_in_the_documented_order():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    packed = Q.pack_nibbles(q)
+    assert packed.shape == (5, 32)
+    assert torch.equal(ref_unpack(packed), q.long())  # low nibble = even column
+    assert torch.equal(Q.unpack_nibbles(packed), q)
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules: every kernel equals the dequantized-weight matmul
+# ---------------------------------------------------------------------------------------------
+
+
+def int8_layer(N, K, seed=0):
+    w = test_weights(N, K, seed)
+    layer = Q.Int8Linear(K, N)
+    layer.weight, layer.scales = Q.quantize_int8(w)
+    return layer, ref_dequant_int8(layer.weight, layer.scales)
+
+
+def int4_layer(N, K, group_size, seed=0):
+    w = test_weights(N, K, seed)
+    layer = Q.Int4Linear(K, N, group_size)
+    q, layer.scales, layer.zeros = Q.quantize_int4(w, group_size)
+    layer.weight = Q.pack_nibbles(q)
+    return layer, ref_dequant_int4(ref_unpack(layer.weight), layer.scales, layer.zeros)
+
+
+def require_kernel(layer, kernel, *check_args):
+    if not (layer.supports(kernel) and Q._kernel_ok(kernel, torch.device("cpu"), *check_args)):
+        pytest.skip(f"{kernel} kernel not available on this machine / torch build")
+
+
+def assert_matches_reference(layer, w_ref, kernel, shape):
+    x = torch.randn(*shape, w_ref.shape[1], generator=torch.Generator().manual_seed(1))
+    if kernel != "dequant":
+        layer.use_kernel(kernel)
+        x = x.bfloat16().float()  # the packed kernels read bf16 activations (by design)
+    assert layer.kernel == kernel
+    y = layer(x)
+    expected = x.double() @ w_ref.T
+    assert y.shape == (*shape, w_ref.shape[0]) and y.dtype == torch.float32
+    if kernel == "dequant":
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    else:  # fp32 accumulation, output rounded to bf16: 2^-9 relative, plus summation order
+        err = (y.double() - expected).abs()
+        assert (err <= 8e-3 * expected.abs() + 1e-4 * float(expected.abs().max())).all(), float(err.max())
+
+
+@pytest.mark.parametrize("kernel", ["int4x2", "int8pack", "dequant"])
+@pytest.mark.parametrize("shape", [(1,), (3,), (8,), (2, 5)])
+def test_int8_linear_kernels_match_the_dequantized_matmul(kernel, shape):
+    layer, w_ref = int8_layer(96, 576)
+    require_kernel(layer, kernel)
+    assert_matches_reference(layer, w_ref, kernel, shape)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("kernel", ["int4pack", "dequant"])
+@pytest.mark.parametrize("shape", [(1,), (8,), (2, 5)])
+def test_int4_linear_kernels_match_the_dequantized_matmul(group_size, kernel, shape):
+    layer, w_ref = int4_layer(96, 768, group_size)
+    if kernel == "int4pack":
+        require_kernel(layer, kernel, group_size)
+    assert_matches_reference(layer, w_ref, kernel, shape)
+
+
+def test_int8_split_kernel_uses_exactly_the_int8_weights():
+    """int4x2 splits q into two nibbles; with inputs that make every product exact, it must be exact."""
+    layer, w_ref = int8_layer(64, 128)
+    require_kernel(layer, "int4x2")
+    layer.use_kernel("int4x2")
+    x = torch.zeros(1, 128)
+    x[0, 7] = 1.0  # picks column 7: the result is w[:, 7] rounded to bf16
+    torch.testing.assert_close(layer(x)[0].double(), w_ref[:, 7].float().bfloat16().double(), rtol=0, atol=0)
+
+
+def test_embeddings_dequantize_the_rows_they_gather():
+    w = test_weights(64, 128)
+    emb8 = Q.Int8Embedding(64, 128)
+    emb8.weight, emb8.scales = Q.quantize_int8(w)
+    idx = torch.tensor([[0, 7, 63], [5, 5, 3]])
+    torch.testing.assert_close(emb8(idx).double(), ref_dequant_int8(emb8.weight, emb8.scales)[idx])
+    emb4 = Q.Int4Embedding(64, 128, 32)
+    q, emb4.scales, emb4.zeros = Q.quantize_int4(w, 32)
+    emb4.weight = Q.pack_nibbles(q)
+    torch.testing.assert_close(emb4(idx).double(), ref_dequant_int4(q, emb4.scales, emb4.zeros)[idx])
+
+
+# ---------------------------------------------------------------------------------------------
+# Through model.load_model on a tiny random model (tied and untied), eager and compiled
+# ---------------------------------------------------------------------------------------------
+
+
+TINY = dict(vocab_size=320, dim=128, n_layer=2, n_head=4, n_kv_head=2, head_dim=32, intermediate_size=256)
+
+
+def tiny_checkpoint(directory, tie):
+    args = M.ModelArgs(**TINY, tie_embeddings=tie)
+    torch.manual_seed(0)
+    model = M.Transformer(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    state = model.state_dict()
+    if tie:
+        state.pop("output.weight")
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(state, directory / "model.pth")
+    args.to_json(directory / "config.json")
+    return directory / "model.pth"
+
+
+def quantize_file(path, mode, group_size=None, head="int8", out=None):
+    argv = ["--checkpoint", str(path), "--mode", mode, "--head", head, "--no-progress"]
+    if group_size:
+        argv += ["--group-size", str(group_size)]
+    if out:
+        argv += ["--out", str(out)]
+    assert Q.main(argv) == 0
+    return out or Q.default_out(path, mode, group_size or (Q.DEFAULT_GROUP_SIZE if mode == "int4" else None))
+
+
+def with_float_weights(twin, reference):
+    """The fp32 model carrying the weights a quantized model (`twin`, loaded with every kernel on the
+    fallback so its stored tensors are intact) dequantizes to -- by the references above."""
+    state = reference.state_dict()
+    for name, module in twin.named_modules():
+        if isinstance(module, (Q.Int8Linear, Q.Int8Embedding)):
+            state[f"{name}.weight"] = ref_dequant_int8(module.weight, module.scales).float()
+        elif isinstance(module, (Q.Int4Linear, Q.Int4Embedding)):
+            state[f"{name}.weight"] = ref_dequant_int4(ref_unpack(module.weight), module.scales, module.zeros).float()
+    reference.load_state_dict(state)
+    return reference
+
+
+def run_tiny(model, idx):
+    with torch.no_grad():
+        model.setup_caches(idx.shape[0], idx.shape[1] + 2)
+        T = idx.shape[1]
+        return [model(idx, torch.arange(T), T), model(idx[:, :1], torch.tensor([T]), T + 1)]
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("mode,group_size,head", [("int8", None, "int8"), ("int4", 32, "int8"),
+                                                  ("int4", 64, "int4"), ("int4", 32, "none")])
+def test_loaded_model_computes_its_dequantized_weights(tmp_path, monkeypatch, tie, mode, group_size, head):
+    path = tiny_checkpoint(tmp_path, tie)
+    out = quantize_file(path, mode, group_size, head)
+    assert out.name == ("model_int8.pth" if mode == "int8" else f"model_int4.g{group_size}.pth")
+    meta = torch.load(out, weights_only=True)["__quantization__"]
+    assert (meta["mode"], meta["group_size"], meta["head"]) == (mode, group_size, head)
+    renamed = tmp_path / "anything.pth"  # loading reads the metadata, never the file name
+    shutil.move(out, renamed)
+
+    fast = M.load_model(renamed)
+    kernels = {m.kernel for m in fast.modules() if isinstance(m, (Q.Int8Linear, Q.Int4Linear))}
+    assert "dequant" not in kernels, kernels  # every layer of this model has a packed kernel here
+    monkeypatch.setenv(Q.BACKEND_ENV, "dequant")
+    twin = M.load_model(renamed)
+    monkeypatch.delenv(Q.BACKEND_ENV)
+    assert {m.kernel for m in twin.modules() if isinstance(m, (Q.Int8Linear, Q.Int4Linear))} <= {"dequant"}
+    expected = with_float_weights(twin, M.load_model(path))
+
+    idx = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
+    for got, slow, want in zip(run_tiny(fast, idx), run_tiny(twin, idx), run_tiny(expected, idx)):
+        torch.testing.assert_close(slow, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        # The packed kernels read bf16 activations: ~2^-9 relative per matmul on identical weights.
+        assert float((got - want).norm() / want.norm()) < 1e-2
+    if head != "none":
+        assert fast.tok_embeddings.weight.dtype in (torch.int8, torch.uint8)
+    if tie and head != "none":  # tied: one stored tensor serves both
+        assert twin.tok_embeddings.weight.data_ptr() == twin.output.weight.data_ptr()
+
+
+def test_weights_survive_the_dtype_cast(tmp_path):
+    path = quantize_file(tiny_checkpoint(tmp_path, True), "int4", 32)
+    model = M.load_model(path, dtype=torch.bfloat16)
+    assert model.norm.weight.dtype == torch.bfloat16
+    assert model.layers[0].attention.wqkv.scales_and_zeros.dtype == torch.bfloat16
+    assert model.output.scales.dtype == torch.bfloat16 and model.tok_embeddings.weight.dtype == torch.int8
+    model.setup_caches(1, 8)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]]), torch.arange(3), 3)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_decode_step_compiles_fullgraph(tmp_path):
+    """torch.compile(fullgraph=True, dynamic=True) of the decode step, as generate.py --compile does."""
+    path = quantize_file(tiny_checkpoint(tmp_path, True), "int4", 32)  # int4 body + int8 (int4x2) head
+    model = M.load_model(path)
+    model.setup_caches(2, 16)
+    compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
+    prompt = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with torch.no_grad():
+        first = model(prompt, torch.arange(3), 3).argmax(-1).view(2, 1)
+        eager = [decode_step(model, first, torch.tensor([p]), p + 1) for p in (3,)]
+        model.reset_caches()
+        model(prompt, torch.arange(3), 3)
+        comp = [compiled(model, first, torch.tensor([p]), p + 1) for p in (3,)]
+    torch.testing.assert_close(comp[0], eager[0], rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded model (SmolLM2-135M-Instruct) against fp32
+# ---------------------------------------------------------------------------------------------
+
+PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
+    "To make a good cup of tea, first bring fresh water to the boil, then warm the pot and",
+    "Photosynthesis is the process by which green plants use sunlight to turn water and carbon dioxide into",
+    "The city of Paris is known for its museums, its cafes and its long history as a centre of",
+    "In computer science, a hash table is a data structure that maps keys to values by using",
+    "The first step in learning to play the piano is to become familiar with the keyboard and",
+    "Mount Everest, the highest mountain on Earth, stands on the border between Nepal and",
+    "A healthy breakfast usually includes some protein, some fruit and a source of whole grains such as",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def quantized_smollm2(smollm2_checkpoint, tmp_path_factory):
+    """int8 and int4 (g32) files of the embedded model in a temp dir with its config and tokenizer."""
+    directory = tmp_path_factory.mktemp("smollm2_quantized")
+    for f in smollm2_checkpoint.iterdir():
+        if f.is_file() and f.suffix != ".pth":
+            shutil.copy(f, directory / f.name)
+    source = smollm2_checkpoint / "model.pth"
+    return {mode: quantize_file(source, mode, out=directory / f"{mode}.pth") for mode in ("int8", "int4")}
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(smollm2_checkpoint):
+    import tokenizer
+
+    tok = tokenizer.load_tokenizer(smollm2_checkpoint)
+    ids = [tok.encode_prompt(p) for p in PROMPTS]
+    length = min(map(len, ids))
+    prompt = torch.tensor([i[:length] for i in ids])  # equal lengths: one batch, no padding
+    tokens, logits = greedy_with_logits(M.load_model(smollm2_checkpoint), prompt)
+    return prompt, tokens, logits
+
+
+@torch.no_grad()
+def greedy_with_logits(model, prompt, forced=None):
+    """Greedy NEW_TOKENS tokens for every row (or feeding `forced` tokens): tokens (B, N), logits (B, N, V)."""
+    B, T = prompt.shape
+    model.setup_caches(B, T + NEW_TOKENS)
+    logits = [model(prompt, torch.arange(T), T)]
+    tokens = [logits[-1].argmax(-1)]
+    for p in range(T, T + NEW_TOKENS - 1):
+        feed = tokens[-1] if forced is None else forced[:, p - T]
+        logits.append(model(feed.view(B, 1), torch.tensor([p]), p + 1))
+        tokens.append(logits[-1].argmax(-1))
+    return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+
+# Measured on this repo's SmolLM2-135M-Instruct (converted from the Q4_1 GGUF), 8 prompts x 32
+# teacher-forced positions; bounds leave a margin:
+#           cos min   rel err mean   top-1    greedy-32 identical   (common prefix mean)
+#   int8    0.997     0.021          0.96     5/8                   (~24)
+#   int4    0.998     0.015          0.97     7/8                   (~30)
+BOUNDS = {"int8": dict(cos_min=0.99, rel_mean=0.04, top1=0.90, identical=4, prefix_mean=16),
+          "int4": dict(cos_min=0.99, rel_mean=0.03, top1=0.90, identical=5, prefix_mean=20)}
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_embedded_model_stays_close_to_fp32(mode, quantized_smollm2, fp32_reference):
+    prompt, ref_tokens, ref_logits = fp32_reference
+    model = M.load_model(quantized_smollm2[mode])
+    _, forced_logits = greedy_with_logits(model, prompt, forced=ref_tokens)  # same context as fp32
+    cos = torch.nn.functional.cosine_similarity(forced_logits, ref_logits, dim=-1)
+    rel = (forced_logits - ref_logits).norm(dim=-1) / ref_logits.norm(dim=-1)
+    top1 = (forced_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
+    tokens, _ = greedy_with_logits(model, prompt)
+    identical = int((tokens == ref_tokens).all(1).sum())
+    prefix = [int((r != r0).nonzero()[0]) if (r != r0).any() else NEW_TOKENS for r, r0 in zip(tokens, ref_tokens)]
+    b = BOUNDS[mode]
+    report = (f"{mode}: cos min {float(cos.min()):.4f}, rel err mean {float(rel.mean()):.4f}, top-1 {float(top1):.3f}, "
+              f"greedy identical {identical}/{len(PROMPTS)}, prefixes {prefix}")
+    print(report)
+    assert float(cos.min()) >= b["cos_min"], report
+    assert float(rel.mean()) <= b["rel_mean"], report
+    assert float(top1) >= b["top1"], report
+    assert identical >= b["identical"] and sum(prefix) / len(prefix) >= b["prefix_mean"], report
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: errors are one line; generate.py runs quantized checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def run_quantize(*args):
+    return subprocess.run([sys.executable, "quantize.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def assert_one_line_error(result, fragment):
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert fragment in lines[0], result.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_cli")
+    tiny_checkpoint(directory, True)
+    return directory
+
+
+def test_cli_errors_are_one_line(tiny_dir, tmp_path):
+    ckpt = str(tiny_dir / "model.pth")
+    assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int3"), "unknown mode 'int3'")
+    assert_one_line_error(run_quantize("--checkpoint", str(tmp_path / "nope.pth"), "--mode", "int8"),
+                          "checkpoint not found")
+    assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int4", "--group-size", "48"),
+                          "unsupported group size 48")
+    assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int8", "--group-size", "32"),
+                          "--group-size applies to --mode int4 only")
+    assert_one_line_error(run_quantize("--checkpoint", ckpt), "--mode")
+    # dim 128 is not a multiple of 256
+    assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int4", "--group-size", "256"),
+                          "group size 256 does not divide the input dimension 128")
+    done = run_quantize("--checkpoint", ckpt, "--mode", "int8", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert_one_line_error(run_quantize("--checkpoint", str(tiny_dir / "model_int8.pth"), "--mode", "int4"),
+                          "already quantized")
+
+
+def test_loading_a_corrupt_quantization_entry_is_a_checkpoint_error(tiny_dir, tmp_path):
+    state = torch.load(quantize_file(tiny_dir / "model.pth", "int8", out=tmp_path / "q.pth"), weights_only=True)
+    state["__quantization__"]["mode"] = "int2"
+    shutil.copy(tiny_dir / "config.json", tmp_path / "config.json")
+    torch.save(state, tmp_path / "bad.pth")
+    with pytest.raises(M.CheckpointError, match="unknown quantization mode"):
+        M.load_model(tmp_path / "bad.pth")
+
+
+@pytest.mark.parametrize("attention", [["--sparq-r", "16"], []], ids=["sparq-r16", "dense"])
+def test_generate_runs_a_quantized_checkpoint(attention, quantized_smollm2, tmp_path):
+    out = tmp_path / "result.json"
+    result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(quantized_smollm2["int4"]),
+                             "--prompt", "The capital of France is", "--max-new-tokens", "12", "--json", str(out),
+                             *attention], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    import json
+
+    summary = json.loads(out.read_text())
+    assert summary["attention"] == ("sparq" if attention else "dense")
+    assert len(summary["samples"][0]["tokens"]) >= 1 and summary["decode_tokens_per_s"] > 0
+    assert summary["weight_bytes"] < 0.25 * 538e6  # the int4 model reads well under a quarter of fp32
