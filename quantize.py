@@ -1,48 +1,57 @@
 """Weight-only int8 / int4 quantization of a checkpoint, and the modules that run it.
 
     python quantize.py --checkpoint checkpoints/SmolLM2-135M-Instruct/model.pth --mode int8
-    python quantize.py --checkpoint checkpoints/SmolLM2-135M-Instruct --mode int4 --group-size 32
+    python quantize.py --checkpoint checkpoints/SmolLM2-135M-Instruct --mode int4 [--group-size 32]
 
-writes model_int8.pth / model_int4.g{gs}.pth next to the input (or --out). The file is a state dict
-plus a plain "__quantization__" dict; model.load_model pops it, calls prepare_model() on the meta
-model before load_state_dict(assign=True), and finalize_model() once the model is on its device.
-Loading never looks at the file name.
+writes model_int8.pth / model_int4.g{gs}.pth next to the input (or --out PATH). The file is a state
+dict plus a plain "__quantization__" dict (mode, group_size, head, source, ...). model.load_model
+pops it, calls prepare_model() on the meta model before load_state_dict(assign=True, strict=True),
+and finalize_model() once the model is on its device. Loading never looks at the file name.
 
-Schemes (w is one row of a weight (N out, K in); every scale and zero is a bfloat16 value):
-  int8  symmetric per output channel:  w ~ q * s,               q in [-127, 127], s = amax / 127
-  int4  affine per group of K:         w ~ (q - 8) * s + z,     q in [0, 15], one (s, z) per group
-The (q - 8) * s + z form is the one PyTorch's int4 kernels use, so the file feeds them directly.
-Scales and zeros are chosen as bfloat16 values (s rounded up, so the grid still covers the group)
-and q is computed against those rounded values: the packed kernels (which read bf16 scales) and
-the plain fallback dequantize to exactly the same weights, and |w - dq(w)| <= s / 2 holds exactly.
+Schemes (w: a weight (N out, K in); every scale and zero is a bfloat16 value, stored as such):
+  int8  symmetric:               w ~ q * s,            q in [-127, 127], s = amax / 127
+        per output channel for the block linears; per group of 64 inputs for the head (below)
+  int4  affine per group of K:   w ~ (q - 8) * s + z,  q in [0, 15], one (s, z) per group
+        (group 32 by default: 64 or more loses much more on SmolLM2, see the PR note)
+The (q - 8) * s + z form is the one PyTorch's int4 kernels use. Scales and zeros are picked as
+bf16 values (s rounded up so the grid still covers the group) and q is computed against those
+rounded values, so the packed kernels (which read bf16 scales) and the plain fallback dequantize to
+exactly the same weights, and |w - dq(w)| <= s / 2 holds exactly.
 
 What is quantized, and why:
-  * Every linear layer of the blocks (wqkv, wo, w1, w2, w3): the bulk of the bytes read per step.
-  * The output head, int8 per channel by default in both modes (--head int8|int4|none). The head
-    is 49152 x 576 on SmolLM2, 21% of the parameters, and at batch 1 it is read whole every step,
-    so it must be quantized for speed. int8 rather than int4 by default: the llama.cpp Q4_1 file
-    we compare with keeps this tensor in Q8_0, and the logits are what sampling sees. --head int4
-    is faster still (the head becomes ~1/3 of an int8 head's time) at some cost in logit error.
-  * The embedding. When it is tied to the head (SmolLM2) it IS the head's tensor: the lookup
-    gathers the B rows it needs and dequantizes them with the head's per-row (= per output
-    channel) scales, so tying costs nothing and the file holds the tensor once. An untied
-    embedding is quantized int8 per row: a lookup reads only B rows, so this saves memory, not time.
+  * Every linear layer of the blocks (wqkv, wo, w1, w2, w3): most of the bytes read per step.
+  * The output head: int8 in groups of 64 inputs by default, in both modes (--head int8|int4|none).
+    At batch 1 the head (49152 x 576 on SmolLM2, 21% of the parameters) is read whole every step, so
+    it must be quantized for speed. int8, not int4: the logits are what sampling sees, and an int4
+    head multiplies the logit error of the int4 model by ~4x (KL to fp32 0.0015 -> 0.058 on SmolLM2),
+    the llama.cpp Q4_1 file we compare with keeps this tensor in Q8_0 (int8, blocks of 32) for
+    the same reason. Groups of 64 rather than per channel: half the head's KL for the same speed
+    (the int4x2 kernel below reads one scale per 64 inputs anyway). --head int4 is ~2x faster on the
+    head; --head none keeps it (and a tied embedding) in floating point.
+  * The embedding. Tied to the head (SmolLM2), it IS the head's tensor: the lookup gathers the B
+    rows it needs and dequantizes them with the head's scales (a row of the embedding is an output
+    channel of the head), so the file holds the tensor once. An untied embedding is int8 (groups of
+    64): a lookup reads B rows, so that saves memory, not time.
   * RMSNorm weights stay floating point (tiny; load_model casts them to the requested dtype).
-Quantized embeddings emit fp32 activations: model.setup_caches keeps fp32 KV caches for them.
+Quantized embeddings emit fp32 activations (model.setup_caches then keeps fp32 KV caches).
 
-Kernels (CPU, torch 2.13): aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu are only
-vectorized for bfloat16 activations (AVX512/AVX2); with fp32 activations they run a scalar loop,
-10-30x slower. So the fast path ("packed") casts the activations to bf16, runs the kernel (fp32
-accumulation inside) and casts the result back. It was the fastest choice for every linear shape of
-SmolLM2 at batch 1-8 and even at prefill sizes (see the numbers in the PR note); "dequant" (the
-plain fallback: dequantize, then F.linear in the activation dtype) stays beside it and is used
-where no packed kernel applies. On CUDA: int4 uses aten._weight_int4pack_mm, int8 the fallback
-(which inductor fuses). finalize_model checks each packed kernel once against the fallback on the
-running machine and falls back (with a warning) if it disagrees.
+Kernels (CPU, torch 2.13). aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu are only
+vectorized for bf16 activations; with fp32 activations they run a scalar loop, 10-30x slower. So the
+packed paths cast the activations to bf16, run the kernel (fp32 accumulation) and cast back:
+  int4 layers   "int4pack"  aten._weight_int4pack_mm_for_cpu (CUDA: aten._weight_int4pack_mm)
+  int8 layers   "int4x2"    the same int4 kernel on q split into two nibbles (see Int8Linear): the
+                            int8 kernel is compute-bound here, this is 1.2-1.5x faster, same weights
+                "int8pack"  aten._weight_int8pack_mm (per-channel only; used if int4x2 cannot be)
+  both          "dequant"   the plain fallback: dequantize, then F.linear in the activation dtype
+                            (used where no packed kernel applies, e.g. int8 on CUDA)
+finalize_model picks the fastest that applies after checking it once against the fallback on the
+running machine; $SPARQ_QUANT_BACKEND=int8pack|dequant forces a choice. All of them trace into
+torch.compile(fullgraph=True) graphs.
 
-File portability: the int4 weights are stored unpacked-portable (two 4-bit values per byte, low
-nibble = even column) and packed for the local kernel at load time, because the CPU packed layout
-depends on the machine's vector ISA (64-wide blocks on AVX512, 32-wide on AVX2) and CUDA's differs.
+File portability: int4 weights (and int8 ones) are stored unpacked -- two 4-bit values per byte,
+low nibble = even column -- and packed for the local kernel at load time, because the CPU packed
+layout depends on the machine's vector ISA (64-wide blocks with AVX512, 32 with AVX2) and CUDA's
+layout differs again. Packing at load takes 1-5 s for the 135M model on this 2-core machine.
 """
 from __future__ import annotations
 
@@ -88,21 +97,29 @@ def round_up_bf16(x: Tensor) -> Tensor:
     return b.float()
 
 
-def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-output-channel int8. w (N, K) -> q int8 (N, K), scales (N,) bf16.
+def quantize_int8(w: Tensor, group_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """Symmetric int8. w (N, K) -> q int8 (N, K), scales bf16: (N,) per output channel (group_size
+    None), or (N, K / group_size) per group of inputs (the head and embedding, see the docstring).
 
     s = amax / 127 rounded up to bf16, so |w| <= 127 s and nothing clips: |w - q s| <= s / 2.
     """
-    w = w.float()
-    amax = w.abs().amax(dim=1)
-    scales = round_up_bf16(torch.clamp(amax / 127.0, min=1e-12))
-    q = torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8)
-    return q, scales.to(torch.bfloat16)
+    N, K = w.shape
+    gs = K if group_size is None else group_size
+    if K % gs:
+        raise QuantizationError(f"group size {gs} does not divide the input dimension {K}")
+    g = w.float().reshape(N, K // gs, gs)
+    scales = round_up_bf16(torch.clamp(g.abs().amax(dim=-1) / 127.0, min=1e-12))  # (N, G)
+    q = torch.clamp(torch.round(g / scales[..., None]), -127, 127).to(torch.int8).reshape(N, K)
+    scales = scales.to(torch.bfloat16)
+    return q, (scales[:, 0] if group_size is None else scales)
 
 
 def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
-    """q (N, K) int8, scales (N,) -> fp32 (N, K)."""
-    return q.float() * scales.float()[:, None]
+    """q (..., K) int8, scales (..., ) per row or (..., G) per group -> fp32 (..., K)."""
+    s = scales.float()
+    if s.dim() < q.dim():
+        return q.float() * s.unsqueeze(-1)
+    return (q.float().unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
 
 
 def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -183,48 +200,59 @@ def pack_int4_for_kernel(q: Tensor) -> Tensor:
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T, W = q * s stored int8 per output channel: buffers weight (N, K) int8, scales (N,) bf16.
+    """y = x W^T, W = q * s stored int8: buffers weight (N, K) int8 and scales bf16, (N,) per output
+    channel or (N, K / group_size) per group of inputs (group_size set: the head).
 
     Kernels (self.kernel, chosen by finalize):
       "int4x2"   q = 16 hi + lo with hi in [-8, 7], lo in [0, 15]: both halves go through the int4
                  kernel as one (N, 2K) matrix -- [hi | lo] with scales 16 s / s and zeros 0 / 8 s --
                  against [x | x]. Exactly the same weights; the int4 kernel is ~1.3x faster than
                  the int8 one here because the int8 kernel is compute-bound on this CPU.
-      "int8pack" aten._weight_int8pack_mm.
+      "int8pack" aten._weight_int8pack_mm (per-channel scales only).
       "dequant"  F.linear(x, q.to(x.dtype)) * s (the plain fallback; CUDA's path, fused by inductor).
     """
 
-    def __init__(self, in_features: int, out_features: int, device=None):
+    def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = None, device=None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        if group_size is not None and in_features % group_size:
+            raise QuantizationError(f"group size {group_size} does not divide the input dimension {in_features}")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        scale_shape = (out_features,) if group_size is None else (out_features, in_features // group_size)
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.empty(out_features, dtype=torch.bfloat16, device=device))
+        self.register_buffer("scales", torch.empty(scale_shape, dtype=torch.bfloat16, device=device))
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
         self.split_group_size = 0
         self.kernel = "dequant"  # finalize() picks a packed kernel where one applies
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, kernel={self.kernel}")
+
+    def _split_group_size(self) -> Optional[int]:
+        """The int4 kernel's group for int4x2: divides the int8 group (K when per channel)."""
+        group = self.group_size or self.in_features
+        return next((g for g in (256, 128, 64, 32) if group % g == 0), None)
 
     def supports(self, kernel: str) -> bool:
         cpu = self.scales.device.type == "cpu"
         if kernel == "int4x2":  # int4 kernel: N in blocks of 16; groups must not straddle hi | lo
-            return cpu and self.out_features % 16 == 0 and self.in_features % 32 == 0
+            return cpu and self.out_features % 16 == 0 and self._split_group_size() is not None
         if kernel == "int8pack":  # the CPU kernel walks K in steps of 16 (AVX512) with no tail
-            return cpu and self.in_features % 32 == 0
+            return cpu and self.in_features % 32 == 0 and self.group_size is None
         return kernel == "dequant"
 
     def use_kernel(self, kernel: str) -> None:
         """Build what `kernel` reads (from the int8 weight) and switch to it."""
         if kernel == "int4x2":
             N, K = self.weight.shape
-            gs = next(g for g in (256, 128, 64, 32) if K % g == 0)
-            q = self.weight.to(torch.int32)
-            hi = torch.div(q, 16, rounding_mode="floor")  # [-8, 7]
-            lo = q - 16 * hi  # [0, 15]
-            self.packed = pack_int4_for_kernel(torch.cat([hi + 8, lo], dim=1))
-            s = self.scales.float()[:, None].expand(N, K // gs)
+            gs = self._split_group_size()
+            u = self.weight.view(torch.uint8)  # two's complement: q = 16 * hi + lo, hi = q >> 4 in [-8, 7]
+            lo = u & 0x0F  # [0, 15]
+            hi_plus_8 = (u >> 4) ^ 0x08  # the high nibble is hi in 4-bit two's complement; ^ 8 adds 8
+            self.packed = pack_int4_for_kernel(torch.cat([hi_plus_8, lo], dim=1))
+            s = self.scales.float().reshape(N, -1)  # (N, G): one column per int8 group
+            s = s.repeat_interleave(K // gs // s.shape[1], dim=1)  # (N, K / gs): per kernel group
             scales = torch.cat([16 * s, s], dim=1)  # exact in bf16: powers of two times a bf16 value
             zeros = torch.cat([torch.zeros_like(s), 8 * s], dim=1)
             self.scales_and_zeros = _int4_scales_and_zeros(scales, zeros)
@@ -267,9 +295,13 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def forward_dequant(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        if self.group_size is None:
+            return F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        return F.linear(x, self.dequantized_weight().to(x.dtype))
 
     def dequantized_weight(self) -> Tensor:
+        if self.weight is None:
+            raise RuntimeError("the int8 weight was released after packing (finalize keep_weight=False)")
         return dequantize_int8(self.weight, self.scales)
 
 
@@ -341,16 +373,18 @@ class Int4Linear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """Embedding rows stored int8 with one bf16 scale per row (= the head's output channel when tied)."""
+    """Embedding rows stored int8 with bf16 scales per row or per group of the row (when tied: the
+    head's own tensors, a row of the embedding being an output channel of the head)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, device=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group_size: Optional[int] = None, device=None):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings, self.embedding_dim, self.group_size = num_embeddings, embedding_dim, group_size
+        scale_shape = (num_embeddings,) if group_size is None else (num_embeddings, embedding_dim // group_size)
         self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.empty(num_embeddings, dtype=torch.bfloat16, device=device))
+        self.register_buffer("scales", torch.empty(scale_shape, dtype=torch.bfloat16, device=device))
 
     def forward(self, idx: Tensor) -> Tensor:
-        return self.weight[idx].float() * self.scales[idx].float().unsqueeze(-1)
+        return dequantize_int8(self.weight[idx], self.scales[idx])
 
 
 class Int4Embedding(nn.Module):
@@ -432,8 +466,13 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def _check_metadata(quantization: dict) -> tuple[str, Optional[int], str]:
-    """(mode, group_size, head) from a file's metadata; CheckpointError for anything unknown."""
+def head_int8_group_size(dim: int) -> Optional[int]:
+    """Groups of the int8 head / embedding: 64 inputs (32 if the dim needs it), else per channel."""
+    return next((g for g in (64, 32) if dim % g == 0), None)
+
+
+def _check_metadata(quantization: dict) -> tuple[str, Optional[int], str, Optional[int]]:
+    """(mode, group_size, head, head_group_size) from a file's metadata; CheckpointError if unknown."""
     from model import CheckpointError
 
     if not isinstance(quantization, dict):
@@ -450,7 +489,10 @@ def _check_metadata(quantization: dict) -> tuple[str, Optional[int], str]:
     head = quantization.get("head", "int8")
     if head not in HEAD_CHOICES:
         raise CheckpointError(f"unknown head quantization {head!r} in the checkpoint")
-    return mode, group_size, head
+    head_group_size = quantization.get("head_group_size")
+    if head_group_size is not None and not (isinstance(head_group_size, int) and head_group_size > 0):
+        raise CheckpointError(f"bad head group size {head_group_size!r} in the checkpoint")
+    return mode, group_size, head, head_group_size
 
 
 def prepare_model(model: nn.Module, quantization: dict) -> None:
@@ -461,27 +503,27 @@ def prepare_model(model: nn.Module, quantization: dict) -> None:
     """
     from model import CheckpointError
 
-    mode, group_size, head = _check_metadata(quantization)
+    mode, group_size, head, head_gs = _check_metadata(quantization)
     args = model.args
     device = model.norm.weight.device
     try:
         for name in _linear_names(model):
             linear = model.get_submodule(name)
             K, N = linear.in_features, linear.out_features
-            new = Int8Linear(K, N, device) if mode == "int8" else Int4Linear(K, N, group_size, device)
+            new = Int8Linear(K, N, None, device) if mode == "int8" else Int4Linear(K, N, group_size, device)
             _set_module(model, name, new)
         V, D = args.vocab_size, args.dim
         if head == "int8":
-            model.output = Int8Linear(D, V, device)
+            model.output = Int8Linear(D, V, head_gs, device)
         elif head == "int4":
-            model.output = Int4Linear(D, V, group_size, device)
+            model.output = Int4Linear(D, V, head_gs, device)
         if args.tie_embeddings:
             if head == "int8":
-                model.tok_embeddings = Int8Embedding(V, D, device)
+                model.tok_embeddings = Int8Embedding(V, D, head_gs, device)
             elif head == "int4":
-                model.tok_embeddings = Int4Embedding(V, D, group_size, device)
-        else:
-            model.tok_embeddings = Int8Embedding(V, D, device)
+                model.tok_embeddings = Int4Embedding(V, D, head_gs, device)
+        else:  # an untied embedding is int8 whatever the head is
+            model.tok_embeddings = Int8Embedding(V, D, quantization.get("embedding_group_size"), device)
     except QuantizationError as e:
         raise CheckpointError(f"quantized checkpoint does not fit its config.json: {e}") from None
     model.quantization = dict(quantization)
@@ -537,6 +579,8 @@ def quantize_state_dict(state: dict, args, mode: str, group_size: Optional[int],
         if tuple(state[k].shape) != shape:
             raise QuantizationError(f"the checkpoint does not match its config.json: {k} has shape "
                                     f"{tuple(state[k].shape)}, expected {shape}")
+    head_gs = {"int8": head_int8_group_size(args.dim), "int4": group_size, "none": None}[head]
+    embedding_gs = head_gs if args.tie_embeddings else head_int8_group_size(args.dim)
     # Check every group size before any work (one line, no half-written file).
     if mode == "int4" or head == "int4":
         for name in linear_names + (["output"] if head == "int4" else []):
@@ -550,11 +594,11 @@ def quantize_state_dict(state: dict, args, mode: str, group_size: Optional[int],
             continue
         out[k] = v
 
-    def put_linear(prefix: str, w: Tensor, kind: str) -> None:
+    def put_linear(prefix: str, w: Tensor, kind: str, gs: Optional[int]) -> None:
         if kind == "int8":
-            out[prefix + ".weight"], out[prefix + ".scales"] = quantize_int8(w)
+            out[prefix + ".weight"], out[prefix + ".scales"] = quantize_int8(w, gs)
         else:
-            q, out[prefix + ".scales"], out[prefix + ".zeros"] = quantize_int4(w, group_size)
+            q, out[prefix + ".scales"], out[prefix + ".zeros"] = quantize_int4(w, gs)
             out[prefix + ".weight"] = pack_nibbles(q)
 
     by_layer: dict[str, list[str]] = {}
@@ -563,12 +607,12 @@ def quantize_state_dict(state: dict, args, mode: str, group_size: Optional[int],
     bar = _progress(list(by_layer.items()), desc=f"quantizing {mode}", unit="layer", enable=progress)
     for _, names in bar:
         for name in names:
-            put_linear(name, state[f"{name}.weight"], mode)
+            put_linear(name, state[f"{name}.weight"], mode, group_size if mode == "int4" else None)
 
     embedding = state["tok_embeddings.weight"]
     head_weight = embedding if args.tie_embeddings else state["output.weight"]
     if head != "none":
-        put_linear("output", head_weight, head)
+        put_linear("output", head_weight, head, head_gs)
     else:
         out["output.weight"] = head_weight
     if args.tie_embeddings:
@@ -579,17 +623,19 @@ def quantize_state_dict(state: dict, args, mode: str, group_size: Optional[int],
             out["tok_embeddings.weight"] = embedding
             out.pop("output.weight")  # tied float head: the converter's convention
     else:
-        out["tok_embeddings.weight"], out["tok_embeddings.scales"] = quantize_int8(embedding)
+        out["tok_embeddings.weight"], out["tok_embeddings.scales"] = quantize_int8(embedding, embedding_gs)
 
     out["__quantization__"] = {
         "format": FORMAT_VERSION,
         "mode": mode,
         "group_size": group_size if mode == "int4" else None,
         "head": head,
+        "head_group_size": head_gs,
         "embedding": head if args.tie_embeddings else "int8",
+        "embedding_group_size": embedding_gs,
         "source": source,
         "int4_layout": "portable: 2 values per byte, low nibble = even column; w = (q - 8) * scale + zero",
-        "int8_layout": "symmetric per output channel: w = q * scale",
+        "int8_layout": "symmetric: w = q * scale, per output channel (blocks) or per group (head, embedding)",
         "scale_dtype": "bfloat16",
         "torch": str(torch.__version__),
     }

@@ -28,10 +28,13 @@
 //      and attend exactly; mean-V.
 // Positions >= S and batch rows >= B are never loaded (tails use masked loads).
 // Buffers are reused across calls (one workspace that only grows, on huge pages).
-// Threads: a claim-based helper pool (see Pool), sized by torch.get_num_threads().
+// Threads: torch's OpenMP team, sized by torch.get_num_threads(), claiming units dynamically.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -790,12 +793,12 @@ static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_
 }
 
 // ---------------------------------------------------------------------------------------------
-// Threads: a claim-based helper pool instead of an OpenMP team. Work comes in phases of
-// independent units; every participant claims units with an atomic counter and waits only for
-// the units others have claimed. The caller is participant 0 and starts at once; a helper that
-// is late (on a busy machine the OS may not run it for milliseconds) finds the units taken and
-// does nothing: the caller never waits for a thread to show up, which an OpenMP region's closing
-// barrier does (measured here with co-tenant load: every call stretched to 4-30 ms).
+// Threads: torch's OpenMP team (the same threads as torch's own ops, so nothing else spins on the
+// cores between calls). Work comes in phases of independent units that the threads claim with an
+// atomic counter (dynamic balance: a thread the OS starts late finds the units taken); between
+// phases a thread waits only for the units others have claimed.
+// (A separate helper pool was tried: its spinning threads and torch's OpenMP threads then
+// competed for the 2 cores and both slowed down by milliseconds per call.)
 // ---------------------------------------------------------------------------------------------
 
 struct Job {
@@ -804,9 +807,6 @@ struct Job {
   int64_t total[kMaxPhases] = {};
   std::atomic<int64_t> next[kMaxPhases];
   std::atomic<int64_t> done[kMaxPhases];
-  int helpers = 0;                                       // slots 1..helpers may join
-  void (*call)(void* ctx, int phase, int64_t unit, int slot) = nullptr;
-  void* ctx = nullptr;                                   // only touched after a successful claim
   Job() {
     for (int i = 0; i < kMaxPhases; ++i) { next[i].store(0); done[i].store(0); }
   }
@@ -818,12 +818,13 @@ static inline void cpu_relax() {
 #endif
 }
 
-static void participate(Job& job, int slot) {
+template <class F>
+static void participate(Job& job, F& fn, int slot) {
   for (int ph = 0; ph < job.phases; ++ph) {
     for (;;) {
       const int64_t u = job.next[ph].fetch_add(1, std::memory_order_relaxed);
       if (u >= job.total[ph]) break;
-      job.call(job.ctx, ph, u, slot);
+      fn(ph, u, slot);
       job.done[ph].fetch_add(1, std::memory_order_release);
     }
     // the next phase reads what this one wrote: wait for the units others claimed
@@ -834,83 +835,23 @@ static void participate(Job& job, int slot) {
   }
 }
 
-class Pool {
- public:
-  static Pool& get() {
-    static Pool* pool = new Pool();  // never destroyed: helpers may outlive static destruction
-    return *pool;
-  }
-
-  // Runs the job's phases on the caller and up to job->helpers helper threads; returns when every
-  // unit of every phase is done.
-  void run(const std::shared_ptr<Job>& job) {
-    if (job->helpers > 0) {
-      ensure(job->helpers);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        current_ = job;
-      }
-      gen_.fetch_add(1, std::memory_order_release);
-      if (sleeping_.load(std::memory_order_acquire) > 0) gen_.notify_all();
-    }
-    participate(*job, 0);
-    if (job->helpers > 0) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (current_ == job) current_.reset();
-    }
-  }
-
- private:
-  void ensure(int n) {
-    std::lock_guard<std::mutex> lock(spawn_mu_);
-    while ((int)threads_ < n) {
-      const int slot = (int)++threads_;
-      std::thread([this, slot] { loop(slot); }).detach();
-    }
-  }
-
-  void loop(int slot) {
-    uint32_t seen = gen_.load(std::memory_order_acquire);
-    for (;;) {
-      // spin briefly (back-to-back calls, e.g. one per layer), then sleep on the generation
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int64_t i = 0; gen_.load(std::memory_order_acquire) == seen; ++i) {
-        cpu_relax();
-        if ((i & 63) == 63 && std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(50)) {
-          sleeping_.fetch_add(1, std::memory_order_acq_rel);
-          if (gen_.load(std::memory_order_acquire) == seen) gen_.wait(seen, std::memory_order_acquire);
-          sleeping_.fetch_sub(1, std::memory_order_acq_rel);
-        }
-      }
-      seen = gen_.load(std::memory_order_acquire);
-      std::shared_ptr<Job> job;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        job = current_;
-      }
-      if (job && slot <= job->helpers) participate(*job, slot);
-    }
-  }
-
-  std::mutex mu_, spawn_mu_;
-  std::shared_ptr<Job> current_;
-  std::atomic<uint32_t> gen_{0};
-  std::atomic<int> sleeping_{0};
-  size_t threads_ = 0;
-};
-
-// Phases of units over the caller and nthreads - 1 helpers: fn(phase, unit, slot), slot < nthreads.
+// Phases of units over up to nthreads threads: fn(phase, unit, slot) with slot < nthreads.
 template <class F>
 static void run_phases(int nthreads, std::initializer_list<int64_t> units, F& fn) {
-  auto job = std::make_shared<Job>();
-  job->phases = (int)units.size();
+  Job job;
+  job.phases = (int)units.size();
   int64_t most = 0;
   int i = 0;
-  for (int64_t n : units) { job->total[i++] = n; most = std::max(most, n); }
-  job->helpers = (int)std::max<int64_t>(0, std::min<int64_t>(nthreads, most) - 1);
-  job->ctx = &fn;
-  job->call = [](void* ctx, int phase, int64_t unit, int slot) { (*static_cast<F*>(ctx))(phase, unit, slot); };
-  Pool::get().run(job);
+  for (int64_t n : units) { job.total[i++] = n; most = std::max(most, n); }
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, most));
+#ifdef _OPENMP
+  if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+    participate(job, fn, omp_get_thread_num());
+    return;
+  }
+#endif
+  participate(job, fn, 0);
 }
 
 // Threads to use: torch's intra-op setting, 1 inside a parallel region of torch's.

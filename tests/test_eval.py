@@ -359,7 +359,9 @@ def test_smoke_every_task_on_the_embedded_model(tmp_path, capsys):
     assert 0.5 < got[("diagnostics", "topk_agreement", "sparq")]["score"] <= 1.0  # r = 32 of 64
     assert got[("diagnostics", "attn_rel_l2", "sparq")]["score"] < 0.5
     for method in ("sparq", "h2o", "local"):
-        assert got[("bpc", "bpc", method)]["achieved_compression"] == pytest.approx(0.5, abs=0.01)
+        # Budgets are solved at the prompt length (512); 24 teacher-forced tokens later the live length
+        # is 536, so a fixed budget's ratio drifts down by up to ~24/512 of itself (0.5 -> ~0.488).
+        assert got[("bpc", "bpc", method)]["achieved_compression"] == pytest.approx(0.5, abs=0.03)
         assert got[("needle", "exact_match", method)]["achieved_compression"] == pytest.approx(0.125, abs=0.012)
     assert png.stat().st_size > 10_000
     printed = capsys.readouterr().out

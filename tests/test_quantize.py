@@ -1,6 +1,8 @@
 """Weight-only int8 / int4 quantization (quantize.py): round-trip bounds, every kernel against an
 independent float64 reference, loading through model.load_model (eager and compiled), the embedded
 model against fp32, the CLI's errors, and generate.py on a quantized checkpoint."""
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +22,9 @@ from generate import decode_step
 
 
 def ref_dequant_int8(q, scales):
-    return q.double() * scales.double()[:, None]
+    """Per row (scales (N,)) or per group of the row (scales (N, G))."""
+    s = scales.double().reshape(q.shape[0], -1)
+    return q.double() * s.repeat_interleave(q.shape[1] // s.shape[1], dim=1)
 
 
 def ref_unpack(p):
@@ -43,7 +47,7 @@ def bf16_exact(t):
     return torch.equal(t.float(), t.float().bfloat16().float())
 
 
-def test_weights(N=96, K=256, seed=0):
+def sample_weights(N=96, K=256, seed=0):
     """Gaussian rows at very different scales, heavy outliers, a constant row, an all-zero row."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g) * torch.logspace(-3, 1, N)[:, None]
@@ -59,23 +63,27 @@ def test_weights(N=96, K=256, seed=0):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_int8_round_trip_within_half_a_step_per_channel():
-    w = test_weights()
-    q, scales = Q.quantize_int8(w)
-    assert q.dtype == torch.int8 and scales.shape == (w.shape[0],)
+@pytest.mark.parametrize("group_size", [None, 64])
+def test_int8_round_trip_within_half_a_step_per_channel_or_group(group_size):
+    w = sample_weights()
+    N, K = w.shape
+    gs = group_size or K
+    q, scales = Q.quantize_int8(w, group_size)
+    assert q.dtype == torch.int8 and scales.shape == ((N,) if group_size is None else (N, K // gs))
     assert int(q.min()) >= -127 and int(q.max()) <= 127
     assert bf16_exact(scales)
-    err = (w.double() - ref_dequant_int8(q, scales)).abs()
-    assert (err <= scales.double()[:, None] / 2 + 1e-12).all()
+    step = scales.double().reshape(N, -1).repeat_interleave(gs, dim=1)
+    err = (w.double() - q.double() * step).abs()
+    assert (err <= step / 2 * (1 + 1e-6) + 1e-12).all()  # (fp32 division can misround a tie)
     # ...and the step is not inflated to make that easy: at most one bf16 rounding above amax / 127.
-    ideal = w.abs().amax(1).double() / 127
+    ideal = w.double().reshape(N, K // gs, gs).abs().amax(-1) / 127
     nonzero = ideal > 0
-    assert (scales.double()[nonzero] <= ideal[nonzero] * (1 + 2 ** -7)).all()
+    assert (scales.double().reshape(N, -1)[nonzero] <= ideal[nonzero] * (1 + 2 ** -7)).all()
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
 def test_int4_round_trip_within_half_a_step_per_group(group_size):
-    w = test_weights(K=512)
+    w = sample_weights(K=512)
     q, scales, zeros = Q.quantize_int4(w, group_size)
     N, K = w.shape
     assert q.shape == (N, K) and scales.shape == zeros.shape == (N, K // group_size)
@@ -83,13 +91,15 @@ def test_int4_round_trip_within_half_a_step_per_group(group_size):
     assert bf16_exact(scales) and bf16_exact(zeros)
     err = (w.double() - ref_dequant_int4(q, scales, zeros)).abs()
     step = scales.double().repeat_interleave(group_size, dim=1)
-    assert (err <= step / 2 + 1e-12).all()
+    assert (err <= step / 2 * (1 + 1e-6) + 1e-12).all()  # (fp32 division can misround a tie)
+    # ...and the step is not inflated to make that easy: (max - min) / 15, plus what rounding the
+    # zero to bf16 (half an ulp <= |z| 2^-8, shared by 7 steps) and the step itself up to bf16 cost.
     groups = w.double().reshape(N, K // group_size, group_size)
     ideal = (groups.amax(-1) - groups.amin(-1)) / 15
-    spread = ideal > 1e-6
-    ratio = scales.double()[spread] / ideal[spread]
-    assert ratio.max() < 1.02, "the step should be within bf16 rounding of (max - min) / 15"
-    assert float((err.reshape(N, -1, group_size).amax(-1)[spread] / ideal[spread]).max()) < 0.52
+    allowed = (ideal + zeros.double().abs() * 2 ** -8 / 7) * (1 + 2 ** -7)
+    assert (scales.double() <= allowed + 2e-12).all()  # (an all-zero group keeps a 1e-12 step)
+    centred = groups.mean(-1).abs() < 15 * ideal  # ordinary weight groups: at most 1% above ideal
+    assert (scales.double()[centred] <= ideal[centred] * 1.01 + 1e-12).all()
 
 
 def test_group_size_must_divide_the_input_dimension():
@@ -110,15 +120,15 @@ def test_nibble_packing_round_trips_in_the_documented_order():
 # ---------------------------------------------------------------------------------------------
 
 
-def int8_layer(N, K, seed=0):
-    w = test_weights(N, K, seed)
-    layer = Q.Int8Linear(K, N)
-    layer.weight, layer.scales = Q.quantize_int8(w)
+def int8_layer(N, K, seed=0, group_size=None):
+    w = sample_weights(N, K, seed)
+    layer = Q.Int8Linear(K, N, group_size)
+    layer.weight, layer.scales = Q.quantize_int8(w, group_size)
     return layer, ref_dequant_int8(layer.weight, layer.scales)
 
 
 def int4_layer(N, K, group_size, seed=0):
-    w = test_weights(N, K, seed)
+    w = sample_weights(N, K, seed)
     layer = Q.Int4Linear(K, N, group_size)
     q, layer.scales, layer.zeros = Q.quantize_int4(w, group_size)
     layer.weight = Q.pack_nibbles(q)
@@ -146,10 +156,14 @@ def assert_matches_reference(layer, w_ref, kernel, shape):
         assert (err <= 8e-3 * expected.abs() + 1e-4 * float(expected.abs().max())).all(), float(err.max())
 
 
+@pytest.mark.parametrize("group_size", [None, 64])
 @pytest.mark.parametrize("kernel", ["int4x2", "int8pack", "dequant"])
 @pytest.mark.parametrize("shape", [(1,), (3,), (8,), (2, 5)])
-def test_int8_linear_kernels_match_the_dequantized_matmul(kernel, shape):
-    layer, w_ref = int8_layer(96, 576)
+def test_int8_linear_kernels_match_the_dequantized_matmul(group_size, kernel, shape):
+    layer, w_ref = int8_layer(96, 576, group_size=group_size)
+    if group_size is not None and kernel == "int8pack":
+        assert not layer.supports(kernel)  # the aten int8 kernel takes one scale per channel only
+        return
     require_kernel(layer, kernel)
     assert_matches_reference(layer, w_ref, kernel, shape)
 
@@ -164,9 +178,10 @@ def test_int4_linear_kernels_match_the_dequantized_matmul(group_size, kernel, sh
     assert_matches_reference(layer, w_ref, kernel, shape)
 
 
-def test_int8_split_kernel_uses_exactly_the_int8_weights():
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_int8_split_kernel_uses_exactly_the_int8_weights(group_size):
     """int4x2 splits q into two nibbles; with inputs that make every product exact, it must be exact."""
-    layer, w_ref = int8_layer(64, 128)
+    layer, w_ref = int8_layer(64, 128, group_size=group_size)
     require_kernel(layer, "int4x2")
     layer.use_kernel("int4x2")
     x = torch.zeros(1, 128)
@@ -175,11 +190,12 @@ def test_int8_split_kernel_uses_exactly_the_int8_weights():
 
 
 def test_embeddings_dequantize_the_rows_they_gather():
-    w = test_weights(64, 128)
-    emb8 = Q.Int8Embedding(64, 128)
-    emb8.weight, emb8.scales = Q.quantize_int8(w)
+    w = sample_weights(64, 128)
     idx = torch.tensor([[0, 7, 63], [5, 5, 3]])
-    torch.testing.assert_close(emb8(idx).double(), ref_dequant_int8(emb8.weight, emb8.scales)[idx])
+    for group_size in (None, 64):
+        emb8 = Q.Int8Embedding(64, 128, group_size)
+        emb8.weight, emb8.scales = Q.quantize_int8(w, group_size)
+        torch.testing.assert_close(emb8(idx).double(), ref_dequant_int8(emb8.weight, emb8.scales)[idx])
     emb4 = Q.Int4Embedding(64, 128, 32)
     q, emb4.scales, emb4.zeros = Q.quantize_int4(w, 32)
     emb4.weight = Q.pack_nibbles(q)
@@ -303,16 +319,10 @@ def test_decode_step_compiles_fullgraph(tmp_path):
 # The embedded model (SmolLM2-135M-Instruct) against fp32
 # ---------------------------------------------------------------------------------------------
 
-PROMPTS = [
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
-    "To make a good cup of tea, first bring fresh water to the boil, then warm the pot and",
-    "Photosynthesis is the process by which green plants use sunlight to turn water and carbon dioxide into",
-    "The city of Paris is known for its museums, its cafes and its long history as a centre of",
-    "In computer science, a hash table is a data structure that maps keys to values by using",
-    "The first step in learning to play the piano is to become familiar with the keyboard and",
-    "Mount Everest, the highest mountain on Earth, stands on the border between Nepal and",
-    "A healthy breakfast usually includes some protein, some fruit and a source of whole grains such as",
-]
+# Chat prompts that all encode to the same length (36 tokens with the template): one batch, no padding.
+PROMPTS = ["Why is the sky blue?", "What is a black hole?", "How does a rainbow form?", "Why do cats purr?",
+           "What is the largest ocean?", "Why do leaves change color?", "How does the heart work?",
+           "How do bees make honey?"]
 NEW_TOKENS = 32
 
 
@@ -331,11 +341,15 @@ def quantized_smollm2(smollm2_checkpoint, tmp_path_factory):
 def fp32_reference(smollm2_checkpoint):
     import tokenizer
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see one_thread
+
     tok = tokenizer.load_tokenizer(smollm2_checkpoint)
-    ids = [tok.encode_prompt(p) for p in PROMPTS]
-    length = min(map(len, ids))
-    prompt = torch.tensor([i[:length] for i in ids])  # equal lengths: one batch, no padding
+    ids = [tok.encode_prompt(p, chat=True) for p in PROMPTS]
+    assert len({len(i) for i in ids}) == 1, [len(i) for i in ids]
+    prompt = torch.tensor(ids)
     tokens, logits = greedy_with_logits(M.load_model(smollm2_checkpoint), prompt)
+    torch.set_num_threads(threads)
     return prompt, tokens, logits
 
 
@@ -354,33 +368,59 @@ def greedy_with_logits(model, prompt, forced=None):
 
 
 # Measured on this repo's SmolLM2-135M-Instruct (converted from the Q4_1 GGUF), 8 prompts x 32
-# teacher-forced positions; bounds leave a margin:
-#           cos min   rel err mean   top-1    greedy-32 identical   (common prefix mean)
-#   int8    0.997     0.021          0.96     5/8                   (~24)
-#   int4    0.998     0.015          0.97     7/8                   (~30)
-BOUNDS = {"int8": dict(cos_min=0.99, rel_mean=0.04, top1=0.90, identical=4, prefix_mean=16),
-          "int4": dict(cos_min=0.99, rel_mean=0.03, top1=0.90, identical=5, prefix_mean=20)}
+# teacher-forced positions (the fp32 greedy tokens fed to both models):
+#                  cos min  rel err mean  top-1  KL mean  greedy-32 identical  divergence gaps (logit)
+#   int8            0.984    0.047        0.945  0.0045   3/8                  <= 0.12
+#   int4 (g32)      0.9975   0.020        0.973  0.0010   3/8                  <= 0.18
+#   bf16, no quantization (control)
+#                   0.996    0.022        0.980  0.0011   5/8                  <= 0.03
+# Greedy rows diverge only where fp32 itself is nearly tied between two tokens (the gap is fp32's
+# logit for its own token minus its logit for the token the quantized model chose), and even
+# unquantized bf16 diverges on 3 of these 8 prompts, so exact agreement is bounded loosely and
+# every divergence must be at a near-tie. Bounds leave a margin over the measurements.
+BOUNDS = {"int8": dict(cos_min=0.97, rel_mean=0.07, top1=0.90, kl_mean=0.01, identical=2, gap=0.5),
+          "int4": dict(cos_min=0.99, rel_mean=0.035, top1=0.93, kl_mean=0.003, identical=2, gap=0.5)}
+
+
+@pytest.fixture
+def one_thread():
+    """The shared 2-core machine is often busy: one OpenMP thread is far faster than two fighting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_embedded_model_stays_close_to_fp32(mode, quantized_smollm2, fp32_reference):
+def test_embedded_model_stays_close_to_fp32(mode, quantized_smollm2, fp32_reference, one_thread):
     prompt, ref_tokens, ref_logits = fp32_reference
     model = M.load_model(quantized_smollm2[mode])
     _, forced_logits = greedy_with_logits(model, prompt, forced=ref_tokens)  # same context as fp32
     cos = torch.nn.functional.cosine_similarity(forced_logits, ref_logits, dim=-1)
     rel = (forced_logits - ref_logits).norm(dim=-1) / ref_logits.norm(dim=-1)
     top1 = (forced_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
+    log_p, log_q = ref_logits.log_softmax(-1), forced_logits.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+
     tokens, _ = greedy_with_logits(model, prompt)
     identical = int((tokens == ref_tokens).all(1).sum())
-    prefix = [int((r != r0).nonzero()[0]) if (r != r0).any() else NEW_TOKENS for r, r0 in zip(tokens, ref_tokens)]
+    gaps = []
+    for row in range(len(PROMPTS)):
+        diverged = (tokens[row] != ref_tokens[row]).nonzero()
+        if len(diverged):
+            j = int(diverged[0])
+            gaps.append(float(ref_logits[row, j, ref_tokens[row, j]] - ref_logits[row, j, tokens[row, j]]))
     b = BOUNDS[mode]
     report = (f"{mode}: cos min {float(cos.min()):.4f}, rel err mean {float(rel.mean()):.4f}, top-1 {float(top1):.3f}, "
-              f"greedy identical {identical}/{len(PROMPTS)}, prefixes {prefix}")
+              f"KL mean {float(kl.mean()):.4f}, greedy-32 identical {identical}/{len(PROMPTS)}, "
+              f"divergence gaps {[round(g, 3) for g in gaps]}")
     print(report)
     assert float(cos.min()) >= b["cos_min"], report
     assert float(rel.mean()) <= b["rel_mean"], report
     assert float(top1) >= b["top1"], report
-    assert identical >= b["identical"] and sum(prefix) / len(prefix) >= b["prefix_mean"], report
+    assert float(kl.mean()) <= b["kl_mean"], report
+    assert identical >= b["identical"], report
+    assert all(g <= b["gap"] for g in gaps), report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,12 +479,11 @@ def test_loading_a_corrupt_quantization_entry_is_a_checkpoint_error(tiny_dir, tm
 @pytest.mark.parametrize("attention", [["--sparq-r", "16"], []], ids=["sparq-r16", "dense"])
 def test_generate_runs_a_quantized_checkpoint(attention, quantized_smollm2, tmp_path):
     out = tmp_path / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # see one_thread
     result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(quantized_smollm2["int4"]),
                              "--prompt", "The capital of France is", "--max-new-tokens", "12", "--json", str(out),
-                             *attention], cwd=REPO, capture_output=True, text=True, timeout=300)
+                             *attention], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
-    import json
-
     summary = json.loads(out.read_text())
     assert summary["attention"] == ("sparq" if attention else "dense")
     assert len(summary["samples"][0]["tokens"]) >= 1 and summary["decode_tokens_per_s"] > 0
