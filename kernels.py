@@ -34,6 +34,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 import types
 import warnings
 from typing import Optional
@@ -75,15 +76,23 @@ def _load_cpu_extension() -> bool:
         try:
             from torch.utils import cpp_extension
 
-            name = f"sparq_cpu_{_cpu_build_tag()}"
-            try:
-                built = os.path.exists(os.path.join(cpp_extension._get_build_directory(name, False), name + ".so"))
-            except Exception:
-                built = False
-            if not built:
+            name = f"sparq_cpu_{_cpu_build_tag()}"  # the tag covers source, flags, torch and CPU
+            build_dir = cpp_extension._get_build_directory(name, False)
+            so_path = os.path.join(build_dir, name + ".so")
+            loaded = False
+            if os.path.exists(so_path):  # built before: load it directly (no ninja, no build lock)
+                try:
+                    torch.ops.load_library(so_path)
+                    loaded = True
+                except OSError:  # e.g. truncated by a killed build: rebuild below
+                    pass
+            if not loaded:
+                lock = os.path.join(build_dir, "lock")
+                if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > 600:
+                    os.remove(lock)  # left by a build that was killed: torch would wait on it forever
                 print("building the fused CPU SparQ kernel (first use only)...", file=sys.stderr, flush=True)
-            cpp_extension.load(name=name, sources=[_CPU_SOURCE], extra_cflags=_CPU_CFLAGS,
-                               extra_ldflags=_CPU_LDFLAGS, is_python_module=False, verbose=False)
+                cpp_extension.load(name=name, sources=[_CPU_SOURCE], extra_cflags=_CPU_CFLAGS,
+                                   extra_ldflags=_CPU_LDFLAGS, is_python_module=False, verbose=False)
             _cpu_ext["ok"] = True
         except Exception as e:  # no compiler, no ninja, a build error: run the torch path instead
             msg = str(e).strip().splitlines()
