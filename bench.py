@@ -47,13 +47,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _int_list(text: str, what: str) -> list[int]:
+def _int_list(text: str, what: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
-    if not values or any(x < 1 for x in values):
-        raise UsageError(f"{what} must list positive integers, got {text!r}")
+    if not values or any(x < minimum for x in values):
+        raise UsageError(f"{what} must list integers >= {minimum}, got {text!r}")
     return values
 
 
@@ -343,18 +343,18 @@ def _restore_v_sums(model, length: int) -> None:
         cache.v_sum.copy_(cache.v[:, :, :length].float().sum(dim=2))
 
 
-def _time_decode(step, model, batch_size: int, context: int, steps: int, warmup: int) -> float:
-    """Seconds per decode step at live lengths context + 1, context + 2, ... (steps after warm-up)."""
+def _time_decode(step, model, batch_size: int, start: int, steps: int, warmup: int) -> float:
+    """Seconds per decode step (median) at live lengths start + 1, start + 2, ... (after warm-up)."""
     import torch
 
     token = torch.zeros(batch_size, 1, dtype=torch.long)
     times = []
     with torch.no_grad():
-        _restore_v_sums(model, context)
+        _restore_v_sums(model, start)
         for i in range(warmup + steps):
-            start = time.perf_counter()
-            step(model, token, torch.tensor([context + i]), context + i + 1)
-            times.append(time.perf_counter() - start)
+            t0 = time.perf_counter()
+            step(model, token, torch.tensor([start + i]), start + i + 1)
+            times.append(time.perf_counter() - t0)
     return statistics.median(times[warmup:])
 
 
@@ -367,6 +367,15 @@ def _resolve_decode_kernel(kernel: str) -> str:
     return resolved
 
 
+def _first_decode_positions(contexts: list[int], max_context: int, steps: int) -> dict[int, int]:
+    """Context -> position of its first decode step: the context itself, or earlier if the
+    warm-up and timed steps would run past the model's context (then the last step ends there)."""
+    starts = {c: min(c, max_context - steps) for c in contexts}
+    if min(starts.values()) < 0:
+        raise UsageError(f"--warmup plus --steps ({steps}) exceeds the model's context of {max_context} tokens")
+    return starts
+
+
 def cmd_decode(args) -> int:
     import torch
     from tqdm import tqdm
@@ -377,9 +386,13 @@ def cmd_decode(args) -> int:
     from model import CheckpointError, DenseDecode, checkpoint_paths, load_model
     from sparq import SparQConfig, SparQDecode, kv_bytes_read_per_step
 
-    contexts = _int_list(args.prompt_tokens, "--prompt-tokens")
+    contexts = _int_list(args.prompt_tokens, "--prompt-tokens", minimum=0)
     batches = _int_list(args.batch_size, "--batch-size")
     dtypes = _name_list(args.dtype, "dtype", DTYPES)
+    if args.steps < 1 or args.warmup < 0:
+        raise UsageError("--steps must be at least 1 and --warmup at least 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         _, checkpoint_dir = checkpoint_paths(args.checkpoint)
         tok = tokenizer_module.load_tokenizer(checkpoint_dir)
@@ -387,9 +400,7 @@ def cmd_decode(args) -> int:
     except (CheckpointError, ValueError) as e:
         raise UsageError(str(e)) from None
     model_args = model.args
-    if max(contexts) + args.warmup + args.steps > model_args.max_context:
-        raise UsageError(f"--prompt-tokens {max(contexts)} plus the timed steps exceeds the model's "
-                         f"context of {model_args.max_context} tokens")
+    starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps)
     mean_v = {"on": True, "off": False, "auto": model_args.n_kv_head == model_args.n_head}[args.sparq_mean_v]
     config = SparQConfig(r=args.sparq_r, k=args.sparq_k, local=args.sparq_local, mean_v=mean_v)
     try:
@@ -397,15 +408,20 @@ def cmd_decode(args) -> int:
         kernel = _resolve_decode_kernel(args.kernel)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    policies = {"dense": DenseDecode(), "sparq": SparQDecode(config, kernel)}
-    prompt = torch.tensor([data.essay_tokens(tok, max(contexts))])
+    policies = {"dense": DenseDecode(kernel), "sparq": SparQDecode(config, kernel)}  # same kernel family
+    prompt = torch.tensor([data.essay_tokens(tok, max(1, max(starts.values())))])
+    cache_length = max(starts.values()) + args.warmup + args.steps
 
+    print(f"# decode, {args.checkpoint}, threads={torch.get_num_threads()}, kernel={kernel}, "
+          f"{'compiled' if args.compile else 'eager'}, SparQ r={config.r} k={config.k} local={config.local} "
+          f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}")
+    print(_DECODE_HEADER, flush=True)
     rows = []
     progress = tqdm(total=len(dtypes) * len(contexts) * len(batches) * len(policies), desc="decode bench",
                     file=sys.stderr)
     for dtype_name in dtypes:
         model = load_model(args.checkpoint, dtype=_dtype(dtype_name))
-        model.setup_caches(max(batches), max(contexts) + args.warmup + args.steps)
+        model.setup_caches(max(batches), cache_length)
         with torch.no_grad():  # one dense prefill of the longest prompt serves every shorter context (causal)
             progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}")
             prefill(model, prompt)
@@ -414,25 +430,30 @@ def cmd_decode(args) -> int:
         element_bytes = model.layers[0].attention.kv_cache.k.element_size()
         step = torch.compile(decode_step, dynamic=True, fullgraph=True) if args.compile else decode_step
         for context in contexts:
+            start = starts[context]
             for B in batches:
                 seconds = {}
                 for name, policy in policies.items():
                     model.set_decode_attention(lambda layer, policy=policy: policy)
-                    progress.set_postfix_str(f"{dtype_name} S={context} B={B} {name}")
-                    seconds[name] = _time_decode(step, model, B, context, args.steps, args.warmup)
+                    progress.set_postfix_str(f"{dtype_name} context={context} B={B} {name}")
+                    seconds[name] = _time_decode(step, model, B, start, args.steps, args.warmup)
                     progress.update()
+                S = start + args.warmup + args.steps // 2 + 1  # the median step's live length
+                dense_kv = kv_bytes_read_per_step(model_args, policies["dense"], S, B, element_bytes)
                 for name, policy in policies.items():
-                    S = context + args.warmup + args.steps // 2 + 1  # the median step's live length
                     kv = kv_bytes_read_per_step(model_args, policy, S, B, element_bytes)
-                    dense_kv = kv_bytes_read_per_step(model_args, policies["dense"], S, B, element_bytes)
                     rows.append({
-                        "prompt_tokens": context, "batch_size": B, "dtype": dtype_name, "attention": name,
+                        "prompt_tokens": context, "live_length": S, "batch_size": B, "dtype": dtype_name,
+                        "attention": name, "kernel": kernel, "compiled": args.compile,
+                        "threads": torch.get_num_threads(),
                         "decode_tokens_per_s": 1 / seconds[name], "total_tokens_per_s": B / seconds[name],
-                        "kv_gb_s": kv / seconds[name] / 1e9,
+                        "weight_bytes": weights, "kv_bytes_read_per_step": kv,
+                        "kv_gb_s": kv / seconds[name] / 1e9, "gb_s": (weights + kv) / seconds[name] / 1e9,
                         "speedup_vs_dense": seconds["dense"] / seconds[name],
                         "theoretical_speedup": (weights + dense_kv) / (weights + kv),
                         "theoretical_kv_speedup": dense_kv / kv,
                     })
+                progress.write(_decode_row_line(rows[-2], rows[-1]))
     progress.close()
     _print_decode_table(rows, config, kernel, args.compile)
     if args.json:
@@ -443,20 +464,28 @@ def cmd_decode(args) -> int:
     return 0
 
 
+_DECODE_HEADER = (f"{'dtype':9} {'context':>7} {'B':>3} {'dense tok/s':>11} {'SparQ tok/s':>11} {'speedup':>7} "
+                  f"{'theory':>6} {'KV theory':>9} {'dense GB/s':>10} {'SparQ GB/s':>10} {'dense KV GB/s':>13} "
+                  f"{'SparQ KV GB/s':>13}")
+
+
+def _decode_row_line(dense: dict, sparq: dict) -> str:
+    return (f"{dense['dtype']:9} {dense['prompt_tokens']:7d} {dense['batch_size']:3d} "
+            f"{dense['decode_tokens_per_s']:11.2f} {sparq['decode_tokens_per_s']:11.2f} "
+            f"{sparq['speedup_vs_dense']:6.2f}x {sparq['theoretical_speedup']:5.2f}x "
+            f"{sparq['theoretical_kv_speedup']:8.2f}x {dense['gb_s']:10.2f} {sparq['gb_s']:10.2f} "
+            f"{dense['kv_gb_s']:13.2f} {sparq['kv_gb_s']:13.2f}")
+
+
 def _print_decode_table(rows: list[dict], config, kernel: str, compiled: bool) -> None:
     print(f"\ndecode, SparQ r={config.r} k={config.k} local={config.local} mean_v={config.mean_v} "
-          f"kernel={kernel}{' compiled' if compiled else ' eager'}; tok/s per sequence")
-    print(f"{'dtype':9} {'context':>7} {'B':>3} {'dense tok/s':>11} {'SparQ tok/s':>11} {'speedup':>7} "
-          f"{'theory':>6} {'KV theory':>9} {'dense KV GB/s':>13} {'SparQ KV GB/s':>13}")
+          f"kernel={kernel}{' compiled' if compiled else ' eager'}; tok/s per sequence; "
+          f"GB/s = (weights + KV bytes read) / step time")
+    print(_DECODE_HEADER)
     by_key = {(r["dtype"], r["prompt_tokens"], r["batch_size"], r["attention"]): r for r in rows}
     for (dtype, context, B, attention), sparq in by_key.items():
-        if attention != "sparq":
-            continue
-        dense = by_key[(dtype, context, B, "dense")]
-        print(f"{dtype:9} {context:7d} {B:3d} {dense['decode_tokens_per_s']:11.2f} "
-              f"{sparq['decode_tokens_per_s']:11.2f} {sparq['speedup_vs_dense']:6.2f}x "
-              f"{sparq['theoretical_speedup']:5.2f}x {sparq['theoretical_kv_speedup']:8.2f}x "
-              f"{dense['kv_gb_s']:13.2f} {sparq['kv_gb_s']:13.2f}")
+        if attention == "sparq":
+            print(_decode_row_line(by_key[(dtype, context, B, "dense")], sparq))
 
 
 def _plot_decode(rows: list[dict], path: str) -> None:
@@ -515,7 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("decode", help="end-to-end decode on a checkpoint: dense vs SparQ")
     p.add_argument("--checkpoint", default="checkpoints/SmolLM2-135M-Instruct", help="model.pth or its directory")
-    p.add_argument("--prompt-tokens", default="1024,4096,8192", help="comma list of context lengths")
+    p.add_argument("--prompt-tokens", default="1024,4096,8192",
+                   help="comma list of context lengths (0 = the first token; near the model's context the "
+                        "timed steps start early enough to end at it)")
     p.add_argument("--batch-size", default="1,4,8", help="comma list")
     p.add_argument("--dtype", default="float32", help=f"comma list of {', '.join(DTYPES)}")
     p.add_argument("--sparq-r", type=int, default=16)
@@ -526,6 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (dynamic shapes)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per configuration (median)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--json", default=None, help="write the rows as JSON")
     p.add_argument("--plot", default=None, help="write a PNG: tokens/s vs context")
     p.set_defaults(func=cmd_decode)

@@ -169,8 +169,10 @@ def decode_policy_factory(args: argparse.Namespace, model: Transformer):
     if args.attention == "sparq":
         kernel = resolve_kernel(args.kernel, args.device, args.kv_layout)
         return lambda layer: SparQDecode(config, kernel)
+    if args.attention == "dense":
+        kernel = resolve_kernel(args.kernel, args.device, "twice")  # dense reads only k and v
+        return lambda layer: DenseDecode(kernel)
     return {
-        "dense": lambda layer: DenseDecode(),
         "oracle": lambda layer: OracleDecode(config),
         "topk": lambda layer: TopKDecode(budget),
         "h2o": lambda layer: H2ODecode(budget, config.local),
@@ -248,7 +250,8 @@ def add_attention_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layout", choices=["twice", "once"], default="twice",
                    help="store K twice (d- and S-contiguous) or once (the paper's 1xK variant)")
     p.add_argument("--kernel", choices=["auto", "triton", "cpu", "torch"], default="auto",
-                   help="SparQ kernel: auto = Triton on CUDA, fused C++ on CPU; torch = plain PyTorch")
+                   help="decode-attention kernel: auto = Triton on CUDA (SparQ; dense stays torch), "
+                        "the fused C++ kernels on CPU (dense and SparQ); torch = plain PyTorch")
 
 
 def resolve_attention_flags(args: argparse.Namespace) -> None:

@@ -175,8 +175,16 @@ class DenseDecode(DecodePolicy):
 
     name = "dense"
 
+    def __init__(self, kernel: str = "torch"):
+        super().__init__()
+        self.kernel = kernel  # "cpu": the fused C++ kernel of kernels.py; anything else: dense_attention
+
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B = q.shape[0]
+        if self.kernel == "cpu" and cache.length_bucket == 1:  # the fused kernel reads exact lengths only
+            import kernels
+
+            return kernels.dense_attention_cpu(q, cache.k, cache.v, length)
         mask = beyond_live(length, cache.live_length) if cache.length_bucket > 1 else None
         return dense_attention(q, cache.k[:B, :, :length], cache.v[:B, :, :length], mask)
 

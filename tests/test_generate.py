@@ -90,6 +90,18 @@ def test_fused_cpu_kernel_generates_the_same_tokens_as_the_torch_path(smollm2):
     assert fused == torch_path
 
 
+def test_fused_cpu_dense_kernel_generates_the_same_tokens_as_the_torch_path(smollm2):
+    import kernels
+
+    if not kernels.cpu_kernel_available():
+        pytest.fail("the fused CPU kernel did not build")
+    model, tok = smollm2
+    prompt = data.essay_tokens(tok, 1024)
+    torch_path = greedy(model, prompt, 64, lambda layer: DenseDecode("torch"), batch_size=2)
+    fused = greedy(model, prompt, 64, lambda layer: DenseDecode("cpu"), batch_size=2)
+    assert fused == torch_path
+
+
 def test_generate_cli_json_with_sparq(tmp_path, smollm2_checkpoint):
     out = tmp_path / "out.json"
     result = run_generate("--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "300", "--max-new-tokens", "8",

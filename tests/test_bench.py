@@ -1,0 +1,60 @@
+"""bench.py runs end to end and reports what it promises (shapes of the report, not speed)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import bench
+
+
+def test_decode_json_rows(tmp_path, smollm2_checkpoint, capsys):
+    out = tmp_path / "decode.json"
+    code = bench.main(["decode", "--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "0,40",
+                       "--batch-size", "1,2", "--steps", "2", "--warmup", "0", "--sparq-k", "16",
+                       "--json", str(out), "--plot", str(tmp_path / "decode.png")])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 2 * 2  # contexts x batches x {dense, sparq}
+    assert {r["attention"] for r in rows} == {"dense", "sparq"}
+    for row in rows:
+        assert row["decode_tokens_per_s"] > 0 and row["kv_gb_s"] >= 0
+        assert row["live_length"] == row["prompt_tokens"] + 2  # the median of two steps at context + 1, + 2
+        if row["attention"] == "dense":
+            assert row["speedup_vs_dense"] == 1.0 and row["theoretical_speedup"] == 1.0
+    sparq_40 = [r for r in rows if r["attention"] == "sparq" and r["prompt_tokens"] == 40]
+    assert all(r["theoretical_kv_speedup"] > 1 for r in sparq_40)  # S = 42 > k = 16: SparQ reads less
+    assert (tmp_path / "decode.png").stat().st_size > 0
+    assert "dense tok/s" in capsys.readouterr().out
+
+
+def test_decode_near_the_model_context_ends_there(smollm2_checkpoint):
+    from model import ModelArgs
+
+    max_context = ModelArgs.from_json(smollm2_checkpoint / "config.json").max_context
+    starts = bench._first_decode_positions([0, 100, max_context], max_context, steps=19)
+    assert starts == {0: 0, 100: 100, max_context: max_context - 19}
+
+
+def test_attention_json_rows(tmp_path, capsys):
+    out = tmp_path / "attention.json"
+    code = bench.main(["attention", "--shape", "smollm2", "--batch-size", "1", "--seq-len", "300",
+                       "--iters", "2", "--warmup", "0", "--max-copies", "2", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    methods = {r["method"] for r in rows}
+    assert {"sparq-torch", "sparq-fused", "sparq-fused-1xk"} <= methods
+    assert any(m.startswith("dense") for m in methods)
+    for row in rows:
+        assert row["time_ms"] > 0 and row["theoretical_speedup"] > 0
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["decode", "--prompt-tokens", "1k"], "--prompt-tokens"),
+    (["decode", "--batch-size", "0"], "--batch-size"),
+    (["attention", "--shape", "gpt5"], "gpt5"),
+])
+def test_bad_input_is_a_one_line_error(argv, fragment, capsys):
+    assert bench.main(argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
