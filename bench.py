@@ -2,6 +2,9 @@
 
   python bench.py attention --shape smollm2 --batch-size 1,4,16 --seq-len 2048,8192,32768 --sparq-r 16
   python bench.py decode --prompt-tokens 1024,4096,8192 --batch-size 1,4,8 --sparq-r 16 --sparq-k 128
+  python bench.py linear --rows 1,8 --dtype float32,bfloat16
+
+`linear`: the GEMVs of one SmolLM2 decode step, torch's F.linear against the fused CPU kernel.
 
 `decode`: the whole model's decode step on a checkpoint, dense and SparQ from the same prefilled
 cache in one process; tokens/s, KV GB/s (bytes by the transfer formulas), measured speedup and the
@@ -421,6 +424,7 @@ def cmd_decode(args) -> int:
                     file=sys.stderr)
     for dtype_name in dtypes:
         model = load_model(args.checkpoint, dtype=_dtype(dtype_name))
+        model.set_linear_kernel(kernel)  # both policies share the linears: only attention differs
         model.setup_caches(max(batches), cache_length)
         with torch.no_grad():  # one dense prefill of the longest prompt serves every shorter context (causal)
             progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}")
@@ -511,6 +515,64 @@ def _plot_decode(rows: list[dict], path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# linear: the decode-step GEMV, torch F.linear vs the fused CPU kernel, on a model's weight shapes
+# ---------------------------------------------------------------------------------------------
+
+# SmolLM2-135M's linears as (name, out features, in features, count per decode step)
+SMOLLM2_LINEARS = (("wqkv", 960, 576, 30), ("wo", 576, 576, 30), ("w1|w3", 1536, 576, 60), ("w2", 576, 1536, 30),
+                   ("output", 49152, 576, 1))
+
+
+def cmd_linear(args) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    import kernels
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows_list = _int_list(args.rows, "--rows")
+    if max(rows_list) > kernels.LINEAR_CPU_MAX_ROWS:
+        raise UsageError(f"--rows: the fused GEMV takes at most {kernels.LINEAR_CPU_MAX_ROWS} rows")
+    dtypes = _name_list(args.dtype, "dtype", DTYPES)
+    if not kernels.cpu_kernel_available():
+        raise UsageError("the fused CPU kernel is unavailable (see the warning above)")
+    print(f"# linear (GEMV of a decode step), SmolLM2-135M shapes, threads={torch.get_num_threads()}, "
+          f"median of {args.iters} calls over weight copies spanning > 3x the LLC")
+    print(f"{'dtype':9} {'rows':>4} {'layer':7} {'N':>6} {'K':>5} {'torch ms':>9} {'fused ms':>9} "
+          f"{'torch GB/s':>10} {'fused GB/s':>10} {'speedup':>7}")
+    results = []
+    for dt_name in dtypes:
+        dtype = _dtype(dt_name)
+        for M in rows_list:
+            step = {"torch": 0.0, "fused": 0.0}
+            for name, N, K, count in SMOLLM2_LINEARS:
+                w_bytes = N * K * torch.finfo(dtype).bits // 8
+                copies = [torch.randn(N, K).to(dtype) for _ in range(max(2, math.ceil(3 * LLC_BYTES / w_bytes)))]
+                x = torch.randn(M, K).to(dtype)
+                ms = {}
+                for method, fn in (("torch", lambda w: F.linear(x, w)), ("fused", lambda w: kernels.linear_cpu(x, w))):
+                    times = []
+                    for i in range(args.iters + 2):
+                        t0 = time.perf_counter()
+                        fn(copies[i % len(copies)])
+                        times.append(time.perf_counter() - t0)
+                    ms[method] = statistics.median(times[2:]) * 1e3
+                    step[method] += ms[method] * count
+                print(f"{dt_name:9} {M:4d} {name:7} {N:6d} {K:5d} {ms['torch']:9.3f} {ms['fused']:9.3f} "
+                      f"{w_bytes / ms['torch'] / 1e6:10.1f} {w_bytes / ms['fused'] / 1e6:10.1f} "
+                      f"{ms['torch'] / ms['fused']:6.2f}x", flush=True)
+                results.append({"dtype": dt_name, "rows": M, "layer": name, "N": N, "K": K,
+                                "torch_ms": ms["torch"], "fused_ms": ms["fused"]})
+            print(f"{dt_name:9} {M:4d} {'a step':7} {'':6} {'':5} {step['torch']:9.2f} {step['fused']:9.2f} "
+                  f"{'':10} {'':10} {step['torch'] / step['fused']:6.2f}x  (all linears of one decode step)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": results}, f, indent=2)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
 
@@ -561,6 +623,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the rows as JSON")
     p.add_argument("--plot", default=None, help="write a PNG: tokens/s vs context")
     p.set_defaults(func=cmd_decode)
+
+    p = sub.add_parser("linear", help="decode-step GEMV: torch F.linear vs the fused CPU kernel")
+    p.add_argument("--rows", default="1,8", help="comma list of input rows (the decode batch size)")
+    p.add_argument("--dtype", default="float32,bfloat16", help=f"comma list of {', '.join(DTYPES)}")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--json", default=None, help="write the rows as JSON")
+    p.set_defaults(func=cmd_linear)
     return parser
 
 

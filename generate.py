@@ -250,8 +250,9 @@ def add_attention_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layout", choices=["twice", "once"], default="twice",
                    help="store K twice (d- and S-contiguous) or once (the paper's 1xK variant)")
     p.add_argument("--kernel", choices=["auto", "triton", "cpu", "torch"], default="auto",
-                   help="decode-attention kernel: auto = Triton on CUDA (SparQ; dense stays torch), "
-                        "the fused C++ kernels on CPU (dense and SparQ); torch = plain PyTorch")
+                   help="decode kernels: auto = Triton SparQ on CUDA (dense attention and linears stay torch), "
+                        "the fused C++ kernels on CPU (dense and SparQ attention, linear layers); "
+                        "torch = plain PyTorch")
 
 
 def resolve_attention_flags(args: argparse.Namespace) -> None:
@@ -336,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--length-bucket applies to dense and sparq attention, not {args.attention}")
     model.setup_caches(args.batch_size, max_seq_length, kv_layout=args.kv_layout, length_bucket=length_bucket)
     model.set_decode_attention(decode_policy_factory(args, model))
+    model.set_linear_kernel(resolve_kernel(args.kernel, args.device, "twice"))  # "cpu": the fused GEMV
     policy = model.layers[0].attention.decode_attention
     element_bytes = model.layers[0].attention.kv_cache.k.element_size()
 

@@ -142,8 +142,43 @@ if not hasattr(torch.ops.sparq, "dense_cpu"):
         return q.new_empty(q.shape)
 
 
+if not hasattr(torch.ops.sparq, "linear_cpu"):
+    torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
+
+    @torch.library.impl("sparq::linear_cpu", "CompositeExplicitAutograd")
+    def _linear_cpu_first_use(x, w):
+        if x.device.type == "cpu" and _load_cpu_extension():
+            return torch.ops.sparq.linear_cpu.default(x, w)
+        return torch.nn.functional.linear(x, w)
+
+    @torch.library.register_fake("sparq::linear_cpu")
+    def _linear_cpu_fake(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+
 _decode_cpu = torch.ops.sparq.decode_cpu.default
 _dense_cpu = torch.ops.sparq.dense_cpu.default
+_linear_cpu = torch.ops.sparq.linear_cpu.default
+
+LINEAR_CPU_MAX_ROWS = 16  # the fused GEMV serves decode steps; prefill-sized inputs go to F.linear
+
+
+def linear_cpu_pays(rows: int, weight_dtype: torch.dtype) -> bool:
+    """Whether the fused GEMV beats F.linear for `rows` input rows (bench.py linear, this machine:
+    fp32 weights 2-3x faster at 1-4 rows, 1.4x at 16; bf16 weights 1.35x at 1 row, 1.1x at 4, but
+    slower from 8 rows on, where torch's bf16 GEMM uses the CPU's bf16 dot-product instructions)."""
+    return rows <= (LINEAR_CPU_MAX_ROWS if weight_dtype == torch.float32 else 4)
+
+
+def linear_cpu(x: Tensor, weight: Tensor) -> Tensor:
+    """x (..., K) @ weight (N, K)^T with the fused C++ GEMV, for decode-sized x (at most 16 rows).
+
+    fp32 accumulation, result in x.dtype; weight fp32/bf16/fp16, contiguous along K. torch's
+    GEMV streams weights at 7-9 GB/s on this machine, this kernel at close to the memory
+    bandwidth (bench.py linear): the weights are most of the bytes of a decode step.
+    """
+    rows = x.reshape(-1, x.shape[-1])  # (M, K)
+    return _linear_cpu(rows, weight).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int) -> Tensor:

@@ -248,13 +248,35 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (no bias) that can run decode-sized inputs through the fused CPU GEMV of kernels.py.
+
+    kernel "cpu" (set by Transformer.set_linear_kernel): a decode step's few rows go to
+    kernels.linear_cpu, which streams the weights at close to the memory bandwidth (where it pays:
+    kernels.linear_cpu_pays); anything else (prefill, other devices) is F.linear.
+    """
+
+    kernel = "torch"
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel == "cpu":
+            import kernels
+
+            if kernels.linear_cpu_pays(x.numel() // x.shape[-1], self.weight.dtype):
+                return kernels.linear_cpu(x, self.weight)
+        return F.linear(x, self.weight)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
         qkv_dim = (args.n_head + 2 * args.n_kv_head) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=False)
-        self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
+        self.wqkv = Linear(args.dim, qkv_dim)
+        self.wo = Linear(args.n_head * args.head_dim, args.dim)
         self.kv_cache: Optional[KVCache] = None
         self.decode_attention: DecodePolicy = DenseDecode()
 
@@ -279,9 +301,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+        self.w1 = Linear(args.dim, args.intermediate_size)  # gate
+        self.w3 = Linear(args.dim, args.intermediate_size)  # up
+        self.w2 = Linear(args.intermediate_size, args.dim)  # down
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -307,7 +329,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", torch.empty(0), persistent=False)
@@ -333,6 +355,12 @@ class Transformer(nn.Module):
 
     def kv_cache_bytes(self) -> int:
         return sum(layer.attention.kv_cache.nbytes() for layer in self.layers)
+
+    def set_linear_kernel(self, kernel: str) -> None:
+        """"cpu": decode steps run every (unquantized) linear layer through the fused CPU GEMV; "torch": F.linear."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.kernel = kernel
 
     def set_decode_attention(self, make_policy) -> None:
         """Give every layer its own decode attention policy: make_policy(layer_index) -> module."""

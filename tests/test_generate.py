@@ -102,6 +102,23 @@ def test_fused_cpu_dense_kernel_generates_the_same_tokens_as_the_torch_path(smol
     assert fused == torch_path
 
 
+def test_fused_cpu_linears_generate_the_same_tokens_as_f_linear(smollm2):
+    import kernels
+
+    if not kernels.cpu_kernel_available():
+        pytest.fail("the fused CPU kernel did not build")
+    model, tok = smollm2
+    prompt = data.essay_tokens(tok, 512)
+    for batch_size in (1, 8):  # one decode row; eight rows (the GEMV's x blocks of 4)
+        reference = greedy(model, prompt, 48, lambda layer: DenseDecode(), batch_size=batch_size)
+        model.set_linear_kernel("cpu")
+        try:
+            fused = greedy(model, prompt, 48, lambda layer: DenseDecode(), batch_size=batch_size)
+        finally:
+            model.set_linear_kernel("torch")
+        assert fused == reference
+
+
 def test_generate_cli_json_with_sparq(tmp_path, smollm2_checkpoint):
     out = tmp_path / "out.json"
     result = run_generate("--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "300", "--max-new-tokens", "8",

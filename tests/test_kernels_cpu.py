@@ -305,3 +305,37 @@ def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
     k2, v2 = k.clone(), v.clone()
     k2[:, :, S:], v2[:, :, S:], k2[B:], v2[B:] = float("nan"), float("nan"), float("nan"), float("nan")
     assert torch.equal(kernels.dense_attention_cpu(q, k2, v2, S), out)
+
+
+@pytest.mark.parametrize("M,N,K,x_dtype,w_dtype,n_threads", [
+    (1, 576, 576, "float32", "float32", 2), (1, 1000, 17, "float32", "float32", 1),
+    (3, 5, 1536, "float32", "bfloat16", 2), (16, 961, 576, "bfloat16", "bfloat16", 2),
+    (2, 4099, 64, "bfloat16", "float32", 2), (1, 3, 1, "float32", "float16", 1)])
+def test_fused_linear_matches_fp64(M, N, K, x_dtype, w_dtype, n_threads, threads):
+    """kernels.linear_cpu against an fp64 matmul of the same values; N and K off every block size."""
+    threads(n_threads)
+    gen = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=gen).to(getattr(torch, x_dtype))
+    w = torch.randn(N, K, generator=gen).to(getattr(torch, w_dtype))
+    ref = (x.double() @ w.double().T)
+    out = kernels.linear_cpu(x, w)
+    assert out.dtype == x.dtype and out.shape == (M, N)
+    tol = 1e-5 * math.sqrt(K) if x.dtype == torch.float32 else 1e-2  # bf16 output: one rounding
+    torch.testing.assert_close(out.double(), ref.to(x.dtype).double(), atol=tol, rtol=tol)
+
+
+def test_fused_linear_in_the_model_matches_f_linear():
+    """model.Linear with kernel "cpu": decode-sized inputs take the GEMV, prefill-sized ones F.linear."""
+    import model
+
+    gen = torch.Generator().manual_seed(0)
+    layer = model.Linear(96, 40)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 96, generator=gen))
+    layer.kernel = "cpu"
+    for shape in ((2, 1, 96), (1, 33, 96)):  # a decode step of 2 rows; a 33-token prefill
+        x = torch.randn(*shape, generator=gen)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(3, 1, 96, generator=gen)
+    torch.testing.assert_close(compiled(x), layer(x), atol=0, rtol=0)
