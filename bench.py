@@ -432,7 +432,12 @@ def cmd_decode(args) -> int:
         _fill_batch_rows(model, max(batches))
         weights = weight_bytes(model)
         element_bytes = model.layers[0].attention.kv_cache.k.element_size()
-        step = torch.compile(decode_step, dynamic=True, fullgraph=True) if args.compile else decode_step
+        step = decode_step
+        if args.compile:
+            # one graph per (policy, batch size, dtype) plus the length-1 specialisation: more than
+            # dynamo's default of 8 recompiles in one process
+            torch._dynamo.config.recompile_limit = 64
+            step = torch.compile(decode_step, dynamic=True, fullgraph=True)
         for context in contexts:
             start = starts[context]
             for B in batches:

@@ -111,11 +111,16 @@ class KVCache(nn.Module):
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Write k, v (B, n_kv, T, d) at positions input_pos (T,). Positions must be new."""
-        B = k.shape[0]
-        self.k[:B].index_copy_(2, input_pos, k)
-        self.v[:B].index_copy_(2, input_pos, v)
+        B, n_kv = k.shape[:2]
+        # Advanced indexing on the whole buffers, not index_copy_ into a [:B] slice: with a dynamic
+        # batch size torch.compile cannot write through that slice in place and copied every
+        # cache buffer whole, several times per layer and step.
+        rows = torch.arange(B, device=k.device).view(B, 1, 1)
+        heads = torch.arange(n_kv, device=k.device).view(1, n_kv, 1)
+        self.k[rows, heads, input_pos] = k  # indexes (B, n_kv, T) -> rows of d
+        self.v[rows, heads, input_pos] = v
         if self.k_t is not None:
-            self.k_t[:B].index_copy_(3, input_pos, k.transpose(2, 3))
+            self.k_t[rows, heads, :, input_pos] = k  # advanced indices first: the same (B, n_kv, T, d)
         self.v_sum[:B] += v.float().sum(dim=2)
         self.live_length.copy_(input_pos[-1] + 1)
 
