@@ -52,6 +52,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -204,6 +205,58 @@ static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
 template <typename T> static inline T from_f(float x) { return static_cast<T>(x); }
+
+// ---------------------------------------------------------------------------------------------
+// Pieces of exact attention shared by SparQ step 2 (attend) and the dense kernel (dense_unit):
+// the unblocked paths, for head dims the register-blocked templates below do not cover.
+// ---------------------------------------------------------------------------------------------
+
+// x . row over d elements (16 lanes at a time, masked tail)
+template <typename KT>
+static inline float dot_d(const float* x, const KT* row, int64_t d) {
+  const int64_t nfull = d / 16, rem = d % 16;
+  V acc = vzero();
+  for (int64_t c = 0; c < nfull; ++c) acc = vfma(load(x + 16 * c), load(row + 16 * c), acc);
+  if (rem) acc = vfma(load(x + 16 * nfull, tail_mask(rem)), load(row + 16 * nfull, tail_mask(rem)), acc);
+  return hsum(acc);
+}
+
+// l[0, n) <- exp(l - max l) in place; returns {max, sum of the exps}
+static inline std::pair<float, float> exp_shifted(float* l, int64_t n) {
+  V mx = vset(kNegInf);
+  for (int64_t j = 0; j < n; j += 16) mx = vmax_masked(mx, tail_mask(n - j), load(l + j, tail_mask(n - j)));
+  const float m = hmax(mx);
+  const V vm = vset(m);
+  V sum = vzero();
+  for (int64_t j = 0; j < n; j += 16) {
+    const M mk = tail_mask(n - j);
+    const V e = vselect(mk, vexp(vsub(load(l + j, mk), vm)), vzero());
+    store(l + j, e, mk);
+    sum = vadd(sum, e);
+  }
+  return {m, hsum(sum)};
+}
+
+// y[hh] += p[hh * ldp] * row for the g heads (y: g x d floats)
+template <typename KT>
+static inline void add_weighted_row(const float* p, int64_t ldp, int64_t g, const KT* row, int64_t d, float* y) {
+  const int64_t nfull = d / 16, rem = d % 16;
+  for (int64_t c = 0; c < nfull; ++c) {
+    const V vr = load(row + 16 * c);
+    for (int64_t hh = 0; hh < g; ++hh) {
+      float* yc = y + hh * d + 16 * c;
+      store(yc, vfma(vset(p[hh * ldp]), vr, load(yc)));
+    }
+  }
+  if (rem) {
+    const M mrem = tail_mask(rem);
+    const V vr = load(row + 16 * nfull, mrem);
+    for (int64_t hh = 0; hh < g; ++hh) {
+      float* yc = y + hh * d + 16 * nfull;
+      store(yc, vfma(vset(p[hh * ldp]), vr, load(yc, mrem)), mrem);
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Problem description
@@ -710,7 +763,6 @@ static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_
   const KT* vb = v + b * P.vs0 + h * P.vs1;
   const float scale = 1.0f / std::sqrt((float)d);
   const int64_t nfull = d / 16, rem = d % 16;
-  const M mrem = tail_mask(rem);
   PROF_T0
   bool blocked = rem == 0;
 #define SPARQ_NV_CASES(X) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(16)
@@ -725,29 +777,13 @@ static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_
   // logits: g x kk
   for (int64_t j = 0; j < kk && !blocked; ++j) {
     const KT* row = kb + (int64_t)pos[j] * P.ks2;
-    for (int64_t hh = 0; hh < g; ++hh) {
-      const float* qh = qf + hh * d;
-      V acc = vzero();
-      for (int64_t c = 0; c < nfull; ++c) acc = vfma(load(qh + 16 * c), load(row + 16 * c), acc);
-      if (rem) acc = vfma(load(qh + 16 * nfull, mrem), load(row + 16 * nfull, mrem), acc);
-      lg[hh * kk + j] = hsum(acc) * scale;
-    }
+    for (int64_t hh = 0; hh < g; ++hh) lg[hh * kk + j] = dot_d(qf + hh * d, row, d) * scale;
   }
   PROF_LAP(2, 0);
   // softmax per head
   for (int64_t hh = 0; hh < g; ++hh) {
     float* l = lg + hh * kk;
-    V mx = vset(kNegInf);
-    for (int64_t j = 0; j < kk; j += 16) mx = vmax_masked(mx, tail_mask(kk - j), load(l + j, tail_mask(kk - j)));
-    const V vm = vset(hmax(mx));
-    V sum = vzero();
-    for (int64_t j = 0; j < kk; j += 16) {
-      const M mk = tail_mask(kk - j);
-      const V e = vselect(mk, vexp(vsub(load(l + j, mk), vm)), vzero());
-      store(l + j, e, mk);
-      sum = vadd(sum, e);
-    }
-    const V inv = vset(1.0f / hsum(sum));
+    const V inv = vset(1.0f / exp_shifted(l, kk).second);
     for (int64_t j = 0; j < kk; j += 16) store(l + j, vmul(load(l + j, tail_mask(kk - j)), inv), tail_mask(kk - j));
   }
   PROF_LAP(2, 1);
@@ -761,23 +797,7 @@ static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_
   } else {
     std::fill(y, y + g * d, 0.f);
   }
-  for (int64_t j = 0; j < kk && !blocked; ++j) {
-    const KT* row = vb + (int64_t)pos[j] * P.vs2;
-    for (int64_t c = 0; c < nfull; ++c) {
-      const V vr = load(row + 16 * c);
-      for (int64_t hh = 0; hh < g; ++hh) {
-        float* yc = y + hh * d + 16 * c;
-        store(yc, vfma(vset(lg[hh * kk + j]), vr, load(yc)));
-      }
-    }
-    if (rem) {
-      const V vr = load(row + 16 * nfull, mrem);
-      for (int64_t hh = 0; hh < g; ++hh) {
-        float* yc = y + hh * d + 16 * nfull;
-        store(yc, vfma(vset(lg[hh * kk + j]), vr, load(yc, mrem)), mrem);
-      }
-    }
-  }
+  for (int64_t j = 0; j < kk && !blocked; ++j) add_weighted_row(lg + j, kk, g, vb + (int64_t)pos[j] * P.vs2, d, y);
   PROF_LAP(2, 2);
 #undef SPARQ_NV_CASES
   QT* o = out + (b * P.H + h) * g * d;
@@ -1264,7 +1284,6 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
                        int64_t p1, float* qf, float* L, int64_t ldL, float* y, float* mz) {
   const int64_t g = P.g, d = P.d, b = bh / P.H, h = bh % P.H;
   const int64_t nfull = d / 16, rem = d % 16;
-  const M mrem = tail_mask(rem);
   const float scale = 1.0f / std::sqrt((float)d);
   const QT* qb = q + b * P.qs0 + h * P.qs1;
   for (int64_t hh = 0; hh < g; ++hh)
@@ -1285,30 +1304,13 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
   // logits
   for (int64_t s = 0; s < n && !blocked; ++s) {
     const KT* row = kb + (p0 + s) * P.ks2;
-    for (int64_t hh = 0; hh < g; ++hh) {
-      const float* qh = qf + hh * d;
-      V acc = vzero();
-      for (int64_t c = 0; c < nfull; ++c) acc = vfma(load(qh + 16 * c), load(row + 16 * c), acc);
-      if (rem) acc = vfma(load(qh + 16 * nfull, mrem), load(row + 16 * nfull, mrem), acc);
-      L[hh * ldL + s] = hsum(acc);
-    }
+    for (int64_t hh = 0; hh < g; ++hh) L[hh * ldL + s] = dot_d(qf + hh * d, row, d);
   }
   // softmax numerators
   for (int64_t hh = 0; hh < g; ++hh) {
-    float* l = L + hh * ldL;
-    V mx = vset(kNegInf);
-    for (int64_t s = 0; s < n; s += 16) mx = vmax_masked(mx, tail_mask(n - s), load(l + s, tail_mask(n - s)));
-    const float m = hmax(mx);
-    const V vm = vset(m);
-    V sum = vzero();
-    for (int64_t s = 0; s < n; s += 16) {
-      const M mk = tail_mask(n - s);
-      const V e = vselect(mk, vexp(vsub(load(l + s, mk), vm)), vzero());
-      store(l + s, e, mk);
-      sum = vadd(sum, e);
-    }
+    const auto [m, sum] = exp_shifted(L + hh * ldL, n);
     mz[hh] = m;
-    mz[g + hh] = hsum(sum);
+    mz[g + hh] = sum;
   }
   // y = e @ V
   if (blocked) {
@@ -1321,23 +1323,7 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
   }
 #undef SPARQ_NV_CASES
   std::fill(y, y + g * d, 0.f);
-  for (int64_t s = 0; s < n; ++s) {
-    const KT* row = vb + (p0 + s) * P.vs2;
-    for (int64_t c = 0; c < nfull; ++c) {
-      const V vr = load(row + 16 * c);
-      for (int64_t hh = 0; hh < g; ++hh) {
-        float* yc = y + hh * d + 16 * c;
-        store(yc, vfma(vset(L[hh * ldL + s]), vr, load(yc)));
-      }
-    }
-    if (rem) {
-      const V vr = load(row + 16 * nfull, mrem);
-      for (int64_t hh = 0; hh < g; ++hh) {
-        float* yc = y + hh * d + 16 * nfull;
-        store(yc, vfma(vset(L[hh * ldL + s]), vr, load(yc, mrem)), mrem);
-      }
-    }
-  }
+  for (int64_t s = 0; s < n; ++s) add_weighted_row(L + s, ldL, g, vb + (p0 + s) * P.vs2, d, y);
 }
 
 template <typename KT, typename QT>

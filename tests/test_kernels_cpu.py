@@ -122,6 +122,8 @@ DTYPE = ("float32", "bfloat16")
 THREADS = (1, 2)
 _ALL = list(itertools.product(G, D, BATCH, SEQ, R, MEAN_V, LAYOUT, DTYPE, THREADS))
 CASES = random.Random(4).sample(_ALL, 44)
+# head dims that are not a multiple of 16: the kernels' unblocked logits / softmax / P @ V paths
+UNBLOCKED = [(3, 72, 2, 700, "8", True, "twice", "float32", 2), (1, 40, 1, 129, "d", False, "once", "bfloat16", 1)]
 
 
 def test_grid_covers_every_value():
@@ -129,7 +131,7 @@ def test_grid_covers_every_value():
         assert {case[axis] for case in CASES} == set(values)
 
 
-@pytest.mark.parametrize("g,d,B,S,r,mean_v,layout,dtype,n_threads", CASES)
+@pytest.mark.parametrize("g,d,B,S,r,mean_v,layout,dtype,n_threads", CASES + UNBLOCKED)
 def test_matches_reference(g, d, B, S, r, mean_v, layout, dtype, n_threads, threads):
     threads(n_threads)
     dtype = getattr(torch, dtype)
@@ -288,7 +290,8 @@ def test_softmax_extremes_do_not_overflow():
 
 @pytest.mark.parametrize("g,d,B,S,dtype,n_threads", [
     (3, 64, 1, 1, "float32", 2), (1, 128, 3, 1000, "float32", 1), (4, 80, 1, 4097, "float32", 2),
-    (8, 64, 3, 129, "float32", 2), (3, 64, 1, 3000, "bfloat16", 2), (1, 128, 2, 700, "bfloat16", 1)])
+    (8, 64, 3, 129, "float32", 2), (3, 64, 1, 3000, "bfloat16", 2), (1, 128, 2, 700, "bfloat16", 1),
+    (3, 72, 2, 700, "float32", 2)])  # d % 16 != 0: the unblocked path
 def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
     """kernels.dense_attention_cpu: exact attention over [0, S), against model.dense_attention in fp32."""
     from model import dense_attention
