@@ -77,28 +77,19 @@ def test_needle_sparq_gives_the_same_answer_as_dense(smollm2):
     assert "Dolores Park" in sparq, sparq
 
 
-def test_fused_cpu_kernel_generates_the_same_tokens_as_the_torch_path(smollm2):
+@pytest.mark.parametrize("make_policy", [
+    lambda kernel: SparQDecode(SparQConfig(r=16, k=128), kernel),
+    lambda kernel: DenseDecode(kernel),
+], ids=["sparq", "dense"])
+def test_fused_cpu_kernel_generates_the_same_tokens_as_the_torch_path(smollm2, make_policy):
     import kernels
 
     if not kernels.cpu_kernel_available():
         pytest.fail("the fused CPU kernel did not build")
     model, tok = smollm2
     prompt = data.essay_tokens(tok, 1024)
-    config = SparQConfig(r=16, k=128)
-    torch_path = greedy(model, prompt, 64, lambda layer: SparQDecode(config, "torch"), batch_size=2)
-    fused = greedy(model, prompt, 64, lambda layer: SparQDecode(config, "cpu"), batch_size=2)
-    assert fused == torch_path
-
-
-def test_fused_cpu_dense_kernel_generates_the_same_tokens_as_the_torch_path(smollm2):
-    import kernels
-
-    if not kernels.cpu_kernel_available():
-        pytest.fail("the fused CPU kernel did not build")
-    model, tok = smollm2
-    prompt = data.essay_tokens(tok, 1024)
-    torch_path = greedy(model, prompt, 64, lambda layer: DenseDecode("torch"), batch_size=2)
-    fused = greedy(model, prompt, 64, lambda layer: DenseDecode("cpu"), batch_size=2)
+    torch_path = greedy(model, prompt, 64, lambda layer: make_policy("torch"), batch_size=2)
+    fused = greedy(model, prompt, 64, lambda layer: make_policy("cpu"), batch_size=2)
     assert fused == torch_path
 
 
