@@ -41,7 +41,12 @@ from typing import Optional
 
 from model import dense_attention as _model_dense_attention
 
-_CPU_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "sparq_cpu.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+
+
+def _csrc_files(suffixes: tuple[str, ...] = (".cpp", ".h")) -> list[str]:
+    """Every source and header of csrc/, sorted: the build compiles the .cpp files, the tag hashes all."""
+    return sorted(os.path.join(_CSRC, f) for f in os.listdir(_CSRC) if f.endswith(suffixes))
 _CPU_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _CPU_LDFLAGS = ["-fopenmp"]
 _cpu_ext = {"ok": None, "error": None}  # ok: None = not tried yet, True = loaded, False = unavailable
@@ -52,10 +57,12 @@ _DECODE_CPU_SCHEMA = ("(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum,
 
 
 def _cpu_build_tag() -> str:
-    """Hash of the source, flags, torch version and CPU: a -march=native build never crosses machines."""
+    """Hash of every file in csrc/, the flags, torch version and CPU: a -march=native build never crosses machines."""
     h = hashlib.sha1()
-    with open(_CPU_SOURCE, "rb") as f:
-        h.update(f.read())
+    for path in _csrc_files():
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
     h.update(" ".join(_CPU_CFLAGS + _CPU_LDFLAGS).encode())
     h.update(torch.__version__.encode())
     try:
@@ -91,7 +98,7 @@ def _load_cpu_extension() -> bool:
                 if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > 600:
                     os.remove(lock)  # left by a build that was killed: torch would wait on it forever
                 print("building the fused CPU SparQ kernel (first use only)...", file=sys.stderr, flush=True)
-                cpp_extension.load(name=name, sources=[_CPU_SOURCE], extra_cflags=_CPU_CFLAGS,
+                cpp_extension.load(name=name, sources=_csrc_files((".cpp",)), extra_cflags=_CPU_CFLAGS,
                                    extra_ldflags=_CPU_LDFLAGS, is_python_module=False, verbose=False)
             _cpu_ext["ok"] = True
         except Exception as e:  # no compiler, no ninja, a build error: run the torch path instead
