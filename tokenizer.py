@@ -1,9 +1,9 @@
 """Tokenizers for the checkpoints we run: one interface, three kinds of files.
 
     load_tokenizer(dir) picks the kind from the files in a checkpoint dir:
-      tokenizer.model, a sentencepiece ModelProto  -> SentencePieceTokenizer (Llama 2, Mistral)
+      tokenizer.model, a sentencepiece ModelProto  -> SentencePieceTokenizer (Llama 2, Mistral, Gemma)
       tokenizer.model, base64-token + rank lines   -> BPETokenizer.from_tiktoken_file (Llama 3)
-      tokenizer.json, HF byte-level BPE            -> BPETokenizer.from_hf_json (SmolLM2, GPT-2 style)
+      tokenizer.json, HF byte-level BPE            -> BPETokenizer.from_hf_json (SmolLM2, Qwen2, GPT-2 style)
     next to tokenizer_config.json / special_tokens_map.json / generation_config.json /
     chat_template.jinja when present (bos/eos, add_bos_token, chat template, stop ids).
 
@@ -12,10 +12,14 @@ Both BPE kinds run on tiktoken. For an HF tokenizer.json the merge list becomes 
 whose concatenation has the lowest rank" replays HF's merge order; ranks map back to HF ids.
 tiktoken also returns a pre-token whole when it is a token, as HF does with ignore_merges=true
 (Llama 3); with ignore_merges=false that agrees as long as each token's own merges rebuild it,
-which holds for every token of SmolLM2 (the tests compare with HF on all essays).
+which holds for every token of SmolLM2 and Qwen2.5 (the tests compare with HF on all essays).
 
-The converter calls write_tokenizer_from_gguf (GGUF -> tokenizer.json + tokenizer_config.json)
-or copy_tokenizer_files (HF model dir -> checkpoint dir).
+The converter calls write_tokenizer_from_gguf or copy_tokenizer_files (HF model dir -> checkpoint
+dir). From a GGUF (tokenizer.ggml.model):
+  "gpt2"  (byte-level BPE: SmolLM2, Qwen2, Llama 3) -> tokenizer.json + tokenizer_config.json
+  "llama" (llama.cpp's SPM: Gemma, Llama 2, Mistral) -> tokenizer.model, a sentencepiece BPE ModelProto
+          rebuilt from the tokens, scores and token types (serialized here: no protobuf package), run by
+          sentencepiece exactly as the original tokenizer.model would be; + tokenizer_config.json
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ import base64
 import json
 import re
 import shutil
+import struct
+import unicodedata
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -45,6 +51,8 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 # whitespace before a digit ends a piece there, so `\s+(?!\S)` becomes `\s+(?![^\s\p{N}])`.
 GPT2_DIGITS_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 LLAMA3_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# Qwen2 / Qwen2.5 (their tokenizer.json, llama.cpp "qwen2"): Llama 3's, but every digit on its own.
+QWEN2_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # Llama 3.1's special tokens (meta-llama/llama-models), ids len(base vocab) + i: 128000 + i.
 LLAMA3_SPECIAL_TOKENS = [
@@ -138,8 +146,8 @@ class SentencePieceTokenizer(Tokenizer):
         self.add_bos = self.bos_id is not None
 
     def encode(self, text: str) -> list[int]:
-        # Each call adds sentencepiece's dummy "▁" prefix, also to each piece between special tokens
-        # in encode_with_special_tokens: that is Meta's Llama 2 chat encoding (HF's legacy=True).
+        # With a dummy prefix (Llama 2; Gemma has none) each call adds "▁", also to each piece between
+        # special tokens in encode_with_special_tokens: Meta's Llama 2 chat encoding (HF's legacy=True).
         return self.sp.encode(text)
 
     def decode(self, ids: list[int]) -> str:
@@ -150,15 +158,20 @@ class BPETokenizer(Tokenizer):
     """Byte-level BPE run by tiktoken: Llama 3 tokenizer.model files and HF byte-level tokenizer.json."""
 
     def __init__(self, ranks: dict[bytes, int], rank_to_id: Optional[list[int]], pattern: str,
-                 special_tokens: dict[str, int], id_to_bytes: dict[int, bytes]):
+                 special_tokens: dict[str, int], id_to_bytes: dict[int, bytes],
+                 plain_tokens: Optional[dict[str, int]] = None, normalization: Optional[str] = None):
         """ranks: token bytes -> tiktoken rank (merge priority); rank_to_id: rank -> model id (None:
-        ranks are the ids); special_tokens: text -> id; id_to_bytes: id -> bytes for decoding."""
+        ranks are the ids); special_tokens: text -> id; id_to_bytes: id -> bytes for decoding;
+        plain_tokens: added tokens that are not special (Qwen2's <tool_call>), matched in plain text
+        too, as HF and llama.cpp do; normalization: a unicodedata form applied before the split (NFC)."""
         import regex
         import tiktoken
 
         self.enc = tiktoken.Encoding("bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
         self.rank_to_id = rank_to_id
         self.special_tokens = special_tokens
+        self.plain_tokens = plain_tokens or {}
+        self.normalization = normalization
         self.vocab_size = max(id_to_bytes) + 1
         self.id_to_bytes = [id_to_bytes.get(i, b"") for i in range(self.vocab_size)]
         # Bytes with no token (SmolLM2 lacks 21, e.g. \x04 and 0xF1): HF's BPE drops them from a
@@ -185,11 +198,12 @@ class BPETokenizer(Tokenizer):
         model = tj.get("model", {})
         if model.get("type") != "BPE" or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
             raise ValueError(f"{path}: only plain byte-level BPE models are supported, not {_short(model)}")
-        if tj.get("normalizer") is not None:
-            raise ValueError(f"{path}: normalizers are not supported: {_short(tj['normalizer'])}")
+        if tj.get("normalizer") not in (None, {"type": "NFC"}):
+            raise ValueError(f"{path}: normalizers other than NFC are not supported: {_short(tj['normalizer'])}")
         pattern = pattern_from_pre_tokenizer(tj.get("pre_tokenizer"))
         vocab: dict[str, int] = model["vocab"]
         specials = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
+        plain = {t["content"]: t["id"] for t in tj.get("added_tokens", []) if not t.get("special", True)}
         id_to_bytes = {i: _byte_level_decode(s) or s.encode() for s, i in vocab.items()}
         id_to_bytes.update({i: s.encode() for s, i in specials.items()})
 
@@ -210,13 +224,27 @@ class BPETokenizer(Tokenizer):
             if left + right not in vocab:
                 raise ValueError(f"{path}: merge {left!r} {right!r} makes a token missing from the vocab")
             add(left + right)
-        tok = cls(ranks, rank_to_id, pattern, specials, id_to_bytes)
+        tok = cls(ranks, rank_to_id, pattern, specials, id_to_bytes, plain,
+                  "NFC" if tj.get("normalizer") else None)
         bos = _template_bos(tj.get("post_processor"))
         if bos in specials:
             tok.bos_id, tok.add_bos = specials[bos], True
         return tok
 
     def encode(self, text: str) -> list[int]:
+        if not self.plain_tokens:
+            return self._encode_text(text)
+        ids: list[int] = []
+        for i, part in enumerate(_special_split_regex(tuple(self.plain_tokens)).split(text)):
+            if i % 2:  # odd parts are the captured added tokens
+                ids.append(self.plain_tokens[part])
+            elif part:
+                ids += self._encode_text(part)
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        if self.normalization:
+            text = unicodedata.normalize(self.normalization, text)
         if self.missing_bytes and _has_any_byte(text, self.missing_bytes):
             ranks = self._encode_dropping_missing_bytes(text)
         else:
@@ -260,42 +288,77 @@ def load_tokenizer(checkpoint_dir: Path) -> Tokenizer:
 # Files for the converter
 # ---------------------------------------------------------------------------------------------
 
-GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+# tokenizer.ggml.token_type values: sentencepiece's ModelProto.SentencePiece.Type, which llama.cpp reuses.
+GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNUSED, GGUF_BYTE = 1, 2, 3, 4, 5, 6
 
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+
+
+def _split_then_byte_level(pattern: str) -> dict:
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+        {**_BYTE_LEVEL, "use_regex": False}]}
+
+
 # tokenizer.ggml.pre -> HF pre_tokenizer (the splits llama.cpp applies for that name).
 GGUF_PRE_TOKENIZERS = {
     "gpt2": _BYTE_LEVEL,
     "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
     "starcoder": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
-    "llama-bpe": {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": False},
-        {**_BYTE_LEVEL, "use_regex": False}]},
+    "llama-bpe": _split_then_byte_level(LLAMA3_PATTERN),
+    "qwen2": _split_then_byte_level(QWEN2_PATTERN),
 }
+# tokenizer.ggml.pre -> HF normalizer. Qwen2's own tokenizer.json applies NFC first; llama.cpp and
+# transformers' GGUF conversion skip it (the same ids on NFC text, which is nearly all text).
+GGUF_NORMALIZERS = {"qwen2": {"type": "NFC"}}
 
 
 def write_tokenizer_from_gguf(reader: "gguf.GGUFReader", out_dir: Path) -> None:
-    """Write tokenizer.json (HF byte-level BPE) + tokenizer_config.json from a GGUF file's metadata.
-
-    Only tokenizer.ggml.model == "gpt2" (byte-level BPE) with a tokenizer.ggml.pre listed in
-    GGUF_PRE_TOKENIZERS is supported; anything else raises ValueError."""
+    """Write the tokenizer files of a GGUF file's metadata into out_dir (see the module doc):
+    tokenizer.ggml.model "gpt2" (with a tokenizer.ggml.pre of GGUF_PRE_TOKENIZERS) or "llama".
+    Anything else raises ValueError, before any file is written."""
     def field(name: str, default=None):
         f = reader.fields.get(name)
         return f.contents() if f is not None else default
 
-    kind, pre = field("tokenizer.ggml.model"), field("tokenizer.ggml.pre", "default")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+    kind = field("tokenizer.ggml.model")
+    if kind == "gpt2":
+        files = _byte_level_bpe_files(field)
+    elif kind == "llama":
+        files = _sentencepiece_files(field)
+    else:
+        raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported "
+                         "(only 'gpt2' byte-level BPE and 'llama' sentencepiece)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (out_dir / name).write_bytes(data)
+
+
+def _gguf_config(field, tokens: list[str], add_bos_default: bool) -> bytes:
+    """tokenizer_config.json: bos/eos, add_bos_token, the chat template."""
+    bos, eos = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
+    config = {"bos_token": tokens[bos] if bos is not None else None,
+              "eos_token": tokens[eos] if eos is not None else None,
+              "add_bos_token": bool(field("tokenizer.ggml.add_bos_token", add_bos_default))}
+    if field("tokenizer.chat_template") is not None:
+        config["chat_template"] = field("tokenizer.chat_template")
+    return json.dumps(config, ensure_ascii=False, indent=2).encode()
+
+
+def _byte_level_bpe_files(field) -> dict[str, bytes]:
+    """tokenizer.json (HF byte-level BPE) + tokenizer_config.json."""
+    pre = field("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
         raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported (known: {sorted(GGUF_PRE_TOKENIZERS)})")
     tokens: list[str] = field("tokenizer.ggml.tokens")
-    types: list[int] = field("tokenizer.ggml.token_type", [1] * len(tokens))
+    types: list[int] = field("tokenizer.ggml.token_type", [GGUF_NORMAL] * len(tokens))
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": k == GGUF_CONTROL} for i, (t, k) in enumerate(zip(tokens, types))
              if k in (GGUF_CONTROL, GGUF_USER_DEFINED)]
     tokenizer_json = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre], "post_processor": None,
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": GGUF_NORMALIZERS.get(pre), "pre_tokenizer": GGUF_PRE_TOKENIZERS[pre], "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
@@ -303,16 +366,96 @@ def write_tokenizer_from_gguf(reader: "gguf.GGUFReader", out_dir: Path) -> None:
                   "vocab": {t: i for i, t in enumerate(tokens)},
                   "merges": [m.split(" ") for m in field("tokenizer.ggml.merges", [])]},
     }
-    bos, eos = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
-    config = {"bos_token": tokens[bos] if bos is not None else None,
-              "eos_token": tokens[eos] if eos is not None else None,
-              "add_bos_token": bool(field("tokenizer.ggml.add_bos_token", False))}
-    if field("tokenizer.chat_template") is not None:
-        config["chat_template"] = field("tokenizer.chat_template")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
+    return {"tokenizer.json": json.dumps(tokenizer_json, ensure_ascii=False).encode(),
+            "tokenizer_config.json": _gguf_config(field, tokens, add_bos_default=False)}
+
+
+def _sentencepiece_files(field) -> dict[str, bytes]:
+    """tokenizer.model (a sentencepiece BPE ModelProto) + tokenizer_config.json, from llama.cpp's SPM
+    vocab: tokens, scores (merge priority: the pair making the best-scored piece merges first) and
+    token types. llama.cpp adds BOS unless the file says otherwise, as transformers assumes too."""
+    tokens: list[str] = field("tokenizer.ggml.tokens")
+    scores: list[float] = field("tokenizer.ggml.scores")
+    types: list[int] = field("tokenizer.ggml.token_type")
+    if scores is None or types is None or not len(tokens) == len(scores) == len(types):
+        raise ValueError("GGUF sentencepiece vocab needs tokenizer.ggml.tokens, .scores and .token_type of one length")
+    add_prefix = bool(field("tokenizer.ggml.add_space_prefix", True))
+    proto = sentencepiece_model_proto(tokens, scores, types, add_dummy_prefix=add_prefix,
+                                      unk_id=field("tokenizer.ggml.unknown_token_id"),
+                                      bos_id=field("tokenizer.ggml.bos_token_id"),
+                                      eos_id=field("tokenizer.ggml.eos_token_id"),
+                                      pad_id=field("tokenizer.ggml.padding_token_id"))
+    try:  # never write a file sentencepiece would refuse
+        import sentencepiece
+
+        sentencepiece.SentencePieceProcessor(model_proto=proto)
+    except RuntimeError as e:
+        raise ValueError(f"sentencepiece refuses the vocab of this GGUF: {e}") from None
+    return {"tokenizer.model": proto, "tokenizer_config.json": _gguf_config(field, tokens, add_bos_default=True)}
+
+
+def sentencepiece_model_proto(tokens: list[str], scores: list[float], types: list[int], add_dummy_prefix: bool,
+                              unk_id: Optional[int], bos_id: Optional[int], eos_id: Optional[int],
+                              pad_id: Optional[int]) -> bytes:
+    """A serialized sentencepiece ModelProto (BPE, identity normalizer, spaces escaped as "▁", byte
+    fallback when the vocab has the 256 <0xXX> pieces), as sentencepiece_model.proto lays it out.
+
+    llama.cpp's converter writes the "▁" of user-defined pieces as plain spaces (Gemma's runs of
+    spaces "▁▁"...); sentencepiece matches user-defined pieces after escaping, so they get their "▁"
+    back. The unknown piece gets type UNKNOWN (Gemma's GGUF marks <unk> CONTROL)."""
+    types = list(types)  # sentencepiece needs exactly one UNKNOWN piece
+    if unk_id is None:
+        unk_id = next((i for i, k in enumerate(types) if k == GGUF_UNKNOWN), None)
+    if unk_id is None:
+        raise ValueError("GGUF sentencepiece vocab has no unknown token")
+    types[unk_id] = GGUF_UNKNOWN
+    pieces = [t.replace(" ", "▁") if k == GGUF_USER_DEFINED else t for t, k in zip(tokens, types)]
+    if len(set(pieces)) != len(pieces):
+        raise ValueError("GGUF sentencepiece vocab has duplicate tokens")
+    byte_pieces = {f"<0x{b:02X}>" for b in range(256)}
+    n_bytes = sum(1 for p, k in zip(pieces, types) if k == GGUF_BYTE and p in byte_pieces)
+    if n_bytes not in (0, 256) or n_bytes != types.count(GGUF_BYTE):
+        raise ValueError(f"GGUF sentencepiece vocab has {types.count(GGUF_BYTE)} byte tokens, "
+                         "not the 256 <0x00>..<0xFF> that byte fallback needs")
+    if any(k not in (GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNUSED, GGUF_BYTE) for k in types):
+        raise ValueError(f"GGUF sentencepiece vocab has unknown token types {sorted(set(types))}")
+
+    proto = bytearray()
+    for piece, score, kind in zip(pieces, scores, types):
+        proto += _pb_bytes(1, _pb_bytes(1, piece.encode()) + _pb_float(2, score) + _pb_varint(3, kind))
+    trainer = _pb_varint(3, 2) + _pb_varint(4, len(pieces)) + _pb_varint(35, n_bytes == 256)  # BPE, byte_fallback
+    for number, token_id in ((40, unk_id), (41, bos_id), (42, eos_id), (43, pad_id)):  # unk/bos/eos/pad_id
+        trainer += _pb_varint(number, -1 if token_id is None else token_id)
+    for number, token_id in ((45, unk_id), (46, bos_id), (47, eos_id), (48, pad_id)):  # their pieces
+        if token_id is not None:
+            trainer += _pb_bytes(number, pieces[token_id].encode())
+    # identity normalizer: name, add_dummy_prefix, remove_extra_whitespaces, escape_whitespaces
+    normalizer = _pb_bytes(1, b"identity") + _pb_varint(3, add_dummy_prefix) + _pb_varint(4, 0) + _pb_varint(5, 1)
+    proto += _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
+    return bytes(proto)
+
+
+def _pb_varint(number: int, value: int) -> bytes:
+    """A protobuf varint field (int32, bool, enum); negative values as 10-byte two's complement."""
+    return _varint(number << 3) + _varint(int(value) % (1 << 64))
+
+
+def _pb_bytes(number: int, data: bytes) -> bytes:
+    """A protobuf length-delimited field (string, bytes, message)."""
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def _pb_float(number: int, value: float) -> bytes:
+    return _varint(number << 3 | 5) + struct.pack("<f", value)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def copy_tokenizer_files(hf_dir: Path, out_dir: Path) -> None:
