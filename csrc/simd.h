@@ -1,0 +1,155 @@
+// The 16-lane float vector layer of the CPU kernels: AVX-512 intrinsics where the build targets
+// AVX-512 (F, BW, VL, DQ), else a portable fallback the compiler can vectorise. Loads widen bf16 /
+// f16 to fp32; vexp, compress_store, lane ids, prefetch; the bf16/f16 aliases and to_f/from_f.
+// Everything here is static inline: every kernel source includes it.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define SPARQ_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace sparq_cpu {
+
+using bf16 = c10::BFloat16;
+using f16 = c10::Half;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------------------------------------
+// 16-lane float vectors: AVX-512 intrinsics, or a portable fallback the compiler can vectorise.
+// ---------------------------------------------------------------------------------------------
+
+#ifdef SPARQ_AVX512
+struct V { __m512 x; };
+using M = __mmask16;
+static inline V vzero() { return {_mm512_setzero_ps()}; }
+static inline V vset(float a) { return {_mm512_set1_ps(a)}; }
+static inline V vadd(V a, V b) { return {_mm512_add_ps(a.x, b.x)}; }
+static inline V vsub(V a, V b) { return {_mm512_sub_ps(a.x, b.x)}; }
+static inline V vmul(V a, V b) { return {_mm512_mul_ps(a.x, b.x)}; }
+static inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.x, b.x, c.x)}; }  // a * b + c
+static inline V vmax(V a, V b) { return {_mm512_max_ps(a.x, b.x)}; }
+static inline V vmax_masked(V acc, M m, V b) { return {_mm512_mask_max_ps(acc.x, m, acc.x, b.x)}; }
+static inline V vmin_masked(V acc, M m, V b) { return {_mm512_mask_min_ps(acc.x, m, acc.x, b.x)}; }
+static inline float hmin(V a) { return _mm512_reduce_min_ps(a.x); }
+static inline float hsum(V a) { return _mm512_reduce_add_ps(a.x); }
+static inline V vabs(V a) { return {_mm512_abs_ps(a.x)}; }
+static inline float hmax(V a) { return _mm512_reduce_max_ps(a.x); }
+static inline M cmp_ge(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_GE_OQ); }
+static inline bool cmp_gt_any(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_GT_OQ) != 0; }
+static inline M cmp_gt(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_GT_OQ); }
+static inline M cmp_eq(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_EQ_OQ); }
+static inline M tail_mask(int64_t n) { return n >= 16 ? (M)0xFFFF : (M)((1u << n) - 1u); }
+static inline V vselect(M m, V a, V b) { return {_mm512_mask_blend_ps(m, b.x, a.x)}; }  // m ? a : b
+
+static inline V load(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline V load(const bf16* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+static inline V load(const f16* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+static inline V load(const float* p, M m) { return {_mm512_maskz_loadu_ps(m, p)}; }
+static inline V load(const bf16* p, M m) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+static inline V load(const f16* p, M m) { return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p))}; }
+static inline void store(float* p, V a) { _mm512_storeu_ps(p, a.x); }
+static inline void store(float* p, V a, M m) { _mm512_mask_storeu_ps(p, m, a.x); }
+
+// exp with ~1 ulp error (Cephes polynomial, 2^n applied with scalef: underflows cleanly to 0).
+static inline V vexp(V v) {
+  __m512 x = _mm512_max_ps(_mm512_set1_ps(-104.0f), v.x);  // NaN (second operand) propagates
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return {_mm512_scalef_ps(p, n)};
+}
+
+// Append the lanes of (a, idx) selected by m at dst_s/dst_i (16 slots of slack needed); returns count.
+static inline int compress_store(float* dst_s, int32_t* dst_i, M m, V a, __m512i idx) {
+  _mm512_storeu_ps(dst_s, _mm512_maskz_compress_ps(m, a.x));
+  _mm512_storeu_si512(dst_i, _mm512_maskz_compress_epi32(m, idx));
+  return __builtin_popcount((unsigned)m);
+}
+struct Lanes { __m512i x; };
+static inline Lanes lane_ids(int32_t start) {
+  return {_mm512_add_epi32(_mm512_set1_epi32(start), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))};
+}
+static inline Lanes load_ids(const int32_t* p, M m) { return {_mm512_maskz_loadu_epi32(m, p)}; }
+static inline int compress_store(float* dst_s, int32_t* dst_i, M m, V a, Lanes idx) {
+  return compress_store(dst_s, dst_i, m, a, idx.x);
+}
+static inline void prefetch(const void* p) { __asm__ __volatile__("prefetcht0 (%0)" : : "r"(p)); }
+static inline void prefetch_l2(const void* p) { __asm__ __volatile__("prefetcht1 (%0)" : : "r"(p)); }
+
+#else  // portable fallback
+
+struct V { float x[16]; };
+using M = uint32_t;
+#define SPARQ_LANES for (int l = 0; l < 16; ++l)
+static inline V vzero() { V r; SPARQ_LANES r.x[l] = 0.f; return r; }
+static inline V vset(float a) { V r; SPARQ_LANES r.x[l] = a; return r; }
+static inline V vadd(V a, V b) { V r; SPARQ_LANES r.x[l] = a.x[l] + b.x[l]; return r; }
+static inline V vsub(V a, V b) { V r; SPARQ_LANES r.x[l] = a.x[l] - b.x[l]; return r; }
+static inline V vmul(V a, V b) { V r; SPARQ_LANES r.x[l] = a.x[l] * b.x[l]; return r; }
+static inline V vfma(V a, V b, V c) { V r; SPARQ_LANES r.x[l] = std::fma(a.x[l], b.x[l], c.x[l]); return r; }
+static inline V vmax(V a, V b) { V r; SPARQ_LANES r.x[l] = a.x[l] > b.x[l] ? a.x[l] : b.x[l]; return r; }
+static inline V vmax_masked(V acc, M m, V b) { V r; SPARQ_LANES r.x[l] = ((m >> l) & 1) && b.x[l] > acc.x[l] ? b.x[l] : acc.x[l]; return r; }
+static inline V vmin_masked(V acc, M m, V b) { V r; SPARQ_LANES r.x[l] = ((m >> l) & 1) && b.x[l] < acc.x[l] ? b.x[l] : acc.x[l]; return r; }
+static inline float hmin(V a) { float s = std::numeric_limits<float>::infinity(); SPARQ_LANES s = a.x[l] < s ? a.x[l] : s; return s; }
+static inline float hsum(V a) { float s = 0.f; SPARQ_LANES s += a.x[l]; return s; }
+static inline V vabs(V a) { V r; SPARQ_LANES r.x[l] = std::fabs(a.x[l]); return r; }
+static inline float hmax(V a) { float s = kNegInf; SPARQ_LANES s = a.x[l] > s ? a.x[l] : s; return s; }
+static inline M cmp_ge(V a, V b) { M m = 0; SPARQ_LANES m |= (M)(a.x[l] >= b.x[l]) << l; return m; }
+static inline bool cmp_gt_any(V a, V b) { bool r = false; SPARQ_LANES r |= a.x[l] > b.x[l]; return r; }
+static inline M cmp_gt(V a, V b) { M m = 0; SPARQ_LANES m |= (M)(a.x[l] > b.x[l]) << l; return m; }
+static inline M cmp_eq(V a, V b) { M m = 0; SPARQ_LANES m |= (M)(a.x[l] == b.x[l]) << l; return m; }
+static inline M tail_mask(int64_t n) { return n >= 16 ? (M)0xFFFF : (M)((1u << n) - 1u); }
+static inline V vselect(M m, V a, V b) { V r; SPARQ_LANES r.x[l] = ((m >> l) & 1) ? a.x[l] : b.x[l]; return r; }
+template <typename T> static inline V load_lanes(const T* p) { V r; SPARQ_LANES r.x[l] = (float)p[l]; return r; }
+template <typename T> static inline V load_lanes(const T* p, M m) { V r; SPARQ_LANES r.x[l] = ((m >> l) & 1) ? (float)p[l] : 0.f; return r; }
+// Overloads, not a template load<T>: for bf16 / f16 pointers argument-dependent lookup also finds
+// the template c10::load (c10/util/Load.h), which a template here would be ambiguous with.
+static inline V load(const float* p) { return load_lanes(p); }
+static inline V load(const bf16* p) { return load_lanes(p); }
+static inline V load(const f16* p) { return load_lanes(p); }
+static inline V load(const float* p, M m) { return load_lanes(p, m); }
+static inline V load(const bf16* p, M m) { return load_lanes(p, m); }
+static inline V load(const f16* p, M m) { return load_lanes(p, m); }
+static inline void store(float* p, V a) { SPARQ_LANES p[l] = a.x[l]; }
+static inline void store(float* p, V a, M m) { SPARQ_LANES if ((m >> l) & 1) p[l] = a.x[l]; }
+static inline V vexp(V v) { V r; SPARQ_LANES r.x[l] = std::exp(v.x[l]); return r; }
+struct Lanes { int32_t x[16]; };
+static inline Lanes lane_ids(int32_t start) { Lanes r; for (int l = 0; l < 16; ++l) r.x[l] = start + l; return r; }
+static inline Lanes load_ids(const int32_t* p, M m) { Lanes r; for (int l = 0; l < 16; ++l) r.x[l] = ((m >> l) & 1) ? p[l] : 0; return r; }
+static inline int compress_store(float* dst_s, int32_t* dst_i, M m, V a, Lanes idx) {
+  int c = 0;
+  for (int l = 0; l < 16; ++l) if ((m >> l) & 1) { dst_s[c] = a.x[l]; dst_i[c++] = idx.x[l]; }
+  return c;
+}
+static inline void prefetch(const void* p) { __builtin_prefetch(p); }
+static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+#undef SPARQ_LANES
+#endif
+
+template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
+template <typename T> static inline T from_f(float x) { return static_cast<T>(x); }
+
+}  // namespace sparq_cpu
