@@ -25,9 +25,11 @@ import os
 import statistics
 import sys
 import time
-import types
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+import cli
+from cli import UserError
 
 # Shapes of one layer's attention: (KV heads, query heads, head dim).
 SHAPES = {
@@ -39,33 +41,6 @@ MEMORY_LIMIT = 8 * 2**30  # skip configurations whose cache copies would exceed 
 LLC_BYTES = 36 * 2**20  # rotate copies until every method's working set is a few times the LLC
 # The paper's Table 4 microbenchmark (A100): B=64, 32 heads, d=128, S=4096, r=32, k=128.
 TABLE4 = dict(shape="llama2-7b", batch_size="64", seq_len="4096", sparq_r=32, sparq_k=128)
-
-
-class UsageError(Exception):
-    """Bad command-line input: reported as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise UsageError(message)
-
-
-def _int_list(text: str, what: str, minimum: int = 1) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
-    if not values or any(x < minimum for x in values):
-        raise UsageError(f"{what} must list integers >= {minimum}, got {text!r}")
-    return values
-
-
-def _name_list(text: str, what: str, allowed) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in names if x not in allowed]
-    if not names or bad:
-        raise UsageError(f"unknown {what} {', '.join(bad) or repr(text)} (choose from {', '.join(allowed)})")
-    return names
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,41 +78,32 @@ def _make_copy(B, n_kv, g, d, S, dtype, device, gen, with_kt: bool):
 
 
 def _methods(device: str, kernels_wanted: list[str], cfg, S: int) -> list[Method]:
-    import torch
     import torch.nn.functional as F
 
     import kernels
-    from model import dense_attention
+    from model import dense_attention_torch
     from sparq import sparq_attention_torch
 
     methods = [
-        Method("dense-matmul", "dense", lambda c: dense_attention(c["q"], c["k"], c["v"])),
+        Method("dense-matmul", "dense", lambda c: dense_attention_torch(c["q"], c["k"], c["v"], S)),
         Method("dense-sdpa", "dense", lambda c: F.scaled_dot_product_attention(c["q"], c["k"], c["v"])),
     ]
-    if device == "cpu" and hasattr(kernels, "dense_attention_cpu") and "cpu" in kernels_wanted:
+    if device == "cpu" and "cpu" in kernels_wanted:
         methods.append(Method("dense-fused", "dense",
                               lambda c: kernels.dense_attention_cpu(c["q"], c["k"], c["v"], S)))
 
-    def cache_of(c, layout):  # what sparq_attention_torch reads of a KVCache, as views of the copy
-        return types.SimpleNamespace(k=c["k"], v=c["v"], k_t=c["k_t"] if layout == "twice" else None,
-                                     v_sum=c["v_sum"], layout=layout, length_bucket=1, live_length=None)
+    def sparq_method(name: str, fn, layout: str) -> Method:
+        def call(c):
+            k_t = c["k_t"] if layout == "twice" else None
+            return fn(c["q"], c["k"], k_t, c["v"], c["v_sum"], S, None, cfg.r, cfg.k, cfg.local, cfg.mean_v)
+        return Method(name, "sparq", call, layout)
 
-    r, k_top, local, mean_v = cfg.r, cfg.k, cfg.local, cfg.mean_v
     if "torch" in kernels_wanted:
-        methods.append(Method("sparq-torch", "sparq", lambda c: sparq_attention_torch(c["q"], cache_of(c, "twice"), S, cfg)))
-    if device == "cpu":
-        fused = kernels.sparq_attention_cpu
-    else:
-        fused = getattr(kernels, "sparq_attention_triton", None)
-    wanted_fused = "cpu" in kernels_wanted or "triton" in kernels_wanted
-    if fused is not None and wanted_fused:
-        methods.append(Method("sparq-fused", "sparq",
-                              lambda c: fused(c["q"], c["k"], c["k_t"], c["v"], c["v_sum"], S, r, k_top, local, mean_v)))
-        methods.append(Method("sparq-fused-1xk", "sparq",
-                              lambda c: fused(c["q"], c["k"], None, c["v"], c["v_sum"], S, r, k_top, local, mean_v),
-                              layout="once"))
-    elif wanted_fused:
-        print(f"note: no fused SparQ kernel for {device} in kernels.py; skipping sparq-fused", file=sys.stderr)
+        methods.append(sparq_method("sparq-torch", sparq_attention_torch, "twice"))
+    fused = kernels.sparq_attention_cpu if device == "cpu" else kernels.sparq_attention_triton
+    if "cpu" in kernels_wanted or "triton" in kernels_wanted:
+        methods.append(sparq_method("sparq-fused", fused, "twice"))
+        methods.append(sparq_method("sparq-fused-1xk", fused, "once"))
     return methods
 
 
@@ -164,35 +130,37 @@ def cmd_attention(args) -> int:
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda but CUDA is not available")
+        raise UserError("--device cuda but CUDA is not available")
     if device == "cuda":  # default to the paper's Table 4 setting
         for key, value in TABLE4.items():
             if getattr(args, key) is None:
                 setattr(args, key, value)
-    shapes = _name_list(args.shape or "smollm2", "shape", SHAPES)
-    batch_sizes = _int_list(args.batch_size or "1,4,16", "--batch-size")
-    seq_lens = _int_list(args.seq_len or "2048,8192,32768", "--seq-len")
-    dtypes = _name_list(args.dtype or ("float16" if device == "cuda" else "float32"), "dtype", DTYPES)
-    kernels_wanted = _name_list(args.kernel, "kernel", ("all", "torch", "cpu", "triton"))
+    shapes = cli.name_list(args.shape or "smollm2", "shape", SHAPES)
+    batch_sizes = cli.int_list(args.batch_size or "1,4,16", "--batch-size")
+    seq_lens = cli.int_list(args.seq_len or "2048,8192,32768", "--seq-len")
+    dtypes = cli.name_list(args.dtype or ("float16" if device == "cuda" else "float32"), "dtype", DTYPES)
+    kernels_wanted = cli.name_list(args.kernel, "kernel", ("all", "torch", "cpu", "triton"))
     if "all" in kernels_wanted:
         kernels_wanted = ["torch", "cpu" if device == "cpu" else "triton"]
     if ("cpu" in kernels_wanted and device != "cpu") or ("triton" in kernels_wanted and device != "cuda"):
-        raise UsageError("--kernel cpu runs on --device cpu, --kernel triton on --device cuda")
+        raise UserError("--kernel cpu runs on --device cpu, --kernel triton on --device cuda")
     r = args.sparq_r if args.sparq_r is not None else 16
     k_top = args.sparq_k if args.sparq_k is not None else 128
     if args.iters < 1 or args.warmup < 0:
-        raise UsageError("--iters must be >= 1 and --warmup >= 0")
+        raise UserError("--iters must be >= 1 and --warmup >= 0")
     for shape in shapes:
         try:
             SparQConfig(r=r, k=k_top, local=args.sparq_local, mean_v=args.mean_v).validate(SHAPES[shape][2])
         except ValueError as e:
-            raise UsageError(str(e)) from None
+            raise UserError(str(e)) from None
     if args.threads:
         torch.set_num_threads(args.threads)
-    if device == "cpu":
+    if device == "cpu" and "cpu" in kernels_wanted:
         import kernels
 
-        kernels.cpu_kernel_available()  # build before timing anything (first use only)
+        error = kernels.cpu_kernel_error()  # builds before timing anything (first use only)
+        if error is not None:
+            raise UserError(f"the fused CPU kernels cannot be built ({error}); use --kernel torch")
 
     from tqdm import tqdm
 
@@ -330,22 +298,6 @@ def _plot(rows: list[dict], path: str, r: int, k: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fill_batch_rows(model, batch_size: int) -> None:
-    """Copy batch row 0 of every cache into rows 1..B-1: all rows hold the same prompt."""
-    for layer in model.layers:
-        cache = layer.attention.kv_cache
-        for buffer in (cache.k, cache.k_t, cache.v, cache.v_sum):
-            if buffer is not None:
-                buffer[1:batch_size].copy_(buffer[:1].expand_as(buffer[1:batch_size]))
-
-
-def _restore_v_sums(model, length: int) -> None:
-    """Make every running V sum cover exactly positions [0, length) again (timed steps add to it)."""
-    for layer in model.layers:
-        cache = layer.attention.kv_cache
-        cache.v_sum.copy_(cache.v[:, :, :length].float().sum(dim=2))
-
-
 def _time_decode(step, model, batch_size: int, start: int, steps: int, warmup: int) -> float:
     """Seconds per decode step (median) at live lengths start + 1, start + 2, ... (after warm-up)."""
     import torch
@@ -353,7 +305,8 @@ def _time_decode(step, model, batch_size: int, start: int, steps: int, warmup: i
     token = torch.zeros(batch_size, 1, dtype=torch.long)
     times = []
     with torch.no_grad():
-        _restore_v_sums(model, start)
+        for cache in model.caches:
+            cache.rewind(start)  # positions [0, start) live again, whatever the last timing wrote
         for i in range(warmup + steps):
             t0 = time.perf_counter()
             step(model, token, torch.tensor([start + i]), start + i + 1)
@@ -361,21 +314,12 @@ def _time_decode(step, model, batch_size: int, start: int, steps: int, warmup: i
     return statistics.median(times[warmup:])
 
 
-def _resolve_decode_kernel(kernel: str) -> str:
-    import kernels
-
-    resolved = kernels.resolve_kernel(kernel, "cpu")
-    if resolved == "cpu" and not kernels.cpu_kernel_available():
-        return "torch"  # cpu_kernel_available() printed why
-    return resolved
-
-
 def _first_decode_positions(contexts: list[int], max_context: int, steps: int) -> dict[int, int]:
     """Context -> position of its first decode step: the context itself, or earlier if the
     warm-up and timed steps would run past the model's context (then the last step ends there)."""
     starts = {c: min(c, max_context - steps) for c in contexts}
     if min(starts.values()) < 0:
-        raise UsageError(f"--warmup plus --steps ({steps}) exceeds the model's context of {max_context} tokens")
+        raise UserError(f"--warmup plus --steps ({steps}) exceeds the model's context of {max_context} tokens")
     return starts
 
 
@@ -384,54 +328,49 @@ def cmd_decode(args) -> int:
     from tqdm import tqdm
 
     import data
-    import tokenizer as tokenizer_module
-    from generate import decode_step, prefill, weight_bytes
-    from model import CheckpointError, DenseDecode, checkpoint_paths, load_model
-    from sparq import SparQConfig, SparQDecode, kv_bytes_read_per_step
+    from generate import decode_step, kernels_for, load_checkpoint, load_tokenizer, prefill
+    from model import ModelArgs, checkpoint_paths
+    from sparq import AttentionSettings, policy_factory
 
-    contexts = _int_list(args.prompt_tokens, "--prompt-tokens", minimum=0)
-    batches = _int_list(args.batch_size, "--batch-size")
-    dtypes = _name_list(args.dtype, "dtype", DTYPES)
+    contexts = cli.int_list(args.prompt_tokens, "--prompt-tokens", minimum=0)
+    batches = cli.int_list(args.batch_size, "--batch-size")
+    dtypes = cli.name_list(args.dtype, "dtype", DTYPES)
     if args.steps < 1 or args.warmup < 0:
-        raise UsageError("--steps must be at least 1 and --warmup at least 0")
+        raise UserError("--steps must be at least 1 and --warmup at least 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        _, checkpoint_dir = checkpoint_paths(args.checkpoint)
-        tok = tokenizer_module.load_tokenizer(checkpoint_dir)
-        model = load_model(args.checkpoint)
-    except (CheckpointError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    model_args = model.args
+    tok = load_tokenizer(args.checkpoint)
+    model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
     starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps)
-    mean_v = {"on": True, "off": False, "auto": model_args.n_kv_head == model_args.n_head}[args.sparq_mean_v]
-    config = SparQConfig(r=args.sparq_r, k=args.sparq_k, local=args.sparq_local, mean_v=mean_v)
+    kernels = kernels_for(args.kernel, "cpu")  # both policies share the kernel family and the linears
+    settings = {"dense": AttentionSettings("dense"),
+                "sparq": AttentionSettings("sparq", sparq_r=args.sparq_r, sparq_k=args.sparq_k,
+                                           sparq_local=args.sparq_local, sparq_mean_v=args.sparq_mean_v)}
     try:
-        config.validate(model_args.head_dim)
-        kernel = _resolve_decode_kernel(args.kernel)
+        factories = {name: policy_factory(s, model_args, kernels) for name, s in settings.items()}
     except ValueError as e:
-        raise UsageError(str(e)) from None
-    policies = {"dense": DenseDecode(kernel), "sparq": SparQDecode(config, kernel)}  # same kernel family
+        raise UserError(str(e)) from None
+    config = factories["sparq"](0).config
     prompt = torch.tensor([data.essay_tokens(tok, max(1, max(starts.values())))])
     cache_length = max(starts.values()) + args.warmup + args.steps
 
-    print(f"# decode, {args.checkpoint}, threads={torch.get_num_threads()}, kernel={kernel}, "
+    print(f"# decode, {args.checkpoint}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
           f"{'compiled' if args.compile else 'eager'}, SparQ r={config.r} k={config.k} local={config.local} "
           f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}")
     print(_DECODE_HEADER, flush=True)
     rows = []
-    progress = tqdm(total=len(dtypes) * len(contexts) * len(batches) * len(policies), desc="decode bench",
+    progress = tqdm(total=len(dtypes) * len(contexts) * len(batches) * len(settings), desc="decode bench",
                     file=sys.stderr)
     for dtype_name in dtypes:
-        model = load_model(args.checkpoint, dtype=_dtype(dtype_name))
-        model.set_linear_kernel(kernel)  # both policies share the linears: only attention differs
+        model = load_checkpoint(args.checkpoint, "cpu", _dtype(dtype_name), kernels)
+        policies = {name: [make(i) for i in range(model_args.n_layer)] for name, make in factories.items()}
         model.setup_caches(max(batches), cache_length)
         with torch.no_grad():  # one dense prefill of the longest prompt serves every shorter context (causal)
             progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}")
             prefill(model, prompt)
-        _fill_batch_rows(model, max(batches))
-        weights = weight_bytes(model)
-        element_bytes = model.layers[0].attention.kv_cache.k.element_size()
+        for cache in model.caches:
+            cache.broadcast_row(max(batches))
+        weights = model.weight_bytes()
         step = decode_step
         if args.compile:
             # one graph per (policy, batch size, dtype) plus the length-1 specialisation: more than
@@ -441,30 +380,29 @@ def cmd_decode(args) -> int:
         for context in contexts:
             start = starts[context]
             for B in batches:
-                seconds = {}
-                for name, policy in policies.items():
-                    model.set_decode_attention(lambda layer, policy=policy: policy)
+                seconds, kv = {}, {}
+                S = start + args.warmup + args.steps // 2 + 1  # the median step's live length
+                for name, layers in policies.items():
+                    model.set_decode_attention(lambda i, layers=layers: layers[i])
                     progress.set_postfix_str(f"{dtype_name} context={context} B={B} {name}")
                     seconds[name] = _time_decode(step, model, B, start, args.steps, args.warmup)
+                    kv[name] = model.decode_kv_bytes(S, B)
                     progress.update()
-                S = start + args.warmup + args.steps // 2 + 1  # the median step's live length
-                dense_kv = kv_bytes_read_per_step(model_args, policies["dense"], S, B, element_bytes)
-                for name, policy in policies.items():
-                    kv = kv_bytes_read_per_step(model_args, policy, S, B, element_bytes)
+                for name in policies:
                     rows.append({
                         "prompt_tokens": context, "live_length": S, "batch_size": B, "dtype": dtype_name,
-                        "attention": name, "kernel": kernel, "compiled": args.compile,
+                        "attention": name, "kernel": kernels.name, "compiled": args.compile,
                         "threads": torch.get_num_threads(),
                         "decode_tokens_per_s": 1 / seconds[name], "total_tokens_per_s": B / seconds[name],
-                        "weight_bytes": weights, "kv_bytes_read_per_step": kv,
-                        "kv_gb_s": kv / seconds[name] / 1e9, "gb_s": (weights + kv) / seconds[name] / 1e9,
+                        "weight_bytes": weights, "kv_bytes_read_per_step": kv[name],
+                        "kv_gb_s": kv[name] / seconds[name] / 1e9, "gb_s": (weights + kv[name]) / seconds[name] / 1e9,
                         "speedup_vs_dense": seconds["dense"] / seconds[name],
-                        "theoretical_speedup": (weights + dense_kv) / (weights + kv),
-                        "theoretical_kv_speedup": dense_kv / kv,
+                        "theoretical_speedup": (weights + kv["dense"]) / (weights + kv[name]),
+                        "theoretical_kv_speedup": kv["dense"] / kv[name],
                     })
                 progress.write(_decode_row_line(rows[-2], rows[-1]))
     progress.close()
-    _print_decode_table(rows, config, kernel, args.compile)
+    _print_decode_table(rows, config, kernels.name, args.compile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=2)
@@ -536,12 +474,13 @@ def cmd_linear(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows_list = _int_list(args.rows, "--rows")
+    rows_list = cli.int_list(args.rows, "--rows")
     if max(rows_list) > kernels.LINEAR_CPU_MAX_ROWS:
-        raise UsageError(f"--rows: the fused GEMV takes at most {kernels.LINEAR_CPU_MAX_ROWS} rows")
-    dtypes = _name_list(args.dtype, "dtype", DTYPES)
-    if not kernels.cpu_kernel_available():
-        raise UsageError("the fused CPU kernel is unavailable (see the warning above)")
+        raise UserError(f"--rows: the fused GEMV takes at most {kernels.LINEAR_CPU_MAX_ROWS} rows")
+    dtypes = cli.name_list(args.dtype, "dtype", DTYPES)
+    error = kernels.cpu_kernel_error()
+    if error is not None:
+        raise UserError(f"the fused CPU kernels cannot be built ({error})")
     print(f"# linear (GEMV of a decode step), SmolLM2-135M shapes, threads={torch.get_num_threads()}, "
           f"median of {args.iters} calls over weight copies spanning > 3x the LLC")
     print(f"{'dtype':9} {'rows':>4} {'layer':7} {'N':>6} {'K':>5} {'torch ms':>9} {'fused ms':>9} "
@@ -556,7 +495,7 @@ def cmd_linear(args) -> int:
                 copies = [torch.randn(N, K).to(dtype) for _ in range(max(2, math.ceil(3 * LLC_BYTES / w_bytes)))]
                 x = torch.randn(M, K).to(dtype)
                 ms = {}
-                for method, fn in (("torch", lambda w: F.linear(x, w)), ("fused", lambda w: kernels.linear_cpu(x, w))):
+                for method, fn in (("torch", lambda w: F.linear(x, w)), ("fused", lambda w: torch.ops.sparq.linear_cpu(x, w))):
                     times = []
                     for i in range(args.iters + 2):
                         t0 = time.perf_counter()
@@ -583,8 +522,8 @@ def cmd_linear(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="bench.py", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = cli.ArgumentParser(prog="bench.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.ArgumentParser)
     p = sub.add_parser("attention", help="decode-attention op: dense vs SparQ variants")
     p.add_argument("--shape", default=None, help=f"comma list of {', '.join(SHAPES)} (default smollm2)")
     p.add_argument("--batch-size", default=None, help="comma list (default 1,4,16; cuda: 64)")
@@ -620,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparq-k", type=int, default=128)
     p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
     p.add_argument("--sparq-mean-v", choices=("auto", "on", "off"), default="auto")
-    p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"))
+    p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"), help="decode kernels (as generate.py)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (dynamic shapes)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per configuration (median)")
     p.add_argument("--warmup", type=int, default=3)
@@ -640,16 +579,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
+    def run(args: argparse.Namespace) -> int:
         if getattr(args, "thp", False) and "torch" not in sys.modules:
             # torch's CPU allocator backs big tensors with transparent huge pages (madvise mode):
             # fewer TLB misses for every method (random row gathers gain the most)
             os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         return args.func(args)
-    except UsageError as e:
-        print(f"bench.py: error: {e}", file=sys.stderr)
-        return 2
+
+    return cli.main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

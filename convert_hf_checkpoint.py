@@ -12,7 +12,7 @@ Writes DIR/model.pth (a plain state dict, see model.py for the names), DIR/confi
 <name> being the GGUF file stem or the HF directory name.
 
 Strict: every source tensor is consumed or explicitly ignored, every shape is checked against the
-configuration; anything else is an error. User errors are one line on stderr and exit code 1.
+configuration; anything else is an error. User errors are one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from model import CheckpointError, ModelArgs
+import cli
+from model import ModelArgs, rope_frequencies
 
 DEFAULT_OUT_ROOT = Path("checkpoints")
 
 
-class ConversionError(Exception):
+class ConversionError(cli.UserError):
     """A source that is missing, corrupt, inconsistent or unsupported (a user error)."""
 
 
@@ -416,21 +417,16 @@ def _gguf_field(reader, key: str, default=None):
 
 
 def _llama3_rope_from_freqs(freqs: Tensor, rope_base: float, head_dim: int) -> dict:
-    """Recover Llama 3.1-style rope scaling parameters from llama.cpp's rope_freqs tensor."""
-    import math
-
+    """Recover Llama 3.1-style rope scaling parameters from llama.cpp's rope_freqs tensor, which holds
+    the factor each inverse frequency is divided by."""
+    unscaled = rope_frequencies(head_dim, rope_base)
     factor = float(freqs.max())
     for original in (8192, 4096, 16384, 32768, 131072):
         for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
             scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                        "original_max_position_embeddings": original}
-            inv = 1.0 / (rope_base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-            wavelen = 2 * math.pi / inv
-            smooth = (original / wavelen - low) / (high - low)
-            expected = torch.where(wavelen < original / high, torch.ones_like(inv),
-                                   torch.where(wavelen > original / low, torch.full_like(inv, factor),
-                                               1.0 / ((1 - smooth) / factor + smooth)))
-            if torch.allclose(expected.float(), freqs.float(), rtol=1e-4, atol=1e-4):
+            expected = unscaled / rope_frequencies(head_dim, rope_base, scaling)
+            if torch.allclose(expected, freqs.float(), rtol=1e-4, atol=1e-4):
                 return scaling
     raise ConversionError("unsupported rope_freqs tensor: not a recognisable Llama 3.1 rope scaling")
 
@@ -591,19 +587,18 @@ def convert(src: Path | str, out: Optional[Path | str] = None) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="convert_hf_checkpoint.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", type=Path, help="an HF model directory or a .gguf file")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: checkpoints/<GGUF stem or HF directory name>)")
-    options = parser.parse_args(argv)
-    try:
+
+    def run(options: argparse.Namespace) -> int:
         out_dir = convert(options.src, options.out)
-    except (ConversionError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {out_dir / 'model.pth'} and {out_dir / 'config.json'}")
-    return 0
+        print(f"wrote {out_dir / 'model.pth'} and {out_dir / 'config.json'}")
+        return 0
+
+    return cli.main(parser, run, argv)
 
 
 if __name__ == "__main__":

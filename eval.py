@@ -1,38 +1,25 @@
-"""Task accuracy of sparse decode attention against KV-transfer compression (the paper's Table 2).
+"""Task accuracy of sparse decode attention against KV-transfer compression (the paper's Table 2):
+the harness. The tasks themselves (examples, scoring) live in tasks.py; the policies, their
+transfer formulas and budgets in sparq.py's registry.
 
     python eval.py --task needle,repetition,bpc,retrieval --attention dense,sparq,h2o,local \\
         --compression 1/2,1/4,1/8 --examples 8 --json out/eval.json --plot out/eval.png
 
 Budgets: every method is set to each requested compression at each batch's prompt length S with
-the policies' own transfer formulas (paper, Appendix G; sparq.py): SparQ keeps k = --sparq-k
-(local window k/4) and takes the r in 1..d whose transfers are closest; H2O, LM-Infinite
-("local"), FlexGen top-k ("topk") and the oracle take the budget k closest to the target (top-k
-cannot go below about 1/2). Compression 1 is dense for every method, the shared baseline column.
-The compression each row actually achieved (averaged over its decode steps) is recorded.
-
-Tasks (offline data only; examples are built by token count, so a batch shares one length):
-  needle      Paul Graham essays with a needle at a depth: the paper's San Francisco sentence or a
-              numeric pass key. Chat prompt. exact_match (the answer contains the key phrase) and
-              answer_nll (mean NLL per token, nats, of the reference answer, teacher-forced).
-  repetition  Shakespeare context (>= 6000 characters), then a --repetition-passage (256) character
-              passage from inside it (the paper's Appendix G.1.4 format); chars = characters generated
-              greedily before diverging from the true continuation (at most --repetition-chars).
-  bpc         bits per character of --bpc-tokens tokens of essay continuing a long essay context.
-  retrieval   synthetic multi-key retrieval (RULER niah_multikey style), deterministic from --seed:
-              --retrieval-keys key-value sentences ("One of the special magic numbers for
-              quiet-harbor is: 4821937.") in an essay haystack; asked for one key's value.
-              exact_match and answer_nll, as for needle.
-  diagnostics on real activations at one decode step after an essay context: topk_agreement of
-              SparQ's approximate and exact scores (top --sparq-k, group-summed, per layer),
-              attn_rel_l2 of each policy's attention output vs dense (per layer, dense inputs),
-              and top1_agreement of the next-token argmax with dense over 16 teacher-forced steps.
+the policies' own transfer formulas (paper, Appendix G; sparq.settings_for_compression): SparQ
+keeps k = --sparq-k (local window k/4) and takes the r in 1..d whose transfers are closest; H2O,
+LM-Infinite ("local"), FlexGen top-k ("topk") and the oracle take the budget k closest to the
+target (top-k cannot go below about 1/2). Compression 1 is dense for every method, the shared
+baseline column. The compression each row actually achieved (averaged over its decode steps) is
+recorded.
 
 Everything after the prompt goes through the model's decode path with the chosen policy, one token
-per step, exactly as generate.py and bench.py run it. The dense prefill is identical for every
-policy (H2O observes it), so each batch is prefilled once and every policy decodes from it: the
-cache positions past the prompt are never read before they are rewritten, so restoring the cache's
-other state (running V sum, live length) and a copy of each policy's post-prefill state is an exact
-rewind (tests/test_eval.py checks it against generate.py's Generator run from scratch).
+per step, exactly as generate.py and bench.py run it, with the same kernels (--kernel). The dense
+prefill is identical for every policy (H2O observes it), so each batch is prefilled once and every
+policy decodes from it: the cache positions past the prompt are never read before they are
+rewritten, so restoring the cache's snapshot (KVCache.snapshot) and a copy of each policy's
+post-prefill state is an exact rewind (tests/test_eval.py checks it against generate.py's
+Generator run from scratch).
 """
 from __future__ import annotations
 
@@ -40,81 +27,32 @@ import argparse
 import copy
 import json
 import math
-import random
 import re
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+import cli
 import data
-from generate import (ATTENTION_POLICIES, DTYPES, UserError, add_attention_flags, decode_policy_factory, decode_step,
-                      prefill, sample)
-from model import CheckpointError, DecodePolicy, DenseDecode, Transformer, checkpoint_paths, load_model
-from sparq import (H2ODecode, LocalDecode, OracleDecode, SparQConfig, SparQDecode, TopKDecode, approximate_scores,
-                   compression_ratio, exact_scores, select_positions)
+from cli import UserError
+from generate import DTYPES, decode_step, kernels_for, load_checkpoint, load_tokenizer, prefill, sample
+from kernels import KERNEL_CHOICES
+from model import DecodePolicy, DenseDecode, ModelArgs, Transformer
+from sparq import POLICIES, AttentionSettings, policy_factory, selection_agreement, settings_for_compression
+from tasks import TASKS, Example, Outcome, TaskOptions
 
-TASKS = ("needle", "repetition", "bpc", "retrieval", "diagnostics")
-# metric name -> higher is better, per task
-METRICS: dict[str, list[tuple[str, bool]]] = {
-    "needle": [("exact_match", True), ("answer_nll", False)],
-    "repetition": [("chars", True)],
-    "bpc": [("bpc", False)],
-    "retrieval": [("exact_match", True), ("answer_nll", False)],
-    "diagnostics": [("topk_agreement", True), ("attn_rel_l2", False), ("top1_agreement", True)],
-}
+DEFAULT_LENGTH = 2048
 # 2048 tokens everywhere: it keeps the default run near 20 minutes on a shared 2-core CPU (a 4k batch
 # costs ~3x a 2k one), lets SparQ's k = 128 reach 1/8 (at S = 1024, k alone costs 1/8 of dense), and
 # repetition needs it for >= 6000 characters of Shakespeare. Longer needles: --lengths 2k,4k,8k.
-DEFAULT_LENGTHS = {task: [2048] for task in ("needle", "repetition", "bpc", "retrieval", "diagnostics")}
 DENSE = Fraction(1)
-POSITIONAL_BUFFERS = ("k", "v", "k_t")  # KV-cache buffers indexed by position (see Runner.prefill)
-
-SF_NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
-SF_QUESTION = "What is the best thing to do in San Francisco?"
-SF_PREFIX = "The best thing to do in San Francisco is"
-SF_KEY = "Dolores Park"
-
-
-# =============================================================================================
-# Scoring
-# =============================================================================================
-
-
-def normalize(text: str) -> str:
-    return " ".join(text.lower().split())
-
-
-def contains_key(generated: str, key: str) -> bool:
-    """Exact match for needle / retrieval: the answer contains the key phrase (case and spacing ignored)."""
-    return normalize(key) in normalize(generated)
-
-
-def repetition_chars(generated: str, reference: str) -> int:
-    """Characters generated before the output diverges from the true continuation."""
-    n = 0
-    for a, b in zip(generated, reference):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
-def answer_nll(logprobs: list[float]) -> float:
-    """Mean negative log-likelihood per token (nats) of a teacher-forced reference."""
-    return -sum(logprobs) / len(logprobs)
-
-
-def bits_per_character(logprobs: list[float], n_chars: int) -> float:
-    """sum of -log2 p over the tokens / characters they spell (logprobs in nats)."""
-    return -sum(logprobs) / math.log(2) / n_chars
 
 
 def mean_stderr(values: list[float]) -> tuple[float, float]:
@@ -124,6 +62,7 @@ def mean_stderr(values: list[float]) -> tuple[float, float]:
         return mean, float("nan")
     var = sum((v - mean) ** 2 for v in values) / (n - 1)
     return mean, math.sqrt(var / n)
+
 
 
 # =============================================================================================
@@ -145,16 +84,24 @@ def parse_compression(text: str) -> Fraction:
     return value.limit_denominator(1 << 16)
 
 
+
 @dataclass(frozen=True)
 class Budget:
-    """A method's setting for one target compression at sequence length seq_len."""
+    """A method's settings for one target compression at sequence length seq_len."""
 
     method: str
     target: Fraction
     seq_len: int
-    r: Optional[int] = None  # SparQ
-    k: Optional[int] = None  # positions attended (SparQ k, or the baselines' budget)
+    settings: AttentionSettings
     achieved: float = 1.0  # transfers / dense at seq_len
+
+    @property
+    def r(self) -> Optional[int]:
+        return self.settings.sparq_r
+
+    @property
+    def k(self) -> Optional[int]:
+        return self.settings.sparq_k if self.method == "sparq" else self.settings.kv_budget
 
     def describe(self) -> str:
         if self.method == "dense":
@@ -163,74 +110,15 @@ class Budget:
         return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len})"
 
 
-def _policy_for_budget(method: str, r: Optional[int], k: Optional[int], head_dim: int) -> DecodePolicy:
-    """A policy instance used only for its transfer formula."""
-    if method == "sparq":
-        return SparQDecode(SparQConfig(r=r, k=k))
-    if method == "oracle":
-        return OracleDecode(SparQConfig(r=head_dim, k=k))
-    return {"topk": TopKDecode, "h2o": H2ODecode, "local": LocalDecode}[method](k)
-
-
-def _closest(ratio: Callable[[int], float], lo: int, hi: int, target: float) -> int:
-    """The integer x in [lo, hi] with ratio(x) closest to target, for ratio non-decreasing in x."""
-    a, b = lo, hi
-    while a < b:  # smallest x with ratio(x) >= target (or hi)
-        mid = (a + b) // 2
-        if ratio(mid) >= target:
-            b = mid
-        else:
-            a = mid + 1
-    best = a
-    if a > lo and abs(ratio(a - 1) - target) <= abs(ratio(a) - target):
-        best = a - 1
-    return best
-
-
-def solve_budget(method: str, target: Fraction, seq_len: int, head_dim: int, sparq_k: int = 128) -> Budget:
+def solve_budget(method: str, target: Fraction, seq_len: int, args: ModelArgs,
+                 base: AttentionSettings = AttentionSettings()) -> Budget:
     """Budget for `method` whose transfers at seq_len are closest to target x dense (Appendix G)."""
-    dense = DenseDecode()
-    if method == "dense" or target == DENSE:
-        return Budget("dense", DENSE, seq_len)
-
-    def ratio_of(r: Optional[int], k: Optional[int]) -> float:
-        return compression_ratio(_policy_for_budget(method, r, k, head_dim), dense, seq_len, head_dim)
-
-    if method == "sparq":
-        r = _closest(lambda r: ratio_of(r, sparq_k), 1, head_dim, float(target))
-        return Budget(method, target, seq_len, r=r, k=sparq_k, achieved=ratio_of(r, sparq_k))
-    lo = LocalDecode(17).sinks + 1 if method == "local" else 1
-    k = _closest(lambda k: ratio_of(None, k), lo, max(seq_len, lo), float(target))
-    return Budget(method, target, seq_len, k=k, achieved=ratio_of(None, k))
-
-
-@dataclass
-class PolicyOptions:
-    """Flags shared by every policy built for the evaluation (generate.py's attention flags)."""
-
-    kernel: str = "auto"
-    kv_layout: str = "twice"
-    sparq_mean_v: str = "auto"
-    device: str = "cpu"
-
-
-def policy_factory(budget: Budget, model: Transformer, options: PolicyOptions):
-    """make_policy(layer) through generate.py's decode_policy_factory, from explicit values."""
-    flags = ["--attention", budget.method, "--kv-layout", options.kv_layout, "--kernel", options.kernel,
-             "--sparq-mean-v", options.sparq_mean_v]
-    if budget.method == "sparq":
-        flags += ["--sparq-r", str(budget.r), "--sparq-k", str(budget.k)]
-    elif budget.method != "dense":
-        flags += ["--kv-budget", str(budget.k)]
-    parser = argparse.ArgumentParser(add_help=False)
-    add_attention_flags(parser)
-    args = parser.parse_args(flags)
-    args.device = options.device
-    try:
-        return decode_policy_factory(args, model)
-    except (ImportError, AttributeError) as e:  # a fused kernel that is not available here
-        raise UserError(f"cannot build the {budget.method} policy with --kernel {options.kernel} "
-                        f"({type(e).__name__}: {e}); try --kernel torch") from None
+    settings, achieved = settings_for_compression(AttentionSettings(method, sparq_k=base.sparq_k,
+                                                                    sparq_mean_v=base.sparq_mean_v),
+                                                  float(target), seq_len, args)
+    if settings.policy == "dense":
+        return Budget("dense", DENSE, seq_len, settings)
+    return Budget(method, target, seq_len, settings, achieved)
 
 
 # =============================================================================================
@@ -239,7 +127,8 @@ def policy_factory(budget: Budget, model: Transformer, options: PolicyOptions):
 
 
 class FanOut(DecodePolicy):
-    """Installed for the shared dense prefill: forwards observe_prefill to every policy that decodes from it."""
+    """Installed for the shared dense prefill: every policy that decodes from it observes it. They share
+    one memo, so budget-independent work (H2O's received attention) is done once."""
 
     name = "fanout"
 
@@ -247,15 +136,10 @@ class FanOut(DecodePolicy):
         super().__init__()
         self._policies = policies  # a plain list: not submodules
 
-    def observe_prefill(self, q: Tensor, k: Tensor) -> None:
-        shared: dict[int, Tensor] = {}  # H2O's received attention does not depend on its budget: compute once
+    def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None) -> None:
+        memo = {} if memo is None else memo
         for policy in self._policies:
-            if isinstance(policy, H2ODecode):
-                if policy.prefill_chunk not in shared:
-                    shared[policy.prefill_chunk] = H2ODecode.prefill_received(q, k, policy.prefill_chunk)
-                policy.start_from_prefill(shared[policy.prefill_chunk])
-            else:
-                policy.observe_prefill(q, k)
+            policy.observe_prefill(q, k, memo)
 
     def forward(self, q, cache, length):  # pragma: no cover - prefill only
         raise RuntimeError("FanOut is installed only for the prefill")
@@ -274,30 +158,31 @@ class Config:
 class Runner:
     """Prefill a batch once (dense), then decode it with each configuration in turn."""
 
-    def __init__(self, model: Transformer, options: PolicyOptions, sparq_k: int = 128):
+    def __init__(self, model: Transformer, base: AttentionSettings = AttentionSettings(), kv_layout: str = "twice"):
         self.model = model
-        self.options = options
-        self.sparq_k = sparq_k
-        self.device = model.norm.weight.device
+        self.base = base  # sparq_k and mean-V for every budget
+        self.kv_layout = kv_layout
+        self.device = model.device
         self._cache_shape: Optional[tuple[int, int]] = None
-        self._cache_state: list[dict[str, Tensor]] = []
+        self._snapshots: list[dict[str, Tensor]] = []
         self.T = 0
         self.first_logits: Optional[Tensor] = None
 
     def configs(self, methods: list[str], targets: list[Fraction], seq_len: int) -> list[Config]:
         """Dense first, then every method at every target below 1."""
-        budgets = [solve_budget("dense", DENSE, seq_len, self.model.args.head_dim)]
-        budgets += [solve_budget(m, t, seq_len, self.model.args.head_dim, self.sparq_k)
+        args = self.model.args
+        budgets = [solve_budget("dense", DENSE, seq_len, args)]
+        budgets += [solve_budget(m, t, seq_len, args, self.base)
                     for m in methods if m != "dense" for t in targets if t != DENSE]
         out = []
         for budget in budgets:
-            make = policy_factory(budget, self.model, self.options)
-            out.append(Config(budget, [make(i) for i in range(self.model.args.n_layer)]))
+            make = policy_factory(budget.settings, args, self.model.kernels)
+            out.append(Config(budget, [make(i) for i in range(args.n_layer)]))
         return out
 
     def ensure_cache(self, batch: int, max_len: int) -> None:
         if self._cache_shape != (batch, max_len):
-            self.model.setup_caches(batch, max_len, kv_layout=self.options.kv_layout)
+            self.model.setup_caches(batch, max_len, kv_layout=self.kv_layout)
             self._cache_shape = (batch, max_len)
 
     @torch.no_grad()
@@ -308,22 +193,15 @@ class Runner:
         self.T = lengths.pop()
         self.ensure_cache(len(prompts), self.T + extra_len)
         self.model.reset_caches()
-        n_layer = self.model.args.n_layer
         self.model.set_decode_attention(lambda i: FanOut([c.layers[i] for c in configs]))
         idx = torch.tensor(prompts, device=self.device)
         self.first_logits = prefill(self.model, idx)
-        # Decode steps write K, K^T, V only at new positions, which are never read before being
-        # rewritten: the rest of the cache state (running V sum, live length, ...) is what to rewind.
-        self._cache_state = [{name: buf.clone() for name, buf in layer.attention.kv_cache.named_buffers()
-                              if name not in POSITIONAL_BUFFERS} for layer in self.model.layers]
-        assert len(self._cache_state) == n_layer
+        self._snapshots = [cache.snapshot() for cache in self.model.caches]
 
     def rewind(self) -> None:
         """Restore the cache state just after the prefill."""
-        for layer, state in zip(self.model.layers, self._cache_state):
-            buffers = dict(layer.attention.kv_cache.named_buffers())
-            for name, saved in state.items():
-                buffers[name].copy_(saved)
+        for cache, snapshot in zip(self.model.caches, self._snapshots):
+            cache.restore(snapshot)
 
     def install(self, config: Config) -> list[DecodePolicy]:
         """Rewind to just after the prefill and decode with a fresh copy of config's post-prefill policies."""
@@ -393,237 +271,6 @@ class Runner:
 
 
 # =============================================================================================
-# Tasks: examples of an exact token length
-# =============================================================================================
-
-
-@dataclass
-class Example:
-    prompt: list[int]
-    answer: list[int] = field(default_factory=list)  # teacher-forced reference (NLL / BPC)
-    answer_chars: int = 0
-    key: str = ""  # exact-match key phrase (needle, retrieval)
-    continuation: str = ""  # true continuation (repetition)
-    max_new: int = 0  # greedy tokens (0: no generation)
-    meta: dict = field(default_factory=dict)
-
-
-def fit_length(build: Callable[[int], Optional[list[int]]], length: int, overhead: Optional[int] = None
-               ) -> Optional[list[int]]:
-    """Find n such that build(n) (a prompt with n body tokens) has exactly `length` tokens.
-
-    overhead: tokens outside the body (default: len(build(0))). None if no n works.
-    """
-    if overhead is None:
-        base = build(0)
-        if base is None:
-            return None
-        overhead = len(base)
-    n = length - overhead
-    tried = set()
-    for _ in range(12):
-        if n < 0 or n in tried:
-            break
-        tried.add(n)
-        ids = build(n)
-        if ids is None:
-            return None
-        if len(ids) == length:
-            return ids
-        n += length - len(ids)
-    for m in range(n + 3, n - 4, -1):  # retokenization at the seams can oscillate: scan nearby
-        if m >= 0 and m not in tried:
-            ids = build(m)
-            if ids is not None and len(ids) == length:
-                return ids
-    return None
-
-
-def example_rng(task: str, seed: int, length: int, index: int, attempt: int = 0) -> random.Random:
-    return random.Random(f"{task}/{seed}/{length}/{index}/{attempt}")
-
-
-def chat_prompt(tokenizer, user_text: str, answer_prefix: str) -> list[int]:
-    """The instruct chat template around a user message, then the start of the assistant's answer."""
-    return tokenizer.encode_prompt(user_text, chat=True) + tokenizer.encode(answer_prefix)
-
-
-def insert_at_depth(text: str, needle: str, depth: float) -> str:
-    """Insert `needle` at a sentence boundary near `depth` (0..1) of text."""
-    at = int(len(text) * depth)
-    cut = text.rfind(". ", 0, at)
-    cut = 0 if cut < 0 else cut + 2
-    return text[:cut] + needle + " " + text[cut:]
-
-
-class TextSource:
-    """A long text, tokenized in windows on demand (cached)."""
-
-    def __init__(self, tokenizer, text: str):
-        self.tokenizer, self.text = tokenizer, text
-
-    def window(self, start_char: int, n_tokens: int) -> list[int]:
-        """At least n_tokens tokens of text starting at a word boundary at or after start_char."""
-        start = self.text.find(" ", start_char) + 1 if start_char > 0 else 0
-        chars = 6 * n_tokens + 1000
-        while True:
-            ids = self.tokenizer.encode(self.text[start:start + chars])
-            if len(ids) >= n_tokens or start + chars >= len(self.text):
-                return ids
-            chars *= 2
-
-
-def needle_examples(tokenizer, length: int, n: int, seed: int) -> list[Example]:
-    source = TextSource(tokenizer, data.essays_text())
-    out = []
-    for i in range(n):
-        depth = (i // 2 + 0.5) / math.ceil(n / 2)  # both variants at each depth
-        for attempt in range(20):
-            rng = example_rng("needle", seed, length, i, attempt)
-            if i % 2 == 0:
-                needle, question, prefix, key = SF_NEEDLE, SF_QUESTION, SF_PREFIX, SF_KEY
-                answer = " eat a sandwich and sit in Dolores Park on a sunny day."
-                variant = "sf"
-            else:
-                key = str(rng.randrange(10000, 100000))
-                needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-                question, prefix, answer, variant = "What is the pass key?", "The pass key is", f" {key}.", "passkey"
-            body = source.window(rng.randrange(0, len(source.text) - 8 * length), length + 200)
-
-            def build(m: int) -> Optional[list[int]]:
-                haystack = insert_at_depth(tokenizer.decode(body[:m]), needle, depth)
-                user = (f"{haystack}\n\nAnswer the question using the text above. {question}")
-                return chat_prompt(tokenizer, user, prefix)
-
-            ids = fit_length(build, length)
-            if ids is not None:
-                break
-        else:
-            raise UserError(f"cannot build a needle example of exactly {length} tokens")
-        out.append(Example(prompt=ids, answer=tokenizer.encode(answer), key=key, max_new=24,
-                           meta={"variant": variant, "depth": round(depth, 3)}))
-    return out
-
-
-ADJECTIVES = ("red blue green black white golden silver quiet loud happy brave calm dark bright cold warm swift slow "
-              "tiny giant ancient young wild gentle proud hidden frozen sunny stormy lucky noble rusty sweet bitter "
-              "empty busy clever lazy fancy plain royal").split()
-NOUNS = ("river mountain tiger falcon garden castle forest ocean candle mirror rocket violin lantern harbor meadow "
-         "dragon pirate wizard island bridge tower comet desert canyon engine kettle pencil rabbit turtle hammer "
-         "basket anchor ladder window planet guitar compass").split()
-
-
-def retrieval_examples(tokenizer, length: int, n: int, seed: int, n_keys: int = 4) -> list[Example]:
-    """Multi-key retrieval (RULER's niah_multikey style), deterministic from the seed: n_keys
-    "special magic number" key-value sentences (word-pair keys, 7-digit values) spread through an
-    essay haystack; the question asks for one key's value, the others are distractors. (Plain lists of
-    hex / uuid keys are beyond the 135M model: 0-12% exact match dense at 2k tokens.)"""
-    source = TextSource(tokenizer, data.essays_text())
-    out = []
-    for i in range(n):
-        for attempt in range(20):
-            rng = example_rng("retrieval", seed, length, i, attempt)
-            words = rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], n_keys)
-            pairs = [(key, str(rng.randrange(1_000_000, 10_000_000))) for key in words]
-            asked = i % n_keys  # depth of the asked key cycles over the examples
-            qkey, qvalue = pairs[asked]
-            body = source.window(rng.randrange(0, len(source.text) - 8 * length), length + 200)
-
-            def build(m: int) -> Optional[list[int]]:
-                haystack = tokenizer.decode(body[:m])
-                for j, (key, value) in enumerate(pairs):
-                    haystack = insert_at_depth(haystack, f"One of the special magic numbers for {key} is: {value}.",
-                                               (j + 0.5) / n_keys)
-                user = f"{haystack}\n\nWhat is the special magic number for {qkey} mentioned in the text above?"
-                return chat_prompt(tokenizer, user, f"The special magic number for {qkey} is")
-
-            ids = fit_length(build, length)
-            if ids is not None:
-                break
-        else:
-            raise UserError(f"cannot build a retrieval example of exactly {length} tokens")
-        out.append(Example(prompt=ids, answer=tokenizer.encode(f" {qvalue}."), key=qvalue, max_new=14,
-                           meta={"key": qkey, "depth": round((asked + 0.5) / n_keys, 3), "keys": n_keys}))
-    return out
-
-
-def repetition_examples(tokenizer, length: int, n: int, seed: int, continuation_chars: int = 256,
-                        passage_chars: int = 256) -> list[Example]:
-    """The paper's text repetition (Appendix G.1.4): a Shakespeare context, then a passage from inside
-    it; the model should continue it verbatim."""
-    plays = data.shakespeare_texts()
-    names = sorted(name for name, text in plays.items() if len(text) > 10 * length)
-    if not names:
-        raise UserError(f"no Shakespeare text is long enough for --lengths {length}")
-    out = []
-    for i in range(n):
-        for attempt in range(20):
-            rng = example_rng("repetition", seed, length, i, attempt)
-            name = names[(i + attempt) % len(names)]
-            source = TextSource(tokenizer, plays[name])
-            window = source.window(rng.randrange(len(plays[name]) // 20, len(plays[name]) - 9 * length), length)
-            context = tokenizer.decode(window[:length])
-            if len(context) < 6000:  # this play tokenizes too densely at this length: try the next one
-                continue
-            # A passage starting at a line, >= passage_chars, ending before a space, in the first 70%.
-            start = context.find("\n", rng.randrange(0, int(0.7 * len(context)) - passage_chars - continuation_chars)) + 1
-            while context[start] in "\r\n ":
-                start += 1
-            end = context.find(" ", start + passage_chars)
-            passage = context[start:end]
-            continuation = context[end:end + continuation_chars]
-            if len(continuation) < continuation_chars or "\n\n\n" in passage:
-                continue
-
-            def build(m: int) -> Optional[list[int]]:
-                ctx = tokenizer.decode(window[:m])
-                if len(ctx) < max(6000, end + continuation_chars):
-                    return None  # too short: try another window
-                return tokenizer.encode(f"{ctx}\n\n{passage}")
-
-            ids = fit_length(build, length, overhead=len(tokenizer.encode(f"\n\n{passage}")))
-            if ids is not None:
-                break
-        else:
-            raise UserError(f"cannot build a repetition example of exactly {length} tokens with >= 6000 characters "
-                            f"of context (use --lengths 2048 or more)")
-        max_new = len(tokenizer.encode(continuation)) + 8
-        out.append(Example(prompt=ids, continuation=continuation, max_new=max_new,
-                           meta={"play": name, "passage": passage}))
-    return out
-
-
-def bpc_examples(tokenizer, length: int, n: int, seed: int, continuation_tokens: int = 64,
-                 task: str = "bpc") -> list[Example]:
-    """Essay context of `length` tokens, then the next continuation_tokens tokens, teacher-forced."""
-    source = TextSource(tokenizer, data.essays_text())
-    out = []
-    for i in range(n):
-        rng = example_rng(task, seed, length, i)
-        ids = source.window(rng.randrange(0, len(source.text) - 8 * (length + continuation_tokens)),
-                            length + continuation_tokens)
-        answer = ids[length:length + continuation_tokens]
-        out.append(Example(prompt=ids[:length], answer=answer, answer_chars=len(tokenizer.decode(answer))))
-    return out
-
-
-def build_examples(task: str, tokenizer, length: int, n: int, seed: int, args=None) -> list[Example]:
-    if task == "needle":
-        return needle_examples(tokenizer, length, n, seed)
-    if task == "retrieval":
-        return retrieval_examples(tokenizer, length, n, seed, getattr(args, "retrieval_keys", 4))
-    if task == "repetition":
-        return repetition_examples(tokenizer, length, n, seed,
-                                   continuation_chars=getattr(args, "repetition_chars", 256),
-                                   passage_chars=getattr(args, "repetition_passage", 256))
-    if task == "bpc":
-        return bpc_examples(tokenizer, length, n, seed, getattr(args, "bpc_tokens", 64))
-    if task == "diagnostics":
-        return bpc_examples(tokenizer, length, n, seed, continuation_tokens=17, task="diagnostics")
-    raise UserError(f"unknown task {task!r}")
-
-
-# =============================================================================================
 # Evaluating a batch
 # =============================================================================================
 
@@ -643,7 +290,7 @@ class Results:
         for (task, metric, method, target), values in self.values.items():
             score, stderr = mean_stderr(values)
             achieved = self.achieved.get((task, method, target))
-            row = {"task": task, "metric": metric, "higher_is_better": dict(METRICS[task])[metric],
+            row = {"task": task, "metric": metric, "higher_is_better": dict(TASKS[task].metrics)[metric],
                    "attention": method, "compression": float(target), "compression_label": fraction_label(target),
                    "achieved_compression": sum(achieved) / len(achieved) if achieved else 1.0,
                    "score": score, "stderr": stderr, "n": len(values)}
@@ -660,38 +307,34 @@ class Results:
         return out
 
 
-def evaluate_batch(task: str, runner: Runner, tokenizer, examples: list[Example], configs: list[Config],
+def evaluate_batch(task_name: str, runner: Runner, tokenizer, examples: list[Example], configs: list[Config],
                    results: Results, progress) -> None:
-    if task == "diagnostics":
+    """Every config on one batch: teacher-force the answers, generate greedily, score with the task."""
+    task = TASKS[task_name]
+    if task.score is None:
         return diagnose_batch(runner, examples, configs, results, progress)
     extra = max(max(len(e.answer), e.max_new) for e in examples) + 1
     runner.prefill([e.prompt for e in examples], configs, extra)
     for config in configs:
         steps = 0
+        outcomes = [Outcome() for _ in examples]
         if examples[0].answer:
             logprobs, _, steps = runner.teacher_force(config, [e.answer for e in examples])
-            if task == "bpc":
-                results.add(task, config, "bpc", [bits_per_character(lp, e.answer_chars)
-                                                  for lp, e in zip(logprobs, examples)])
-            else:
-                results.add(task, config, "answer_nll", [answer_nll(lp) for lp in logprobs])
+            for outcome, lp in zip(outcomes, logprobs):
+                outcome.logprobs = lp
         if examples[0].max_new:
             def finished(b: int, tokens: list[int]) -> bool:
-                text = tokenizer.decode(tokens)
-                if task == "repetition":
-                    ref = examples[b].continuation
-                    return len(text) >= len(ref) or not ref.startswith(text[:len(ref)])
-                return contains_key(text, examples[b].key) or "\n" in text or "." in text.strip()[1:]
+                return task.finished(examples[b], tokenizer.decode(tokens))
 
             tokens, greedy_steps = runner.greedy(config, max(e.max_new for e in examples), set(tokenizer.stop_ids),
                                                  finished)
             steps = max(steps, greedy_steps)
-            texts = [tokenizer.decode(t) for t in tokens]
-            if task == "repetition":
-                results.add(task, config, "chars", [repetition_chars(t, e.continuation) for t, e in zip(texts, examples)])
-            else:
-                results.add(task, config, "exact_match", [float(contains_key(t, e.key)) for t, e in zip(texts, examples)])
-        results.achieved[(task, config.method, config.budget.target)].append(runner.achieved(config, steps))
+            for outcome, row in zip(outcomes, tokens):
+                outcome.text = tokenizer.decode(row)
+        scores = [task.score(e, outcome) for e, outcome in zip(examples, outcomes)]
+        for metric, _ in task.metrics:
+            results.add(task_name, config, metric, [s[metric] for s in scores])
+        results.achieved[(task_name, config.method, config.budget.target)].append(runner.achieved(config, steps))
         progress.update(1)
 
 
@@ -716,12 +359,8 @@ class Probe(DecodePolicy):
         for index, policy in self._policies:
             diff = policy(q, cache, length).float().reshape(B, -1) - yf
             self.rel_l2[index] = diff.norm(dim=1) / yf.norm(dim=1)
-        if self._sparq:
-            exact = select_positions(exact_scores(q, cache.k, length), length, self.k, 0)  # (B, n_kv, k)
-            for index, r in self._sparq:
-                approx = select_positions(approximate_scores(q, cache.k, cache.k_t, length, r), length, self.k, 0)
-                hit = (approx[..., :, None] == exact[..., None, :]).any(-1).float()  # (B, n_kv, k)
-                self.agreement[index] = hit.mean(dim=(1, 2))
+        for index, r in self._sparq:
+            self.agreement[index] = selection_agreement(q, cache, length, r, self.k)
         return y
 
 
@@ -735,7 +374,7 @@ def diagnose_batch(runner: Runner, examples: list[Example], configs: list[Config
     for i in range(model.args.n_layer):
         policies = [(ci, copy.deepcopy(c.layers[i])) for ci, c in enumerate(configs)]
         sparq = [(ci, c.budget.r) for ci, c in enumerate(configs) if c.method == "sparq"]
-        probes.append(Probe(policies, sparq, runner.sparq_k))
+        probes.append(Probe(policies, sparq, runner.base.sparq_k))
     model.set_decode_attention(lambda i: probes[i])
     with torch.no_grad():
         token = torch.tensor([[e.answer[0]] for e in examples], device=runner.device)
@@ -789,7 +428,7 @@ def table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
     sparse_targets = [t for t in targets if t != DENSE]
     lines = []
     for task in dict.fromkeys(r["task"] for r in rows):
-        metrics = [(m, hib) for m, hib in METRICS[task] if any(r["task"] == task and r["metric"] == m for r in rows)]
+        metrics = [(m, hib) for m, hib in TASKS[task].metrics if any(r["task"] == task and r["metric"] == m for r in rows)]
         header = ["method"]
         columns = []
         for metric, hib in metrics:
@@ -921,7 +560,7 @@ def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
         ax.set_xticks(ticks, ["1", "1/2", "1/4", "1/8", "1/16"])
         ax.set_xlim(1 / 12, 1.3)
         ax.set_xlabel("compression (KV transfers / dense)")
-        hib = dict(METRICS[task])[metric]
+        hib = dict(TASKS[task].metrics)[metric]
         ax.set_title(f"{task}: {metric} ({'higher' if hib else 'lower'} is better)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -938,22 +577,6 @@ def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
 # =============================================================================================
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def parse_list(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise UserError(f"{flag} is empty")
-    for item in items:
-        if item not in allowed:
-            raise UserError(f"unknown {flag} value {item!r} (expected {', '.join(allowed)})")
-    return list(dict.fromkeys(items))
-
-
 def parse_lengths(text: str) -> list[int]:
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
@@ -966,15 +589,16 @@ def parse_lengths(text: str) -> list[int]:
     return out
 
 
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="eval.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="needle,repetition,bpc,retrieval", help=f"comma list of {', '.join(TASKS)}")
     p.add_argument("--attention", default="dense,sparq,h2o,local",
-                   help=f"comma list of {', '.join(ATTENTION_POLICIES)} (dense is always run as the baseline)")
+                   help=f"comma list of {', '.join(POLICIES)} (dense is always run as the baseline)")
     p.add_argument("--compression", default="1/2,1/4,1/8", help="comma list of target compressions in (0, 1]")
     p.add_argument("--examples", type=int, default=8, help="examples per task and length")
     p.add_argument("--lengths", default=None,
-                   help="prompt lengths in tokens for every task, e.g. 2k,4k (default 2048)")
+                   help=f"prompt lengths in tokens for every task, e.g. 2k,4k (default {DEFAULT_LENGTH})")
     p.add_argument("--checkpoint", type=Path, default=data.DEFAULT_CHECKPOINT)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="example generation seed")
@@ -982,8 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparq-k", type=int, default=128, help="SparQ's k (its local window is k/4)")
     p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
                    help="mean-value reallocation (auto: on for MHA, off for GQA)")
-    p.add_argument("--kernel", choices=["auto", "cpu", "torch"], default="auto",
-                   help="SparQ kernel, as in generate.py")
+    p.add_argument("--kernel", choices=[k for k in KERNEL_CHOICES if k != "triton"], default="auto",
+                   help="decode kernels, as in generate.py")
     p.add_argument("--kv-layout", choices=["twice", "once"], default="twice")
     p.add_argument("--bpc-tokens", type=int, default=64, help="continuation tokens scored by the bpc task")
     p.add_argument("--repetition-chars", type=int, default=256, help="continuation characters the repetition task checks")
@@ -1001,23 +625,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv
-    try:
+
+    def run_with_argv(args: argparse.Namespace) -> int:
+        args.argv = argv
         return run(args)
-    except (UserError, CheckpointError, data.DataMissing) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+
+    return cli.main(build_parser(), run_with_argv, argv)
 
 
 def run(args: argparse.Namespace) -> int:
-    tasks = parse_list(args.task, TASKS, "--task")
-    methods = parse_list(args.attention, tuple(ATTENTION_POLICIES), "--attention")
+    tasks = cli.name_list(args.task, "--task", list(TASKS))
+    methods = cli.name_list(args.attention, "--attention", list(POLICIES))
     targets = list(dict.fromkeys([DENSE] + [parse_compression(c) for c in args.compression.split(",") if c.strip()]))
-    lengths = {t: parse_lengths(args.lengths) if args.lengths else DEFAULT_LENGTHS[t] for t in tasks}
+    lengths = {t: parse_lengths(args.lengths) if args.lengths else [DEFAULT_LENGTH] for t in tasks}
     if args.repetition_passage < 128:
         raise UserError("--repetition-passage must be at least 128 characters")
     for flag in ("examples", "batch_size", "sparq_k", "bpc_tokens", "repetition_chars", "retrieval_keys"):
@@ -1029,21 +649,18 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--threads must be at least 1")
     torch.set_num_threads(args.threads)
 
-    import tokenizer as tokenizer_module
     from tqdm import tqdm
 
-    model = load_model(args.checkpoint, dtype=DTYPES[args.dtype])
-    _, checkpoint_dir = checkpoint_paths(args.checkpoint)
-    try:
-        tokenizer = tokenizer_module.load_tokenizer(checkpoint_dir)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load the tokenizer from {checkpoint_dir}: {e}") from None
+    kernels = kernels_for(args.kernel, "cpu")
+    model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels)
+    tokenizer = load_tokenizer(args.checkpoint)
     for task, task_lengths in lengths.items():
         for length in task_lengths:
             if length + 300 > model.args.max_context:
                 raise UserError(f"--lengths {length} does not fit the model's context of {model.args.max_context} tokens")
 
-    runner = Runner(model, PolicyOptions(args.kernel, args.kv_layout, args.sparq_mean_v), args.sparq_k)
+    runner = Runner(model, AttentionSettings(sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v), args.kv_layout)
+    options = TaskOptions(args.bpc_tokens, args.repetition_chars, args.repetition_passage, args.retrieval_keys)
     results = Results()
     start = time.perf_counter()
 
@@ -1052,7 +669,7 @@ def run(args: argparse.Namespace) -> int:
     queues = []
     for task in tasks:
         for length in lengths[task]:
-            examples = build_examples(task, tokenizer, length, args.examples, args.seed, args)
+            examples = TASKS[task].build(tokenizer, length, args.examples, args.seed, options)
             queues.append([(task, length, examples[i:i + args.batch_size])
                            for i in range(0, len(examples), args.batch_size)])
     work = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
@@ -1062,7 +679,7 @@ def run(args: argparse.Namespace) -> int:
         return {"checkpoint": str(args.checkpoint), "tasks": tasks, "attention": methods,
                 "compression": [fraction_label(t) for t in targets], "lengths": lengths,
                 "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
-                "kernel": args.kernel, "kv_layout": args.kv_layout, "sparq_k": args.sparq_k,
+                "kernels": kernels.name, "kv_layout": args.kv_layout, "sparq_k": args.sparq_k,
                 "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,
                 "budgets": [{"task": task, "attention": m, "compression": fraction_label(t), "seq_len": s,
                              "r": b.r, "k": b.k, "achieved": b.achieved}
@@ -1081,8 +698,8 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
 
     rows = results.rows()
-    print(f"model {checkpoint_dir.name}: {model.args.n_layer} layers, head dim {model.args.head_dim}, "
-          f"{model.args.n_head} heads / {model.args.n_kv_head} KV heads, {args.dtype}; "
+    print(f"model {args.checkpoint}: {model.args.n_layer} layers, head dim {model.args.head_dim}, "
+          f"{model.args.n_head} heads / {model.args.n_kv_head} KV heads, {args.dtype}, kernels {kernels.name}; "
           f"{args.examples} examples per task and length; {elapsed / 60:.1f} min")
     print(budget_summary(results.budgets))
     print(table(rows, methods, targets))

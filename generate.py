@@ -15,22 +15,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+import cli
 import data
-from model import CheckpointError, DenseDecode, Transformer, checkpoint_paths, load_model
-from sparq import (H2ODecode, LocalDecode, OracleDecode, SparQConfig, SparQDecode, TopKDecode, compression_ratio,
-                   kv_bytes_read_per_step)
+import quantize
+import tokenizer as tokenizer_module
+from cli import UserError
+from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
+from model import Transformer, checkpoint_paths, load_model
+from sparq import POLICIES, AttentionSettings, add_attention_flags, attention_settings, compression_ratio, policy_factory
 
-ATTENTION_POLICIES = ["dense", "sparq", "topk", "oracle", "h2o", "local"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class UserError(Exception):
-    """A mistake in the command line or its inputs: reported in one line, exit code 1."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,14 +76,13 @@ class Generator:
     stop_ids: set[int] = field(default_factory=set)
     temperature: float = 0.0
     top_k: Optional[int] = None
-    kv_bytes_per_step: Callable[[int, int], int] = lambda seq_len, batch: 0
     compile_decode: bool = False
     compile_prefill: bool = False
 
     def __post_init__(self):
         self._prefill = prefill
         self._decode = decode_step
-        device_type = self.model.norm.weight.device.type
+        device_type = self.model.device.type
         if self.compile_decode:
             mode = "reduce-overhead" if device_type == "cuda" else None
             self._decode = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=True)
@@ -111,22 +109,17 @@ class Generator:
             if bool(done.all()):
                 break
             input_pos = torch.tensor([position], device=device)
-            logits = self._decode(self.model, next_token.view(B, 1), input_pos, self._read_length(position + 1))
+            logits = self._decode(self.model, next_token.view(B, 1), input_pos, self.model.read_length(position + 1))
             next_token = sample(logits, self.temperature, self.top_k)
             generated.append(next_token)
             done |= self._is_stop(next_token)
-            kv_bytes += self.kv_bytes_per_step(position + 1, B)
+            kv_bytes += self.model.decode_kv_bytes(position + 1, B)
             steps += 1
         synchronize(device)
         decode_s = time.perf_counter() - start
 
         tokens = torch.stack(generated, dim=1).tolist()  # (B, n)
         return [self._cut_at_stop(row) for row in tokens], DecodeStats(prefill_s, decode_s, steps, kv_bytes)
-
-    def _read_length(self, live_length: int) -> int:
-        """Cache positions decode attention reads: the live length rounded up to the length bucket."""
-        bucket = self.model.layers[0].attention.kv_cache.length_bucket
-        return min(-(-live_length // bucket) * bucket, self.model.max_seq_length)
 
     def _is_stop(self, token: Tensor) -> Tensor:
         if not self.stop_ids:
@@ -146,52 +139,37 @@ def synchronize(device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention policies from the command line
+# Loading a run: kernels, checkpoint, policies
 # ---------------------------------------------------------------------------------------------
 
 
-def decode_policy_factory(args: argparse.Namespace, model: Transformer):
-    """make_policy(layer_index) for Transformer.set_decode_attention, from the parsed flags.
+def load_checkpoint(checkpoint: Path, device: str, dtype: torch.dtype, kernels: Kernels) -> Transformer:
+    """The model of a float or quantized checkpoint, running `kernels` (bench.py and eval.py load this way too)."""
+    return load_model(checkpoint, device=device, dtype=dtype, kernels=kernels, quantized=quantize.LOADING)
 
-    Every layer gets its own instance: H2O keeps per-layer state.
-    """
-    model_args = model.args
-    budget = args.kv_budget if args.kv_budget is not None else args.sparq_k
-    mean_v = {"on": True, "off": False, "auto": model_args.n_kv_head == model_args.n_head}[args.sparq_mean_v]
-    r = args.sparq_r if args.sparq_r is not None else model_args.head_dim  # oracle: exact scores
-    config = SparQConfig(r=r, k=budget, local=args.sparq_local, mean_v=mean_v)
+
+def load_tokenizer(checkpoint: Path):
+    _, checkpoint_dir = checkpoint_paths(checkpoint)
     try:
-        config.validate(model_args.head_dim)
-        if args.attention == "local":
-            LocalDecode(budget)  # validates the budget against the sink tokens
+        return tokenizer_module.load_tokenizer(checkpoint_dir)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the tokenizer from {checkpoint_dir}: {e}") from None
+
+
+def kernels_for(choice: str, device: str, length_bucket: int = 1) -> Kernels:
+    """resolve_kernels with its one-line ValueError as a user error."""
+    try:
+        return resolve_kernels(choice, device, length_bucket)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if args.attention == "sparq":
-        kernel = resolve_kernel(args.kernel, args.device, args.kv_layout)
-        return lambda layer: SparQDecode(config, kernel)
-    if args.attention == "dense":
-        kernel = resolve_kernel(args.kernel, args.device, "twice")  # dense reads only k and v
-        return lambda layer: DenseDecode(kernel)
-    return {
-        "oracle": lambda layer: OracleDecode(config),
-        "topk": lambda layer: TopKDecode(budget),
-        "h2o": lambda layer: H2ODecode(budget, config.local),
-        "local": lambda layer: LocalDecode(budget),
-    }[args.attention]
 
 
-def resolve_kernel(kernel: str, device: str, kv_layout: str) -> str:
-    if kernel == "torch":
-        return "torch"
-    import kernels  # only the fused paths need it
-
+def install_policy(model: Transformer, settings: AttentionSettings) -> None:
+    """Every layer gets its own instance of the settings' policy, running the model's kernels."""
     try:
-        resolved = kernels.resolve_kernel(kernel, device, kv_layout)
+        model.set_decode_attention(policy_factory(settings, model.args, model.kernels))
     except ValueError as e:
         raise UserError(str(e)) from None
-    if resolved == "cpu" and not kernels.cpu_kernel_available():
-        return "torch"  # cpu_kernel_available() has printed a one-line warning
-    return resolved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,77 +177,44 @@ def resolve_kernel(kernel: str, device: str, kv_layout: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="generate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=data.DEFAULT_CHECKPOINT,
                    help="model.pth or its directory (default: the embedded SmolLM2-135M-Instruct)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="Hello, my name is", help="prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
-    prompt.add_argument("--prompt-tokens", type=positive_int,
+    prompt.add_argument("--prompt-tokens", type=cli.positive_int,
                         help="a synthetic prompt of exactly N tokens cut from the Paul Graham essays")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-new-tokens", type=positive_int, default=200)
-    p.add_argument("--batch-size", type=positive_int, default=1)
-    p.add_argument("--num-samples", type=positive_int, default=1, help="repeat generation (the first warms up)")
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=200)
+    p.add_argument("--batch-size", type=cli.positive_int, default=1)
+    p.add_argument("--num-samples", type=cli.positive_int, default=1, help="repeat generation (the first warms up)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=positive_int, default=None)
-    p.add_argument("--max-seq-length", type=positive_int, default=None,
+    p.add_argument("--top-k", type=cli.positive_int, default=None)
+    p.add_argument("--max-seq-length", type=cli.positive_int, default=None,
                    help="KV cache length (default: prompt + new tokens, capped at the model's context)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--compile-prefill", action="store_true", help="torch.compile the prefill")
-    p.add_argument("--length-bucket", type=positive_int, default=None,
+    p.add_argument("--length-bucket", type=cli.positive_int, default=None,
                    help="decode attention reads the live length rounded up to a multiple of this, masking "
                         "the rest (default: 1 on CPU = exact; 256 on CUDA = one CUDA graph per bucket)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, help="write the results as JSON")
+    p.add_argument("--kv-layout", choices=["twice", "once"], default="twice",
+                   help="store K twice (d- and S-contiguous) or once (the paper's 1xK variant)")
+    p.add_argument("--kernel", choices=KERNEL_CHOICES, default="auto",
+                   help="decode kernels: auto = the fused kernels of the device (cpu: C++ dense and SparQ attention "
+                        "and linears; cuda: Triton SparQ), torch = plain PyTorch everywhere")
     add_attention_flags(p)
     return p
 
 
-def add_attention_flags(p: argparse.ArgumentParser) -> None:
-    """Decode attention flags, shared by generate.py, bench.py and eval.py."""
-    p.add_argument("--attention", choices=ATTENTION_POLICIES, default=None,
-                   help="decode attention policy (default: sparq when --sparq-r is given, else dense)")
-    p.add_argument("--kv-budget", type=int, default=None,
-                   help="positions attended by topk/oracle/h2o/local (default: --sparq-k)")
-    p.add_argument("--sparq-r", type=int, default=None, help="query components used for approximate scores")
-    p.add_argument("--sparq-k", type=int, default=128, help="positions attended exactly")
-    p.add_argument("--sparq-local", type=int, default=None, help="recent positions always kept (default k/4)")
-    p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
-                   help="mean-value reallocation (auto: on for MHA, off for GQA)")
-    p.add_argument("--kv-layout", choices=["twice", "once"], default="twice",
-                   help="store K twice (d- and S-contiguous) or once (the paper's 1xK variant)")
-    p.add_argument("--kernel", choices=["auto", "triton", "cpu", "torch"], default="auto",
-                   help="decode kernels: auto = Triton SparQ on CUDA (dense attention and linears stay torch), "
-                        "the fused C++ kernels on CPU (dense and SparQ attention, linear layers); "
-                        "torch = plain PyTorch")
-
-
-def resolve_attention_flags(args: argparse.Namespace) -> None:
-    if args.attention is None:
-        args.attention = "sparq" if args.sparq_r is not None else "dense"
-    if args.attention == "sparq" and args.sparq_r is None:
-        raise UserError("--attention sparq needs --sparq-r")
-    if args.attention not in ("dense", "sparq") and args.sparq_r is not None:
-        raise UserError(f"--sparq-r applies to --attention sparq, not {args.attention}")
-
-
 def prompt_tokens(args: argparse.Namespace, tokenizer) -> list[int]:
     if args.prompt_tokens is not None:
-        try:
-            return data.essay_tokens(tokenizer, args.prompt_tokens)
-        except (data.DataMissing, ValueError) as e:
-            raise UserError(str(e)) from None
+        return data.essay_tokens(tokenizer, args.prompt_tokens)
     if args.prompt_file is not None:
         try:
             text = args.prompt_file.read_text(encoding="utf-8")
@@ -294,34 +239,20 @@ def peak_memory_bytes(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def weight_bytes(model: Transformer) -> int:
-    """Bytes of every weight read per decode step (tied embeddings counted once)."""
-    tensors = {id(t): t for t in list(model.parameters()) + [b for n, b in model.named_buffers() if "kv_cache" not in n and n != "rope"]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except (UserError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return cli.main(build_parser(), run, argv)
 
 
 def run(args: argparse.Namespace) -> int:
-    import tokenizer as tokenizer_module
-
     check_device(args)
-    resolve_attention_flags(args)
+    settings = attention_settings(args)
+    length_bucket = args.length_bucket or (256 if args.device == "cuda" else 1)
+    if length_bucket > 1 and not POLICIES[settings.policy].reads_buckets:
+        raise UserError(f"--length-bucket applies to dense and sparq attention, not {settings.policy}")
     torch.manual_seed(args.seed)
-    dtype = DTYPES[args.dtype]
-    model = load_model(args.checkpoint, device=args.device, dtype=dtype)
-    _, checkpoint_dir = checkpoint_paths(args.checkpoint)
-    try:
-        tokenizer = tokenizer_module.load_tokenizer(checkpoint_dir)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load the tokenizer from {checkpoint_dir}: {e}") from None
+    kernels = kernels_for(args.kernel, args.device, length_bucket)
+    model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels)
+    tokenizer = load_tokenizer(args.checkpoint)
 
     ids = prompt_tokens(args, tokenizer)
     max_context = model.args.max_context
@@ -332,25 +263,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-seq-length {max_seq_length} exceeds the model's context of {max_context} tokens")
     max_new_tokens = min(args.max_new_tokens, max_seq_length - len(ids))
 
-    length_bucket = args.length_bucket or (256 if args.device == "cuda" else 1)
-    if length_bucket > 1 and args.attention not in ("dense", "sparq"):
-        raise UserError(f"--length-bucket applies to dense and sparq attention, not {args.attention}")
     model.setup_caches(args.batch_size, max_seq_length, kv_layout=args.kv_layout, length_bucket=length_bucket)
-    model.set_decode_attention(decode_policy_factory(args, model))
-    model.set_linear_kernel(resolve_kernel(args.kernel, args.device, "twice"))  # "cpu": the fused GEMV
+    install_policy(model, settings)
     policy = model.layers[0].attention.decode_attention
-    element_bytes = model.layers[0].attention.kv_cache.k.element_size()
-
-    def kv_bytes(seq_len: int, batch: int) -> int:
-        return kv_bytes_read_per_step(model.args, policy, seq_len, batch, element_bytes)
 
     print(f"model: {model.args.n_layer} layers, dim {model.args.dim}, {model.args.n_head} heads / "
           f"{model.args.n_kv_head} KV heads, {args.dtype} on {args.device}; "
           f"KV cache {model.kv_cache_bytes() / 2**20:.1f} MiB (layout {args.kv_layout}, "
-          f"batch {args.batch_size} x {max_seq_length} positions)", file=sys.stderr)
+          f"batch {args.batch_size} x {max_seq_length} positions); kernels: {kernels.name} ({kernels.describe})",
+          file=sys.stderr)
     generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
-                          kv_bytes_per_step=kv_bytes, compile_decode=args.compile,
-                          compile_prefill=args.compile_prefill)
+                          compile_decode=args.compile, compile_prefill=args.compile_prefill)
     prompt = torch.tensor([ids] * args.batch_size, device=args.device)
 
     results = []
@@ -361,17 +284,17 @@ def run(args: argparse.Namespace) -> int:
             header = f"--- sample {i + 1}" + (f", row {b + 1}" if args.batch_size > 1 else "")
             print(header)
             print(tokenizer.decode(row))
-        report(stats, args.batch_size, weight_bytes(model), len(ids))
+        report(stats, args.batch_size, model.weight_bytes(), len(ids))
 
     samples, stats = results[-1]
-    summary = summarize(stats, args.batch_size, weight_bytes(model), len(ids))
+    summary = summarize(stats, args.batch_size, model.weight_bytes(), len(ids))
     print(f"peak memory: {peak_memory_bytes(args.device) / 2**30:.2f} GiB", file=sys.stderr)
-    if args.attention != "dense":
-        ratio = compression_ratio(policy, DenseDecode(), len(ids) + stats.steps, model.args.head_dim)
-        print(f"attention: {args.attention}, KV transfers {ratio:.3f} of dense at the final length "
+    if settings.policy != "dense":
+        ratio = compression_ratio(policy, len(ids) + stats.steps, model.args.head_dim)
+        print(f"attention: {settings.policy}, KV transfers {ratio:.3f} of dense at the final length "
               f"(compression 1/{1 / ratio:.1f})", file=sys.stderr)
     if args.json:
-        write_json(args, model, tokenizer, samples, summary, policy)
+        write_json(args, settings, model, tokenizer, samples, summary, policy)
     return 0
 
 
@@ -397,7 +320,7 @@ def report(stats: DecodeStats, batch_size: int, weights: int, prompt_len: int) -
           f"KV {s['kv_bytes_read_per_step'] / 1e6:.2f} MB per step)", file=sys.stderr)
 
 
-def write_json(args, model, tokenizer, samples, summary, policy) -> None:
+def write_json(args, settings, model, tokenizer, samples, summary, policy) -> None:
     out = {
         "prompt_tokens": summary["prompt_tokens"],
         "batch_size": args.batch_size,
@@ -405,13 +328,14 @@ def write_json(args, model, tokenizer, samples, summary, policy) -> None:
         **{k: v for k, v in summary.items() if k != "prompt_tokens"},
         "device": args.device,
         "dtype": args.dtype,
-        "attention": args.attention,
+        "attention": settings.policy,
+        "kernels": model.kernels.name,
     }
-    if args.attention == "sparq":
+    if settings.policy == "sparq":
         c = policy.config
         out["sparq"] = {"r": c.r, "k": c.k, "local": c.local, "mean_v": c.mean_v}
         final_len = summary["prompt_tokens"] + len(samples[0])
-        out["compression_ratio"] = compression_ratio(policy, DenseDecode(), final_len, model.args.head_dim)
+        out["compression_ratio"] = compression_ratio(policy, final_len, model.args.head_dim)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2) + "\n")
 

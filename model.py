@@ -13,15 +13,18 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from cli import UserError
+from kernels import TORCH_KERNELS, Kernels
 
-class CheckpointError(Exception):
+
+class CheckpointError(UserError):
     """A checkpoint that is missing, corrupt or of an unsupported kind (a user error)."""
 
 
@@ -83,10 +86,12 @@ class KVCache(nn.Module):
     live_length ()  int64      positions [0, live_length) are live: a device tensor, so a step
                                never syncs with the host
 
-    length_bucket: decode attention reads `length` positions, the live length rounded up to a
-    multiple of length_bucket. With 1 (CPU) it reads exactly the live prefix and needs no mask;
-    with larger buckets (CUDA graphs: one graph per bucket, not per length) the positions from
-    live_length to `length` are masked.
+    length_bucket: decode attention reads `read_length(live)` positions, the live length rounded up
+    to a multiple of length_bucket. With 1 (CPU) it reads exactly the live prefix and needs no
+    mask; with larger buckets (CUDA graphs: one graph per bucket, not per length) the positions
+    from live_length to the read length are masked (`masked_live_length`).
+
+    Only this class names its buffers: the rest of the repo uses the methods below.
     """
 
     def __init__(self, max_batch: int, max_seq_length: int, n_kv_head: int, head_dim: int,
@@ -124,10 +129,41 @@ class KVCache(nn.Module):
         self.v_sum[:B] += v.float().sum(dim=2)
         self.live_length.copy_(input_pos[-1] + 1)
 
+    def read_length(self, live_length: int) -> int:
+        """Positions decode attention reads at this live length: rounded up to the bucket, capped at S_max."""
+        return min(-(-live_length // self.length_bucket) * self.length_bucket, self.max_seq_length)
+
+    @property
+    def masked_live_length(self) -> Optional[Tensor]:
+        """None when reads are exact (bucket 1); else the live length (a device tensor) beyond which reads are masked."""
+        return self.live_length if self.length_bucket > 1 else None
+
     def reset(self) -> None:
         for buffer in (self.k, self.v, self.k_t, self.v_sum, self.live_length):
             if buffer is not None:
                 buffer.zero_()
+
+    def snapshot(self) -> dict[str, Tensor]:
+        """Copies of the state that is not indexed by position (running V sum, live length).
+
+        Decode steps write K, K^T and V only at new positions, which are never read before being
+        rewritten, so restore(snapshot) rewinds the cache exactly to when the snapshot was taken."""
+        return {"v_sum": self.v_sum.clone(), "live_length": self.live_length.clone()}
+
+    def restore(self, snapshot: dict[str, Tensor]) -> None:
+        self.v_sum.copy_(snapshot["v_sum"])
+        self.live_length.copy_(snapshot["live_length"])
+
+    def rewind(self, length: int) -> None:
+        """Keep positions [0, length) live, as if nothing after them had been written."""
+        self.v_sum.copy_(self.v[:, :, :length].float().sum(dim=2))
+        self.live_length.fill_(length)
+
+    def broadcast_row(self, n_rows: int) -> None:
+        """Copy batch row 0 into rows 1..n_rows-1 (every row then holds the same prompt)."""
+        for buffer in (self.k, self.k_t, self.v, self.v_sum):
+            if buffer is not None:
+                buffer[1:n_rows].copy_(buffer[:1].expand_as(buffer[1:n_rows]))
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in (self.k, self.v, self.k_t, self.v_sum) if b is not None)
@@ -143,22 +179,25 @@ def beyond_live(length: int, live_length: Tensor) -> Tensor:
     return torch.arange(length, device=live_length.device) >= live_length
 
 
-def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-    """Exact attention of one decode query over S positions.
+def dense_attention_torch(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None) -> Tensor:
+    """Exact attention of one decode query over positions [0, length) of the cache.
 
-    q (B, n_kv, g, d); k, v (B, n_kv, S, d) -> (B, n_kv, g, d); mask (S,) True = excluded.
-    Matmul-softmax-matmul with fp32 softmax: on CPU it matches SDPA in fp32 and is several
-    times faster in bf16.
+    q (B, n_kv, g, d); k, v (B_max, n_kv, S_max, d) -> (B, n_kv, g, d); positions >= live_length
+    are masked when it is given (bucketed reads). Matmul-softmax-matmul with fp32 softmax: on CPU
+    it matches SDPA in fp32 and is several times faster in bf16.
     """
+    B = q.shape[0]
+    k, v = k[:B, :, :length], v[:B, :, :length]
     scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])  # (B, n_kv, g, S)
-    if mask is not None:
-        scores = scores.masked_fill(mask, float("-inf"))
+    if live_length is not None:
+        scores = scores.masked_fill(beyond_live(length, live_length), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return probs @ v
 
 
 class DecodePolicy(nn.Module):
-    """How one layer attends during single-token decode (dense here; SparQ and baselines in sparq.py).
+    """How one layer attends during single-token decode (dense here; SparQ and baselines in sparq.py,
+    where the registry of policies lives).
 
     forward(q (B, n_kv, g, d), cache, length) -> (B, n_kv, g, d) reads positions [0, length)
     of the cache: exactly the live ones (the current token included) when cache.length_bucket
@@ -167,8 +206,10 @@ class DecodePolicy(nn.Module):
 
     name = "policy"
 
-    def observe_prefill(self, q: Tensor, k: Tensor) -> None:
-        """Called with the prefill's q (B, H, T, d) and k (B, n_kv, T, d); stateful policies (H2O) use it."""
+    def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None) -> None:
+        """Called with the prefill's q (B, H, T, d) and k (B, n_kv, T, d); stateful policies (H2O) use it.
+        memo: shared by policies observing the same prefill (eval.py), for work that does not depend
+        on their settings."""
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Elements of K/V moved per KV head per decode step at live length seq_len."""
@@ -180,18 +221,12 @@ class DenseDecode(DecodePolicy):
 
     name = "dense"
 
-    def __init__(self, kernel: str = "torch"):
+    def __init__(self, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
-        self.kernel = kernel  # "cpu": the fused C++ kernel of kernels.py; anything else: dense_attention
+        self.attend = kernels.dense_attention or dense_attention_torch
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        B = q.shape[0]
-        if self.kernel == "cpu" and cache.length_bucket == 1:  # the fused kernel reads exact lengths only
-            import kernels
-
-            return kernels.dense_attention_cpu(q, cache.k, cache.v, length)
-        mask = beyond_live(length, cache.live_length) if cache.length_bucket > 1 else None
-        return dense_attention(q, cache.k[:B, :, :length], cache.v[:B, :, :length], mask)
+        return self.attend(q, cache.k, cache.v, length, cache.masked_live_length)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Paper, Appendix G: 2Sd + 2d (read K and V, write the new k and v)."""
@@ -215,11 +250,9 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def rope_frequencies(args: ModelArgs) -> Tensor:
-    """Inverse frequencies (d/2,), with Llama 3.1 scaling when the config asks for it."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    scaling = args.rope_scaling
+def rope_frequencies(head_dim: int, base: float, scaling: Optional[dict] = None) -> Tensor:
+    """Inverse frequencies (head_dim/2,) fp32, with Llama 3.1 scaling when `scaling` asks for it."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
         return inv_freq.float()
     if scaling.get("rope_type", scaling.get("type")) != "llama3":
@@ -241,7 +274,7 @@ def rope_frequencies(args: ModelArgs) -> Tensor:
 def rope_cache(args: ModelArgs, max_seq_length: int) -> Tensor:
     """cos and sin for every position: (max_seq_length, 2, d/2) fp32."""
     positions = torch.arange(max_seq_length, dtype=torch.float32)
-    angles = torch.outer(positions, rope_frequencies(args))  # (S, d/2)
+    angles = torch.outer(positions, rope_frequencies(args.head_dim, args.rope_base, args.rope_scaling))  # (S, d/2)
     return torch.stack([angles.cos(), angles.sin()], dim=1)
 
 
@@ -254,36 +287,26 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias) that can run decode-sized inputs through the fused CPU GEMV of kernels.py.
+    """nn.Linear whose matmul is the run's linear kernel (Kernels.linear: the fused CPU GEMV for
+    decode steps), F.linear by default."""
 
-    kernel "cpu" (set by Transformer.set_linear_kernel): a decode step's few rows go to
-    kernels.linear_cpu, which streams the weights at close to the memory bandwidth (where it pays:
-    kernels.linear_cpu_pays); anything else (prefill, other devices) is F.linear.
-    """
-
-    kernel = "torch"
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, kernels: Kernels = TORCH_KERNELS):
+        super().__init__(in_features, out_features, bias=bias)
+        self.matmul = kernels.linear or F.linear
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel == "cpu":
-            import kernels
-
-            if kernels.linear_cpu_pays(x.numel() // x.shape[-1], self.weight.dtype):
-                return kernels.linear_cpu(x, self.weight)
-        return F.linear(x, self.weight)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
         qkv_dim = (args.n_head + 2 * args.n_kv_head) * args.head_dim
-        self.wqkv = Linear(args.dim, qkv_dim)
-        self.wo = Linear(args.n_head * args.head_dim, args.dim)
+        self.wqkv = Linear(args.dim, qkv_dim, kernels=kernels)
+        self.wo = Linear(args.n_head * args.head_dim, args.dim, kernels=kernels)
         self.kv_cache: Optional[KVCache] = None
-        self.decode_attention: DecodePolicy = DenseDecode()
+        self.decode_attention: DecodePolicy = DenseDecode(kernels)
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int) -> Tensor:
         B, T, _ = x.shape
@@ -304,23 +327,23 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
-        self.w1 = Linear(args.dim, args.intermediate_size)  # gate
-        self.w3 = Linear(args.dim, args.intermediate_size)  # up
-        self.w2 = Linear(args.intermediate_size, args.dim)  # down
+        self.w1 = Linear(args.dim, args.intermediate_size, kernels=kernels)  # gate
+        self.w3 = Linear(args.dim, args.intermediate_size, kernels=kernels)  # up
+        self.w2 = Linear(args.intermediate_size, args.dim, kernels=kernels)  # down
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, kernels)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = FeedForward(args, kernels)
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int) -> Tensor:
         h = x + self.attention(self.attention_norm(x), rope, input_pos, length)
@@ -328,18 +351,26 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """The model. `kernels` (kernels.resolve_kernels) are the run's decode kernels: every linear layer
+    and the default dense decode attention call them; decode policies get them when they are built."""
+
+    def __init__(self, args: ModelArgs, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
         self.args = args
+        self.kernels = kernels
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.layers = nn.ModuleList(TransformerBlock(args, kernels) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = Linear(args.dim, args.vocab_size)
+        self.output = Linear(args.dim, args.vocab_size, kernels=kernels)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", torch.empty(0), persistent=False)
         self.max_batch_size = -1
         self.max_seq_length = -1
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_layout: str = "twice",
                      length_bucket: int = 1) -> None:
@@ -347,34 +378,55 @@ class Transformer(nn.Module):
         dtype = self.tok_embeddings.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             dtype = torch.float32  # quantized embeddings keep fp32 activations
-        device = self.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.args.n_kv_head,
-                                               self.args.head_dim, dtype, kv_layout, length_bucket).to(device)
-        self.rope = rope_cache(self.args, max_seq_length).to(device)
+                                               self.args.head_dim, dtype, kv_layout, length_bucket).to(self.device)
+        self.rope = rope_cache(self.args, max_seq_length).to(self.device)
+
+    @property
+    def caches(self) -> list[KVCache]:
+        return [layer.attention.kv_cache for layer in self.layers]
 
     def reset_caches(self) -> None:
-        for layer in self.layers:
-            layer.attention.kv_cache.reset()
+        for cache in self.caches:
+            cache.reset()
+
+    def read_length(self, live_length: int) -> int:
+        """Cache positions decode attention reads at this live length (the caches' length bucket)."""
+        return self.caches[0].read_length(live_length)
 
     def kv_cache_bytes(self) -> int:
-        return sum(layer.attention.kv_cache.nbytes() for layer in self.layers)
+        return sum(cache.nbytes() for cache in self.caches)
 
-    def set_linear_kernel(self, kernel: str) -> None:
-        """"cpu": decode steps run every (unquantized) linear layer through the fused CPU GEMV; "torch": F.linear."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.kernel = kernel
-
-    def set_decode_attention(self, make_policy) -> None:
+    def set_decode_attention(self, make_policy: Callable[[int], DecodePolicy]) -> None:
         """Give every layer its own decode attention policy: make_policy(layer_index) -> module."""
         for i, layer in enumerate(self.layers):
             layer.attention.decode_attention = make_policy(i)
 
+    def decode_kv_bytes(self, seq_len: int, batch_size: int) -> int:
+        """KV-cache bytes one decode step moves at live length seq_len, by each layer's policy's transfer formula."""
+        total = 0
+        for layer in self.layers:
+            per_head = layer.attention.decode_attention.transfer_elements(seq_len, self.args.head_dim)
+            total += per_head * self.args.n_kv_head * batch_size * layer.attention.kv_cache.k.element_size()
+        return total
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight a decode step reads: parameters and weight buffers (packed quantized
+        weights included), tied tensors once; the KV caches and the RoPE table excluded."""
+        tensors = {}
+        for module in self.modules():
+            if isinstance(module, KVCache):
+                continue
+            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                if t is not None and t is not self.rope:
+                    tensors[id(t)] = t
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def forward(self, idx: Tensor, input_pos: Tensor, length: int) -> Tensor:
         """idx (B, T) tokens at positions input_pos (T,); length = cache positions decode attention reads:
-        the live length after this step, rounded up to the caches' length_bucket.
+        the live length after this step, rounded up to the caches' length_bucket (read_length).
 
         Returns logits (B, vocab) for the last position only, in fp32.
         """
@@ -384,6 +436,19 @@ class Transformer(nn.Module):
             x = layer(x, rope, input_pos, length)
         x = self.norm(x[:, -1])
         return self.output(x).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantizedLoading:
+    """How load_model reads a quantized checkpoint: quantize.LOADING provides it (model.py knows no format)."""
+
+    prepare: Callable[[Transformer, dict], None]  # swap in the modules the file holds (meta model, its metadata)
+    finalize: Callable[[Transformer, Kernels], None]  # once on the device: pick their kernels, pack the weights
 
 
 def checkpoint_paths(checkpoint: Path | str) -> tuple[Path, Path]:
@@ -396,23 +461,31 @@ def checkpoint_paths(checkpoint: Path | str) -> tuple[Path, Path]:
     return path, path.parent
 
 
-def load_model(checkpoint: Path | str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build the model from config.json and load model.pth (a state dict saved by the converter)."""
-    path, directory = checkpoint_paths(checkpoint)
-    args = ModelArgs.from_json(directory / "config.json")
+def load_state_dict(path: Path) -> dict:
+    """A state dict saved with torch.save (memory-mapped), or CheckpointError in one line."""
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:  # torch raises many kinds of errors for a damaged file
         raise CheckpointError(f"corrupt checkpoint {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"corrupt checkpoint {path}: not a state dict")
+    return state
+
+
+def load_model(checkpoint: Path | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               kernels: Kernels = TORCH_KERNELS, quantized: Optional[QuantizedLoading] = None) -> Transformer:
+    """Build the model from config.json and load model.pth (a state dict saved by the converter or
+    by quantize.py: pass quantized=quantize.LOADING to read the latter)."""
+    path, directory = checkpoint_paths(checkpoint)
+    args = ModelArgs.from_json(directory / "config.json")
+    state = load_state_dict(path)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, kernels)
     quantization = state.pop("__quantization__", None)
     if quantization is not None:
-        import quantize  # only quantized checkpoints need it
-
-        quantize.prepare_model(model, quantization)
+        if quantized is None:
+            raise CheckpointError(f"{path} is a quantized checkpoint: load it with quantized=quantize.LOADING")
+        quantized.prepare(model, quantization)
     if args.tie_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]  # tied: the converter omits it
     try:
@@ -428,5 +501,5 @@ def load_model(checkpoint: Path | str, device: str = "cpu", dtype: torch.dtype =
         if name in floating:
             p.data = p.data.to(dtype)
     if quantization is not None:
-        quantize.finalize_model(model)  # pick the kernels and pack the weights for `device`
+        quantized.finalize(model, kernels)  # pick the kernels and pack the weights for `device`
     return model.eval()

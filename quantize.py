@@ -4,9 +4,10 @@
     python quantize.py --checkpoint checkpoints/SmolLM2-135M-Instruct --mode int4 [--group-size 32]
 
 writes model_int8.pth / model_int4.g{gs}.pth next to the input (or --out PATH). The file is a state
-dict plus a plain "__quantization__" dict (mode, group_size, head, source, ...). model.load_model
-pops it, calls prepare_model() on the meta model before load_state_dict(assign=True, strict=True),
-and finalize_model() once the model is on its device. Loading never looks at the file name.
+dict plus a plain "__quantization__" dict (mode, group_size, head, source, ...). model.load_model,
+given quantized=LOADING (this module's hooks), pops it, calls prepare_model() on the meta model
+before load_state_dict(assign=True, strict=True), and finalize_model() once the model is on its
+device. Loading never looks at the file name.
 
 Schemes (w: a weight (N out, K in); every scale and zero is a bfloat16 value, stored as such):
   int8  symmetric:               w ~ q * s,            q in [-127, 127], s = amax / 127
@@ -45,8 +46,9 @@ packed paths cast the activations to bf16, run the kernel (fp32 accumulation) an
   both          "dequant"   the plain fallback: dequantize, then F.linear in the activation dtype
                             (used where no packed kernel applies, e.g. int8 on CUDA)
 finalize_model picks the fastest that applies after checking it once against the fallback on the
-running machine; $SPARQ_QUANT_BACKEND=int8pack|dequant forces a choice. All of them trace into
-torch.compile(fullgraph=True) graphs.
+running machine, when the run's kernels allow packed ones (kernels.Kernels.packed_quantized: every
+kernel choice but --kernel torch, which runs the plain dequantize-then-matmul path). All of them
+trace into torch.compile(fullgraph=True) graphs.
 
 File portability: int4 weights (and int8 ones) are stored unpacked -- two 4-bit values per byte,
 low nibble = even column -- and packed for the local kernel at load time, because the CPU packed
@@ -67,17 +69,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import cli
+from kernels import Kernels
+from model import (CheckpointError, ModelArgs, QuantizedLoading, Transformer, checkpoint_paths, load_state_dict)
+
 FORMAT_VERSION = 1
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 32
 HEAD_CHOICES = ("int8", "int4", "none")
 BACKENDS = ("auto", "int4x2", "int8pack", "dequant")  # see Int8Linear; int4 layers: auto = int4pack
-BACKEND_ENV = "SPARQ_QUANT_BACKEND"  # force a backend (benchmarks, debugging)
 KERNEL_DTYPE = torch.bfloat16  # the activation dtype the packed kernels are vectorized for
 
 
-class QuantizationError(Exception):
+class QuantizationError(cli.UserError):
     """A user mistake: unknown mode, bad group size, already-quantized input... (one line)."""
 
 
@@ -163,14 +168,6 @@ def unpack_nibbles(p: Tensor) -> Tensor:
 # =============================================================================================
 # Modules
 # =============================================================================================
-
-
-def _forced_backend() -> Optional[str]:
-    forced = os.environ.get(BACKEND_ENV, "")
-    if forced and forced not in BACKENDS:
-        warnings.warn(f"ignoring {BACKEND_ENV}={forced!r} (expected one of {', '.join(BACKENDS)})")
-        return None
-    return forced or None
 
 
 def _as_2d_bf16(x: Tensor, K: int) -> Tensor:
@@ -473,8 +470,6 @@ def head_int8_group_size(dim: int) -> Optional[int]:
 
 def _check_metadata(quantization: dict) -> tuple[str, Optional[int], str, Optional[int]]:
     """(mode, group_size, head, head_group_size) from a file's metadata; CheckpointError if unknown."""
-    from model import CheckpointError
-
     if not isinstance(quantization, dict):
         raise CheckpointError("corrupt quantization metadata (not a dict)")
     version = quantization.get("format", 1)
@@ -501,8 +496,6 @@ def prepare_model(model: nn.Module, quantization: dict) -> None:
     Called by model.load_model before load_state_dict(assign=True, strict=True): the buffer names
     here are exactly the keys quantize_state_dict writes.
     """
-    from model import CheckpointError
-
     mode, group_size, head, head_gs = _check_metadata(quantization)
     args = model.args
     device = model.norm.weight.device
@@ -529,16 +522,17 @@ def prepare_model(model: nn.Module, quantization: dict) -> None:
     model.quantization = dict(quantization)
 
 
-def finalize_model(model: nn.Module, backend: Optional[str] = None) -> nn.Module:
+def finalize_model(model: nn.Module, kernels: Kernels, backend: Optional[str] = None) -> nn.Module:
     """Pick each quantized linear's kernel and pack its weights for the device it is on. Call once
     the model is on its final device (model.load_model does); the packed layouts are device-specific.
 
-    backend: None or "auto" = the fastest kernel that applies and passes its self-check
-    (int8: "int4x2", else "int8pack"; int4: "int4pack"), or force "int4x2" / "int8pack" / "dequant"
-    (also via $SPARQ_QUANT_BACKEND). Tensors a kernel no longer reads are released; a tied
-    embedding keeps its own reference to the head's stored tensors, so the lookup still works.
+    kernels.packed_quantized False (--kernel torch): "dequant" everywhere. Else backend None or
+    "auto" = the fastest kernel that applies and passes its self-check (int8: "int4x2", else
+    "int8pack"; int4: "int4pack"), or force "int4x2" / "int8pack" / "dequant" (benchmarks).
+    Tensors a kernel no longer reads are released; a tied embedding keeps its own reference to the
+    head's stored tensors, so the lookup still works.
     """
-    backend = backend or _forced_backend() or "auto"
+    backend = (backend or "auto") if kernels.packed_quantized else "dequant"
     if backend not in BACKENDS:
         raise QuantizationError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     for module in model.modules():
@@ -550,8 +544,6 @@ def finalize_model(model: nn.Module, backend: Optional[str] = None) -> nn.Module
 def quantize_state_dict(state: dict, args, mode: str, group_size: Optional[int], head: str,
                         source: str = "", progress: bool = True) -> dict:
     """A float state dict (the converter's names) -> the quantized state dict with its metadata."""
-    from model import Transformer
-
     if mode not in MODES:
         raise QuantizationError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
     if head not in HEAD_CHOICES:
@@ -657,14 +649,9 @@ def _progress(items, desc: str, unit: str, enable: bool):
 # =============================================================================================
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="quantize.py", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, required=True, help="model.pth (fp32/bf16) or its directory")
     p.add_argument("--mode", required=True, help="int8 (per output channel) or int4 (grouped affine)")
     p.add_argument("--group-size", type=int, default=None,
@@ -683,38 +670,15 @@ def default_out(path: Path, mode: str, group_size: Optional[int]) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except QuantizationError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # CheckpointError and I/O errors: still one line
-        from model import CheckpointError
-
-        if isinstance(e, (CheckpointError, OSError)):
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        raise
-    return 0
+    return cli.main(build_parser(), run, argv)
 
 
 def run(args: argparse.Namespace) -> Path:
-    from model import CheckpointError, ModelArgs, checkpoint_paths
-
     if args.mode not in MODES:
         raise QuantizationError(f"unknown mode {args.mode!r} (choose from {', '.join(MODES)})")
-    try:
-        path, directory = checkpoint_paths(args.checkpoint)
-    except CheckpointError as e:
-        raise QuantizationError(str(e)) from None
+    path, directory = checkpoint_paths(args.checkpoint)
     model_args = ModelArgs.from_json(directory / "config.json")
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:
-        raise QuantizationError(f"corrupt checkpoint {path}: {str(e).splitlines()[0]}") from None
-    if not isinstance(state, dict):
-        raise QuantizationError(f"corrupt checkpoint {path}: not a state dict")
+    state = load_state_dict(path)
     if "__quantization__" in state:
         q = state["__quantization__"]
         what = f"{q.get('mode')}" + (f" g{q['group_size']}" if isinstance(q, dict) and q.get("group_size") else "") \
@@ -732,12 +696,20 @@ def run(args: argparse.Namespace) -> Path:
                                     progress=not args.no_progress)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
-    torch.save(quantized, tmp)
-    os.replace(tmp, out_path)
+    try:
+        torch.save(quantized, tmp)
+        os.replace(tmp, out_path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise QuantizationError(f"cannot write {out_path}: {e}") from None
     meta = quantized["__quantization__"]
     print(f"wrote {out_path}: {meta['mode']}" + (f" group size {meta['group_size']}" if meta["group_size"] else "")
           + f", head {meta['head']}; {out_path.stat().st_size / 1e6:.1f} MB (from {path.stat().st_size / 1e6:.1f} MB)")
-    return out_path
+    return 0
+
+
+# model.load_model(..., quantized=LOADING) reads the checkpoints this module writes.
+LOADING = QuantizedLoading(prepare=prepare_model, finalize=finalize_model)
 
 
 if __name__ == "__main__":

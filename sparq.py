@@ -10,19 +10,25 @@ S the live length (positions [0, S) of the cache, the current token included):
   3. Optionally y = alpha * y + (1 - alpha) * mean(V), alpha = sum of s_hat over the selection.
 
 `sparq_reference` follows the paper line by line with loops; `sparq_attention_torch` is the
-batched PyTorch path the model runs when no fused kernel is used (kernels.py holds the fused ones).
+batched PyTorch path the model runs when the run has no fused SparQ kernel (kernels.py holds those,
+with the same signature).
+
+This file is also the registry of decode attention policies (POLICIES, at the end): SparQ, the
+paper's baselines and dense; generate.py, bench.py and eval.py take names, flags, budgets and
+transfer formulas from it. Adding a policy is one class and one registry entry.
 """
 from __future__ import annotations
 
+import argparse
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 import torch
-import torch.nn as nn
 from torch import Tensor
 
-from model import DecodePolicy, KVCache, ModelArgs, beyond_live
+from kernels import TORCH_KERNELS, Kernels
+from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live
 
 
 @dataclass
@@ -144,37 +150,41 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, live_le
     return torch.softmax(scores, dim=-1) @ v_sel.float()  # (B, n_kv, g, d) fp32
 
 
-def sparq_attention_torch(q: Tensor, cache: KVCache, length: int, config: SparQConfig) -> Tensor:
-    """SparQ decode attention on the static cache. q (B, n_kv, g, d) -> (B, n_kv, g, d)."""
+def sparq_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
+                          live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+    """SparQ decode attention on the static cache tensors. q (B, n_kv, g, d) -> (B, n_kv, g, d).
+
+    k, v (B_max, n_kv, S_max, d), k_t (B_max, n_kv, d, S_max) or None (layout "once"), v_sum
+    (B_max, n_kv, d) fp32. Reads positions [0, length); live_length None: all of them are live,
+    else a device tensor beyond which they are masked (bucketed lengths). The kernels of kernels.py
+    share this signature.
+    """
     B = q.shape[0]
-    live = cache.live_length if cache.length_bucket > 1 else None  # None: exactly `length` live positions
-    mask = beyond_live(length, live) if live is not None else None
-    s_hat = approximate_scores(q, cache.k, cache.k_t, length, config.r, mask)  # (B, n_kv, g, S)
-    positions = select_positions(s_hat, length, config.k, config.local, live)  # (B, n_kv, k)
-    y = sparse_attention(q, cache.k, cache.v, positions, live)  # fp32
-    if config.mean_v:
+    mask = beyond_live(length, live_length) if live_length is not None else None
+    s_hat = approximate_scores(q, k, k_t, length, r, mask)  # (B, n_kv, g, S)
+    positions = select_positions(s_hat, length, k_top, local, live_length)  # (B, n_kv, k)
+    y = sparse_attention(q, k, v, positions, live_length)  # fp32
+    if mean_v:
         alpha = torch.gather(s_hat, 3, positions[:, :, None, :].expand(-1, -1, s_hat.shape[2], -1)).sum(-1, keepdim=True)
-        v_mean = (cache.v_sum[:B] / (length if live is None else live))[:, :, None, :]  # (B, n_kv, 1, d)
+        v_mean = (v_sum[:B] / (length if live_length is None else live_length))[:, :, None, :]  # (B, n_kv, 1, d)
         y = alpha * y + (1 - alpha) * v_mean
     return y.to(q.dtype)
 
 
 class SparQDecode(DecodePolicy):
-    """The SparQ decode attention policy, for Transformer.set_decode_attention."""
+    """The SparQ decode attention policy: the run's SparQ kernel, or the torch path above."""
 
     name = "sparq"
 
-    def __init__(self, config: SparQConfig, kernel: str = "torch"):
+    def __init__(self, config: SparQConfig, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
         self.config = config
-        self.kernel = kernel
+        self.attend = kernels.sparq_attention or sparq_attention_torch
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        if self.kernel == "torch":
-            return sparq_attention_torch(q, cache, length, self.config)
-        import kernels
-
-        return kernels.sparq_attention(q, cache, length, self.config, self.kernel)
+        c = self.config
+        return self.attend(q, cache.k, cache.k_t, cache.v, cache.v_sum, length, cache.masked_live_length,
+                           c.r, c.k, c.local, c.mean_v)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Elements moved per KV head per step (paper, eq. 11): S r + 2 k d + 4 d."""
@@ -191,6 +201,15 @@ def exact_scores(q: Tensor, k: Tensor, length: int) -> Tensor:
     """softmax(q . K / sqrt(d)) over the live positions: (B, n_kv, g, S) fp32."""
     B, _, _, d = q.shape
     return torch.softmax((q.float() @ k[:B, :, :length].float().transpose(-1, -2)) / math.sqrt(d), dim=-1)
+
+
+def selection_agreement(q: Tensor, cache: KVCache, length: int, r: int, k: int) -> Tensor:
+    """(B,) fraction of the exact top-k positions (group-summed scores) that SparQ's step 1 with r
+    components also ranks in its top k: the paper's Figure 4e diagnostic, local window off."""
+    exact = select_positions(exact_scores(q, cache.k, length), length, k, 0)  # (B, n_kv, k)
+    approx = select_positions(approximate_scores(q, cache.k, cache.k_t, length, r), length, k, 0)
+    hit = (approx[..., :, None] == exact[..., None, :]).any(-1).float()  # (B, n_kv, k)
+    return hit.mean(dim=(1, 2))
 
 
 class OracleDecode(DecodePolicy):
@@ -236,8 +255,9 @@ class LocalDecode(DecodePolicy):
     """LM-Infinite / StreamingLLM: the first `sinks` positions plus the k - sinks most recent ones."""
 
     name = "local"
+    SINKS = 16
 
-    def __init__(self, k: int, sinks: int = 16):
+    def __init__(self, k: int, sinks: int = SINKS):
         super().__init__()
         if k <= sinks:
             raise ValueError(f"--kv-budget must exceed the {sinks} sink tokens of local attention, got {k}")
@@ -274,17 +294,23 @@ class H2ODecode(DecodePolicy):
         super().__init__()
         self.k = k
         self.local = k // 4 if local is None else local
+        if k < 1 or not 0 <= self.local <= k:
+            raise ValueError(f"H2O needs --kv-budget >= 1 and 0 <= --sparq-local <= it, got {k} and {self.local}")
         self.prefill_chunk = prefill_chunk
         self.kept: Optional[Tensor] = None  # (B, n_kv, k) positions, -1 = empty
         self.score: Optional[Tensor] = None  # (B, n_kv, k) fp32 cumulative attention
 
-    def observe_prefill(self, q: Tensor, k: Tensor) -> None:
-        self.start_from_prefill(self.prefill_received(q, k, self.prefill_chunk))
+    def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None) -> None:
+        key = ("h2o received", self.prefill_chunk)  # independent of the budget: shared through the memo
+        memo = {} if memo is None else memo
+        if key not in memo:
+            memo[key] = self.prefill_received(q, k, self.prefill_chunk)
+        self.start_from_prefill(memo[key])
 
     @staticmethod
     def prefill_received(q: Tensor, k: Tensor, chunk: int = 256) -> Tensor:
         """(B, n_kv, T) fp32: attention each prefill key received, summed over queries, averaged over
-        the group. Independent of the budget, so several H2O budgets can share it (eval.py does)."""
+        the group. Independent of the budget, so several H2O budgets can share it (observe_prefill's memo)."""
         B, H, T, d = q.shape
         n_kv = k.shape[1]
         g = H // n_kv
@@ -344,17 +370,146 @@ class H2ODecode(DecodePolicy):
 
 
 # ---------------------------------------------------------------------------------------------
-# Transfer accounting
+# The registry of decode attention policies
 # ---------------------------------------------------------------------------------------------
 
 
-def kv_bytes_read_per_step(args: ModelArgs, policy: nn.Module, seq_len: int, batch_size: int,
-                           element_bytes: int) -> int:
-    """KV-cache bytes one decode step moves over all layers and batch rows at live length seq_len."""
-    per_head = policy.transfer_elements(seq_len, args.head_dim)
-    return per_head * args.n_kv_head * args.n_layer * batch_size * element_bytes
+@dataclass(frozen=True)
+class AttentionSettings:
+    """The decode-attention choices of a run, as values: flags (attention_settings) or eval's budgets."""
+
+    policy: str = "dense"
+    sparq_r: Optional[int] = None  # SparQ: query components for the approximate scores
+    sparq_k: int = 128  # SparQ: positions attended exactly
+    sparq_local: Optional[int] = None  # SparQ, H2O, the oracle: recent positions always kept (None: k / 4)
+    sparq_mean_v: str = "auto"  # "on", "off", or "auto": on for MHA, off for GQA (the paper's choice)
+    kv_budget: Optional[int] = None  # baselines: positions attended (None: sparq_k)
+
+    @property
+    def budget(self) -> int:
+        return self.sparq_k if self.kv_budget is None else self.kv_budget
+
+    def mean_v(self, args: ModelArgs) -> bool:
+        return {"on": True, "off": False, "auto": args.n_kv_head == args.n_head}[self.sparq_mean_v]
+
+    def sparq_config(self, args: ModelArgs, r: Optional[int] = None, k: Optional[int] = None) -> SparQConfig:
+        """SparQConfig(r, k) from these settings (validated: ValueError in one line)."""
+        config = SparQConfig(r=self.sparq_r if r is None else r, k=self.sparq_k if k is None else k,
+                             local=self.sparq_local, mean_v=self.mean_v(args))
+        config.validate(args.head_dim)
+        return config
 
 
-def compression_ratio(policy: nn.Module, dense: nn.Module, seq_len: int, head_dim: int) -> float:
+def _build_sparq(s: AttentionSettings, args: ModelArgs, kernels: Kernels) -> SparQDecode:
+    if s.sparq_r is None:
+        raise ValueError("--attention sparq needs --sparq-r")
+    return SparQDecode(s.sparq_config(args), kernels)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A registry entry: how to build one layer's policy from settings, and which setting a target
+    compression solves for (eval's budgets)."""
+
+    build: Callable[[AttentionSettings, ModelArgs, Kernels], DecodePolicy]
+    help: str
+    knob: Optional[str] = None  # "sparq_r" or "kv_budget"; None: no budget (dense)
+    knob_min: int = 1  # smallest value of the knob (LM-Infinite needs more than its sink tokens)
+    reads_buckets: bool = False  # honours bucketed reads (cache.masked_live_length): CUDA graphs per bucket
+
+
+POLICIES: dict[str, Policy] = {
+    "dense": Policy(lambda s, args, kernels: DenseDecode(kernels), "exact attention over the live prefix",
+                    reads_buckets=True),
+    "sparq": Policy(_build_sparq, "SparQ (--sparq-r/-k/-local/-mean-v)", knob="sparq_r", reads_buckets=True),
+    "topk": Policy(lambda s, args, kernels: TopKDecode(s.budget), "FlexGen top-k: exact scores, top-k values",
+                   knob="kv_budget"),
+    "oracle": Policy(lambda s, args, kernels: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget)),
+                     "exact top-k at no transfer cost (upper bound)", knob="kv_budget"),
+    "h2o": Policy(lambda s, args, kernels: H2ODecode(s.budget, s.sparq_local), "H2O: evicting heavy hitters + recent window",
+                  knob="kv_budget"),
+    "local": Policy(lambda s, args, kernels: LocalDecode(s.budget), "LM-Infinite: 16 sinks + recent window",
+                    knob="kv_budget", knob_min=LocalDecode.SINKS + 1),
+}
+
+
+def policy_factory(settings: AttentionSettings, args: ModelArgs,
+                   kernels: Kernels = TORCH_KERNELS) -> Callable[[int], DecodePolicy]:
+    """make_policy(layer) for Transformer.set_decode_attention: a fresh instance per layer (H2O keeps
+    per-layer state). Checks the settings once: ValueError in one line."""
+    if settings.policy not in POLICIES:
+        raise ValueError(f"unknown attention policy {settings.policy!r} (choose from {', '.join(POLICIES)})")
+    entry = POLICIES[settings.policy]
+    if settings.sparq_r is not None and settings.policy != "sparq":
+        raise ValueError(f"--sparq-r applies to --attention sparq, not {settings.policy}")
+    if settings.kv_budget is not None and entry.knob != "kv_budget":
+        raise ValueError(f"--kv-budget applies to --attention topk/oracle/h2o/local, not {settings.policy}")
+    build = entry.build
+    build(settings, args, kernels)  # validate now, not in the middle of a run
+    return lambda layer: build(settings, args, kernels)
+
+
+def add_attention_flags(p: argparse.ArgumentParser) -> None:
+    """Decode attention flags, shared by generate.py and bench.py (attention_settings reads them)."""
+    p.add_argument("--attention", choices=list(POLICIES), default=None,
+                   help="decode attention policy (default: sparq when --sparq-r is given, else dense): "
+                        + "; ".join(f"{name}: {entry.help}" for name, entry in POLICIES.items()))
+    p.add_argument("--kv-budget", type=int, default=None,
+                   help="positions attended by topk/oracle/h2o/local (default: --sparq-k)")
+    p.add_argument("--sparq-r", type=int, default=None, help="query components used for approximate scores")
+    p.add_argument("--sparq-k", type=int, default=128, help="positions attended exactly")
+    p.add_argument("--sparq-local", type=int, default=None, help="recent positions always kept (default k/4)")
+    p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
+                   help="mean-value reallocation (auto: on for MHA, off for GQA)")
+
+
+def attention_settings(args: argparse.Namespace) -> AttentionSettings:
+    """AttentionSettings from the flags of add_attention_flags."""
+    policy = args.attention or ("sparq" if args.sparq_r is not None else "dense")
+    return AttentionSettings(policy=policy, sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_local=args.sparq_local,
+                             sparq_mean_v=args.sparq_mean_v, kv_budget=args.kv_budget)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transfer accounting and budgets
+# ---------------------------------------------------------------------------------------------
+
+
+def compression_ratio(policy: DecodePolicy, seq_len: int, head_dim: int) -> float:
     """Transfers of `policy` relative to dense attention at the same length (paper, Appendix G)."""
-    return policy.transfer_elements(seq_len, head_dim) / dense.transfer_elements(seq_len, head_dim)
+    return policy.transfer_elements(seq_len, head_dim) / DenseDecode().transfer_elements(seq_len, head_dim)
+
+
+def _closest(ratio: Callable[[int], float], lo: int, hi: int, target: float) -> int:
+    """The integer x in [lo, hi] with ratio(x) closest to target, for ratio non-decreasing in x."""
+    a, b = lo, hi
+    while a < b:  # smallest x with ratio(x) >= target (or hi)
+        mid = (a + b) // 2
+        if ratio(mid) >= target:
+            b = mid
+        else:
+            a = mid + 1
+    best = a
+    if a > lo and abs(ratio(a - 1) - target) <= abs(ratio(a) - target):
+        best = a - 1
+    return best
+
+
+def settings_for_compression(settings: AttentionSettings, target: float, seq_len: int,
+                             args: ModelArgs) -> tuple[AttentionSettings, float]:
+    """The settings of `settings.policy` whose transfers at seq_len are closest to target x dense,
+    and the compression they achieve. Its registry knob is solved (SparQ: r at fixed k; the
+    baselines: their budget k); target 1, or a policy without a knob, is dense."""
+    entry = POLICIES[settings.policy]
+    if entry.knob is None or target >= 1:
+        return AttentionSettings("dense"), 1.0
+
+    def with_knob(x: int) -> AttentionSettings:
+        return replace(settings, **{entry.knob: x})
+
+    def ratio(x: int) -> float:
+        return compression_ratio(entry.build(with_knob(x), args, TORCH_KERNELS), seq_len, args.head_dim)
+
+    hi = args.head_dim if entry.knob == "sparq_r" else max(seq_len, entry.knob_min)
+    best = with_knob(_closest(ratio, entry.knob_min, hi, target))
+    return best, ratio(getattr(best, entry.knob))

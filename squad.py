@@ -70,6 +70,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
+import cli
+import data
+
 SDIST = "bigbench==1.0.0"
 SDIST_FILE = "bigbench-1.0.0.tar.gz"
 MEMBER = "bigbench-1.0.0/bigbench/benchmark_tasks/squad_shifts/squaddev_v1.1.json"
@@ -114,14 +117,14 @@ class SquadExample:
 # ---- data ----
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("SPARQ_FAST_CACHE") or Path.home() / ".cache" / "sparq-fast")
+    return data.cache_dir()
 
 
 def default_path() -> Path:
     return default_cache_dir() / "squad" / JSON_FILE
 
 
-class FetchError(Exception):
+class FetchError(cli.UserError):
     """fetch() failed; the message is one line."""
 
 
@@ -198,12 +201,12 @@ def load(path: Optional[Path] = None) -> list[Article]:
     """The articles of a SQuAD v1.1-format JSON file (default: where fetch() puts the dev set)."""
     path = Path(path or default_path())
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing (run `make squad` or `python squad.py fetch`)")
-    data = json.loads(path.read_text(encoding="utf-8"))["data"]
+        raise data.DataMissing(f"{path} is missing (run `make squad` or `python squad.py fetch`)")
+    articles = json.loads(path.read_text(encoding="utf-8"))["data"]
     return [Article(a["title"], [Paragraph(p["context"], [QA(q["id"], q["question"], [x["text"] for x in q["answers"]])
                                                          for q in p["qas"]])
                                  for p in a["paragraphs"]])
-            for a in data]
+            for a in articles]
 
 
 def display_title(title: str) -> str:
@@ -326,8 +329,9 @@ def _lengths(args) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="SQuAD v1.1 1-shot with confusion contexts (SparQ paper, Appendix G.1.1)")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = cli.ArgumentParser(prog="squad.py",
+                                description="SQuAD v1.1 1-shot with confusion contexts (SparQ paper, Appendix G.1.1)")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=cli.ArgumentParser)
     p = commands.add_parser("fetch", help="download and extract the SQuAD v1.1 dev set into the cache")
     p.add_argument("--cache-dir", type=Path, default=None, help="default: $SPARQ_FAST_CACHE or ~/.cache/sparq-fast")
     common = argparse.ArgumentParser(add_help=False)
@@ -340,19 +344,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--checkpoint", default="checkpoints/SmolLM2-135M-Instruct")
     p.add_argument("-n", type=int, default=200, help="examples per setting")
     p.add_argument("--n-confusion", type=int, nargs="+", default=[7, 15, 31, 63])
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "fetch":
-            fetch(args.cache_dir)
-        elif args.command == "show":
-            ex = build_example(load(args.path), args.index, args.n_confusion, args.seed)
-            print(ex.prompt)
-            print(f"### id {ex.id}, answers {ex.answers}, target context {ex.target_position}")
-        else:
-            _lengths(args)
-    except (FetchError, FileNotFoundError) as e:
-        print(f"squad: error: {e}", file=sys.stderr)
-        return 1
+    return cli.main(parser, run, argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "fetch":
+        fetch(args.cache_dir)
+    elif args.command == "show":
+        ex = build_example(load(args.path), args.index, args.n_confusion, args.seed)
+        print(ex.prompt)
+        print(f"### id {ex.id}, answers {ex.answers}, target context {ex.target_position}")
+    else:
+        _lengths(args)
     return 0
 
 

@@ -34,3 +34,18 @@ def smollm2_checkpoint(smollm2_gguf: Path) -> Path:
 
         convert_hf_checkpoint.convert(smollm2_gguf, SMOLLM2_DIR)
     return SMOLLM2_DIR
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    """A user mistake, as every tool reports it (cli.py): exit status cli.USER_ERROR, one line on
+    stderr naming the problem, no traceback. `result` is a CompletedProcess, or (status, stderr)."""
+    from cli import USER_ERROR
+
+    status, stderr = (result.returncode, result.stderr) if hasattr(result, "returncode") else result
+    assert status == USER_ERROR, (status, stderr)
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert "error: " in lines[0], lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]

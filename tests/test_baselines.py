@@ -3,8 +3,13 @@ import math
 
 import torch
 
-from model import DenseDecode, KVCache, dense_attention
+from model import KVCache, dense_attention_torch
 from sparq import H2ODecode, LocalDecode, OracleDecode, SparQConfig, TopKDecode, compression_ratio
+
+
+def dense_attention(q, k, v):
+    """Exact attention over all of k, v (B, n_kv, S, d)."""
+    return dense_attention_torch(q, k, v, k.shape[2])
 
 
 def cache_with(k, v, S_max=None):
@@ -100,7 +105,33 @@ def test_h2o_with_full_budget_equals_dense_over_steps():
 
 def test_compression_ratios_follow_appendix_g():
     S, d, k = 4096, 128, 128
-    dense = DenseDecode()
-    assert compression_ratio(H2ODecode(k), dense, S, d) == (2 * k * d + 2 * d + 2 * S) / (2 * S * d + 2 * d)
-    assert compression_ratio(LocalDecode(k), dense, S, d) == (2 * k * d + 2 * d) / (2 * S * d + 2 * d)
-    assert compression_ratio(TopKDecode(k), dense, S, d) == (S * d + k * d + 2 * d) / (2 * S * d + 2 * d)
+    assert compression_ratio(H2ODecode(k), S, d) == (2 * k * d + 2 * d + 2 * S) / (2 * S * d + 2 * d)
+    assert compression_ratio(LocalDecode(k), S, d) == (2 * k * d + 2 * d) / (2 * S * d + 2 * d)
+    assert compression_ratio(TopKDecode(k), S, d) == (S * d + k * d + 2 * d) / (2 * S * d + 2 * d)
+
+
+def test_registry_builds_every_policy_and_checks_flags():
+    """Every registered policy builds from settings; flag misuse is a one-line ValueError."""
+    import pytest
+
+    from model import ModelArgs
+    from sparq import POLICIES, AttentionSettings, policy_factory, settings_for_compression
+
+    args = ModelArgs(vocab_size=10, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=8)
+    for name in POLICIES:
+        settings = AttentionSettings(name, sparq_r=8 if name == "sparq" else None, sparq_k=32,
+                                     kv_budget=40 if POLICIES[name].knob == "kv_budget" else None)
+        make = policy_factory(settings, args)
+        assert make(0) is not make(1)  # one instance per layer (H2O keeps per-layer state)
+        solved, achieved = settings_for_compression(settings, 0.25, 2048, args)
+        assert solved.policy == ("dense" if POLICIES[name].knob is None else name)
+        floor = 0.5 if name == "topk" else 0.25  # top-k reads all of K: it cannot go below about 1/2
+        assert achieved == pytest.approx(1.0 if solved.policy == "dense" else floor, abs=0.02)
+    for settings, message in [(AttentionSettings("sparq"), "needs --sparq-r"),
+                              (AttentionSettings("topk", sparq_r=8), "--sparq-r applies"),
+                              (AttentionSettings("sparq", sparq_r=8, kv_budget=64), "--kv-budget applies"),
+                              (AttentionSettings("local", kv_budget=16), "sink"),
+                              (AttentionSettings("sparq", sparq_r=17), "--sparq-r must be"),
+                              (AttentionSettings("nope"), "unknown attention policy")]:
+        with pytest.raises(ValueError, match=message):
+            policy_factory(settings, args)

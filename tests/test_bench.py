@@ -6,6 +6,7 @@ import json
 import pytest
 
 import bench
+from conftest import assert_one_line_error
 
 
 def test_decode_json_rows(tmp_path, smollm2_checkpoint, capsys):
@@ -55,6 +56,5 @@ def test_attention_json_rows(tmp_path, capsys):
     (["attention", "--shape", "gpt5"], "gpt5"),
 ])
 def test_bad_input_is_a_one_line_error(argv, fragment, capsys):
-    assert bench.main(argv) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and fragment in err[0], err
+    status = bench.main(argv)
+    assert_one_line_error((status, capsys.readouterr().err), fragment)

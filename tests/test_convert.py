@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import convert_hf_checkpoint
 import model
+from conftest import assert_one_line_error
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "convert_hf_checkpoint.py"
@@ -37,15 +38,6 @@ def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert result.returncode == 1, (result.returncode, result.stderr)
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
 def edit_config(directory: Path, **changes) -> None:
     path = directory / "config.json"
     config = json.loads(path.read_text())
@@ -59,7 +51,7 @@ def edit_config(directory: Path, **changes) -> None:
 
 
 def test_missing_source(tmp_path: Path):
-    assert_user_error(run_cli(tmp_path / "nope", "--out", tmp_path / "out"), "not found")
+    assert_one_line_error(run_cli(tmp_path / "nope", "--out", tmp_path / "out"), "not found")
     assert not (tmp_path / "out").exists()
 
 
@@ -71,7 +63,7 @@ def test_unsupported_architecture(tmp_path: Path, architecture: str, model_type:
     (src / "config.json").write_text(json.dumps({
         "architectures": [architecture], "model_type": model_type, "hidden_size": 32, "num_attention_heads": 4,
         "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": VOCAB}))
-    assert_user_error(run_cli(src, "--out", tmp_path / "out"), "unsupported architecture", architecture)
+    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "unsupported architecture", architecture)
 
 
 def test_error_cases_in_process(tmp_path: Path):
@@ -103,15 +95,15 @@ def test_corrupt_safetensors(tmp_path: Path):
     weights = src / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    assert_user_error(run_cli(src, "--out", tmp_path / "out"), "corrupt safetensors")
+    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "corrupt safetensors")
     weights.write_bytes(b"\x00" * 64)
-    assert_user_error(run_cli(src, "--out", tmp_path / "out"), "corrupt safetensors")
+    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "corrupt safetensors")
 
 
 def test_shape_mismatch(tmp_path: Path):
     src = tiny_llama_dir(tmp_path / "src", hidden=32)
     edit_config(src, hidden_size=64, head_dim=16)  # the weights are for dim 32 (head_dim 8)
-    assert_user_error(run_cli(src, "--out", tmp_path / "out"), "shape", "(128, 32)", "(128, 64)")
+    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "shape", "(128, 32)", "(128, 64)")
 
 
 def test_unexpected_and_missing_tensors(tmp_path: Path):
@@ -120,7 +112,7 @@ def test_unexpected_and_missing_tensors(tmp_path: Path):
     state = load_file(weights)
     state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
     save_file(state, weights, metadata={"format": "pt"})
-    assert_user_error(run_cli(src, "--out", tmp_path / "out"), "unexpected tensor model.layers.0.self_attn.q_proj.bias")
+    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "unexpected tensor model.layers.0.self_attn.q_proj.bias")
 
     del state["model.layers.0.self_attn.q_proj.bias"]
     del state["model.layers.1.mlp.up_proj.weight"]
@@ -152,7 +144,7 @@ def test_corrupt_and_unsupported_gguf(tmp_path: Path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert_user_error(run_cli(path, "--out", tmp_path / "out"), "unsupported GGUF architecture 'gpt2'")
+    assert_one_line_error(run_cli(path, "--out", tmp_path / "out"), "unsupported GGUF architecture 'gpt2'")
 
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(path.read_bytes()[:200])

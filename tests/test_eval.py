@@ -1,4 +1,4 @@
-"""eval.py: scoring, budgets, task construction, the shared-prefill rewind, the CLI, and a smoke run."""
+"""eval.py and tasks.py: scoring, budgets, task construction, the shared-prefill rewind, the CLI, and a smoke run."""
 import json
 import math
 import subprocess
@@ -11,8 +11,12 @@ import torch
 
 import data
 import eval as ev
-from generate import Generator, UserError
+import tasks
+from cli import UserError
+from conftest import assert_one_line_error
+from generate import Generator
 from model import ModelArgs, Transformer
+from sparq import AttentionSettings, policy_factory
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKPOINT = data.DEFAULT_CHECKPOINT
@@ -41,25 +45,25 @@ class ByteTokenizer:
 
 
 def test_repetition_counts_characters_before_divergence():
-    assert ev.repetition_chars("can; for my good uncle", "can; for my good uncle Gloucester") == 22
-    assert ev.repetition_chars("can; for my goad", "can; for my good") == 14  # "can; for my go"
-    assert ev.repetition_chars("x", "can") == 0
-    assert ev.repetition_chars("", "can") == 0
-    assert ev.repetition_chars("can you", "can") == 3  # capped by the reference
+    assert tasks.repetition_chars("can; for my good uncle", "can; for my good uncle Gloucester") == 22
+    assert tasks.repetition_chars("can; for my goad", "can; for my good") == 14  # "can; for my go"
+    assert tasks.repetition_chars("x", "can") == 0
+    assert tasks.repetition_chars("", "can") == 0
+    assert tasks.repetition_chars("can you", "can") == 3  # capped by the reference
 
 
 def test_needle_match_ignores_case_and_spacing():
-    assert ev.contains_key(" eat a sandwich and sit in dolores  park.", "Dolores Park")
-    assert ev.contains_key(" 71432.", "71432")
-    assert not ev.contains_key(" 71423.", "71432")
-    assert not ev.contains_key(" visit the Golden Gate Bridge.", "Dolores Park")
+    assert tasks.contains_key(" eat a sandwich and sit in dolores  park.", "Dolores Park")
+    assert tasks.contains_key(" 71432.", "71432")
+    assert not tasks.contains_key(" 71423.", "71432")
+    assert not tasks.contains_key(" visit the Golden Gate Bridge.", "Dolores Park")
 
 
 def test_bpc_of_uniform_distribution():
     V, tokens, chars = 49152, 10, 37
     logprobs = [-math.log(V)] * tokens
-    assert ev.bits_per_character(logprobs, chars) == pytest.approx(math.log2(V) * tokens / chars)
-    assert ev.answer_nll(logprobs) == pytest.approx(math.log(V))
+    assert tasks.bits_per_character(logprobs, chars) == pytest.approx(math.log2(V) * tokens / chars)
+    assert tasks.answer_nll(logprobs) == pytest.approx(math.log(V))
 
 
 def test_mean_and_standard_error():
@@ -73,9 +77,13 @@ def test_mean_and_standard_error():
 # ---------------------------------------------------------------------------------------------
 
 
+def args_with_head_dim(d: int) -> ModelArgs:
+    return ModelArgs(vocab_size=10, dim=4 * d, n_layer=1, n_head=4, n_kv_head=2, head_dim=d, intermediate_size=8)
+
+
 def test_sparq_r_for_one_eighth_at_2048_matches_the_formula():
     S, d, k = 2048, 64, 128
-    budget = ev.solve_budget("sparq", Fraction(1, 8), S, d)
+    budget = ev.solve_budget("sparq", Fraction(1, 8), S, args_with_head_dim(d))
     dense = 2 * S * d + 2 * d
     r_star = (dense / 8 - 2 * k * d - 4 * d) / S  # S r + 2 k d + 4 d = dense / 8
     assert budget.k == 128 and budget.r == round(r_star) == 8
@@ -90,21 +98,21 @@ def test_budgets_hit_the_target(target, S):
     for method, transfers in [("h2o", lambda k: 2 * k * d + 2 * d + 2 * S),
                               ("local", lambda k: 2 * k * d + 2 * d),
                               ("oracle", lambda k: 2 * k * d + 2 * d)]:
-        b = ev.solve_budget(method, target, S, d)
+        b = ev.solve_budget(method, target, S, args_with_head_dim(d))
         assert b.achieved == pytest.approx(transfers(b.k) / dense)
         # the closest integer budget
         assert abs(transfers(b.k) / dense - target) <= abs(transfers(b.k + 1) / dense - target)
         assert abs(transfers(b.k) / dense - target) <= abs(transfers(b.k - 1) / dense - target)
-    sparq = ev.solve_budget("sparq", target, S, d)
+    sparq = ev.solve_budget("sparq", target, S, args_with_head_dim(d))
     err = lambda r: abs((S * r + 2 * 128 * d + 4 * d) / dense - target)
     assert all(err(sparq.r) <= err(r) for r in range(1, d + 1))  # the closest r (r=1 at S=1024, 1/8: k=128 alone costs 1/8)
 
 
 def test_topk_cannot_go_below_one_half_and_dense_is_one():
-    b = ev.solve_budget("topk", Fraction(1, 8), 2048, 64)
+    b = ev.solve_budget("topk", Fraction(1, 8), 2048, args_with_head_dim(64))
     assert b.k == 1 and b.achieved == pytest.approx(0.5, abs=0.01)
     for method in ("sparq", "h2o", "local", "dense"):
-        assert ev.solve_budget(method, Fraction(1), 2048, 64).method == "dense"
+        assert ev.solve_budget(method, Fraction(1), 2048, args_with_head_dim(64)).method == "dense"
 
 
 @pytest.mark.parametrize("text", ["1/0", "abc", "0", "2", "-1/4", ""])
@@ -126,9 +134,9 @@ def test_compression_parsing():
 
 def test_retrieval_examples_are_deterministic_from_the_seed():
     tok = ByteTokenizer()
-    a = ev.retrieval_examples(tok, 3000, 4, seed=7)
-    b = ev.retrieval_examples(tok, 3000, 4, seed=7)
-    c = ev.retrieval_examples(tok, 3000, 4, seed=8)
+    a = tasks.retrieval_examples(tok, 3000, 4, seed=7)
+    b = tasks.retrieval_examples(tok, 3000, 4, seed=7)
+    c = tasks.retrieval_examples(tok, 3000, 4, seed=8)
     assert [e.prompt for e in a] == [e.prompt for e in b]
     assert [e.prompt for e in a] != [e.prompt for e in c]
     for e in a:
@@ -145,10 +153,10 @@ def test_retrieval_examples_are_deterministic_from_the_seed():
 
 def test_needle_examples_have_exact_length_and_the_needle():
     tok = ByteTokenizer()
-    examples = ev.needle_examples(tok, 3000, 4, seed=0)
+    examples = tasks.needle_examples(tok, 3000, 4, seed=0)
     assert {len(e.prompt) for e in examples} == {3000}
     sf, passkey = examples[0], examples[1]
-    assert ev.SF_NEEDLE in tok.decode(sf.prompt) and sf.key == "Dolores Park"
+    assert tasks.SF_NEEDLE in tok.decode(sf.prompt) and sf.key == "Dolores Park"
     assert f"The pass key is {passkey.key}." in tok.decode(passkey.prompt)
     depths = [e.meta["depth"] for e in examples]
     assert depths == sorted(depths) and depths[0] < 0.5 < depths[-1]
@@ -156,7 +164,7 @@ def test_needle_examples_have_exact_length_and_the_needle():
 
 def test_repetition_examples_repeat_a_passage_from_the_context():
     tok = ByteTokenizer()
-    for e in ev.repetition_examples(tok, 8000, 2, seed=0):
+    for e in tasks.repetition_examples(tok, 8000, 2, seed=0):
         assert len(e.prompt) == 8000
         text, passage = tok.decode(e.prompt), e.meta["passage"]
         assert text.endswith("\n\n" + passage)
@@ -169,13 +177,13 @@ def test_repetition_examples_repeat_a_passage_from_the_context():
 def test_repetition_needs_6000_characters_of_context():
     tok = ByteTokenizer()  # one token per character
     with pytest.raises(UserError, match="6000 characters"):
-        ev.repetition_examples(tok, 6100, 1, seed=0)  # the passage leaves < 6000 characters of context
-    assert all(len(e.prompt) == 6600 for e in ev.repetition_examples(tok, 6600, 3, seed=0))
+        tasks.repetition_examples(tok, 6100, 1, seed=0)  # the passage leaves < 6000 characters of context
+    assert all(len(e.prompt) == 6600 for e in tasks.repetition_examples(tok, 6600, 3, seed=0))
 
 
 def test_bpc_examples_continue_the_context():
     tok = ByteTokenizer()
-    e = ev.bpc_examples(tok, 2000, 1, seed=0, continuation_tokens=64)[0]
+    e = tasks.bpc_examples(tok, 2000, 1, seed=0, continuation_tokens=64)[0]
     assert len(e.prompt) == 2000 and len(e.answer) == 64 and e.answer_chars == 64
     assert tok.decode(e.prompt + e.answer) in data.essays_text()
 
@@ -192,10 +200,19 @@ def tiny_model(seed=0):
     return Transformer(args).eval()
 
 
+def budget(method, target, S, r=None, k=None, achieved=1.0):
+    """An eval Budget with hand-picked settings (r for SparQ; k: SparQ's k or a baseline's budget)."""
+    if method == "sparq":
+        settings = AttentionSettings("sparq", sparq_r=r, sparq_k=k)
+    else:
+        settings = AttentionSettings(method, kv_budget=k)
+    return ev.Budget(method, target, S, settings, achieved)
+
+
 def configs_for(model, budgets):
     out = []
     for b in budgets:
-        make = ev.policy_factory(b, model, ev.PolicyOptions(kernel="torch"))
+        make = policy_factory(b.settings, model.args, model.kernels)
         out.append(ev.Config(b, [make(i) for i in range(model.args.n_layer)]))
     return out
 
@@ -203,9 +220,9 @@ def configs_for(model, budgets):
 def test_oracle_with_full_budget_equals_dense_through_the_model():
     model = tiny_model()
     S = 60
-    runner = ev.Runner(model, ev.PolicyOptions(kernel="torch"))
-    dense, oracle = configs_for(model, [ev.Budget("dense", Fraction(1), S),
-                                        ev.Budget("oracle", Fraction(1, 2), S, k=S + 64)])
+    runner = ev.Runner(model)
+    dense, oracle = configs_for(model, [budget("dense", Fraction(1), S),
+                                        budget("oracle", Fraction(1, 2), S, k=S + 64)])
     prompts = torch.randint(0, 97, (3, S)).tolist()
     targets = torch.randint(0, 97, (3, 20)).tolist()
     runner.prefill(prompts, [dense, oracle], 21)
@@ -219,12 +236,12 @@ def test_shared_prefill_and_rewind_equal_fresh_runs():
     Generator running that policy alone: the rewind is exact, H2O included."""
     model = tiny_model(1)
     S, new = 48, 12
-    budgets = [ev.Budget("dense", Fraction(1), S), ev.Budget("h2o", Fraction(1, 4), S, k=12),
-               ev.Budget("h2o", Fraction(1, 8), S, k=6),  # shares the first H2O's prefill scores
-               ev.Budget("sparq", Fraction(1, 4), S, r=4, k=8), ev.Budget("local", Fraction(1, 4), S, k=20),
-               ev.Budget("topk", Fraction(1, 2), S, k=5)]
+    budgets = [budget("dense", Fraction(1), S), budget("h2o", Fraction(1, 4), S, k=12),
+               budget("h2o", Fraction(1, 8), S, k=6),  # shares the first H2O's prefill scores
+               budget("sparq", Fraction(1, 4), S, r=4, k=8), budget("local", Fraction(1, 4), S, k=20),
+               budget("topk", Fraction(1, 2), S, k=5)]
     prompts = torch.randint(0, 97, (2, S))
-    runner = ev.Runner(model, ev.PolicyOptions(kernel="torch"))
+    runner = ev.Runner(model)
     configs = configs_for(model, budgets)
     runner.prefill(prompts.tolist(), configs, new + 1)
     shared = {}
@@ -258,8 +275,8 @@ def test_shared_h2o_prefill_scores_match_a_naive_reference():
 
 def test_teacher_forcing_handles_ragged_targets():
     model = tiny_model(2)
-    runner = ev.Runner(model, ev.PolicyOptions(kernel="torch"))
-    (dense,) = configs_for(model, [ev.Budget("dense", Fraction(1), 30)])
+    runner = ev.Runner(model)
+    (dense,) = configs_for(model, [budget("dense", Fraction(1), 30)])
     prompts = torch.randint(0, 97, (2, 30)).tolist()
     targets = [[5, 6, 7, 8, 9], [11, 12]]
     runner.prefill(prompts, [dense], 6)
@@ -272,9 +289,9 @@ def test_teacher_forcing_handles_ragged_targets():
 
 def test_results_rows_tables_and_plot(tmp_path):
     results = ev.Results()
-    dense = ev.Config(ev.Budget("dense", Fraction(1), 2048), [])
-    sparq = ev.Config(ev.Budget("sparq", Fraction(1, 8), 2048, r=8, k=128, achieved=0.126), [])
-    local = ev.Config(ev.Budget("local", Fraction(1, 8), 2048, k=255, achieved=0.125), [])
+    dense = ev.Config(budget("dense", Fraction(1), 2048), [])
+    sparq = ev.Config(budget("sparq", Fraction(1, 8), 2048, r=8, k=128, achieved=0.126), [])
+    local = ev.Config(budget("local", Fraction(1, 8), 2048, k=255, achieved=0.125), [])
     results.add("bpc", dense, "bpc", [0.9, 1.3, 1.1])
     results.add("bpc", sparq, "bpc", [0.91, 1.31, 1.12])
     results.add("bpc", local, "bpc", [1.0, 1.4, 1.2])
@@ -315,15 +332,13 @@ def test_results_rows_tables_and_plot(tmp_path):
     (["--checkpoint", "/nonexistent/model.pth"], "checkpoint not found"),
 ])
 def test_bad_input_is_one_line_error(argv, message, capsys):
-    assert ev.main(argv + ["--quiet"]) != 0
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
+    status = ev.main(argv + ["--quiet"])
+    assert_one_line_error((status, capsys.readouterr().err), message)
 
 
 def test_bad_flag_is_one_line_without_traceback():
     proc = subprocess.run([sys.executable, "eval.py", "--examples", "x"], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode != 0
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert_one_line_error(proc, "--examples")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import fetch_models as F
+from conftest import assert_one_line_error
 
 PARTS = [b"GGUF" + bytes(range(256)) * 3, b"middle part " * 50, b"the end\n"]
 
@@ -98,12 +99,11 @@ def test_a_mismatch_is_refused_and_leaves_no_file(bad, downloads, tmp_path, monk
     assert list((tmp_path / m.name).iterdir()) == []  # neither the GGUF, nor .tmp, nor a stamp
 
 
-def test_cli_mismatch_is_one_line_and_exit_1(downloads, tmp_path, monkeypatch, capsys):
+def test_cli_mismatch_is_a_one_line_error(downloads, tmp_path, monkeypatch, capsys):
     m = fake_model(sha256="0" * 64)
     monkeypatch.setattr(F, "MODELS", {m.name: m})
-    assert F.main([m.name, "--cache", str(tmp_path)]) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and "sha256" in err
+    status = F.main([m.name, "--cache", str(tmp_path)])
+    assert_one_line_error((status, capsys.readouterr().err), "sha256")
 
 
 def test_cli_prints_paths_and_licences(model, downloads, tmp_path, capsys):
@@ -124,12 +124,11 @@ def test_cache_from_environment(model, downloads, tmp_path, monkeypatch):
     (["Nope-7B"], "unknown model 'Nope-7B' (known: Qwen2.5-Coder-0.5B-Instruct, Qwen2.5-Coder-1.5B-Instruct, gemma-3-270m)"),
     (["--cache", "{file}"], "is not a directory"),
 ])
-def test_cli_user_errors_are_one_line_and_exit_2(argv, message, tmp_path, capsys, downloads):
+def test_cli_user_errors_are_one_line(argv, message, tmp_path, capsys, downloads):
     (tmp_path / "file").write_text("")
     argv = [a.format(file=tmp_path / "file") for a in argv]
-    assert F.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+    status = F.main(argv)
+    assert_one_line_error((status, capsys.readouterr().err), message)
     assert downloads == []
 
 

@@ -7,24 +7,25 @@ import pytest
 import torch
 
 import data
-from conftest import REPO
+from conftest import REPO, assert_one_line_error
+import kernels
 from generate import Generator
+from kernels import TORCH_KERNELS
 from model import DenseDecode, load_model
 from sparq import SparQConfig, SparQDecode
+
+
+def cpu_kernels():
+    """The fused CPU kernels (the suite fails rather than skips when they do not build)."""
+    error = kernels.cpu_kernel_error()
+    if error is not None:
+        pytest.fail(f"the fused CPU kernels did not build: {error}")
+    return kernels.CPU_KERNELS
 
 
 def run_generate(*args, timeout=600):
     return subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode != 0, result.stdout
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 or lines[-1].startswith(("error:", "usage:")) or "error:" in lines[-1], result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_sparq_with_full_r_and_k_generates_exactly_dense(smollm2):
     prompt = data.essay_tokens(tok, 2048)
     dense = greedy(model, prompt, 64, lambda layer: DenseDecode())
     full = SparQConfig(r=model.args.head_dim, k=4096, local=0)
-    sparq = greedy(model, prompt, 64, lambda layer: SparQDecode(full, "torch"))
+    sparq = greedy(model, prompt, 64, lambda layer: SparQDecode(full))
     assert len(dense[0]) == 64
     assert sparq == dense
 
@@ -72,41 +73,31 @@ def test_needle_sparq_gives_the_same_answer_as_dense(smollm2):
     assert 1800 < len(prompt) < 2300
     dense = tok.decode(greedy(model, prompt, 24, lambda layer: DenseDecode(), tok.stop_ids)[0])
     config = SparQConfig(r=16, k=128, mean_v=False)
-    sparq = tok.decode(greedy(model, prompt, 24, lambda layer: SparQDecode(config, "torch"), tok.stop_ids)[0])
+    sparq = tok.decode(greedy(model, prompt, 24, lambda layer: SparQDecode(config), tok.stop_ids)[0])
     assert "Dolores Park" in dense, dense  # the model does retrieve it densely at this length
     assert "Dolores Park" in sparq, sparq
 
 
 @pytest.mark.parametrize("make_policy", [
-    lambda kernel: SparQDecode(SparQConfig(r=16, k=128), kernel),
-    lambda kernel: DenseDecode(kernel),
+    lambda kernels: SparQDecode(SparQConfig(r=16, k=128), kernels),
+    lambda kernels: DenseDecode(kernels),
 ], ids=["sparq", "dense"])
 def test_fused_cpu_kernel_generates_the_same_tokens_as_the_torch_path(smollm2, make_policy):
-    import kernels
-
-    if not kernels.cpu_kernel_available():
-        pytest.fail("the fused CPU kernel did not build")
+    fused_kernels = cpu_kernels()
     model, tok = smollm2
     prompt = data.essay_tokens(tok, 1024)
-    torch_path = greedy(model, prompt, 64, lambda layer: make_policy("torch"), batch_size=2)
-    fused = greedy(model, prompt, 64, lambda layer: make_policy("cpu"), batch_size=2)
+    torch_path = greedy(model, prompt, 64, lambda layer: make_policy(TORCH_KERNELS), batch_size=2)
+    fused = greedy(model, prompt, 64, lambda layer: make_policy(fused_kernels), batch_size=2)
     assert fused == torch_path
 
 
-def test_fused_cpu_linears_generate_the_same_tokens_as_f_linear(smollm2):
-    import kernels
-
-    if not kernels.cpu_kernel_available():
-        pytest.fail("the fused CPU kernel did not build")
+def test_fused_cpu_linears_generate_the_same_tokens_as_f_linear(smollm2, smollm2_checkpoint):
     model, tok = smollm2
+    fused_model = load_model(smollm2_checkpoint, kernels=cpu_kernels())  # its linears run the fused GEMV
     prompt = data.essay_tokens(tok, 512)
     for batch_size in (1, 8):  # one decode row; eight rows (the GEMV's x blocks of 4)
         reference = greedy(model, prompt, 48, lambda layer: DenseDecode(), batch_size=batch_size)
-        model.set_linear_kernel("cpu")
-        try:
-            fused = greedy(model, prompt, 48, lambda layer: DenseDecode(), batch_size=batch_size)
-        finally:
-            model.set_linear_kernel("torch")
+        fused = greedy(fused_model, prompt, 48, lambda layer: DenseDecode(), batch_size=batch_size)
         assert fused == reference
 
 

@@ -1,4 +1,4 @@
-"""The fused CPU SparQ kernel (csrc/sparq_cpu.cpp via kernels.sparq_attention_cpu) against the
+"""The fused CPU kernels (csrc/: SparQ via kernels.sparq_attention_cpu, dense, the GEMV) against the
 oracle `sparq.sparq_reference`, on random caches.
 
 Tolerances: fp32 atol = rtol = 1e-5. bf16 caches are compared with the reference computed from
@@ -31,8 +31,9 @@ from sparq import SparQConfig, sparq_reference  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def fused_kernel():
-    if not kernels.cpu_kernel_available():
-        pytest.fail(f"the fused CPU kernel did not build: {kernels._cpu_ext['error']}")
+    error = kernels.cpu_kernel_error()
+    if error is not None:
+        pytest.fail(f"the fused CPU kernel did not build: {error}")
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ def _untie(gen, q, k, v, S, cfg) -> None:
 
 
 def _fused(q, k, k_t, v, v_sum, S, cfg):
-    return kernels.sparq_attention_cpu(q, k, k_t, v, v_sum, S, cfg.r, cfg.k, cfg.local, cfg.mean_v)
+    return kernels.sparq_attention_cpu(q, k, k_t, v, v_sum, S, None, cfg.r, cfg.k, cfg.local, cfg.mean_v)
 
 
 def _check(out, ref, atol, rtol):
@@ -205,7 +206,9 @@ def test_dead_positions_and_rows_are_never_read(dtype, layout, n_threads, S, thr
 
 
 def test_kv_cache_dispatch(threads):
-    """kernels.sparq_attention(..., "cpu") on a KVCache filled by update(), step by step."""
+    """SparQDecode with the CPU kernels, on a KVCache filled by update(), step by step."""
+    from sparq import SparQDecode
+
     threads(2)
     B, n_kv, g, d, S_max = 2, 3, 3, 64, 3000
     gen = torch.Generator().manual_seed(7)
@@ -217,7 +220,7 @@ def test_kv_cache_dispatch(threads):
     for pos in range(prefill, prefill + 3):
         cache.update(torch.tensor([pos]), torch.randn(B, n_kv, 1, d, generator=gen), torch.randn(B, n_kv, 1, d, generator=gen))
         q = _query(gen, B, n_kv, g, d, cfg.r, torch.float32)
-        out = kernels.sparq_attention(q, cache, pos + 1, cfg, "cpu")
+        out = SparQDecode(cfg, kernels.CPU_KERNELS)(q, cache, pos + 1)
         _check(out, sparq_reference(q, cache.k, cache.v, cache.v_sum, pos + 1, cfg), 1e-5, 1e-5)
 
 
@@ -237,22 +240,37 @@ def test_rejects_bad_arguments():
     k = torch.randn(1, 2, 16, 64)
     v_sum = torch.zeros(1, 2, 64)
     with pytest.raises(RuntimeError, match="length"):
-        kernels.sparq_attention_cpu(q, k, None, k, v_sum, 17, 8, 8, 2, False)
+        kernels.sparq_attention_cpu(q, k, None, k, v_sum, 17, None, 8, 8, 2, False)
     with pytest.raises(RuntimeError, match="r must"):
-        kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, 65, 8, 2, False)
+        kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, None, 65, 8, 2, False)
     with pytest.raises(RuntimeError, match="local"):
-        kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, 8, 8, 9, False)
+        kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, None, 8, 8, 9, False)
+    with pytest.raises(ValueError, match="exact lengths"):
+        kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, torch.tensor(9), 8, 8, 2, False)
 
 
-def test_fallback_matches_reference():
-    """The torch path used when the kernel cannot be built computes the same thing."""
-    B, n_kv, g, d, S = 2, 3, 3, 64, 300
-    gen = torch.Generator().manual_seed(5)
-    cfg = SparQConfig(r=8, k=64, mean_v=True)
-    q = _query(gen, B, n_kv, g, d, cfg.r, torch.float32)
-    k, k_t, v, v_sum = _cache(gen, B, n_kv, S, d, S, torch.float32, "twice")
-    out = kernels._sparq_cpu_fallback(q, k, k_t, v, v_sum, S, cfg.r, cfg.k, cfg.local, cfg.mean_v)
-    _check(out, sparq_reference(q, k, v, v_sum, S, cfg), 1e-5, 1e-5)
+def test_kernel_choice_is_resolved_once_and_fallbacks_are_announced(monkeypatch):
+    """resolve_kernels: auto falls back to the torch path with one announced line; an explicit choice
+    that cannot run is a one-line ValueError; nothing falls back per call."""
+    said = []
+    assert kernels.resolve_kernels("auto", "cpu", announce=said.append) is kernels.CPU_KERNELS and not said
+    assert kernels.resolve_kernels("torch", "cpu") is kernels.TORCH_KERNELS
+    assert kernels.resolve_kernels("auto", "cpu", length_bucket=64, announce=said.append) is kernels.TORCH_KERNELS
+    assert len(said) == 1 and "exact lengths" in said[0]
+    with pytest.raises(ValueError, match="exact lengths"):
+        kernels.resolve_kernels("cpu", "cpu", length_bucket=64)
+    with pytest.raises(ValueError, match="--device cuda"):
+        kernels.resolve_kernels("triton", "cpu")
+    with pytest.raises(ValueError, match="--device cpu"):
+        kernels.resolve_kernels("cpu", "cuda")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kernels.resolve_kernels("fast", "cpu")
+    monkeypatch.setattr(kernels, "cpu_kernel_error", lambda: "OSError: no compiler")
+    said.clear()
+    assert kernels.resolve_kernels("auto", "cpu", announce=said.append) is kernels.TORCH_KERNELS
+    assert len(said) == 1 and "no compiler" in said[0]
+    with pytest.raises(ValueError, match="no compiler"):
+        kernels.resolve_kernels("cpu", "cpu")
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -263,7 +281,7 @@ def test_torch_compile_fullgraph_matches_eager():
     k, k_t, v, v_sum = _cache(gen, B, n_kv, S_max, d, S_max, torch.float32, "twice")
 
     def step(q, length: int):
-        y = kernels.sparq_attention_cpu(q, k, k_t, v, v_sum, length, 16, 64, 16, True)
+        y = kernels.sparq_attention_cpu(q, k, k_t, v, v_sum, length, None, 16, 64, 16, True)
         return y * 2.0 + kernels.dense_attention_cpu(q, k, v, length)
 
     compiled = torch.compile(step, fullgraph=True, dynamic=True)
@@ -293,8 +311,8 @@ def test_softmax_extremes_do_not_overflow():
     (8, 64, 3, 129, "float32", 2), (3, 64, 1, 3000, "bfloat16", 2), (1, 128, 2, 700, "bfloat16", 1),
     (3, 72, 2, 700, "float32", 2)])  # d % 16 != 0: the unblocked path
 def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
-    """kernels.dense_attention_cpu: exact attention over [0, S), against model.dense_attention in fp32."""
-    from model import dense_attention
+    """kernels.dense_attention_cpu: exact attention over [0, S), against model.dense_attention_torch in fp32."""
+    from model import dense_attention_torch
 
     threads(n_threads)
     dtype = getattr(torch, dtype)
@@ -302,7 +320,7 @@ def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
     gen = torch.Generator().manual_seed(S + g)
     q = torch.randn(B, n_kv, g, d, generator=gen).to(dtype)
     k, _, v, _ = _cache(gen, B + 1, n_kv, S + 5, d, S, dtype, "once")
-    ref = dense_attention(q.float(), k[:B, :, :S].float(), v[:B, :, :S].float()).to(dtype)
+    ref = dense_attention_torch(q.float(), k.float(), v.float(), S).to(dtype)
     out = kernels.dense_attention_cpu(q, k, v, S)
     _check(out, ref, *((1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)))
     k2, v2 = k.clone(), v.clone()
@@ -315,30 +333,32 @@ def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
     (3, 5, 1536, "float32", "bfloat16", 2), (16, 961, 576, "bfloat16", "bfloat16", 2),
     (2, 4099, 64, "bfloat16", "float32", 2), (1, 3, 1, "float32", "float16", 1)])
 def test_fused_linear_matches_fp64(M, N, K, x_dtype, w_dtype, n_threads, threads):
-    """kernels.linear_cpu against an fp64 matmul of the same values; N and K off every block size."""
+    """The fused GEMV (sparq::linear_cpu) against an fp64 matmul of the same values; N and K off every block size."""
     threads(n_threads)
     gen = torch.Generator().manual_seed(M * N + K)
     x = torch.randn(M, K, generator=gen).to(getattr(torch, x_dtype))
     w = torch.randn(N, K, generator=gen).to(getattr(torch, w_dtype))
     ref = (x.double() @ w.double().T)
-    out = kernels.linear_cpu(x, w)
+    out = torch.ops.sparq.linear_cpu(x, w)
     assert out.dtype == x.dtype and out.shape == (M, N)
     tol = 1e-5 * math.sqrt(K) if x.dtype == torch.float32 else 1e-2  # bf16 output: one rounding
     torch.testing.assert_close(out.double(), ref.to(x.dtype).double(), atol=tol, rtol=tol)
 
 
 def test_fused_linear_in_the_model_matches_f_linear():
-    """model.Linear with kernel "cpu": decode-sized inputs take the GEMV, prefill-sized ones F.linear."""
+    """model.Linear with the CPU kernels: decode-sized inputs take the GEMV, prefill-sized ones F.linear;
+    a bias is added either way."""
     import model
 
     gen = torch.Generator().manual_seed(0)
-    layer = model.Linear(96, 40)
+    layer = model.Linear(96, 40, bias=True, kernels=kernels.CPU_KERNELS)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(40, 96, generator=gen))
-    layer.kernel = "cpu"
+        layer.bias.copy_(torch.randn(40, generator=gen))
     for shape in ((2, 1, 96), (1, 33, 96)):  # a decode step of 2 rows; a 33-token prefill
         x = torch.randn(*shape, generator=gen)
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
     compiled = torch.compile(layer, fullgraph=True)
     x = torch.randn(3, 1, 96, generator=gen)
     torch.testing.assert_close(compiled(x), layer(x), atol=0, rtol=0)

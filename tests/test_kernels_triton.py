@@ -1,4 +1,4 @@
-"""Triton SparQ kernels (kernels.sparq_attention_triton) against the oracle `sparq.sparq_reference`.
+"""Triton SparQ kernels (kernels_triton.sparq_attention_triton) against the oracle `sparq.sparq_reference`.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors. The interpreter is chosen when
 `triton.jit` runs, i.e. when triton and kernels.py are first imported, so TRITON_INTERPRET=1 must be
@@ -24,11 +24,12 @@ if not ON_GPU and "triton" not in sys.modules:
 pytest.importorskip("triton")
 
 import kernels  # noqa: E402
+import kernels_triton  # noqa: E402
 from model import KVCache  # noqa: E402
 from sparq import SparQConfig, sparq_reference  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
-IN_PROCESS = ON_GPU or type(kernels._sparq_step1_kernel).__name__ == "InterpretedFunction"
+IN_PROCESS = ON_GPU or type(kernels_triton._sparq_step1_kernel).__name__ == "InterpretedFunction"
 in_process = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1: "
                                 "these cases run in test_interpreter_in_subprocess")
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +57,16 @@ def make_cache(B, n_kv, g, d, S, S_max, dtype, seed, layout="twice"):
     k_t = k.transpose(2, 3).contiguous() if layout == "twice" else None
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     return to(q), to(k), to(k_t), to(v), to(v_sum)
+
+
+def triton_sparq(q, k, k_t, v, v_sum, length, config, max_length=None):
+    """kernels_triton.sparq_attention_triton with an int length (exact reads), or a device-tensor live length
+    and a static bound on the positions read (max_length, default S_max): the CUDA-graph form."""
+    if isinstance(length, torch.Tensor):
+        return kernels_triton.sparq_attention_triton(q, k, k_t, v, v_sum, max_length or k.shape[2], length, config.r,
+                                              config.k, config.local, config.mean_v)
+    return kernels_triton.sparq_attention_triton(q, k, k_t, v, v_sum, length, None, config.r, config.k, config.local,
+                                          config.mean_v)
 
 
 def as_length(S, kind):
@@ -102,8 +113,7 @@ def test_matches_reference(case):
     B, n_kv, g, d, S, S_max, r, k_top, local, mean_v, layout, dtype, length_kind = case
     config = SparQConfig(r=r, k=k_top, local=local, mean_v=mean_v)
     q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, S, S_max, dtype, seed=zlib.crc32(case_id(case).encode()), layout=layout)
-    out = kernels.sparq_attention_triton(q, k, k_t, v, v_sum, as_length(S, length_kind), config.r, config.k,
-                                         config.local, config.mean_v)
+    out = triton_sparq(q, k, k_t, v, v_sum, as_length(S, length_kind), config)
     expected = sparq_reference(q.cpu(), k.cpu(), v.cpu(), v_sum.cpu(), S, config)
     assert out.shape == (B, n_kv, g, d) and out.dtype == dtype
     assert torch.isfinite(out).all(), "garbage past the live length leaked into the output"
@@ -116,8 +126,7 @@ def test_static_bound_below_cache_size():
     B, n_kv, g, d, S = 2, 2, 4, 64, 150
     config = SparQConfig(r=16, k=32, mean_v=True)
     q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, S, 512, torch.float32, seed=1)
-    out = kernels.sparq_attention_triton(q, k, k_t, v, v_sum, as_length(S, "scalar_int64"), config.r, config.k,
-                                         config.local, config.mean_v, max_length=200)
+    out = triton_sparq(q, k, k_t, v, v_sum, as_length(S, "scalar_int64"), config, max_length=200)
     torch.testing.assert_close(out.cpu(), sparq_reference(q.cpu(), k.cpu(), v.cpu(), v_sum.cpu(), S, config),
                                **TOLERANCE[torch.float32])
 
@@ -134,15 +143,16 @@ def test_underflowed_scores_rank_above_dead_positions(length_kind):
     k[:, :, 3, 0] = 100.0  # position 3 takes all the approximate mass: the others' s_hat underflow to 0...
     k[:, :, 3, 1:] = -20.0  # ...but it gets ~none of the exact mass, so missing a live position shows
     k_t = k.transpose(2, 3).contiguous()
-    out = kernels.sparq_attention_triton(q, k, k_t, v, v_sum, as_length(S, length_kind), config.r, config.k,
-                                         config.local, config.mean_v)
+    out = triton_sparq(q, k, k_t, v, v_sum, as_length(S, length_kind), config)
     expected = sparq_reference(q.cpu(), k.cpu(), v.cpu(), v_sum.cpu(), S, config)
     torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
 
 
 @in_process
 def test_dispatch_through_kv_cache():
-    """kernels.sparq_attention(kernel="triton") on a KVCache filled by update (v_sum kept by the cache)."""
+    """SparQDecode with the Triton kernels on a KVCache filled by update (v_sum kept by the cache)."""
+    from sparq import SparQDecode
+
     B, n_kv, g, d, S_max = 2, 2, 3, 64, 96
     config = SparQConfig(r=8, k=16, mean_v=True)
     gen = torch.Generator().manual_seed(2)
@@ -153,12 +163,13 @@ def test_dispatch_through_kv_cache():
         cache.update(torch.tensor([40], device=DEVICE), torch.randn(B, n_kv, 1, d, generator=gen).to(DEVICE),
                      torch.randn(B, n_kv, 1, d, generator=gen).to(DEVICE))
         q = torch.randn(B, n_kv, g, d, generator=gen).to(DEVICE)
-        out = kernels.sparq_attention(q, cache, 41, config, "triton")
+        policy = SparQDecode(config, kernels.TRITON_KERNELS)
+        out = policy(q, cache, 41)
         expected = sparq_reference(q.cpu(), cache.k.cpu(), cache.v.cpu(), cache.v_sum.cpu(), 41, config)
         torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
         # Bucketed lengths (CUDA graphs): read 64 positions, the live length comes from cache.live_length.
         cache.length_bucket = 32
-        bucketed = kernels.sparq_attention(q, cache, 64, config, "triton")
+        bucketed = policy(q, cache, 64)
         torch.testing.assert_close(bucketed.cpu(), expected, **TOLERANCE[torch.float32])
 
 
@@ -173,8 +184,7 @@ def test_compiles_once_for_a_changing_tensor_length():
 
     @torch.compile(backend=counter, fullgraph=True)
     def step(q, k, k_t, v, v_sum, length):
-        return kernels.sparq_attention_triton(q, k, k_t, v, v_sum, length, config.r, config.k, config.local,
-                                              config.mean_v) * 2
+        return triton_sparq(q, k, k_t, v, v_sum, length, config) * 2
 
     torch._dynamo.reset()
     q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, 40, S_max, torch.float32, seed=3)
@@ -208,8 +218,7 @@ def test_cuda_graph_replay_with_changing_length():
     v_sum_buf = sums[:, :, -1].clone()
 
     def step():
-        return kernels.sparq_attention_triton(q, k, k_t, v, v_sum_buf, length, config.r, config.k, config.local,
-                                              config.mean_v)
+        return triton_sparq(q, k, k_t, v, v_sum_buf, length, config)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -237,7 +246,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
-import kernels
+import kernels_triton
 
 target = GPUTarget("cuda", 90, 32)
 cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -276,12 +285,12 @@ def compile_one(kernel, config, kdt, length_ptr, **constexprs):
 # (B, n_kv, g, d, S_bound, KT): Table 4 MHA, Llama-3-8B GQA at B=1, d=80 GQA, small MHA d=64
 for (B, n_kv, g, d, S, KT), kdt in [((64, 32, 1, 128, 4096, 128), "bf16"), ((1, 8, 4, 128, 4096, 128), "bf16"),
                                     ((3, 2, 3, 80, 1000, 128), "fp32"), ((1, 2, 1, 64, 129, 16), "fp16")]:
-    step1, step2 = kernels._triton_configs(B, n_kv, g, d, S, KT)
+    step1, step2 = kernels_triton._triton_configs(B, n_kv, g, d, S, KT)
     for k_transposed in (True, False):
-        compile_one(kernels._sparq_step1_kernel, step1, kdt, True, K_TRANSPOSED=k_transposed, LEN_IS_PTR=True)
-    compile_one(kernels._sparq_step1_kernel, step1, kdt, False, K_TRANSPOSED=True, LEN_IS_PTR=False)
-    compile_one(kernels._sparq_step2_kernel, step2, kdt, True, MEAN_V=True, LEN_IS_PTR=True)
-    compile_one(kernels._sparq_step2_kernel, step2, kdt, False, MEAN_V=False, LEN_IS_PTR=False)
+        compile_one(kernels_triton._sparq_step1_kernel, step1, kdt, True, K_TRANSPOSED=k_transposed, LEN_IS_PTR=True)
+    compile_one(kernels_triton._sparq_step1_kernel, step1, kdt, False, K_TRANSPOSED=True, LEN_IS_PTR=False)
+    compile_one(kernels_triton._sparq_step2_kernel, step2, kdt, True, MEAN_V=True, LEN_IS_PTR=True)
+    compile_one(kernels_triton._sparq_step2_kernel, step2, kdt, False, MEAN_V=False, LEN_IS_PTR=False)
 '''
 
 
@@ -299,11 +308,11 @@ def test_kernels_compile_for_h100():
 def test_kernels_imports_without_triton():
     """kernels.py imports where triton is missing; the Triton entry point then fails with one clear line."""
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch, kernels\n"
-            "assert not kernels.HAS_TRITON\n"
+            "import torch, kernels, kernels_triton\n"
+            "assert not kernels_triton.HAS_TRITON\n"
             "q = torch.zeros(1, 1, 1, 8); k = torch.zeros(1, 1, 4, 8)\n"
             "try:\n"
-            "    kernels.sparq_attention_triton(q, k, None, k, torch.zeros(1, 1, 8), 4, 2, 2, 0, False)\n"
+            "    kernels_triton.sparq_attention_triton(q, k, None, k, torch.zeros(1, 1, 8), 4, None, 2, 2, 0, False)\n"
             "except RuntimeError as e:\n"
             "    assert 'triton' in str(e), e\n"
             "else:\n"

@@ -10,10 +10,22 @@ import sys
 import pytest
 import torch
 
+import dataclasses
+
 import model as M
 import quantize as Q
-from conftest import REPO
+from conftest import REPO, assert_one_line_error
 from generate import decode_step
+from kernels import TORCH_KERNELS
+
+# The packed quantized kernels alone (the linears' float path stays F.linear); TORCH_KERNELS is the
+# plain dequantize-then-matmul path every quantized layer falls back to.
+PACKED = dataclasses.replace(TORCH_KERNELS, name="packed", packed_quantized=True)
+
+
+def load(path, kernels=PACKED, **kwargs):
+    """model.load_model with quantize.py's loader hooks, as generate.py loads checkpoints."""
+    return M.load_model(path, kernels=kernels, quantized=Q.LOADING, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +270,7 @@ def run_tiny(model, idx):
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("mode,group_size,head", [("int8", None, "int8"), ("int4", 32, "int8"),
                                                   ("int4", 64, "int4"), ("int4", 32, "none")])
-def test_loaded_model_computes_its_dequantized_weights(tmp_path, monkeypatch, tie, mode, group_size, head):
+def test_loaded_model_computes_its_dequantized_weights(tmp_path, tie, mode, group_size, head):
     path = tiny_checkpoint(tmp_path, tie)
     out = quantize_file(path, mode, group_size, head)
     assert out.name == ("model_int8.pth" if mode == "int8" else f"model_int4.g{group_size}.pth")
@@ -267,12 +279,10 @@ def test_loaded_model_computes_its_dequantized_weights(tmp_path, monkeypatch, ti
     renamed = tmp_path / "anything.pth"  # loading reads the metadata, never the file name
     shutil.move(out, renamed)
 
-    fast = M.load_model(renamed)
+    fast = load(renamed)
     kernels = {m.kernel for m in fast.modules() if isinstance(m, (Q.Int8Linear, Q.Int4Linear))}
     assert "dequant" not in kernels, kernels  # every layer of this model has a packed kernel here
-    monkeypatch.setenv(Q.BACKEND_ENV, "dequant")
-    twin = M.load_model(renamed)
-    monkeypatch.delenv(Q.BACKEND_ENV)
+    twin = load(renamed, kernels=TORCH_KERNELS)  # --kernel torch: the plain dequantize-then-matmul path
     assert {m.kernel for m in twin.modules() if isinstance(m, (Q.Int8Linear, Q.Int4Linear))} <= {"dequant"}
     expected = with_float_weights(twin, M.load_model(path))
 
@@ -289,7 +299,7 @@ def test_loaded_model_computes_its_dequantized_weights(tmp_path, monkeypatch, ti
 
 def test_weights_survive_the_dtype_cast(tmp_path):
     path = quantize_file(tiny_checkpoint(tmp_path, True), "int4", 32)
-    model = M.load_model(path, dtype=torch.bfloat16)
+    model = load(path, dtype=torch.bfloat16)
     assert model.norm.weight.dtype == torch.bfloat16
     assert model.layers[0].attention.wqkv.scales_and_zeros.dtype == torch.bfloat16
     assert model.output.scales.dtype == torch.bfloat16 and model.tok_embeddings.weight.dtype == torch.int8
@@ -302,7 +312,7 @@ def test_weights_survive_the_dtype_cast(tmp_path):
 def test_decode_step_compiles_fullgraph(tmp_path):
     """torch.compile(fullgraph=True, dynamic=True) of the decode step, as generate.py --compile does."""
     path = quantize_file(tiny_checkpoint(tmp_path, True), "int4", 32)  # int4 body + int8 (int4x2) head
-    model = M.load_model(path)
+    model = load(path)
     model.setup_caches(2, 16)
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
     prompt = torch.tensor([[5, 6, 7], [8, 9, 10]])
@@ -394,7 +404,7 @@ def one_thread():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_embedded_model_stays_close_to_fp32(mode, quantized_smollm2, fp32_reference, one_thread):
     prompt, ref_tokens, ref_logits = fp32_reference
-    model = M.load_model(quantized_smollm2[mode])
+    model = load(quantized_smollm2[mode])
     _, forced_logits = greedy_with_logits(model, prompt, forced=ref_tokens)  # same context as fp32
     cos = torch.nn.functional.cosine_similarity(forced_logits, ref_logits, dim=-1)
     rel = (forced_logits - ref_logits).norm(dim=-1) / ref_logits.norm(dim=-1)
@@ -433,14 +443,6 @@ def run_quantize(*args):
                           timeout=300)
 
 
-def assert_one_line_error(result, fragment):
-    assert result.returncode != 0, result.stdout
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert fragment in lines[0], result.stderr
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_cli")
@@ -473,7 +475,11 @@ def test_loading_a_corrupt_quantization_entry_is_a_checkpoint_error(tiny_dir, tm
     shutil.copy(tiny_dir / "config.json", tmp_path / "config.json")
     torch.save(state, tmp_path / "bad.pth")
     with pytest.raises(M.CheckpointError, match="unknown quantization mode"):
-        M.load_model(tmp_path / "bad.pth")
+        load(tmp_path / "bad.pth")
+    state["__quantization__"]["mode"] = "int8"
+    torch.save(state, tmp_path / "good.pth")
+    with pytest.raises(M.CheckpointError, match="quantized checkpoint"):  # model.py alone knows no format
+        M.load_model(tmp_path / "good.pth")
 
 
 @pytest.mark.parametrize("attention", [["--sparq-r", "16"], []], ids=["sparq-r16", "dense"])

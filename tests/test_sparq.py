@@ -5,8 +5,18 @@ import math
 import pytest
 import torch
 
-from model import KVCache, dense_attention
-from sparq import SparQConfig, SparQDecode, kv_bytes_read_per_step, sparq_attention_torch, sparq_reference
+from model import KVCache, dense_attention_torch
+from sparq import SparQConfig, SparQDecode, sparq_reference
+
+
+def sparq_torch(q, cache, length, config):
+    """The batched torch path, through the policy as the model calls it (no fused kernel)."""
+    return SparQDecode(config)(q, cache, length)
+
+
+def dense_attention(q, k, v):
+    """Exact attention over all of k, v (B, n_kv, S, d)."""
+    return dense_attention_torch(q, k, v, k.shape[2])
 
 
 def filled_cache(B, n_kv, d, S, S_max, layout="twice", dtype=torch.float32, seed=0, garbage=True):
@@ -43,7 +53,7 @@ def test_torch_path_matches_reference(B, n_kv, g_, d, S, S_max, r, k, mean_v, la
     q = random_query(B, n_kv, g_, d)
     config = SparQConfig(r=r, k=k, mean_v=mean_v)
     expected = sparq_reference(q, cache.k, cache.v, cache.v_sum, S, config)
-    actual = sparq_attention_torch(q, cache, S, config)
+    actual = sparq_torch(q, cache, S, config)
     assert actual.shape == (B, n_kv, g_, d)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
@@ -53,7 +63,7 @@ def test_bf16_torch_path_matches_reference():
     q = random_query(2, 3, 3, 64, dtype=torch.bfloat16)
     config = SparQConfig(r=16, k=64, mean_v=True)
     expected = sparq_reference(q, cache.k, cache.v, cache.v_sum, 700, config)
-    actual = sparq_attention_torch(q, cache, 700, config)
+    actual = sparq_torch(q, cache, 700, config)
     # Both compute in fp32 from the same bf16 values; the output is rounded to bf16 (8 bits of mantissa).
     torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=1e-2)
 
@@ -68,7 +78,7 @@ def test_full_r_and_k_equal_dense(layout, g_):
     dense = dense_attention(q, k, v)
     for mean_v in (False, True):  # alpha = 1 when every position is selected
         config = SparQConfig(r=d, k=256, local=0, mean_v=mean_v)
-        torch.testing.assert_close(sparq_attention_torch(q, cache, S, config), dense, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(sparq_torch(q, cache, S, config), dense, atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(sparq_reference(q, cache.k, cache.v, cache.v_sum, S, config), dense,
                                    atol=2e-6, rtol=1e-5)
 
@@ -77,7 +87,7 @@ def test_sparse_attention_differs_from_dense_when_k_is_small():
     """Guard against a test that cannot fail: with k << S the output is not dense attention."""
     cache, k, v = filled_cache(1, 2, 64, 500, 500)
     q = random_query(1, 2, 2, 64) * 3
-    sparse = sparq_attention_torch(q, cache, 500, SparQConfig(r=8, k=16))
+    sparse = sparq_torch(q, cache, 500, SparQConfig(r=8, k=16))
     assert (sparse - dense_attention(q, k, v)).abs().max() > 1e-3
 
 
@@ -96,7 +106,7 @@ def test_local_window_is_always_selected():
     keys, values = cache.k[0, 0, idx], cache.v[0, 0, idx]
     manual = torch.softmax(q[0, 0] @ keys.T / math.sqrt(d), -1) @ values
     torch.testing.assert_close(out[0, 0], manual)
-    torch.testing.assert_close(sparq_attention_torch(q, cache, S, config), out)
+    torch.testing.assert_close(sparq_torch(q, cache, S, config), out)
 
 
 def test_running_v_sum_tracks_live_positions():
@@ -127,26 +137,32 @@ def test_config_validation_messages():
 
 
 def test_transfer_accounting_matches_paper_formulas():
-    from model import DenseDecode, ModelArgs
+    from model import DenseDecode, ModelArgs, Transformer
 
     args = ModelArgs(vocab_size=10, dim=576, n_layer=30, n_head=9, n_kv_head=3, head_dim=64, intermediate_size=10)
     S, B = 8192, 4
     sparq = SparQDecode(SparQConfig(r=16, k=128))
     assert sparq.transfer_elements(S, 64) == S * 16 + 2 * 128 * 64 + 4 * 64
     assert DenseDecode().transfer_elements(S, 64) == 2 * S * 64 + 2 * 64
-    assert kv_bytes_read_per_step(args, sparq, S, B, 2) == (S * 16 + 2 * 128 * 64 + 4 * 64) * 3 * 30 * B * 2
     assert sparq.transfer_elements(50, 64) == 50 * 16 + 2 * 50 * 64 + 4 * 64  # k capped at the live length
+    with torch.device("meta"):
+        model = Transformer(args).to(torch.bfloat16)
+        model.setup_caches(B, S + 1)
+    model.set_decode_attention(lambda layer: sparq)
+    assert model.decode_kv_bytes(S, B) == (S * 16 + 2 * 128 * 64 + 4 * 64) * 3 * 30 * B * 2
+    model.set_decode_attention(lambda layer: DenseDecode())
+    assert model.decode_kv_bytes(S, B) == (2 * S * 64 + 2 * 64) * 3 * 30 * B * 2
 
 
 def test_compiled_sparq_equals_eager():
     B, n_kv, g_, d = 2, 3, 3, 64
     cache, _, _ = filled_cache(B, n_kv, d, 400, 512, garbage=False)
     config = SparQConfig(r=16, k=64, mean_v=True)
-    compiled = torch.compile(sparq_attention_torch, fullgraph=True, dynamic=True)
+    policy = SparQDecode(config)
+    compiled = torch.compile(policy, fullgraph=True, dynamic=True)
     for S in (300, 301, 400):
         q = random_query(B, n_kv, g_, d, seed=S)
-        torch.testing.assert_close(compiled(q, cache, S, config), sparq_attention_torch(q, cache, S, config),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(compiled(q, cache, S), policy(q, cache, S), atol=1e-5, rtol=1e-5)
 
 
 def test_bucketed_lengths_equal_exact_lengths():
@@ -167,5 +183,32 @@ def test_bucketed_lengths_equal_exact_lengths():
     q = random_query(B, n_kv, g_, d)
     torch.testing.assert_close(DenseDecode()(q, bucketed, read), DenseDecode()(q, exact, S))
     for config in (SparQConfig(r=16, k=64, mean_v=True), SparQConfig(r=8, k=512, local=0)):
-        torch.testing.assert_close(sparq_attention_torch(q, bucketed, read, config),
-                                   sparq_attention_torch(q, exact, S, config), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sparq_torch(q, bucketed, read, config),
+                                   sparq_torch(q, exact, S, config), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_snapshot_restore_and_rewind():
+    """snapshot/restore and rewind bring back exactly the state after the first S positions."""
+    B, n_kv, d = 2, 3, 8
+    cache, _, _ = filled_cache(B, n_kv, d, 10, 32, garbage=False)
+    saved, v_sum = cache.snapshot(), cache.v_sum.clone()
+    for pos in range(10, 14):
+        cache.update(torch.tensor([pos]), torch.randn(B, n_kv, 1, d), torch.randn(B, n_kv, 1, d))
+    assert int(cache.live_length) == 14 and not torch.equal(cache.v_sum, v_sum)
+    cache.restore(saved)
+    assert int(cache.live_length) == 10 and torch.equal(cache.v_sum, v_sum)
+    cache.rewind(12)
+    assert int(cache.live_length) == 12
+    torch.testing.assert_close(cache.v_sum, cache.v[:, :, :12].float().sum(2))
+
+
+def test_cache_broadcast_row_and_read_length():
+    cache, _, _ = filled_cache(2, 3, 8, 10, 32, garbage=False)  # 3 rows: the last one never written
+    cache.broadcast_row(3)
+    for name in ("k", "k_t", "v", "v_sum"):
+        buffer = getattr(cache, name)
+        assert torch.equal(buffer[2], buffer[0]) and torch.equal(buffer[1], buffer[0])
+    assert cache.read_length(10) == 10 and cache.masked_live_length is None
+    bucketed = KVCache(1, 300, 1, 8, torch.float32, length_bucket=128)
+    assert [bucketed.read_length(n) for n in (1, 128, 129, 290)] == [128, 128, 256, 300]
+    assert bucketed.masked_live_length is bucketed.live_length

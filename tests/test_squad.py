@@ -7,6 +7,7 @@ import tarfile
 
 import pytest
 
+import data
 import squad
 from squad import QA, Article, Paragraph
 
@@ -226,7 +227,7 @@ def write_squad_json(path, articles):
 def test_load_round_trip(tmp_path):
     write_squad_json(tmp_path / "s.json", sample())
     assert squad.load(tmp_path / "s.json") == sample()
-    with pytest.raises(FileNotFoundError, match="make squad"):
+    with pytest.raises(data.DataMissing, match="make squad"):
         squad.load(tmp_path / "missing.json")
 
 

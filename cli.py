@@ -1,0 +1,69 @@
+"""Command-line plumbing shared by every tool: one-line user errors, one exit code, comma lists.
+
+Every mistake a user can make (a bad flag, a missing checkpoint, a corrupt file, data that `make`
+has not fetched) raises UserError or a subclass of it; `main` prints it as one line on stderr and
+exits with USER_ERROR. Anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, Sequence
+
+USER_ERROR = 2  # exit status of every tool for a user mistake (argparse's own convention)
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: reported in one line, exit status USER_ERROR."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): a bad flag raises UserError like any other mistake."""
+
+    def error(self, message: str):
+        raise UserError(message)
+
+
+def main(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], Optional[int]],
+         argv: Optional[Sequence[str]] = None) -> int:
+    """Parse argv and run; a UserError becomes `prog: error: message` on stderr and exit status USER_ERROR."""
+    try:
+        return run(parser.parse_args(argv)) or 0
+    except UserError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return USER_ERROR
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]; UserError unless every item is an integer >= minimum."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or any(x < minimum for x in values):
+        raise UserError(f"{flag} must list integers >= {minimum}, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def name_list(text: str, flag: str, allowed: Sequence[str]) -> list[str]:
+    """'a,b' -> ['a', 'b'] (duplicates dropped); UserError for an empty list or a name not in allowed."""
+    names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [x for x in names if x not in allowed]
+    if not names or bad:
+        raise UserError(f"unknown {flag} value {', '.join(map(repr, bad)) or repr(text)} "
+                        f"(choose from {', '.join(allowed)})")
+    return names

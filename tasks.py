@@ -1,0 +1,355 @@
+"""The evaluation tasks: one record per task (its metrics, how its examples are built, how they are
+scored, when a generation is finished). eval.py is the harness that runs them against the decode
+policies; adding a task is one builder, one scorer and one TASKS entry.
+
+Tasks (offline data only; examples are built by token count, so a batch shares one length):
+  needle      Paul Graham essays with a needle at a depth: the paper's San Francisco sentence or a
+              numeric pass key. Chat prompt. exact_match (the answer contains the key phrase) and
+              answer_nll (mean NLL per token, nats, of the reference answer, teacher-forced).
+  repetition  Shakespeare context (>= 6000 characters), then a --repetition-passage (256) character
+              passage from inside it (the paper's Appendix G.1.4 format); chars = characters generated
+              greedily before diverging from the true continuation (at most --repetition-chars).
+  bpc         bits per character of --bpc-tokens tokens of essay continuing a long essay context.
+  retrieval   synthetic multi-key retrieval (RULER niah_multikey style), deterministic from --seed:
+              --retrieval-keys key-value sentences ("One of the special magic numbers for
+              quiet-harbor is: 4821937.") in an essay haystack; asked for one key's value.
+              exact_match and answer_nll, as for needle.
+  diagnostics on real activations at one decode step after an essay context: topk_agreement of
+              SparQ's approximate and exact scores (top --sparq-k, group-summed, per layer),
+              attn_rel_l2 of each policy's attention output vs dense (per layer, dense inputs),
+              and top1_agreement of the next-token argmax with dense over 16 teacher-forced steps
+              (scored by the harness's probes, not by a scorer here).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import data
+from cli import UserError
+
+SF_NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+SF_QUESTION = "What is the best thing to do in San Francisco?"
+SF_PREFIX = "The best thing to do in San Francisco is"
+SF_KEY = "Dolores Park"
+
+
+# =============================================================================================
+# Scoring
+# =============================================================================================
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def contains_key(generated: str, key: str) -> bool:
+    """Exact match for needle / retrieval: the answer contains the key phrase (case and spacing ignored)."""
+    return normalize(key) in normalize(generated)
+
+
+def repetition_chars(generated: str, reference: str) -> int:
+    """Characters generated before the output diverges from the true continuation."""
+    n = 0
+    for a, b in zip(generated, reference):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def answer_nll(logprobs: list[float]) -> float:
+    """Mean negative log-likelihood per token (nats) of a teacher-forced reference."""
+    return -sum(logprobs) / len(logprobs)
+
+
+def bits_per_character(logprobs: list[float], n_chars: int) -> float:
+    """sum of -log2 p over the tokens / characters they spell (logprobs in nats)."""
+    return -sum(logprobs) / math.log(2) / n_chars
+
+
+
+# =============================================================================================
+# Examples of an exact token length
+# =============================================================================================
+
+
+@dataclass
+class Example:
+    prompt: list[int]
+    answer: list[int] = field(default_factory=list)  # teacher-forced reference (NLL / BPC)
+    answer_chars: int = 0
+    key: str = ""  # exact-match key phrase (needle, retrieval)
+    continuation: str = ""  # true continuation (repetition)
+    max_new: int = 0  # greedy tokens (0: no generation)
+    meta: dict = field(default_factory=dict)
+
+
+def fit_length(build: Callable[[int], Optional[list[int]]], length: int, overhead: Optional[int] = None
+               ) -> Optional[list[int]]:
+    """Find n such that build(n) (a prompt with n body tokens) has exactly `length` tokens.
+
+    overhead: tokens outside the body (default: len(build(0))). None if no n works.
+    """
+    if overhead is None:
+        base = build(0)
+        if base is None:
+            return None
+        overhead = len(base)
+    n = length - overhead
+    tried = set()
+    for _ in range(12):
+        if n < 0 or n in tried:
+            break
+        tried.add(n)
+        ids = build(n)
+        if ids is None:
+            return None
+        if len(ids) == length:
+            return ids
+        n += length - len(ids)
+    for m in range(n + 3, n - 4, -1):  # retokenization at the seams can oscillate: scan nearby
+        if m >= 0 and m not in tried:
+            ids = build(m)
+            if ids is not None and len(ids) == length:
+                return ids
+    return None
+
+
+def example_rng(task: str, seed: int, length: int, index: int, attempt: int = 0) -> random.Random:
+    return random.Random(f"{task}/{seed}/{length}/{index}/{attempt}")
+
+
+def chat_prompt(tokenizer, user_text: str, answer_prefix: str) -> list[int]:
+    """The instruct chat template around a user message, then the start of the assistant's answer."""
+    return tokenizer.encode_prompt(user_text, chat=True) + tokenizer.encode(answer_prefix)
+
+
+def insert_at_depth(text: str, needle: str, depth: float) -> str:
+    """Insert `needle` at a sentence boundary near `depth` (0..1) of text."""
+    at = int(len(text) * depth)
+    cut = text.rfind(". ", 0, at)
+    cut = 0 if cut < 0 else cut + 2
+    return text[:cut] + needle + " " + text[cut:]
+
+
+class TextSource:
+    """A long text, tokenized in windows on demand (cached)."""
+
+    def __init__(self, tokenizer, text: str):
+        self.tokenizer, self.text = tokenizer, text
+
+    def window(self, start_char: int, n_tokens: int) -> list[int]:
+        """At least n_tokens tokens of text starting at a word boundary at or after start_char."""
+        start = self.text.find(" ", start_char) + 1 if start_char > 0 else 0
+        chars = 6 * n_tokens + 1000
+        while True:
+            ids = self.tokenizer.encode(self.text[start:start + chars])
+            if len(ids) >= n_tokens or start + chars >= len(self.text):
+                return ids
+            chars *= 2
+
+
+def needle_examples(tokenizer, length: int, n: int, seed: int) -> list[Example]:
+    source = TextSource(tokenizer, data.essays_text())
+    out = []
+    for i in range(n):
+        depth = (i // 2 + 0.5) / math.ceil(n / 2)  # both variants at each depth
+        for attempt in range(20):
+            rng = example_rng("needle", seed, length, i, attempt)
+            if i % 2 == 0:
+                needle, question, prefix, key = SF_NEEDLE, SF_QUESTION, SF_PREFIX, SF_KEY
+                answer = " eat a sandwich and sit in Dolores Park on a sunny day."
+                variant = "sf"
+            else:
+                key = str(rng.randrange(10000, 100000))
+                needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+                question, prefix, answer, variant = "What is the pass key?", "The pass key is", f" {key}.", "passkey"
+            body = source.window(rng.randrange(0, len(source.text) - 8 * length), length + 200)
+
+            def build(m: int) -> Optional[list[int]]:
+                haystack = insert_at_depth(tokenizer.decode(body[:m]), needle, depth)
+                user = (f"{haystack}\n\nAnswer the question using the text above. {question}")
+                return chat_prompt(tokenizer, user, prefix)
+
+            ids = fit_length(build, length)
+            if ids is not None:
+                break
+        else:
+            raise UserError(f"cannot build a needle example of exactly {length} tokens")
+        out.append(Example(prompt=ids, answer=tokenizer.encode(answer), key=key, max_new=24,
+                           meta={"variant": variant, "depth": round(depth, 3)}))
+    return out
+
+
+ADJECTIVES = ("red blue green black white golden silver quiet loud happy brave calm dark bright cold warm swift slow "
+              "tiny giant ancient young wild gentle proud hidden frozen sunny stormy lucky noble rusty sweet bitter "
+              "empty busy clever lazy fancy plain royal").split()
+NOUNS = ("river mountain tiger falcon garden castle forest ocean candle mirror rocket violin lantern harbor meadow "
+         "dragon pirate wizard island bridge tower comet desert canyon engine kettle pencil rabbit turtle hammer "
+         "basket anchor ladder window planet guitar compass").split()
+
+
+def retrieval_examples(tokenizer, length: int, n: int, seed: int, n_keys: int = 4) -> list[Example]:
+    """Multi-key retrieval (RULER's niah_multikey style), deterministic from the seed: n_keys
+    "special magic number" key-value sentences (word-pair keys, 7-digit values) spread through an
+    essay haystack; the question asks for one key's value, the others are distractors. (Plain lists of
+    hex / uuid keys are beyond the 135M model: 0-12% exact match dense at 2k tokens.)"""
+    source = TextSource(tokenizer, data.essays_text())
+    out = []
+    for i in range(n):
+        for attempt in range(20):
+            rng = example_rng("retrieval", seed, length, i, attempt)
+            words = rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], n_keys)
+            pairs = [(key, str(rng.randrange(1_000_000, 10_000_000))) for key in words]
+            asked = i % n_keys  # depth of the asked key cycles over the examples
+            qkey, qvalue = pairs[asked]
+            body = source.window(rng.randrange(0, len(source.text) - 8 * length), length + 200)
+
+            def build(m: int) -> Optional[list[int]]:
+                haystack = tokenizer.decode(body[:m])
+                for j, (key, value) in enumerate(pairs):
+                    haystack = insert_at_depth(haystack, f"One of the special magic numbers for {key} is: {value}.",
+                                               (j + 0.5) / n_keys)
+                user = f"{haystack}\n\nWhat is the special magic number for {qkey} mentioned in the text above?"
+                return chat_prompt(tokenizer, user, f"The special magic number for {qkey} is")
+
+            ids = fit_length(build, length)
+            if ids is not None:
+                break
+        else:
+            raise UserError(f"cannot build a retrieval example of exactly {length} tokens")
+        out.append(Example(prompt=ids, answer=tokenizer.encode(f" {qvalue}."), key=qvalue, max_new=14,
+                           meta={"key": qkey, "depth": round((asked + 0.5) / n_keys, 3), "keys": n_keys}))
+    return out
+
+
+def repetition_examples(tokenizer, length: int, n: int, seed: int, continuation_chars: int = 256,
+                        passage_chars: int = 256) -> list[Example]:
+    """The paper's text repetition (Appendix G.1.4): a Shakespeare context, then a passage from inside
+    it; the model should continue it verbatim."""
+    plays = data.shakespeare_texts()
+    names = sorted(name for name, text in plays.items() if len(text) > 10 * length)
+    if not names:
+        raise UserError(f"no Shakespeare text is long enough for --lengths {length}")
+    out = []
+    for i in range(n):
+        for attempt in range(20):
+            rng = example_rng("repetition", seed, length, i, attempt)
+            name = names[(i + attempt) % len(names)]
+            source = TextSource(tokenizer, plays[name])
+            window = source.window(rng.randrange(len(plays[name]) // 20, len(plays[name]) - 9 * length), length)
+            context = tokenizer.decode(window[:length])
+            if len(context) < 6000:  # this play tokenizes too densely at this length: try the next one
+                continue
+            # A passage starting at a line, >= passage_chars, ending before a space, in the first 70%.
+            start = context.find("\n", rng.randrange(0, int(0.7 * len(context)) - passage_chars - continuation_chars)) + 1
+            while context[start] in "\r\n ":
+                start += 1
+            end = context.find(" ", start + passage_chars)
+            passage = context[start:end]
+            continuation = context[end:end + continuation_chars]
+            if len(continuation) < continuation_chars or "\n\n\n" in passage:
+                continue
+
+            def build(m: int) -> Optional[list[int]]:
+                ctx = tokenizer.decode(window[:m])
+                if len(ctx) < max(6000, end + continuation_chars):
+                    return None  # too short: try another window
+                return tokenizer.encode(f"{ctx}\n\n{passage}")
+
+            ids = fit_length(build, length, overhead=len(tokenizer.encode(f"\n\n{passage}")))
+            if ids is not None:
+                break
+        else:
+            raise UserError(f"cannot build a repetition example of exactly {length} tokens with >= 6000 characters "
+                            f"of context (use --lengths 2048 or more)")
+        max_new = len(tokenizer.encode(continuation)) + 8
+        out.append(Example(prompt=ids, continuation=continuation, max_new=max_new,
+                           meta={"play": name, "passage": passage}))
+    return out
+
+
+def bpc_examples(tokenizer, length: int, n: int, seed: int, continuation_tokens: int = 64,
+                 task: str = "bpc") -> list[Example]:
+    """Essay context of `length` tokens, then the next continuation_tokens tokens, teacher-forced."""
+    source = TextSource(tokenizer, data.essays_text())
+    out = []
+    for i in range(n):
+        rng = example_rng(task, seed, length, i)
+        ids = source.window(rng.randrange(0, len(source.text) - 8 * (length + continuation_tokens)),
+                            length + continuation_tokens)
+        answer = ids[length:length + continuation_tokens]
+        out.append(Example(prompt=ids[:length], answer=answer, answer_chars=len(tokenizer.decode(answer))))
+    return out
+
+
+
+
+# =============================================================================================
+# The tasks
+# =============================================================================================
+
+
+@dataclass
+class TaskOptions:
+    """Per-task settings from eval.py's flags."""
+
+    bpc_tokens: int = 64
+    repetition_chars: int = 256
+    repetition_passage: int = 256
+    retrieval_keys: int = 4
+
+
+@dataclass
+class Outcome:
+    """What one decode policy produced for one example: the teacher-forced log-probs of its answer
+    (nats per token, when it has one) and the greedy text (when it generates)."""
+
+    logprobs: Optional[list[float]] = None
+    text: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    metrics: tuple[tuple[str, bool], ...]  # (metric, higher is better)
+    build: Callable[[object, int, int, int, TaskOptions], list[Example]]  # (tokenizer, length, n, seed, options)
+    score: Optional[Callable[[Example, Outcome], dict[str, float]]]  # None: the harness scores (diagnostics)
+    finished: Callable[[Example, str], bool] = lambda example, text: False  # a greedy row is done
+
+
+def _answers_question(example: Example, text: str) -> bool:
+    """Needle and retrieval answers are one short sentence: done at the key, a newline or a full stop."""
+    return contains_key(text, example.key) or "\n" in text or "." in text.strip()[1:]
+
+
+def _diverged(example: Example, text: str) -> bool:
+    ref = example.continuation
+    return len(text) >= len(ref) or not ref.startswith(text[:len(ref)])
+
+
+def _score_question(example: Example, outcome: Outcome) -> dict[str, float]:
+    return {"answer_nll": answer_nll(outcome.logprobs), "exact_match": float(contains_key(outcome.text, example.key))}
+
+
+TASKS: dict[str, Task] = {task.name: task for task in (
+    Task("needle", (("exact_match", True), ("answer_nll", False)),
+         lambda tok, length, n, seed, o: needle_examples(tok, length, n, seed),
+         _score_question, _answers_question),
+    Task("repetition", (("chars", True),),
+         lambda tok, length, n, seed, o: repetition_examples(tok, length, n, seed, o.repetition_chars,
+                                                             o.repetition_passage),
+         lambda e, out: {"chars": repetition_chars(out.text, e.continuation)}, _diverged),
+    Task("bpc", (("bpc", False),),
+         lambda tok, length, n, seed, o: bpc_examples(tok, length, n, seed, o.bpc_tokens),
+         lambda e, out: {"bpc": bits_per_character(out.logprobs, e.answer_chars)}),
+    Task("retrieval", (("exact_match", True), ("answer_nll", False)),
+         lambda tok, length, n, seed, o: retrieval_examples(tok, length, n, seed, o.retrieval_keys),
+         _score_question, _answers_question),
+    Task("diagnostics", (("topk_agreement", True), ("attn_rel_l2", False), ("top1_agreement", True)),
+         lambda tok, length, n, seed, o: bpc_examples(tok, length, n, seed, continuation_tokens=17, task="diagnostics"),
+         None),
+)}
