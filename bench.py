@@ -342,7 +342,7 @@ def cmd_decode(args) -> int:
     tok = load_tokenizer(args.checkpoint)
     model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
     starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps)
-    kernels = kernels_for(args.kernel, "cpu")  # both policies share the kernel family and the linears
+    kernels = kernels_for(args.kernel, "cpu", model_args)  # both policies share the kernel family and the linears
     settings = {"dense": AttentionSettings("dense"),
                 "sparq": AttentionSettings("sparq", sparq_r=args.sparq_r, sparq_k=args.sparq_k,
                                            sparq_local=args.sparq_local, sparq_mean_v=args.sparq_mean_v)}
@@ -367,7 +367,7 @@ def cmd_decode(args) -> int:
         model.setup_caches(max(batches), cache_length)
         with torch.no_grad():  # one dense prefill of the longest prompt serves every shorter context (causal)
             progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}")
-            prefill(model, prompt)
+            prefill(model, prompt, progress=True)
         for cache in model.caches:
             cache.broadcast_row(max(batches))
         weights = model.weight_bytes()

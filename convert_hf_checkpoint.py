@@ -1,15 +1,17 @@
-"""Convert a Hugging Face Llama/Mistral checkpoint or a llama.cpp GGUF file to our format.
+"""Convert a Hugging Face checkpoint or a llama.cpp GGUF file to our format.
 
     python convert_hf_checkpoint.py SRC [--out DIR]
 
 SRC is either
   * an HF model directory: config.json plus model.safetensors, sharded safetensors
-    (model.safetensors.index.json), pytorch_model.bin, or sharded .bin (pytorch_model.bin.index.json);
-  * a .gguf file of architecture "llama" (every tensor is dequantized to fp32).
+    (model.safetensors.index.json), pytorch_model.bin, or sharded .bin (pytorch_model.bin.index.json),
+    of a family in FAMILIES (Llama, Mistral, Qwen 2 / 2.5 / 3, Gemma 1 / 2 / 3, GPT-NeoX);
+  * a .gguf file of an architecture llama.cpp writes for those families (every tensor is
+    dequantized to fp32: F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quants, through `gguf`).
 
 Writes DIR/model.pth (a plain state dict, see model.py for the names), DIR/config.json
-(model.ModelArgs) and the tokenizer files (tokenizer.py). DIR defaults to checkpoints/<name>,
-<name> being the GGUF file stem or the HF directory name.
+(model.ModelArgs: every architecture switch spelled out) and the tokenizer files (tokenizer.py).
+DIR defaults to checkpoints/<name>, <name> being the GGUF file stem or the HF directory name.
 
 Strict: every source tensor is consumed or explicitly ignored, every shape is checked against the
 configuration; anything else is an error. User errors are one line on stderr and exit code 2.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -61,62 +64,170 @@ def _shape_str(shape) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The target layout, common to both source formats
+# Families: source tensor names by role, per format
 # ---------------------------------------------------------------------------------------------
+# Roles, per layer ({i}): attn_norm, q, k, v (or qkv, fused), o, q_norm, k_norm, post_attn_norm,
+# ffn_norm, post_ffn_norm, gate, up, down; and embed, norm, output. A bias is the role with
+# "_bias" (attn_norm_bias, q_bias, ...). Which roles a model has follows from its ModelArgs.
+
+_HF_LLAMA = {
+    "embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "output": "lm_head.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "q": "model.layers.{i}.self_attn.q_proj.weight", "k": "model.layers.{i}.self_attn.k_proj.weight",
+    "v": "model.layers.{i}.self_attn.v_proj.weight", "o": "model.layers.{i}.self_attn.o_proj.weight",
+    "q_bias": "model.layers.{i}.self_attn.q_proj.bias", "k_bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "v_bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight", "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "gate": "model.layers.{i}.mlp.gate_proj.weight", "up": "model.layers.{i}.mlp.up_proj.weight",
+    "down": "model.layers.{i}.mlp.down_proj.weight",
+}
+# Gemma 2 / 3: post_attention_layernorm is the norm AFTER attention; the MLP has its own pre-norm.
+_HF_GEMMA2 = {**_HF_LLAMA, "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+              "ffn_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+              "post_ffn_norm": "model.layers.{i}.post_feedforward_layernorm.weight"}
+_HF_NEOX = {
+    "embed": "gpt_neox.embed_in.weight", "norm": "gpt_neox.final_layer_norm.weight",
+    "norm_bias": "gpt_neox.final_layer_norm.bias", "output": "embed_out.weight",
+    "attn_norm": "gpt_neox.layers.{i}.input_layernorm.weight", "attn_norm_bias": "gpt_neox.layers.{i}.input_layernorm.bias",
+    "qkv": "gpt_neox.layers.{i}.attention.query_key_value.weight",
+    "qkv_bias": "gpt_neox.layers.{i}.attention.query_key_value.bias",
+    "o": "gpt_neox.layers.{i}.attention.dense.weight", "o_bias": "gpt_neox.layers.{i}.attention.dense.bias",
+    "ffn_norm": "gpt_neox.layers.{i}.post_attention_layernorm.weight",
+    "ffn_norm_bias": "gpt_neox.layers.{i}.post_attention_layernorm.bias",
+    "up": "gpt_neox.layers.{i}.mlp.dense_h_to_4h.weight", "up_bias": "gpt_neox.layers.{i}.mlp.dense_h_to_4h.bias",
+    "down": "gpt_neox.layers.{i}.mlp.dense_4h_to_h.weight", "down_bias": "gpt_neox.layers.{i}.mlp.dense_4h_to_h.bias",
+}
+_GGUF = {
+    "embed": "token_embd.weight", "norm": "output_norm.weight", "norm_bias": "output_norm.bias",
+    "output": "output.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight", "attn_norm_bias": "blk.{i}.attn_norm.bias",
+    "q": "blk.{i}.attn_q.weight", "k": "blk.{i}.attn_k.weight", "v": "blk.{i}.attn_v.weight",
+    "q_bias": "blk.{i}.attn_q.bias", "k_bias": "blk.{i}.attn_k.bias", "v_bias": "blk.{i}.attn_v.bias",
+    "qkv": "blk.{i}.attn_qkv.weight", "qkv_bias": "blk.{i}.attn_qkv.bias",
+    "o": "blk.{i}.attn_output.weight", "o_bias": "blk.{i}.attn_output.bias",
+    "q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight",
+    "ffn_norm": "blk.{i}.ffn_norm.weight", "ffn_norm_bias": "blk.{i}.ffn_norm.bias",
+    "post_ffn_norm": "blk.{i}.post_ffw_norm.weight",
+    "gate": "blk.{i}.ffn_gate.weight", "up": "blk.{i}.ffn_up.weight", "down": "blk.{i}.ffn_down.weight",
+    "up_bias": "blk.{i}.ffn_up.bias", "down_bias": "blk.{i}.ffn_down.bias",
+}
 
 
-def plan_targets(args: ModelArgs, names: dict[str, str], qkv_build: Callable[[int], Callable]) -> list[Target]:
-    """Our tensors in order. `names` maps our per-layer roles to source name templates ({i} = layer).
+def roles(args: ModelArgs, fused_qkv: bool) -> tuple[list[str], list[str]]:
+    """(global roles, per-layer roles) a model with these args has."""
+    layer = ["attn_norm", "o", "ffn_norm", "up", "down"] + (["qkv"] if fused_qkv else ["q", "k", "v"])
+    if args.norm == "layer":
+        layer += ["attn_norm_bias", "ffn_norm_bias"]
+    if args.qkv_bias:
+        layer += ["qkv_bias"] if fused_qkv else ["q_bias", "k_bias", "v_bias"]
+    if args.out_bias:
+        layer.append("o_bias")
+    if args.mlp_bias:
+        layer += ["up_bias", "down_bias"]
+    if args.mlp == "gated":
+        layer.append("gate")
+    if args.qk_norm:
+        layer += ["q_norm", "k_norm"]
+    if args.sandwich_norms:
+        layer += ["post_attn_norm", "post_ffn_norm"]
+    global_roles = ["embed", "norm"] + (["norm_bias"] if args.norm == "layer" else [])
+    if not args.tie_embeddings:
+        global_roles.append("output")
+    return global_roles, layer
 
-    Roles: embed, attn_norm, q, k, v, o, ffn_norm, gate, up, down, norm, output.
-    """
+
+def source_shapes(args: ModelArgs, fused_qkv: bool) -> dict[str, tuple[int, ...]]:
+    """The (PyTorch-order) shape of every role's tensor; per-layer roles are the same in each layer."""
     D, H, K, d, F, V = args.dim, args.n_head, args.n_kv_head, args.head_dim, args.intermediate_size, args.vocab_size
+    return {"embed": (V, D), "norm": (D,), "norm_bias": (D,), "output": (V, D),
+            "attn_norm": (D,), "attn_norm_bias": (D,), "q": (H * d, D), "k": (K * d, D), "v": (K * d, D),
+            "q_bias": (H * d,), "k_bias": (K * d,), "v_bias": (K * d,), "qkv": (3 * H * d, D), "qkv_bias": (3 * H * d,),
+            "o": (D, H * d), "o_bias": (D,), "q_norm": (d,), "k_norm": (d,), "post_attn_norm": (D,),
+            "ffn_norm": (D,), "ffn_norm_bias": (D,), "post_ffn_norm": (D,),
+            "gate": (F, D), "up": (F, D), "down": (D, F), "up_bias": (F,), "down_bias": (D,)}
+
+
+def split_neox_qkv(w: Tensor, n_head: int) -> Tensor:
+    """GPT-NeoX's fused query_key_value holds, per head, [q_h; k_h; v_h] (weight rows or bias):
+    reorder to our [Q; K; V] (every q head, then every k head, then every v head)."""
+    per_head = w.reshape(n_head, 3, -1, *w.shape[1:])  # (H, 3, d, ...)
+    return per_head.transpose(0, 1).reshape(w.shape)
+
+
+def plan_targets(args: ModelArgs, names: dict[str, str], fused_qkv: bool,
+                 qk_transform: Callable[[Tensor, int], Tensor] = lambda w, heads: w) -> list[Target]:
+    """Our tensors, in order, from the sources named by role (`names`, {i} = layer). qk_transform(w, heads)
+    maps a source q or k weight to the rotate-half layout (GGUF llama: undo llama.cpp's permutation)."""
+    D, H, K, d, F, V = args.dim, args.n_head, args.n_kv_head, args.head_dim, args.intermediate_size, args.vocab_size
+    _, layer_roles = roles(args, fused_qkv)
+    has = set(layer_roles)
     targets = [Target("tok_embeddings.weight", (V, D), [names["embed"]], _single)]
     for i in range(args.n_layer):
         src = {role: template.format(i=i) for role, template in names.items()}
         p = f"layers.{i}."
-        targets += [
-            Target(p + "attention_norm.weight", (D,), [src["attn_norm"]], _single),
-            Target(p + "attention.wqkv.weight", ((H + 2 * K) * d, D), [src["q"], src["k"], src["v"]], qkv_build(i)),
-            Target(p + "attention.wo.weight", (D, H * d), [src["o"]], _single),
-            Target(p + "ffn_norm.weight", (D,), [src["ffn_norm"]], _single),
-            Target(p + "feed_forward.w1.weight", (F, D), [src["gate"]], _single),
-            Target(p + "feed_forward.w3.weight", (F, D), [src["up"]], _single),
-            Target(p + "feed_forward.w2.weight", (D, F), [src["down"]], _single),
-        ]
+
+        if fused_qkv:  # GPT-NeoX: one fused tensor, per-head [q; k; v]
+            qkv_weight = ([src["qkv"]], lambda t: split_neox_qkv(t[0], H))
+            qkv_bias = ([src.get("qkv_bias")], lambda t: split_neox_qkv(t[0], H))
+        else:
+            qkv_weight = ([src["q"], src["k"], src["v"]],
+                          lambda t: torch.cat([qk_transform(t[0], H), qk_transform(t[1], K), t[2]]))
+            qkv_bias = ([src.get("q_bias"), src.get("k_bias"), src.get("v_bias")],
+                        lambda t: torch.cat([qk_transform(t[0], H), qk_transform(t[1], K), t[2]]))
+        targets.append(Target(p + "attention_norm.weight", (D,), [src["attn_norm"]], _single))
+        if "attn_norm_bias" in has:
+            targets.append(Target(p + "attention_norm.bias", (D,), [src["attn_norm_bias"]], _single))
+        targets.append(Target(p + "attention.wqkv.weight", ((H + 2 * K) * d, D), *qkv_weight))
+        if args.qkv_bias:
+            targets.append(Target(p + "attention.wqkv.bias", ((H + 2 * K) * d,), *qkv_bias))
+        if args.qk_norm:
+            targets += [Target(p + "attention.q_norm.weight", (d,), [src["q_norm"]], _single),
+                        Target(p + "attention.k_norm.weight", (d,), [src["k_norm"]], _single)]
+        targets.append(Target(p + "attention.wo.weight", (D, H * d), [src["o"]], _single))
+        if args.out_bias:
+            targets.append(Target(p + "attention.wo.bias", (D,), [src["o_bias"]], _single))
+        if args.sandwich_norms:
+            targets += [Target(p + "post_attention_norm.weight", (D,), [src["post_attn_norm"]], _single),
+                        Target(p + "post_ffn_norm.weight", (D,), [src["post_ffn_norm"]], _single)]
+        targets.append(Target(p + "ffn_norm.weight", (D,), [src["ffn_norm"]], _single))
+        if "ffn_norm_bias" in has:
+            targets.append(Target(p + "ffn_norm.bias", (D,), [src["ffn_norm_bias"]], _single))
+        # w1 is the activated projection: gate (gated MLP) or up (plain MLP); w3 the gated one's up.
+        first = "gate" if args.mlp == "gated" else "up"
+        targets.append(Target(p + "feed_forward.w1.weight", (F, D), [src[first]], _single))
+        if args.mlp == "gated":
+            targets.append(Target(p + "feed_forward.w3.weight", (F, D), [src["up"]], _single))
+        targets.append(Target(p + "feed_forward.w2.weight", (D, F), [src["down"]], _single))
+        if args.mlp_bias:
+            targets += [Target(p + "feed_forward.w1.bias", (F,), [src["up_bias"]], _single),
+                        Target(p + "feed_forward.w2.bias", (D,), [src["down_bias"]], _single)]
     targets.append(Target("norm.weight", (D,), [names["norm"]], _single))
+    if args.norm == "layer":
+        targets.append(Target("norm.bias", (D,), [names["norm_bias"]], _single))
     if not args.tie_embeddings:
         targets.append(Target("output.weight", (V, D), [names["output"]], _single))
     return targets
 
 
-def expected_source_shapes(args: ModelArgs, names: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    """The (PyTorch-order) shape every source tensor must have."""
-    D, H, K, d, F, V = args.dim, args.n_head, args.n_kv_head, args.head_dim, args.intermediate_size, args.vocab_size
-    shapes = {names["embed"]: (V, D), names["norm"]: (D,)}
-    if not args.tie_embeddings:
-        shapes[names["output"]] = (V, D)
-    per_layer = {"attn_norm": (D,), "q": (H * d, D), "k": (K * d, D), "v": (K * d, D), "o": (D, H * d),
-                 "ffn_norm": (D,), "gate": (F, D), "up": (F, D), "down": (D, F)}
-    for i in range(args.n_layer):
-        for role, shape in per_layer.items():
-            shapes[names[role].format(i=i)] = shape
-    return shapes
-
-
-def check_sources(args: ModelArgs, names: dict[str, str], source_shapes: dict[str, tuple[int, ...]],
+def check_sources(args: ModelArgs, names: dict[str, str], fused_qkv: bool, shapes: dict[str, tuple[int, ...]],
                   ignored: Callable[[str], bool], what: str) -> None:
     """Every expected tensor present with its shape, every other tensor explicitly ignored."""
-    expected = expected_source_shapes(args, names)
-    missing = [n for n in expected if n not in source_shapes]
+    global_roles, layer_roles = roles(args, fused_qkv)
+    role_shapes = source_shapes(args, fused_qkv)
+    expected = {names[r]: role_shapes[r] for r in global_roles}
+    for i in range(args.n_layer):
+        expected.update({names[r].format(i=i): role_shapes[r] for r in layer_roles})
+    missing = [n for n in expected if n not in shapes]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConversionError(f"{what}: missing tensor {missing[0]}{more}")
     for name, shape in expected.items():
-        if tuple(source_shapes[name]) != tuple(shape):
-            raise ConversionError(f"{what}: tensor {name} has shape {_shape_str(source_shapes[name])}, "
+        if tuple(shapes[name]) != tuple(shape):
+            raise ConversionError(f"{what}: tensor {name} has shape {_shape_str(shapes[name])}, "
                                   f"the config implies {_shape_str(shape)}")
-    leftover = sorted(n for n in source_shapes if n not in expected and not ignored(n))
+    leftover = sorted(n for n in shapes if n not in expected and not ignored(n))
     if leftover:
         more = f" (and {len(leftover) - 1} more)" if len(leftover) > 1 else ""
         raise ConversionError(f"{what}: unexpected tensor {leftover[0]}{more}; this architecture variant "
@@ -143,24 +254,85 @@ def build_state_dict(targets: list[Target], load: Callable[[str], Tensor], desc:
 # Hugging Face directories
 # ---------------------------------------------------------------------------------------------
 
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral"}
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                  "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
-HF_NAMES = {
-    "embed": "model.embed_tokens.weight",
-    "attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "q": "model.layers.{i}.self_attn.q_proj.weight",
-    "k": "model.layers.{i}.self_attn.k_proj.weight",
-    "v": "model.layers.{i}.self_attn.v_proj.weight",
-    "o": "model.layers.{i}.self_attn.o_proj.weight",
-    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "gate": "model.layers.{i}.mlp.gate_proj.weight",
-    "up": "model.layers.{i}.mlp.up_proj.weight",
-    "down": "model.layers.{i}.mlp.down_proj.weight",
-    "norm": "model.norm.weight",
-    "output": "lm_head.weight",
-}
-HF_IGNORED = re.compile(r"^model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
+
+@dataclass(frozen=True)
+class HFFamily:
+    """How one HF architecture maps to ModelArgs and to our tensors."""
+
+    name: str  # ModelArgs.architecture
+    architectures: tuple[str, ...]  # config.json "architectures"
+    model_types: tuple[str, ...]  # config.json "model_type" (when "architectures" is absent)
+    names: dict[str, str]  # role -> source tensor name template
+    switches: Callable[[dict], dict] = lambda config: {}  # extra ModelArgs fields from the config
+    fused_qkv: bool = False
+    ignored: re.Pattern = re.compile(r"^model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
+
+
+def _sliding(config: dict) -> dict:
+    """Mistral / Gemma 2 / Gemma 3 sliding-window layers: config's layer_types (or the family default)."""
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    if not window or not types:
+        return {}
+    kinds = ["window" if t == "sliding_attention" else "global" for t in types]
+    if any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ConversionError(f"unsupported layer_types {sorted(set(types))}")
+    return {"sliding_window": int(window), "layer_types": kinds if "window" in kinds else None}
+
+
+def _gemma(config: dict, version: int) -> dict:
+    switches = {"norm_offset": 1.0, "embedding_scale": math.sqrt(config["hidden_size"])}
+    if version >= 2:
+        scalar = config.get("query_pre_attn_scalar")
+        switches.update(sandwich_norms=True, **_sliding(config),
+                        attn_scale=None if scalar is None else float(scalar) ** -0.5,
+                        attn_softcap=config.get("attn_logit_softcapping"),
+                        final_softcap=config.get("final_logit_softcapping"))
+    if version == 3:
+        switches["qk_norm"] = True
+        local = (config.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
+        switches["rope_local_base"] = float(local if local is not None else config.get("rope_local_base_freq", 10000.0))
+    return switches
+
+
+def _mistral(config: dict) -> dict:
+    window = config.get("sliding_window")
+    if window and int(window) < int(config.get("max_position_embeddings") or 0):
+        return {"sliding_window": int(window), "layer_types": ["window"] * int(config["num_hidden_layers"])}
+    return {}
+
+
+def _qwen(config: dict) -> dict:
+    if config.get("use_sliding_window"):
+        raise ConversionError("unsupported: this Qwen config turns use_sliding_window on (no released "
+                              "checkpoint does); set it false to run every layer with full attention")
+    return {}
+
+
+def _neox(config: dict) -> dict:
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    params = config.get("rope_parameters") or {}
+    pct = params.get("partial_rotary_factor", config.get("rotary_pct", config.get("partial_rotary_factor", 1.0)))
+    return {"norm": "layer", "norm_eps": float(config.get("layer_norm_eps", 1e-5)), "mlp": "plain",
+            "qkv_bias": bool(config.get("attention_bias", True)), "out_bias": bool(config.get("attention_bias", True)),
+            "mlp_bias": True, "parallel_residual": bool(config.get("use_parallel_residual", True)),
+            "rotary_dim": int(head_dim * pct), "intermediate_size": int(config.get("intermediate_size") or 4 * config["hidden_size"])}
+
+
+HF_FAMILIES = [
+    HFFamily("llama", ("LlamaForCausalLM",), ("llama",), _HF_LLAMA),
+    HFFamily("mistral", ("MistralForCausalLM",), ("mistral",), _HF_LLAMA, _mistral),
+    HFFamily("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _HF_LLAMA, lambda c: {**_qwen(c), "qkv_bias": True}),
+    HFFamily("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _HF_LLAMA, lambda c: {**_qwen(c), "qk_norm": True}),
+    HFFamily("gemma", ("GemmaForCausalLM",), ("gemma",), _HF_LLAMA, lambda c: _gemma(c, 1)),
+    HFFamily("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), _HF_GEMMA2, lambda c: _gemma(c, 2)),
+    HFFamily("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), _HF_GEMMA2, lambda c: _gemma(c, 3)),
+    HFFamily("gpt_neox", ("GPTNeoXForCausalLM",), ("gpt_neox",), _HF_NEOX, _neox, fused_qkv=True,
+             ignored=re.compile(r"^gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")),
+]
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -184,51 +356,50 @@ def _int_list(value) -> list[int]:
 
 
 def hf_rope(config: dict) -> tuple[float, Optional[dict]]:
-    """(rope_theta, rope_scaling) from an old-style (rope_theta + rope_scaling) or a transformers-5
-    style (rope_parameters) config."""
+    """(rope_theta, rope_scaling) of the global layers, from an old-style (rope_theta + rope_scaling)
+    or a transformers-5 style (rope_parameters, maybe per layer type) config."""
     params = config.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type parameters
         params = params["full_attention"]
     scaling = dict(params) if isinstance(params, dict) else dict(config.get("rope_scaling") or {})
     theta = scaling.pop("rope_theta", None)
     if theta is None:
-        theta = config.get("rope_theta", 10000.0)
+        theta = config.get("rope_theta", config.get("rotary_emb_base", 10000.0))
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None)
     scaling.pop("type", None)
+    scaling.pop("partial_rotary_factor", None)  # GPT-NeoX: read by _neox
     if rope_type in (None, "default"):
         return float(theta), None
+    if rope_type == "linear":
+        return float(theta), {"rope_type": "linear", "factor": float(scaling["factor"])}
     if rope_type != "llama3":
-        raise ConversionError(f"unsupported rope scaling type {rope_type!r} (only Llama 3.1 'llama3' is)")
+        raise ConversionError(f"unsupported rope scaling type {rope_type!r} (supported: llama3, linear)")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     if any(k not in scaling for k in keys):
         raise ConversionError(f"llama3 rope scaling needs {', '.join(keys)}; config has {sorted(scaling)}")
     return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
 
 
-def hf_architecture(config: dict) -> str:
-    """'llama' or 'mistral', or a ConversionError for anything else."""
+def hf_family(config: dict) -> HFFamily:
+    """The family of an HF config, or a one-line ConversionError naming the supported ones."""
     architectures = config.get("architectures") or []
     if isinstance(architectures, str):
         architectures = [architectures]
-    known = [HF_ARCHITECTURES[a] for a in architectures if a in HF_ARCHITECTURES]
-    if architectures and not known:
-        raise ConversionError(f"unsupported architecture {', '.join(map(str, architectures))} "
-                              f"(supported: {', '.join(HF_ARCHITECTURES)})")
-    if not architectures:
-        model_type = config.get("model_type")
-        if model_type not in HF_MODEL_TYPES:
-            raise ConversionError(f"unsupported model_type {model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})")
-        known = [HF_MODEL_TYPES[model_type]]
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ConversionError("unsupported: this checkpoint has attention/MLP biases")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ConversionError(f"unsupported activation {config.get('hidden_act')!r} (expected silu)")
-    return known[0]
+    supported = ", ".join(a for f in HF_FAMILIES for a in f.architectures)
+    for family in HF_FAMILIES:
+        if any(a in family.architectures for a in architectures):
+            return family
+    if architectures:
+        raise ConversionError(f"unsupported architecture {', '.join(map(str, architectures))} (supported: {supported})")
+    model_type = config.get("model_type")
+    for family in HF_FAMILIES:
+        if model_type in family.model_types:
+            return family
+    raise ConversionError(f"unsupported model_type {model_type!r} (supported: "
+                          f"{', '.join(t for f in HF_FAMILIES for t in f.model_types)})")
 
 
-def hf_model_args(config: dict, hf_dir: Path, has_lm_head: bool) -> ModelArgs:
-    architecture = hf_architecture(config)
-
+def hf_model_args(config: dict, hf_dir: Path, family: HFFamily, has_lm_head: bool) -> ModelArgs:
     def need(key):
         if key not in config or config[key] is None:
             raise ConversionError(f"config.json ({hf_dir}) lacks {key}")
@@ -238,14 +409,13 @@ def hf_model_args(config: dict, hf_dir: Path, has_lm_head: bool) -> ModelArgs:
     n_kv = int(config.get("num_key_value_heads") or n_head)
     head_dim = config.get("head_dim") or dim // n_head
     rope_base, rope_scaling = hf_rope(config)
-    max_context = int(config.get("max_position_embeddings") or 4096)
-    sliding_window = config.get("sliding_window")
-    if sliding_window and int(sliding_window) < max_context:
-        # Our attention is always full. Within sliding_window positions a sliding-window model
-        # computes exactly full attention, so we only claim a context where the two agree.
-        print(f"note: the model uses sliding-window attention (window {sliding_window}); our attention is "
-              f"full, so max_context is capped from {max_context} to {sliding_window}", file=sys.stderr)
-        max_context = int(sliding_window)
+    act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if act not in HF_ACTIVATIONS:
+        raise ConversionError(f"unsupported activation {act!r} (supported: {', '.join(HF_ACTIVATIONS)})")
+    if family.name in ("llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3") and config.get("attention_bias"):
+        raise ConversionError(f"unsupported: this {family.name} checkpoint has attention biases")
+    if config.get("mlp_bias"):
+        raise ConversionError("unsupported: this checkpoint has MLP biases")
 
     eos_ids = _int_list(config.get("eos_token_id"))
     generation = hf_dir / "generation_config.json"
@@ -260,13 +430,15 @@ def hf_model_args(config: dict, hf_dir: Path, has_lm_head: bool) -> ModelArgs:
     bos = config.get("bos_token_id")
     if isinstance(bos, list):
         bos = bos[0] if bos else None
-    return ModelArgs(
+    fields = dict(
         vocab_size=int(need("vocab_size")), dim=dim, n_layer=int(need("num_hidden_layers")), n_head=n_head,
-        n_kv_head=n_kv, head_dim=int(head_dim), intermediate_size=int(need("intermediate_size")),
+        n_kv_head=n_kv, head_dim=int(head_dim), intermediate_size=int(config.get("intermediate_size") or 0),
         rope_base=rope_base, rope_scaling=rope_scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(tied), max_context=max_context,
-        architecture=architecture, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
-    )
+        tie_embeddings=bool(tied), max_context=int(config.get("max_position_embeddings") or 4096),
+        architecture=family.name, bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
+        activation=HF_ACTIVATIONS[act])
+    fields.update(family.switches(config))
+    return ModelArgs(**fields)
 
 
 class HFTensors:
@@ -352,23 +524,24 @@ class HFTensors:
 
 def convert_hf(hf_dir: Path, out_dir: Path) -> ModelArgs:
     config = _read_json(hf_dir / "config.json", "config.json")
-    hf_architecture(config)  # unsupported architectures fail before the weights are read
+    family = hf_family(config)  # unsupported architectures fail before the weights are read
     tensors = HFTensors(hf_dir)
+    names = family.names
     try:
-        args = hf_model_args(config, hf_dir, has_lm_head=HF_NAMES["output"] in tensors.shapes)
-    except (TypeError, ValueError, ZeroDivisionError) as e:
+        args = hf_model_args(config, hf_dir, family, has_lm_head=names["output"] in tensors.shapes)
+    except (TypeError, ValueError, ZeroDivisionError, KeyError) as e:
         raise ConversionError(f"config.json ({hf_dir}) has an invalid value: {e}") from None
     what = f"checkpoint {hf_dir}"
-    tied_lm_head = args.tie_embeddings and HF_NAMES["output"] in tensors.shapes
-    check_sources(args, HF_NAMES, tensors.shapes,
-                  lambda n: bool(HF_IGNORED.match(n)) or (tied_lm_head and n == HF_NAMES["output"]), what)
+    tied_lm_head = args.tie_embeddings and names["output"] in tensors.shapes
+    check_sources(args, names, family.fused_qkv, tensors.shapes,
+                  lambda n: bool(family.ignored.match(n)) or (tied_lm_head and n == names["output"]), what)
     if tied_lm_head:
         # Some tied checkpoints still store lm_head: accept it only when it is the embedding.
-        lm_head, embed = tensors.load(HF_NAMES["output"]), tensors.load(HF_NAMES["embed"])
+        lm_head, embed = tensors.load(names["output"]), tensors.load(names["embed"])
         if lm_head.shape != embed.shape or not torch.equal(lm_head, embed):
             raise ConversionError(f"{what}: tie_word_embeddings is set but lm_head.weight differs from the embedding")
     # HF stores q and k in the rotate-half layout our RoPE uses: fuse them as they are.
-    targets = plan_targets(args, HF_NAMES, lambda i: _concat)
+    targets = plan_targets(args, names, family.fused_qkv)
     state = build_state_dict(targets, tensors.load, f"converting {hf_dir.name}")
     save_checkpoint(state, args, out_dir)
     write_tokenizer(lambda tokenizer: tokenizer.copy_tokenizer_files(hf_dir, out_dir))
@@ -379,21 +552,63 @@ def convert_hf(hf_dir: Path, out_dir: Path) -> ModelArgs:
 # GGUF files (llama.cpp)
 # ---------------------------------------------------------------------------------------------
 
-GGUF_NAMES = {
-    "embed": "token_embd.weight",
-    "attn_norm": "blk.{i}.attn_norm.weight",
-    "q": "blk.{i}.attn_q.weight",
-    "k": "blk.{i}.attn_k.weight",
-    "v": "blk.{i}.attn_v.weight",
-    "o": "blk.{i}.attn_output.weight",
-    "ffn_norm": "blk.{i}.ffn_norm.weight",
-    "gate": "blk.{i}.ffn_gate.weight",
-    "up": "blk.{i}.ffn_up.weight",
-    "down": "blk.{i}.ffn_down.weight",
-    "norm": "output_norm.weight",
-    "output": "output.weight",
-}
 GGUF_ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 GGUFs store the llama3 rope factors as a tensor
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """What an architecture llama.cpp writes needs beyond the common keys (`{arch}.block_count`...).
+
+    llama.cpp permutes q/k rows into interleaved RoPE pairs for llama only (its converter's
+    LlamaModel); the others keep HF's rotate-half rows. It stores Gemma's RMSNorm weights with the
+    +1 already added, so they load with norm_offset 0; Gemma's embedding scale, sliding-window
+    pattern and local RoPE base are not in the file: llama.cpp (and transformers' GGUF loader)
+    take them from the family, as done here.
+    """
+
+    family: str  # ModelArgs.architecture
+    switches: Callable[[Callable, dict], dict] = lambda field_, shapes: {}  # extra ModelArgs fields
+    permuted_qk: bool = False
+    fused_qkv: bool = False
+
+
+def _gguf_gemma(version: int) -> Callable[[Callable, dict], dict]:
+    def switches(field_, shapes) -> dict:
+        dim, n_layer = int(field_("embedding_length")), int(field_("block_count"))
+        out = {"embedding_scale": math.sqrt(dim), "activation": "gelu_tanh"}
+        if version >= 2:
+            pattern = 2 if version == 2 else 6  # every 2nd (Gemma 2) / 6th (Gemma 3) layer is global
+            window = field_("attention.sliding_window")
+            out.update(sandwich_norms=True, attn_softcap=field_("attn_logit_softcapping"),
+                       final_softcap=field_("final_logit_softcapping"))
+            if window:
+                out.update(sliding_window=int(window),
+                           layer_types=["global" if (i + 1) % pattern == 0 else "window" for i in range(n_layer)])
+        if version == 3:
+            out.update(qk_norm=True, rope_local_base=10000.0)
+            if field_("rope.scaling.type") == "linear":
+                out["rope_scaling"] = {"rope_type": "linear", "factor": float(field_("rope.scaling.factor"))}
+        return out
+    return switches
+
+
+def _gguf_neox(field_, shapes) -> dict:
+    head_dim = int(field_("embedding_length")) // int(field_("attention.head_count"))
+    return {"norm": "layer", "norm_eps": float(field_("attention.layer_norm_epsilon")), "mlp": "plain",
+            "qkv_bias": True, "out_bias": True, "mlp_bias": True, "activation": "gelu",
+            "parallel_residual": bool(field_("use_parallel_residual", True)),
+            "rotary_dim": int(field_("rope.dimension_count", head_dim))}
+
+
+GGUF_ARCHS = {
+    "llama": GGUFArch("llama", permuted_qk=True),
+    "qwen2": GGUFArch("qwen2", lambda f, shapes: {"qkv_bias": True}),
+    "qwen3": GGUFArch("qwen3", lambda f, shapes: {"qk_norm": True}),
+    "gemma": GGUFArch("gemma", _gguf_gemma(1)),
+    "gemma2": GGUFArch("gemma2", _gguf_gemma(2)),
+    "gemma3": GGUFArch("gemma3", _gguf_gemma(3)),
+    "gptneox": GGUFArch("gpt_neox", _gguf_neox, fused_qkv=True),
+}
 
 
 def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:
@@ -407,11 +622,11 @@ def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:
 
 
 def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
+    field_ = reader.fields.get(key)
+    if field_ is None:
         return default
     try:
-        return field.contents()
+        return field_.contents()
     except Exception as e:
         raise ConversionError(f"corrupt GGUF metadata {key}: {e}") from None
 
@@ -431,33 +646,36 @@ def _llama3_rope_from_freqs(freqs: Tensor, rope_base: float, head_dim: int) -> d
     raise ConversionError("unsupported rope_freqs tensor: not a recognisable Llama 3.1 rope scaling")
 
 
-def gguf_model_args(reader, tensor_shapes: dict[str, tuple[int, ...]], path: Path) -> ModelArgs:
-    arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ConversionError(f"unsupported GGUF architecture {arch!r} (supported: 'llama')")
+def gguf_model_args(reader, tensor_shapes: dict[str, tuple[int, ...]], path: Path) -> tuple[ModelArgs, GGUFArch]:
+    arch_name = _gguf_field(reader, "general.architecture")
+    if arch_name not in GGUF_ARCHS:
+        raise ConversionError(f"unsupported GGUF architecture {arch_name!r} (supported: {', '.join(GGUF_ARCHS)})")
+    arch = GGUF_ARCHS[arch_name]
+
+    def field_(key, default=None):
+        return _gguf_field(reader, f"{arch_name}.{key}", default)
 
     def need(key):
-        value = _gguf_field(reader, f"llama.{key}")
+        value = field_(key)
         if value is None:
-            raise ConversionError(f"GGUF file {path} lacks llama.{key}")
+            raise ConversionError(f"GGUF file {path} lacks {arch_name}.{key}")
         return value
 
     dim, n_head = int(need("embedding_length")), int(need("attention.head_count"))
-    n_kv = int(_gguf_field(reader, "llama.attention.head_count_kv", n_head))
-    head_dim = int(_gguf_field(reader, "llama.rope.dimension_count", dim // n_head))
-    if head_dim != _gguf_field(reader, "llama.attention.key_length", head_dim):
-        raise ConversionError("unsupported: rope.dimension_count differs from attention.key_length (partial RoPE)")
-    vocab = _gguf_field(reader, "llama.vocab_size")
+    n_kv = int(field_("attention.head_count_kv", n_head))
+    head_dim = int(field_("attention.key_length", dim // n_head))
+    if arch_name != "gptneox" and int(field_("rope.dimension_count", head_dim)) != head_dim:
+        raise ConversionError("unsupported: rope.dimension_count differs from the head dim (partial RoPE)")
+    vocab = field_("vocab_size")
     if vocab is None:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is None:
-            raise ConversionError(f"GGUF file {path} has neither llama.vocab_size nor tokenizer.ggml.tokens")
+            raise ConversionError(f"GGUF file {path} has neither {arch_name}.vocab_size nor tokenizer.ggml.tokens")
         vocab = len(tokens.data)
-    scaling_type = _gguf_field(reader, "llama.rope.scaling.type", "none")
-    if scaling_type not in ("none", None):
+    scaling_type = field_("rope.scaling.type", "none")
+    if scaling_type not in ("none", None) and not (arch_name == "gemma3" and scaling_type == "linear"):
         raise ConversionError(f"unsupported GGUF rope scaling {scaling_type!r}")
-    rope_base = float(_gguf_field(reader, "llama.rope.freq_base", 10000.0))
-    if _gguf_field(reader, "llama.expert_count", 0):
+    if field_("expert_count", 0):
         raise ConversionError("unsupported: mixture-of-experts GGUF")
     eos_ids = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -465,57 +683,66 @@ def gguf_model_args(reader, tensor_shapes: dict[str, tuple[int, ...]], path: Pat
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
     bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelArgs(
+    fields = dict(
         vocab_size=int(vocab), dim=dim, n_layer=int(need("block_count")), n_head=n_head, n_kv_head=n_kv,
-        head_dim=head_dim, intermediate_size=int(need("feed_forward_length")), rope_base=rope_base,
-        rope_scaling=None, norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        tie_embeddings=GGUF_NAMES["output"] not in tensor_shapes,
-        max_context=int(_gguf_field(reader, "llama.context_length", 4096)), architecture="llama",
-        bos_id=None if bos is None else int(bos), eos_ids=eos_ids,
-    )
+        head_dim=head_dim, intermediate_size=int(need("feed_forward_length")),
+        rope_base=float(field_("rope.freq_base", 10000.0)), rope_scaling=None,
+        norm_eps=float(field_("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings=GGUF_NAMES_OUTPUT not in tensor_shapes, max_context=int(field_("context_length", 4096)),
+        architecture=arch.family, bos_id=None if bos is None else int(bos), eos_ids=eos_ids)
+    fields.update(arch.switches(field_, tensor_shapes))
+    return ModelArgs(**fields), arch
+
+
+GGUF_NAMES_OUTPUT = _GGUF["output"]
+
+
+def gguf_shape(tensor) -> tuple[int, ...]:
+    """GGUF lists dimensions fastest-first (ne0 = columns): PyTorch order is the reverse."""
+    return tuple(int(s) for s in reversed(tensor.shape.tolist()))
+
+
+def read_gguf_tensor(tensor) -> Tensor:
+    """One tensor of a GGUFReader, dequantized to fp32 by the `gguf` package (F32, F16, BF16, Q4_0,
+    Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q8_K), in PyTorch order."""
+    import gguf
+    import numpy as np
+
+    shape = gguf_shape(tensor)
+    try:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ConversionError(f"tensor {tensor.name}: GGUF type {tensor.tensor_type.name} cannot be dequantized") from None
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if array.size != int(np.prod(shape)):
+        raise ConversionError(f"corrupt GGUF tensor {tensor.name}: {array.size} values for shape {_shape_str(shape)}")
+    return torch.from_numpy(array.reshape(shape).copy())
 
 
 def convert_gguf(path: Path, out_dir: Path) -> ModelArgs:
     import gguf
-    import numpy as np
 
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # truncated/corrupt files raise ValueError, struct errors, ...
         raise ConversionError(f"corrupt GGUF file {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     tensors = {t.name: t for t in reader.tensors}
-    # GGUF lists dimensions fastest-first (ne0 = columns): PyTorch order is the reverse.
-    shapes = {name: tuple(int(s) for s in reversed(t.shape.tolist())) for name, t in tensors.items()}
+    shapes = {name: gguf_shape(t) for name, t in tensors.items()}
     try:
-        args = gguf_model_args(reader, shapes, path)
+        args, arch = gguf_model_args(reader, shapes, path)
     except (TypeError, ValueError, ZeroDivisionError) as e:
         raise ConversionError(f"GGUF file {path} has an invalid metadata value: {e}") from None
 
     def load(name: str) -> Tensor:
-        t = tensors[name]
-        try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ConversionError(f"tensor {name}: GGUF type {t.tensor_type.name} cannot be dequantized") from None
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        if array.size != int(np.prod(shapes[name])):
-            raise ConversionError(f"corrupt GGUF tensor {name}: {array.size} values for shape {_shape_str(shapes[name])}")
-        return torch.from_numpy(array.reshape(shapes[name]).copy())
+        return read_gguf_tensor(tensors[name])
 
     if GGUF_ROPE_FREQS in shapes:
         if shapes[GGUF_ROPE_FREQS] != (args.head_dim // 2,):
             raise ConversionError(f"tensor {GGUF_ROPE_FREQS} has shape {_shape_str(shapes[GGUF_ROPE_FREQS])}, "
                                   f"expected ({args.head_dim // 2},)")
         args.rope_scaling = _llama3_rope_from_freqs(load(GGUF_ROPE_FREQS), args.rope_base, args.head_dim)
-    check_sources(args, GGUF_NAMES, shapes, lambda n: n == GGUF_ROPE_FREQS, f"GGUF file {path}")
-
-    def qkv_build(i: int):
-        def build(qkv: list[Tensor]) -> Tensor:
-            q, k, v = qkv
-            return torch.cat([unpermute_qk(q, args.n_head), unpermute_qk(k, args.n_kv_head), v], dim=0)
-        return build
-
-    targets = plan_targets(args, GGUF_NAMES, qkv_build)
+    check_sources(args, _GGUF, arch.fused_qkv, shapes, lambda n: n == GGUF_ROPE_FREQS, f"GGUF file {path}")
+    targets = plan_targets(args, _GGUF, arch.fused_qkv, unpermute_qk if arch.permuted_qk else lambda w, heads: w)
     state = build_state_dict(targets, load, f"converting {path.name}")
     save_checkpoint(state, args, out_dir)
     write_tokenizer(lambda tokenizer: tokenizer.write_tokenizer_from_gguf(reader, out_dir))
@@ -542,29 +769,25 @@ def write_tokenizer(write: Callable) -> None:
         raise ConversionError(f"cannot write the tokenizer files: {e}") from None
 
 
-def _atomic_write(path: Path, write: Callable) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def save_checkpoint(state: dict[str, Tensor], args: ModelArgs, out_dir: Path) -> None:
-    """model.pth then config.json, each written to a temporary file and renamed into place."""
+    """model.pth and config.json, both written to temporary files first and renamed into place only
+    once both are complete: an interrupted conversion leaves the previous checkpoint (or none), never
+    a half-written model.pth."""
+    model_tmp, config_tmp = out_dir / "model.pth.tmp", out_dir / "config.json.tmp"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         # torch.save to a file object: the zip records are named "archive/..." whatever the file name,
         # so the same conversion always produces the same bytes.
-        _atomic_write(out_dir / "model.pth", lambda f: torch.save(state, f))
-        config = out_dir / "config.json.tmp"
-        args.to_json(config)
-        os.replace(config, out_dir / "config.json")
+        with open(model_tmp, "wb") as f:
+            torch.save(state, f)
+        args.to_json(config_tmp)
+        os.replace(model_tmp, out_dir / "model.pth")
+        os.replace(config_tmp, out_dir / "config.json")
     except OSError as e:
         raise ConversionError(f"cannot write to {out_dir}: {e}") from None
+    finally:
+        for tmp in (model_tmp, config_tmp):
+            tmp.unlink(missing_ok=True)
 
 
 def default_out_dir(src: Path) -> Path:

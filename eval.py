@@ -42,10 +42,12 @@ from torch import Tensor
 import cli
 import data
 from cli import UserError
-from generate import DTYPES, decode_step, kernels_for, load_checkpoint, load_tokenizer, prefill, sample
+from generate import (DTYPES, decode_step, kernels_for, load_checkpoint, load_tokenizer, model_args, prefill,
+                      sample)
 from kernels import KERNEL_CHOICES
-from model import DecodePolicy, DenseDecode, ModelArgs, Transformer
-from sparq import POLICIES, AttentionSettings, policy_factory, selection_agreement, settings_for_compression
+from model import DecodePolicy, ModelArgs, Transformer
+from sparq import (POLICIES, AttentionSettings, model_compression, policy_factory, selection_agreement,
+                   settings_for_compression)
 from tasks import TASKS, Example, Outcome, TaskOptions
 
 DEFAULT_LENGTH = 2048
@@ -211,11 +213,9 @@ class Runner:
         return policies
 
     def achieved(self, config: Config, steps: int) -> float:
-        """Transfers / dense averaged over decode steps at lengths T+1 .. T+steps."""
-        d = self.model.args.head_dim
-        policy, dense = config.layers[0], DenseDecode()
+        """Transfers / dense over every layer, averaged over decode steps at lengths T+1 .. T+steps."""
         lengths = range(self.T + 1, self.T + 1 + max(steps, 1))
-        return sum(policy.transfer_elements(s, d) for s in lengths) / sum(dense.transfer_elements(s, d) for s in lengths)
+        return sum(model_compression(self.model, s, config.layers) for s in lengths) / len(lengths)
 
     @torch.no_grad()
     def teacher_force(self, config: Config, targets: list[list[int]]) -> tuple[list[list[float]], list[list[int]], int]:
@@ -344,8 +344,10 @@ class Probe(DecodePolicy):
 
     name = "probe"
 
-    def __init__(self, policies: list[tuple[int, DecodePolicy]], sparq: list[tuple[int, int]], k: int):
+    def __init__(self, dense: DecodePolicy, policies: list[tuple[int, DecodePolicy]], sparq: list[tuple[int, int]],
+                 k: int):
         super().__init__()
+        self.dense = dense  # the layer's dense policy (its soft-cap, its kernels)
         self._policies = policies  # (config index, policy)
         self._sparq = sparq  # (config index, r)
         self.k = k
@@ -353,7 +355,7 @@ class Probe(DecodePolicy):
         self.agreement: dict[int, Tensor] = {}  # config index -> (B,)
 
     def forward(self, q: Tensor, cache, length: int) -> Tensor:
-        y = DenseDecode()(q, cache, length)
+        y = self.dense(q, cache, length)
         B = q.shape[0]
         yf = y.float().reshape(B, -1)
         for index, policy in self._policies:
@@ -374,7 +376,7 @@ def diagnose_batch(runner: Runner, examples: list[Example], configs: list[Config
     for i in range(model.args.n_layer):
         policies = [(ci, copy.deepcopy(c.layers[i])) for ci, c in enumerate(configs)]
         sparq = [(ci, c.budget.r) for ci, c in enumerate(configs) if c.method == "sparq"]
-        probes.append(Probe(policies, sparq, runner.base.sparq_k))
+        probes.append(Probe(configs[0].layers[i], policies, sparq, runner.base.sparq_k))  # configs[0] is dense
     model.set_decode_attention(lambda i: probes[i])
     with torch.no_grad():
         token = torch.tensor([[e.answer[0]] for e in examples], device=runner.device)
@@ -651,7 +653,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    kernels = kernels_for(args.kernel, "cpu")
+    kernels = kernels_for(args.kernel, "cpu", model_args(args.checkpoint))
     model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels)
     tokenizer = load_tokenizer(args.checkpoint)
     for task, task_lengths in lengths.items():

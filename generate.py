@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -27,7 +27,9 @@ import tokenizer as tokenizer_module
 from cli import UserError
 from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
 from model import Transformer, checkpoint_paths, load_model
-from sparq import POLICIES, AttentionSettings, add_attention_flags, attention_settings, compression_ratio, policy_factory
+from model import ModelArgs
+from sparq import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
+                   model_compression, policy_factory)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,10 +51,29 @@ def sample(logits: Tensor, temperature: float, top_k: Optional[int]) -> Tensor:
     return torch.multinomial(probs, num_samples=1).squeeze(-1)
 
 
-def prefill(model: Transformer, prompt: Tensor) -> Tensor:
-    """prompt (B, T) at positions [0, T) -> logits (B, vocab) of the last position."""
+PREFILL_CHUNK = 2048  # prompt tokens per prefill step: memory stays bounded at any prompt length
+
+
+def prefill_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, end: int) -> Tensor:
+    """tokens (B, T) at positions input_pos = [end - T, end) -> logits (B, vocab) of the last one."""
+    return model(tokens, input_pos, end)
+
+
+def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step: Callable = prefill_chunk,
+            progress: bool = False) -> Tensor:
+    """prompt (B, T) at positions [0, T), in chunks of `chunk` tokens (each attends to the cache the
+    chunks before it wrote) -> logits (B, vocab) of the last position. progress: a bar on stderr."""
+    from tqdm import tqdm
+
     T = prompt.shape[1]
-    return model(prompt, torch.arange(T, device=prompt.device), T)
+    starts = range(0, T, chunk)
+    with tqdm(total=T, desc="prefill", unit="tok", file=sys.stderr, disable=not progress or len(starts) < 2,
+              leave=False) as bar:
+        for start in starts:
+            end = min(start + chunk, T)
+            logits = step(model, prompt[:, start:end], torch.arange(start, end, device=prompt.device), end)
+            bar.update(end - start)
+    return logits
 
 
 def decode_step(model: Transformer, token: Tensor, input_pos: Tensor, length: int) -> Tensor:
@@ -78,16 +99,18 @@ class Generator:
     top_k: Optional[int] = None
     compile_decode: bool = False
     compile_prefill: bool = False
+    prefill_chunk: int = PREFILL_CHUNK
+    progress: bool = False  # a progress bar over long prefills
 
     def __post_init__(self):
-        self._prefill = prefill
+        self._prefill_chunk = prefill_chunk
         self._decode = decode_step
         device_type = self.model.device.type
         if self.compile_decode:
             mode = "reduce-overhead" if device_type == "cuda" else None
             self._decode = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=True)
         if self.compile_prefill:
-            self._prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+            self._prefill_chunk = torch.compile(prefill_chunk, fullgraph=True, dynamic=True)
 
     @torch.no_grad()
     def generate(self, prompt: Tensor, max_new_tokens: int) -> tuple[list[list[int]], DecodeStats]:
@@ -96,7 +119,8 @@ class Generator:
         device = prompt.device
         self.model.reset_caches()
         start = time.perf_counter()
-        next_token = sample(self._prefill(self.model, prompt), self.temperature, self.top_k)
+        logits = prefill(self.model, prompt, self.prefill_chunk, self._prefill_chunk, self.progress)
+        next_token = sample(logits, self.temperature, self.top_k)
         synchronize(device)
         prefill_s = time.perf_counter() - start
 
@@ -156,10 +180,15 @@ def load_tokenizer(checkpoint: Path):
         raise UserError(f"cannot load the tokenizer from {checkpoint_dir}: {e}") from None
 
 
-def kernels_for(choice: str, device: str, length_bucket: int = 1) -> Kernels:
-    """resolve_kernels with its one-line ValueError as a user error."""
+def model_args(checkpoint: Path) -> ModelArgs:
+    """The checkpoint's config.json (read before loading: the kernels depend on it)."""
+    return ModelArgs.from_json(checkpoint_paths(checkpoint)[1] / "config.json")
+
+
+def kernels_for(choice: str, device: str, args: ModelArgs, length_bucket: int = 1) -> Kernels:
+    """resolve_kernels for this model, with its one-line ValueError as a user error."""
     try:
-        return resolve_kernels(choice, device, length_bucket)
+        return resolve_kernels(choice, device, length_bucket, softcap=args.attn_softcap is not None)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -250,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     if length_bucket > 1 and not POLICIES[settings.policy].reads_buckets:
         raise UserError(f"--length-bucket applies to dense and sparq attention, not {settings.policy}")
     torch.manual_seed(args.seed)
-    kernels = kernels_for(args.kernel, args.device, length_bucket)
+    kernels = kernels_for(args.kernel, args.device, model_args(args.checkpoint), length_bucket)
     model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels)
     tokenizer = load_tokenizer(args.checkpoint)
 
@@ -263,17 +292,23 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-seq-length {max_seq_length} exceeds the model's context of {max_context} tokens")
     max_new_tokens = min(args.max_new_tokens, max_seq_length - len(ids))
 
-    model.setup_caches(args.batch_size, max_seq_length, kv_layout=args.kv_layout, length_bucket=length_bucket)
+    try:
+        model.setup_caches(args.batch_size, max_seq_length, kv_layout=args.kv_layout, length_bucket=length_bucket)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     install_policy(model, settings)
-    policy = model.layers[0].attention.decode_attention
+    policy = next((layer.attention.decode_attention for layer in model.layers
+                   if layer.attention.decode_attention.name == settings.policy), model.layers[0].attention.decode_attention)
 
     print(f"model: {model.args.n_layer} layers, dim {model.args.dim}, {model.args.n_head} heads / "
           f"{model.args.n_kv_head} KV heads, {args.dtype} on {args.device}; "
           f"KV cache {model.kv_cache_bytes() / 2**20:.1f} MiB (layout {args.kv_layout}, "
           f"batch {args.batch_size} x {max_seq_length} positions); kernels: {kernels.name} ({kernels.describe})",
           file=sys.stderr)
+    print(f"attention: {describe_layers(model)}", file=sys.stderr)
     generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
-                          compile_decode=args.compile, compile_prefill=args.compile_prefill)
+                          compile_decode=args.compile, compile_prefill=args.compile_prefill,
+                          progress=sys.stderr.isatty())
     prompt = torch.tensor([ids] * args.batch_size, device=args.device)
 
     results = []
@@ -290,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(stats, args.batch_size, model.weight_bytes(), len(ids))
     print(f"peak memory: {peak_memory_bytes(args.device) / 2**30:.2f} GiB", file=sys.stderr)
     if settings.policy != "dense":
-        ratio = compression_ratio(policy, len(ids) + stats.steps, model.args.head_dim)
+        ratio = model_compression(model, len(ids) + stats.steps)
         print(f"attention: {settings.policy}, KV transfers {ratio:.3f} of dense at the final length "
               f"(compression 1/{1 / ratio:.1f})", file=sys.stderr)
     if args.json:
@@ -335,7 +370,7 @@ def write_json(args, settings, model, tokenizer, samples, summary, policy) -> No
         c = policy.config
         out["sparq"] = {"r": c.r, "k": c.k, "local": c.local, "mean_v": c.mean_v}
         final_len = summary["prompt_tokens"] + len(samples[0])
-        out["compression_ratio"] = compression_ratio(policy, final_len, model.args.head_dim)
+        out["compression_ratio"] = model_compression(model, final_len)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2) + "\n")
 

@@ -13,12 +13,15 @@ field left None means "the reference path beside the policy". A fallback (no com
 a cache layout a kernel does not take) is decided and announced there, once, never per call.
 
 Kernel signatures (q (B, n_kv, g, d): the g query heads sharing each KV head; the cache tensors
-are the static buffers, rows [:B] and positions [:length] are read):
-  dense_attention(q, k, v, length, live_length) -> (B, n_kv, g, d)
-  sparq_attention(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v) -> (B, n_kv, g, d)
+are the static buffers, or views of them from a window layer's first visible position: rows [:B]
+and positions [:length] are read):
+  dense_attention(q, k, v, length, live_length, cap) -> (B, n_kv, g, d)
+  sparq_attention(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v, cap) -> (B, n_kv, g, d)
   linear(x (..., K), weight (N, K), bias (N,) or None) -> (..., N)
 `length` is the number of positions read; `live_length` is None when exactly `length` positions
-are live, else a device tensor (bucketed reads: positions from live_length to length are masked).
+are live, else a device tensor (bucketed reads: positions from live_length to length are masked);
+`cap` is the attention logit soft-cap (Gemma 2) or None. The fused attention kernels take no cap:
+resolve_kernels leaves attention to the torch path for soft-capped models, and says so.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -200,32 +203,41 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
     return y if bias is None else y + bias
 
 
-def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None) -> Tensor:
+def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None,
+                        cap: Optional[float] = None) -> Tensor:
     """Exact decode attention over positions [0, length) with the fused C++ kernel (flash-decoding).
 
     q (B, n_kv, g, d); k, v (B_max, n_kv, S_max, d) d-contiguous (rows [:B] and positions [:length]
     are read, once each, for all g heads). fp32 softmax and accumulation; returns (B, n_kv, g, d) in
-    q.dtype. Exact lengths only (live_length None): resolve_kernels never pairs it with bucketing.
+    q.dtype. Exact lengths only (live_length None) and no soft-cap: resolve_kernels never pairs it
+    with either.
     """
-    if live_length is not None:
-        raise ValueError("the fused CPU kernels read exact lengths (no --length-bucket)")
+    _check_fused_call(live_length, cap)
     return torch.ops.sparq.dense_cpu.default(q, k, v, length)
 
 
 def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                        live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+                        live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
+                        cap: Optional[float] = None) -> Tensor:
     """SparQ decode attention with the fused C++ kernel: same semantics as `sparq.sparq_reference`.
 
     q (B, n_kv, g, d) fp32/bf16/fp16; k, v (B_max, n_kv, S_max, d) d-contiguous; k_t (B_max, n_kv, d,
     S_max) S-contiguous, or None (1xK layout: step 1 reads whole rows of k, which holds the r
     columns in every cache line anyway); v_sum (B_max, n_kv, d) fp32; length = live length S (int
     or SymInt), 1 <= S <= S_max; 1 <= r <= d; 0 <= local <= k_top (else RuntimeError); exact
-    lengths only (live_length None). Reads only rows [:B] and positions [:S]. Returns (B, n_kv, g, d)
-    in q.dtype; ties in the top-r / top-k go to the lower index. Threads: torch.get_num_threads().
+    lengths only (live_length None), no soft-cap. Reads only rows [:B] and positions [:S]. Returns
+    (B, n_kv, g, d) in q.dtype; ties in the top-r / top-k go to the lower index. Threads:
+    torch.get_num_threads().
     """
+    _check_fused_call(live_length, cap)
+    return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v)
+
+
+def _check_fused_call(live_length: Optional[Tensor], cap: Optional[float]) -> None:
     if live_length is not None:
         raise ValueError("the fused CPU kernels read exact lengths (no --length-bucket)")
-    return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v)
+    if cap is not None:
+        raise ValueError("the fused CPU kernels take no attention soft-cap")
 
 
 
@@ -240,15 +252,27 @@ TRITON_KERNELS = Kernels("triton", sparq_attention=sparq_attention_triton, packe
                          describe="Triton SparQ attention; dense attention and linears from PyTorch")
 
 
-def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int = 1,
+def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int = 1, softcap: bool = False,
                     announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> Kernels:
     """The kernels for --kernel `choice` on `device`, decided once per run.
 
     "auto": the fused kernels of the device (cpu: C++, cuda: Triton), or the torch path with one
     announced line where they cannot run (no compiler, bucketed lengths on CPU). An explicit choice
     that cannot run is a ValueError (one line). "torch": plain PyTorch everywhere, including
-    dequantize-then-matmul for quantized linears.
+    dequantize-then-matmul for quantized linears. softcap: the model soft-caps attention logits,
+    which the fused attention kernels do not: attention then takes the torch path (announced), the
+    fused linears stay.
     """
+    kernels = _resolve(choice, device, length_bucket, announce)
+    if softcap and (kernels.dense_attention or kernels.sparq_attention):
+        announce(f"note: the model soft-caps attention logits: attention runs on the torch path "
+                 f"({kernels.name} kernels for the rest)")
+        kernels = replace(kernels, dense_attention=None, sparq_attention=None,
+                          describe=kernels.describe + "; attention on the torch path (soft-capped logits)")
+    return kernels
+
+
+def _resolve(choice: str, device: str | torch.device, length_bucket: int, announce: Callable[[str], None]) -> Kernels:
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernel {choice!r} (choose from {', '.join(KERNEL_CHOICES)})")
     device_type = torch.device(device).type

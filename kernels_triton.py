@@ -283,7 +283,8 @@ def _decode_triton_fake(q, k, k_t, v, v_sum, length, length_t, r, k_top, local, 
 
 
 def sparq_attention_triton(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                           live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+                           live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
+                           cap: Optional[float] = None) -> Tensor:
     """SparQ decode attention with the Triton kernels: same semantics as `sparq.sparq_reference`.
 
     q (B, n_kv, g, d); k, v (B_max, n_kv, S_max, d) d-contiguous; k_t (B_max, n_kv, d, S_max)
@@ -291,8 +292,11 @@ def sparq_attention_triton(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tenso
     length: positions read (a python int). live_length: None (exactly `length` are live), or a 0-dim /
     1-element int32/int64 device tensor (CUDA-graph safe: no host sync, shapes sized by `length`,
     which must bound it). Returns (B, n_kv, g, d) in q.dtype. CUDA tensors, or CPU tensors under
-    TRITON_INTERPRET=1.
+    TRITON_INTERPRET=1. No soft-cap (cap must be None: resolve_kernels routes soft-capped models
+    to the torch path).
     """
+    if cap is not None:
+        raise ValueError("the Triton SparQ kernels take no attention soft-cap")
     if live_length is not None:
         return _decode_triton_op(q, k, k_t, v, v_sum, 0, live_length, r, k_top, local, mean_v, length)
     return _decode_triton_op(q, k, k_t, v, v_sum, length, None, r, k_top, local, mean_v, length)

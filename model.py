@@ -1,8 +1,10 @@
-"""A minimal Llama-family transformer with a static, SparQ-ready KV cache.
+"""A minimal decoder-only transformer for the Llama, Qwen, Gemma and GPT-NeoX families, with a
+static, SparQ-ready KV cache.
 
-Architectures: Llama 2, Llama 3 / 3.1, Mistral, SmolLM2 (RMSNorm, SwiGLU, RoPE, GQA).
-The configuration always comes from the `config.json` written next to `model.pth` by
-convert_hf_checkpoint.py.
+Families: Llama 2 / 3 / 3.1, Mistral, SmolLM2, Qwen 2 / 2.5 / 3, Gemma 1 / 2 / 3 (text), GPT-NeoX
+(Pythia). What differs between them is a handful of switches in ModelArgs (biases, norms, the MLP,
+soft-capping, sliding-window layers, partial RoPE...), always read from the `config.json` the
+converter writes next to `model.pth`: nothing is guessed from a name.
 
 Shapes: B batch, T new tokens, S cache positions, H query heads, n_kv KV heads,
 g = H // n_kv query heads per KV head, d head dim, D model dim.
@@ -28,6 +30,12 @@ class CheckpointError(UserError):
     """A checkpoint that is missing, corrupt or of an unsupported kind (a user error)."""
 
 
+NORMS = ("rms", "layer")
+MLPS = ("gated", "plain")
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+LAYER_KINDS = ("global", "window")
+
+
 @dataclass
 class ModelArgs:
     vocab_size: int
@@ -38,21 +46,58 @@ class ModelArgs:
     head_dim: int
     intermediate_size: int
     rope_base: float = 10000.0
-    rope_scaling: Optional[dict] = None  # Llama 3.1: {"rope_type": "llama3", "factor", ...}
+    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3", "factor", ...} (Llama 3.1) or {"rope_type": "linear", "factor"}
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     max_context: int = 4096
-    architecture: str = "llama"  # informational: llama | mistral
+    architecture: str = "llama"  # informational: the family the converter read; behaviour comes from the fields below
     bos_id: Optional[int] = None
     eos_ids: list[int] = field(default_factory=list)
+    # Architecture switches, written by the converter; every default is Llama's.
+    norm: str = "rms"  # "rms", or "layer": LayerNorm with a bias (GPT-NeoX)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1 for Gemma's HF weights
+    qkv_bias: bool = False  # biases on q, k and v (Qwen 2, GPT-NeoX)
+    out_bias: bool = False  # a bias on the attention output projection (GPT-NeoX)
+    mlp_bias: bool = False  # biases on the MLP (GPT-NeoX)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE (Qwen 3, Gemma 3)
+    mlp: str = "gated"  # "gated": w2(act(w1 x) * w3 x); "plain": w2(act(w1 x)) (GPT-NeoX)
+    activation: str = "silu"  # "silu", "gelu" (erf) or "gelu_tanh"
+    embedding_scale: Optional[float] = None  # Gemma: sqrt(dim), multiplied in the activation dtype
+    sandwich_norms: bool = False  # Gemma 2 / 3: a norm after attention and after the MLP as well
+    parallel_residual: bool = False  # GPT-NeoX: x + attn(norm1(x)) + mlp(norm2(x))
+    rotary_dim: Optional[int] = None  # partial RoPE (GPT-NeoX): only the first rotary_dim dims of a head rotate
+    attn_scale: Optional[float] = None  # attention score scale; None: head_dim ** -0.5 (Gemma 2 / 3: query_pre_attn_scalar ** -0.5)
+    attn_softcap: Optional[float] = None  # Gemma 2: attention logits -> cap * tanh(logits / cap)
+    final_softcap: Optional[float] = None  # Gemma 2: the same on the output logits
+    sliding_window: Optional[int] = None  # positions a window layer attends to, the current one included
+    layer_types: Optional[list[str]] = None  # per layer "global" or "window"; None: every layer global
+    rope_local_base: Optional[float] = None  # Gemma 3: the RoPE base of window layers (no scaling); None: rope_base
 
     def __post_init__(self):
         if self.n_head % self.n_kv_head:
             raise CheckpointError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+        for name, value, allowed in (("norm", self.norm, NORMS), ("mlp", self.mlp, MLPS),
+                                     ("activation", self.activation, tuple(ACTIVATIONS))):
+            if value not in allowed:
+                raise CheckpointError(f"config.json: unknown {name} {value!r} (expected one of {', '.join(allowed)})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layer or any(t not in LAYER_KINDS for t in self.layer_types):
+                raise CheckpointError(f"config.json: layer_types must list {self.n_layer} of {', '.join(LAYER_KINDS)}")
+            if "window" in self.layer_types and not self.sliding_window:
+                raise CheckpointError("config.json: window layers need a sliding_window")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise CheckpointError(f"config.json: rotary_dim {self.rotary_dim} must be even and in (0, head_dim]")
 
     @property
     def group_size(self) -> int:
         return self.n_head // self.n_kv_head
+
+    def layer_kind(self, layer: int) -> str:
+        return "global" if self.layer_types is None else self.layer_types[layer]
+
+    def window(self, layer: int) -> Optional[int]:
+        """Positions layer `layer` attends to (None: all of them)."""
+        return self.sliding_window if self.layer_kind(layer) == "window" else None
 
     @classmethod
     def from_json(cls, path: Path | str) -> "ModelArgs":
@@ -76,31 +121,56 @@ class ModelArgs:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class CacheView:
+    """What one decode step of a layer attends to: positions [start, start + length) of its cache.
+
+    k, k_t, v are views of the buffers from position `start` on (so the kernels see a plain prefix
+    of `length` positions); v_sum is the running sum of V over exactly the visible positions.
+    live_length: None when every position read is live, else a device tensor (relative to start)
+    beyond which reads are masked (bucketed lengths)."""
+
+    k: Tensor  # (B_max, n_kv, S_max - start, d)
+    k_t: Optional[Tensor]  # (B_max, n_kv, d, S_max - start)
+    v: Tensor  # (B_max, n_kv, S_max - start, d)
+    v_sum: Tensor  # (B_max, n_kv, d) fp32
+    length: int
+    live_length: Optional[Tensor]
+    start: int = 0
+
+
 class KVCache(nn.Module):
     """Static cache, preallocated for (max_batch, max_seq_length), written in place.
 
     k     (B, n_kv, S_max, d)  d-contiguous: rows gathered by SparQ step 2 and by dense attention
     k_t   (B, n_kv, d, S_max)  S-contiguous: the r rows SparQ step 1 reads (absent with layout "once")
     v     (B, n_kv, S_max, d)
-    v_sum (B, n_kv, d) fp32    running sum of V over the live positions (SparQ mean-V)
+    v_sum (B, n_kv, d) fp32    running sum of V over the visible positions (SparQ mean-V)
     live_length ()  int64      positions [0, live_length) are live: a device tensor, so a step
                                never syncs with the host
+
+    window: a sliding-window layer's cache; a decode step sees only the last `window` live positions
+    (the buffers still hold every position: a window layer reads min(S, window) of them, which is
+    what the transfer accounting counts), and v_sum covers only those.
 
     length_bucket: decode attention reads `read_length(live)` positions, the live length rounded up
     to a multiple of length_bucket. With 1 (CPU) it reads exactly the live prefix and needs no
     mask; with larger buckets (CUDA graphs: one graph per bucket, not per length) the positions
-    from live_length to the read length are masked (`masked_live_length`).
+    from live_length to the read length are masked (`CacheView.live_length`).
 
     Only this class names its buffers: the rest of the repo uses the methods below.
     """
 
     def __init__(self, max_batch: int, max_seq_length: int, n_kv_head: int, head_dim: int,
-                 dtype: torch.dtype, layout: str = "twice", length_bucket: int = 1):
+                 dtype: torch.dtype, layout: str = "twice", length_bucket: int = 1, window: Optional[int] = None):
         super().__init__()
         if layout not in ("twice", "once"):
             raise ValueError(f"unknown KV layout {layout!r} (expected 'twice' or 'once')")
+        if window is not None and length_bucket > 1:
+            raise ValueError("sliding-window layers read exact lengths: use --length-bucket 1")
         self.layout = layout
         self.length_bucket = length_bucket
+        self.window = window
         shape = (max_batch, n_kv_head, max_seq_length, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
@@ -127,16 +197,29 @@ class KVCache(nn.Module):
         if self.k_t is not None:
             self.k_t[rows, heads, :, input_pos] = k  # advanced indices first: the same (B, n_kv, T, d)
         self.v_sum[:B] += v.float().sum(dim=2)
+        if self.window is not None:  # the positions that leave the window (still in the buffers)
+            leaving = input_pos - self.window  # (T,)
+            gone = self.v[rows, heads, leaving.clamp(min=0)].float() * (leaving >= 0).view(1, 1, -1, 1)
+            self.v_sum[:B] -= gone.sum(dim=2)
         self.live_length.copy_(input_pos[-1] + 1)
 
     def read_length(self, live_length: int) -> int:
         """Positions decode attention reads at this live length: rounded up to the bucket, capped at S_max."""
         return min(-(-live_length // self.length_bucket) * self.length_bucket, self.max_seq_length)
 
-    @property
-    def masked_live_length(self) -> Optional[Tensor]:
-        """None when reads are exact (bucket 1); else the live length (a device tensor) beyond which reads are masked."""
-        return self.live_length if self.length_bucket > 1 else None
+    def visible_start(self, length: int) -> int:
+        """The first position a decode step reading `length` positions sees (0 but for window layers)."""
+        return 0 if self.window is None else max(0, length - self.window)
+
+    def visible_length(self, length: int) -> int:
+        return length - self.visible_start(length)
+
+    def view(self, length: int) -> CacheView:
+        """The positions a decode step reading `length` positions attends to."""
+        start = self.visible_start(length)
+        k_t = None if self.k_t is None else self.k_t[:, :, :, start:]
+        live = self.live_length if self.length_bucket > 1 else None
+        return CacheView(self.k[:, :, start:], k_t, self.v[:, :, start:], self.v_sum, length - start, live, start)
 
     def reset(self) -> None:
         for buffer in (self.k, self.v, self.k_t, self.v_sum, self.live_length):
@@ -156,7 +239,7 @@ class KVCache(nn.Module):
 
     def rewind(self, length: int) -> None:
         """Keep positions [0, length) live, as if nothing after them had been written."""
-        self.v_sum.copy_(self.v[:, :, :length].float().sum(dim=2))
+        self.v_sum.copy_(self.v[:, :, self.visible_start(length):length].float().sum(dim=2))
         self.live_length.fill_(length)
 
     def broadcast_row(self, n_rows: int) -> None:
@@ -170,8 +253,13 @@ class KVCache(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Decode attention: the dense policy lives here; SparQ and the baselines live in sparq.py
+# Attention: prefill, and the dense decode policy (SparQ and the baselines live in sparq.py)
 # ---------------------------------------------------------------------------------------------
+
+
+def softcap(logits: Tensor, cap: Optional[float]) -> Tensor:
+    """Gemma 2's soft-capping, cap * tanh(logits / cap); the identity when cap is None."""
+    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 def beyond_live(length: int, live_length: Tensor) -> Tensor:
@@ -179,54 +267,84 @@ def beyond_live(length: int, live_length: Tensor) -> Tensor:
     return torch.arange(length, device=live_length.device) >= live_length
 
 
-def dense_attention_torch(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None) -> Tensor:
+def dense_attention_torch(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None,
+                          cap: Optional[float] = None) -> Tensor:
     """Exact attention of one decode query over positions [0, length) of the cache.
 
     q (B, n_kv, g, d); k, v (B_max, n_kv, S_max, d) -> (B, n_kv, g, d); positions >= live_length
-    are masked when it is given (bucketed reads). Matmul-softmax-matmul with fp32 softmax: on CPU
-    it matches SDPA in fp32 and is several times faster in bf16.
+    are masked when it is given (bucketed reads); cap: logit soft-capping. Matmul-softmax-matmul
+    with fp32 softmax: on CPU it matches SDPA in fp32 and is several times faster in bf16.
     """
     B = q.shape[0]
     k, v = k[:B, :, :length], v[:B, :, :length]
-    scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])  # (B, n_kv, g, S)
+    scores = softcap((q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1]), cap)  # (B, n_kv, g, S)
     if live_length is not None:
         scores = scores.masked_fill(beyond_live(length, live_length), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return probs @ v
 
 
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, window: Optional[int],
+                      cap: Optional[float]) -> Tensor:
+    """Causal attention of T new queries at positions [q_start, q_start + T) over the keys at the
+    last k.shape[2] positions up to q_start + T (a chunk of a long prefill sees the chunks before it).
+
+    q (B, H, T, d) (already carrying the score scale, see Attention); k, v (B, n_kv, S_k, d)
+    -> (B, H, T, d). A window layer's query at p sees keys (p - window, p].
+    """
+    B, H, T, d = q.shape
+    n_kv, S_k = k.shape[1], k.shape[2]
+    if window is None and cap is None and S_k == T:  # a whole prompt at once: SDPA's causal kernel
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_kv != H)
+    q_pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
+    k_pos = torch.arange(q_start + T - S_k, q_start + T, device=q.device)[None, :]
+    allowed = k_pos <= q_pos  # (T, S_k)
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=n_kv != H)
+    g = H // n_kv  # soft-capped logits: SDPA cannot, so the group's rows go through one matmul per KV head
+    scores = (q.reshape(B, n_kv, g * T, d) @ k.transpose(-1, -2)).float() / math.sqrt(d)  # (B, n_kv, g T, S_k)
+    scores = softcap(scores, cap).view(B, n_kv, g, T, S_k).masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, n_kv, g * T, S_k)
+    return (probs @ v).view(B, H, T, d)
+
+
 class DecodePolicy(nn.Module):
     """How one layer attends during single-token decode (dense here; SparQ and baselines in sparq.py,
     where the registry of policies lives).
 
-    forward(q (B, n_kv, g, d), cache, length) -> (B, n_kv, g, d) reads positions [0, length)
-    of the cache: exactly the live ones (the current token included) when cache.length_bucket
-    is 1, else the live ones (cache.live_length) and masked ones up to the bucket's end.
+    forward(q (B, n_kv, g, d), cache, length) -> (B, n_kv, g, d) attends to cache.view(length):
+    exactly the live positions (the current token included) when cache.length_bucket is 1, else the
+    live ones (cache.live_length) and masked ones up to the bucket's end; a window layer's cache
+    shows only its last positions.
     """
 
     name = "policy"
 
     def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None) -> None:
-        """Called with the prefill's q (B, H, T, d) and k (B, n_kv, T, d); stateful policies (H2O) use it.
-        memo: shared by policies observing the same prefill (eval.py), for work that does not depend
-        on their settings."""
+        """Called after each prefill chunk with its queries q (B, H, T, d) at the last T positions and
+        every key so far k (B, n_kv, S, d); stateful policies (H2O) use it. memo: shared by policies
+        observing the same prefill (eval.py), for work that does not depend on their settings."""
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
-        """Elements of K/V moved per KV head per decode step at live length seq_len."""
+        """Elements of K/V moved per KV head per decode step over seq_len visible positions."""
         raise NotImplementedError
 
 
 class DenseDecode(DecodePolicy):
-    """Dense decode attention that reads only the live prefix [0, length) of the cache."""
+    """Dense decode attention that reads only the visible live positions of the cache."""
 
     name = "dense"
 
-    def __init__(self, kernels: Kernels = TORCH_KERNELS):
+    def __init__(self, kernels: Kernels = TORCH_KERNELS, cap: Optional[float] = None):
         super().__init__()
         self.attend = kernels.dense_attention or dense_attention_torch
+        self.cap = cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        return self.attend(q, cache.k, cache.v, length, cache.masked_live_length)
+        view = cache.view(length)
+        return self.attend(q, view.k, view.v, view.length, view.live_length, self.cap)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Paper, Appendix G: 2Sd + 2d (read K and V, write the new k and v)."""
@@ -239,23 +357,46 @@ class DenseDecode(DecodePolicy):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) * (offset + weight), in fp32 (offset 1: Gemma's parametrisation)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return (xf * (self.offset + self.weight.float())).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias (GPT-NeoX), in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
+
+
+def make_norm(args: ModelArgs, dim: Optional[int] = None) -> nn.Module:
+    dim = args.dim if dim is None else dim
+    return RMSNorm(dim, args.norm_eps, args.norm_offset) if args.norm == "rms" else LayerNorm(dim, args.norm_eps)
 
 
 def rope_frequencies(head_dim: int, base: float, scaling: Optional[dict] = None) -> Tensor:
-    """Inverse frequencies (head_dim/2,) fp32, with Llama 3.1 scaling when `scaling` asks for it."""
+    """Inverse frequencies (head_dim/2,) fp32; Llama 3.1 ("llama3") or linear scaling when asked."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is None or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+    rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if rope_type in (None, "default"):
         return inv_freq.float()
-    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+    if rope_type == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if rope_type != "llama3":
         raise CheckpointError(f"unsupported rope scaling {scaling}")
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
@@ -271,19 +412,23 @@ def rope_frequencies(head_dim: int, base: float, scaling: Optional[dict] = None)
     return torch.where(is_medium, medium, scaled).float()
 
 
-def rope_cache(args: ModelArgs, max_seq_length: int) -> Tensor:
-    """cos and sin for every position: (max_seq_length, 2, d/2) fp32."""
+def rope_cache(rotary_dim: int, base: float, scaling: Optional[dict], max_seq_length: int) -> Tensor:
+    """cos and sin for every position: (max_seq_length, 2, rotary_dim/2) fp32."""
     positions = torch.arange(max_seq_length, dtype=torch.float32)
-    angles = torch.outer(positions, rope_frequencies(args.head_dim, args.rope_base, args.rope_scaling))  # (S, d/2)
+    angles = torch.outer(positions, rope_frequencies(rotary_dim, base, scaling))  # (S, rotary_dim/2)
     return torch.stack([angles.cos(), angles.sin()], dim=1)
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """Rotate-half RoPE (the HF layout). x (B, T, heads, d); rope (T, 2, d/2)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos = rope[:, 0].unsqueeze(1)  # (T, 1, d/2)
+    """Rotate-half RoPE (the HF layout) on the first rotary_dim dims of each head, the rest passing
+    through (partial RoPE). x (B, T, heads, d); rope (T, 2, rotary_dim/2)."""
+    rotary_dim = 2 * rope.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    cos = rope[:, 0].unsqueeze(1)  # (T, 1, rotary_dim/2)
     sin = rope[:, 1].unsqueeze(1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return rotated if x_pass.shape[-1] == 0 else torch.cat([rotated, x_pass], dim=-1)
 
 
 class Linear(nn.Linear):
@@ -299,27 +444,40 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    def __init__(self, args: ModelArgs, layer: int, kernels: Kernels):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
+        self.window = args.window(layer)
+        self.cap = args.attn_softcap
+        # The kernels scale scores by head_dim ** -0.5; another scale is folded into q.
+        self.q_scale = 1.0 if args.attn_scale is None else args.attn_scale * math.sqrt(args.head_dim)
         qkv_dim = (args.n_head + 2 * args.n_kv_head) * args.head_dim
-        self.wqkv = Linear(args.dim, qkv_dim, kernels=kernels)
-        self.wo = Linear(args.n_head * args.head_dim, args.dim, kernels=kernels)
+        self.wqkv = Linear(args.dim, qkv_dim, bias=args.qkv_bias, kernels=kernels)
+        self.wo = Linear(args.n_head * args.head_dim, args.dim, bias=args.out_bias, kernels=kernels)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.kv_cache: Optional[KVCache] = None
-        self.decode_attention: DecodePolicy = DenseDecode(kernels)
+        self.decode_attention: DecodePolicy = DenseDecode(kernels, self.cap)
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int) -> Tensor:
+        """x (B, T, D) at positions input_pos; length: for a decode step (T = 1) the positions decode
+        attention reads, for a prefill chunk the position after it (the chunk ends there)."""
         B, T, _ = x.shape
         H, n_kv, d = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.wqkv(x).split([H * d, n_kv * d, n_kv * d], dim=-1)
-        q = apply_rope(q.view(B, T, H, d), rope)
-        k = apply_rope(k.view(B, T, n_kv, d), rope)
+        q, k = q.view(B, T, H, d), k.view(B, T, n_kv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)  # (B, heads, T, d)
         self.kv_cache.update(input_pos, k, v)
-        if T > 1:
-            # Prefill always starts at position 0, so it only attends within the new tokens.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_kv != H)  # (B, H, T, d)
-            self.decode_attention.observe_prefill(q, k)
+        if T > 1:  # a prefill chunk: positions [length - T, length), over every key it may see
+            k_start = 0 if self.window is None else max(0, length - T - self.window + 1)
+            keys, values = self.kv_cache.k[:B, :, k_start:length], self.kv_cache.v[:B, :, k_start:length]
+            y = prefill_attention(q, keys, values, length - T, self.window, self.cap)  # (B, H, T, d)
+            self.decode_attention.observe_prefill(q, self.kv_cache.k[:B, :, :length])
         else:
             q = q.view(B, n_kv, H // n_kv, d)  # query heads grouped by the KV head they share
             y = self.decode_attention(q, self.kv_cache, length).view(B, H, 1, d)
@@ -327,27 +485,42 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """gated: w2(act(w1 x) * w3 x) (SwiGLU, GeGLU); plain: w2(act(w1 x)) (GPT-NeoX)."""
+
     def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
-        self.w1 = Linear(args.dim, args.intermediate_size, kernels=kernels)  # gate
-        self.w3 = Linear(args.dim, args.intermediate_size, kernels=kernels)  # up
-        self.w2 = Linear(args.intermediate_size, args.dim, kernels=kernels)  # down
+        self.act = ACTIVATIONS[args.activation]
+        self.w1 = Linear(args.dim, args.intermediate_size, bias=args.mlp_bias, kernels=kernels)  # gate (gated) / up
+        self.w3 = Linear(args.dim, args.intermediate_size, bias=args.mlp_bias, kernels=kernels) if args.mlp == "gated" else None
+        self.w2 = Linear(args.intermediate_size, args.dim, bias=args.mlp_bias, kernels=kernels)  # down
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        h = self.act(self.w1(x))
+        return self.w2(h if self.w3 is None else h * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    def __init__(self, args: ModelArgs, layer: int, kernels: Kernels):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, kernels)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.parallel_residual = args.parallel_residual
+        self.attention_norm = make_norm(args)
+        self.attention = Attention(args, layer, kernels)
+        self.ffn_norm = make_norm(args)
         self.feed_forward = FeedForward(args, kernels)
+        self.post_attention_norm = make_norm(args) if args.sandwich_norms else None
+        self.post_ffn_norm = make_norm(args) if args.sandwich_norms else None
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, input_pos, length)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), rope, input_pos, length)
+        if self.parallel_residual:
+            return x + a + self.feed_forward(self.ffn_norm(x))
+        if self.post_attention_norm is not None:
+            a = self.post_attention_norm(a)
+        h = x + a
+        f = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            f = self.post_ffn_norm(f)
+        return h + f
 
 
 class Transformer(nn.Module):
@@ -359,12 +532,13 @@ class Transformer(nn.Module):
         self.args = args
         self.kernels = kernels
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, kernels) for _ in range(args.n_layer))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(args, i, kernels) for i in range(args.n_layer))
+        self.norm = make_norm(args)
         self.output = Linear(args.dim, args.vocab_size, kernels=kernels)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.register_buffer("rope", torch.empty(0), persistent=False)  # global layers
+        self.register_buffer("rope_local", torch.empty(0), persistent=False)  # window layers
         self.max_batch_size = -1
         self.max_seq_length = -1
 
@@ -375,14 +549,18 @@ class Transformer(nn.Module):
     def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_layout: str = "twice",
                      length_bucket: int = 1) -> None:
         """Allocate the static KV caches (in the model's dtype, on its device); see KVCache for length_bucket."""
+        args = self.args
         dtype = self.tok_embeddings.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             dtype = torch.float32  # quantized embeddings keep fp32 activations
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
-        for layer in self.layers:
-            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.args.n_kv_head,
-                                               self.args.head_dim, dtype, kv_layout, length_bucket).to(self.device)
-        self.rope = rope_cache(self.args, max_seq_length).to(self.device)
+        for i, layer in enumerate(self.layers):
+            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, args.n_kv_head, args.head_dim, dtype,
+                                               kv_layout, length_bucket, args.window(i)).to(self.device)
+        rotary_dim = args.rotary_dim or args.head_dim
+        self.rope = rope_cache(rotary_dim, args.rope_base, args.rope_scaling, max_seq_length).to(self.device)
+        if args.rope_local_base is not None:
+            self.rope_local = rope_cache(rotary_dim, args.rope_local_base, None, max_seq_length).to(self.device)
 
     @property
     def caches(self) -> list[KVCache]:
@@ -404,38 +582,46 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.attention.decode_attention = make_policy(i)
 
-    def decode_kv_bytes(self, seq_len: int, batch_size: int) -> int:
-        """KV-cache bytes one decode step moves at live length seq_len, by each layer's policy's transfer formula."""
+    def decode_kv_bytes(self, seq_len: int, batch_size: int, policies: Optional[list[DecodePolicy]] = None) -> int:
+        """KV-cache bytes one decode step moves at live length seq_len: each layer's policy (default: the
+        installed ones) by its transfer formula over the positions the layer sees (min(S, window))."""
         total = 0
-        for layer in self.layers:
-            per_head = layer.attention.decode_attention.transfer_elements(seq_len, self.args.head_dim)
-            total += per_head * self.args.n_kv_head * batch_size * layer.attention.kv_cache.k.element_size()
+        for i, layer in enumerate(self.layers):
+            policy = layer.attention.decode_attention if policies is None else policies[i]
+            cache = layer.attention.kv_cache
+            per_head = policy.transfer_elements(cache.visible_length(seq_len), self.args.head_dim)
+            total += per_head * self.args.n_kv_head * batch_size * cache.k.element_size()
         return total
 
     def weight_bytes(self) -> int:
         """Bytes of every weight a decode step reads: parameters and weight buffers (packed quantized
-        weights included), tied tensors once; the KV caches and the RoPE table excluded."""
+        weights included), tied tensors once; the KV caches and the RoPE tables excluded."""
         tensors = {}
         for module in self.modules():
             if isinstance(module, KVCache):
                 continue
             for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-                if t is not None and t is not self.rope:
+                if t is not None and t is not self.rope and t is not self.rope_local:
                     tensors[id(t)] = t
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def forward(self, idx: Tensor, input_pos: Tensor, length: int) -> Tensor:
-        """idx (B, T) tokens at positions input_pos (T,); length = cache positions decode attention reads:
-        the live length after this step, rounded up to the caches' length_bucket (read_length).
+        """idx (B, T) tokens at positions input_pos (T,). A decode step (T = 1): length = the cache
+        positions decode attention reads, the live length after this step rounded up to the caches'
+        length_bucket (read_length). A prefill chunk (T > 1, positions [length - T, length)): length
+        = the position after it.
 
         Returns logits (B, vocab) for the last position only, in fp32.
         """
-        rope = self.rope[input_pos]  # (T, 2, d/2)
+        rope = self.rope[input_pos]  # (T, 2, rotary_dim/2)
+        rope_local = self.rope_local[input_pos] if self.args.rope_local_base is not None else rope
         x = self.tok_embeddings(idx)
-        for layer in self.layers:
-            x = layer(x, rope, input_pos, length)
+        if self.args.embedding_scale is not None:
+            x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, length)
         x = self.norm(x[:, -1])
-        return self.output(x).float()
+        return softcap(self.output(x).float(), self.args.final_softcap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +680,7 @@ def load_model(checkpoint: Path | str, device: str | torch.device = "cpu", dtype
         raise CheckpointError(f"checkpoint {path} does not match its config.json: {str(e).splitlines()[0]}") from None
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    model.rope = torch.empty(0)
+    model.rope = model.rope_local = torch.empty(0)
     floating = {name for name, p in model.named_parameters() if p.is_floating_point()}
     model = model.to(device=device)
     for name, p in model.named_parameters():

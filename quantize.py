@@ -209,7 +209,8 @@ class Int8Linear(nn.Module):
       "dequant"  F.linear(x, q.to(x.dtype)) * s (the plain fallback; CUDA's path, fused by inductor).
     """
 
-    def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = None, device=None):
+    def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = None, device=None,
+                 bias: bool = False):
         super().__init__()
         if group_size is not None and in_features % group_size:
             raise QuantizationError(f"group size {group_size} does not divide the input dimension {in_features}")
@@ -219,6 +220,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.empty(scale_shape, dtype=torch.bfloat16, device=device))
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None  # float, added after
         self.split_group_size = 0
         self.kernel = "dequant"  # finalize() picks a packed kernel where one applies
 
@@ -277,10 +279,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "int4x2":
-            return self.forward_int4x2(x)
-        if self.kernel == "int8pack":
-            return self.forward_int8pack(x)
-        return self.forward_dequant(x)
+            y = self.forward_int4x2(x)
+        elif self.kernel == "int8pack":
+            y = self.forward_int8pack(x)
+        else:
+            y = self.forward_dequant(x)
+        return y if self.bias is None else y + self.bias
 
     def forward_int4x2(self, x: Tensor) -> Tensor:
         x2 = _as_2d_bf16(x, self.in_features)
@@ -310,7 +314,7 @@ class Int4Linear(nn.Module):
     `packed` / `scales_and_zeros` and drops the portable tensors unless keep_weight) or "dequant".
     """
 
-    def __init__(self, in_features: int, out_features: int, group_size: int, device=None):
+    def __init__(self, in_features: int, out_features: int, group_size: int, device=None, bias: bool = False):
         super().__init__()
         if in_features % group_size:
             raise QuantizationError(f"group size {group_size} does not divide the input dimension {in_features}")
@@ -321,6 +325,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.bfloat16, device=device))
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None  # float, added after
         self.kernel = "dequant"
 
     def extra_repr(self) -> str:
@@ -352,9 +357,8 @@ class Int4Linear(nn.Module):
                 self.weight = self.scales = self.zeros = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel == "int4pack":
-            return self.forward_int4pack(x)
-        return self.forward_dequant(x)
+        y = self.forward_int4pack(x) if self.kernel == "int4pack" else self.forward_dequant(x)
+        return y if self.bias is None else y + self.bias
 
     def forward_int4pack(self, x: Tensor) -> Tensor:
         y = _int4pack_mm(_as_2d_bf16(x, self.in_features), self.packed, self.group_size, self.scales_and_zeros)
@@ -503,7 +507,9 @@ def prepare_model(model: nn.Module, quantization: dict) -> None:
         for name in _linear_names(model):
             linear = model.get_submodule(name)
             K, N = linear.in_features, linear.out_features
-            new = Int8Linear(K, N, None, device) if mode == "int8" else Int4Linear(K, N, group_size, device)
+            bias = linear.bias is not None  # biases stay floating point, added after the quantized matmul
+            new = (Int8Linear(K, N, None, device, bias) if mode == "int8" else
+                   Int4Linear(K, N, group_size, device, bias))
             _set_module(model, name, new)
         V, D = args.vocab_size, args.dim
         if head == "int8":

@@ -9,6 +9,11 @@ S the live length (positions [0, S) of the cache, the current token included):
      those k rows of K and V once and attend exactly over them for all g heads.
   3. Optionally y = alpha * y + (1 - alpha) * mean(V), alpha = sum of s_hat over the selection.
 
+Soft-capped models (Gemma 2): the cap applies wherever dense attention applies it, to the exact
+logits of step 2, and also to step 1's approximate logits, s_hat = softmax(cap(q[i1] . K^T[i1] / tau)):
+the ranking is unchanged (the cap is monotonic) and s_hat, hence mean-V's alpha, then approximates
+the distribution the capped model attends with.
+
 `sparq_reference` follows the paper line by line with loops; `sparq_attention_torch` is the
 batched PyTorch path the model runs when the run has no fused SparQ kernel (kernels.py holds those,
 with the same signature).
@@ -25,10 +30,11 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import TORCH_KERNELS, Kernels
-from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live
+from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, softcap
 
 
 @dataclass
@@ -57,10 +63,12 @@ class SparQConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def sparq_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, config: SparQConfig) -> Tensor:
+def sparq_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, config: SparQConfig,
+                    cap: Optional[float] = None) -> Tensor:
     """q (B, n_kv, g, d); k, v (B, n_kv, S_max, d); v_sum (B, n_kv, d) -> (B, n_kv, g, d) in q.dtype.
 
     Computes in fp32. Reads K only in its d-contiguous layout: the layouts hold the same values.
+    cap: logit soft-capping (module docstring).
     """
     B, n_kv, g, d = q.shape
     S = length
@@ -73,14 +81,14 @@ def sparq_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int,
             # Step 1: approximate scores from the r largest components of |q| (summed over the group).
             i1 = torch.topk(qh.abs().sum(0), config.r).indices  # (r,)
             tau = torch.sqrt(d * qh[:, i1].abs().sum(-1) / qh.abs().sum(-1))  # (g,)
-            s_hat = torch.softmax(qh[:, i1] @ K[:, i1].T / tau[:, None], dim=-1)  # (g, S)
+            s_hat = torch.softmax(softcap(qh[:, i1] @ K[:, i1].T / tau[:, None], cap), dim=-1)  # (g, S)
 
             # Step 2: top-k of the group's summed scores, with the local window forced in.
             selection_score = s_hat.sum(0)  # (S,)
             n_local = min(config.local, S)
             selection_score[S - n_local:] = float("inf")
             i2 = torch.topk(selection_score, min(config.k, S)).indices  # (k,)
-            probs = torch.softmax(qh @ K[i2].T / math.sqrt(d), dim=-1)  # (g, k)
+            probs = torch.softmax(softcap(qh @ K[i2].T / math.sqrt(d), cap), dim=-1)  # (g, k)
             y = probs @ V[i2]  # (g, d)
 
             # Step 3: interpolate with the mean value vector by the approximate top-k mass.
@@ -97,7 +105,7 @@ def sparq_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int,
 
 
 def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int, r: int,
-                       mask: Optional[Tensor] = None) -> Tensor:
+                       mask: Optional[Tensor] = None, cap: Optional[float] = None) -> Tensor:
     """Step 1 for all rows and heads at once: s_hat (B, n_kv, g, S) in fp32.
 
     q (B, n_kv, g, d). With k_t (B, n_kv, d, S_max) the r rows are read S-contiguously; without it
@@ -115,7 +123,7 @@ def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int,
         cols = torch.gather(k[:B, :, :length], 3, i1[:, :, None, :].expand(B, n_kv, length, r))  # (B, n_kv, S, r)
         logits = q_hat @ cols.to(q_hat.dtype).transpose(-1, -2)
     tau = torch.sqrt(d * q_hat.abs().sum(-1, keepdim=True) / qf.abs().sum(-1, keepdim=True))  # (B, n_kv, g, 1)
-    logits = logits / tau
+    logits = softcap(logits / tau, cap)
     if mask is not None:
         logits = logits.masked_fill(mask, float("-inf"))
     return torch.softmax(logits, dim=-1)
@@ -138,32 +146,34 @@ def select_positions(s_hat: Tensor, length: int, k: int, local: int, live_length
     return torch.topk(score, min(k, length), dim=-1).indices
 
 
-def sparse_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, live_length: Optional[Tensor] = None) -> Tensor:
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, live_length: Optional[Tensor] = None,
+                     cap: Optional[float] = None) -> Tensor:
     """Exact attention over the selected positions (B, n_kv, k): gathers k rows of K and V once per KV head."""
     B, n_kv, g, d = q.shape
     index = positions[..., None].expand(*positions.shape, d)  # (B, n_kv, k, d)
     k_sel = torch.gather(k[:B], 2, index)  # (B, n_kv, k, d)
     v_sel = torch.gather(v[:B], 2, index)
-    scores = (q.float() @ k_sel.float().transpose(-1, -2)) / math.sqrt(d)  # (B, n_kv, g, k)
+    scores = softcap((q.float() @ k_sel.float().transpose(-1, -2)) / math.sqrt(d), cap)  # (B, n_kv, g, k)
     if live_length is not None:
         scores = scores.masked_fill((positions >= live_length)[:, :, None, :], float("-inf"))
     return torch.softmax(scores, dim=-1) @ v_sel.float()  # (B, n_kv, g, d) fp32
 
 
 def sparq_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                          live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+                          live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
+                          cap: Optional[float] = None) -> Tensor:
     """SparQ decode attention on the static cache tensors. q (B, n_kv, g, d) -> (B, n_kv, g, d).
 
     k, v (B_max, n_kv, S_max, d), k_t (B_max, n_kv, d, S_max) or None (layout "once"), v_sum
     (B_max, n_kv, d) fp32. Reads positions [0, length); live_length None: all of them are live,
-    else a device tensor beyond which they are masked (bucketed lengths). The kernels of kernels.py
-    share this signature.
+    else a device tensor beyond which they are masked (bucketed lengths). cap: logit soft-capping.
+    The kernels of kernels.py share this signature.
     """
     B = q.shape[0]
     mask = beyond_live(length, live_length) if live_length is not None else None
-    s_hat = approximate_scores(q, k, k_t, length, r, mask)  # (B, n_kv, g, S)
+    s_hat = approximate_scores(q, k, k_t, length, r, mask, cap)  # (B, n_kv, g, S)
     positions = select_positions(s_hat, length, k_top, local, live_length)  # (B, n_kv, k)
-    y = sparse_attention(q, k, v, positions, live_length)  # fp32
+    y = sparse_attention(q, k, v, positions, live_length, cap)  # fp32
     if mean_v:
         alpha = torch.gather(s_hat, 3, positions[:, :, None, :].expand(-1, -1, s_hat.shape[2], -1)).sum(-1, keepdim=True)
         v_mean = (v_sum[:B] / (length if live_length is None else live_length))[:, :, None, :]  # (B, n_kv, 1, d)
@@ -176,15 +186,16 @@ class SparQDecode(DecodePolicy):
 
     name = "sparq"
 
-    def __init__(self, config: SparQConfig, kernels: Kernels = TORCH_KERNELS):
+    def __init__(self, config: SparQConfig, kernels: Kernels = TORCH_KERNELS, cap: Optional[float] = None):
         super().__init__()
         self.config = config
         self.attend = kernels.sparq_attention or sparq_attention_torch
+        self.cap = cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        c = self.config
-        return self.attend(q, cache.k, cache.k_t, cache.v, cache.v_sum, length, cache.masked_live_length,
-                           c.r, c.k, c.local, c.mean_v)
+        c, view = self.config, cache.view(length)
+        return self.attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
+                           c.r, c.k, c.local, c.mean_v, self.cap)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Elements moved per KV head per step (paper, eq. 11): S r + 2 k d + 4 d."""
@@ -197,17 +208,19 @@ class SparQDecode(DecodePolicy):
 # ---------------------------------------------------------------------------------------------
 
 
-def exact_scores(q: Tensor, k: Tensor, length: int) -> Tensor:
-    """softmax(q . K / sqrt(d)) over the live positions: (B, n_kv, g, S) fp32."""
+def exact_scores(q: Tensor, k: Tensor, length: int, cap: Optional[float] = None) -> Tensor:
+    """softmax(cap(q . K / sqrt(d))) over the live positions: (B, n_kv, g, S) fp32."""
     B, _, _, d = q.shape
-    return torch.softmax((q.float() @ k[:B, :, :length].float().transpose(-1, -2)) / math.sqrt(d), dim=-1)
+    return torch.softmax(softcap((q.float() @ k[:B, :, :length].float().transpose(-1, -2)) / math.sqrt(d), cap), dim=-1)
 
 
 def selection_agreement(q: Tensor, cache: KVCache, length: int, r: int, k: int) -> Tensor:
     """(B,) fraction of the exact top-k positions (group-summed scores) that SparQ's step 1 with r
     components also ranks in its top k: the paper's Figure 4e diagnostic, local window off."""
-    exact = select_positions(exact_scores(q, cache.k, length), length, k, 0)  # (B, n_kv, k)
-    approx = select_positions(approximate_scores(q, cache.k, cache.k_t, length, r), length, k, 0)
+    view = cache.view(length)
+    n = view.length
+    exact = select_positions(exact_scores(q, view.k, n), n, k, 0)  # (B, n_kv, k)
+    approx = select_positions(approximate_scores(q, view.k, view.k_t, n, r), n, k, 0)
     hit = (approx[..., :, None] == exact[..., None, :]).any(-1).float()  # (B, n_kv, k)
     return hit.mean(dim=(1, 2))
 
@@ -217,17 +230,19 @@ class OracleDecode(DecodePolicy):
 
     name = "oracle"
 
-    def __init__(self, config: SparQConfig):
+    def __init__(self, config: SparQConfig, cap: Optional[float] = None):
         super().__init__()
-        self.config = config
+        self.config, self.cap = config, cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        scores = exact_scores(q, cache.k, length)  # (B, n_kv, g, S)
-        positions = select_positions(scores, length, self.config.k, self.config.local)
-        y = sparse_attention(q, cache.k, cache.v, positions)
+        view = cache.view(length)
+        n = view.length
+        scores = exact_scores(q, view.k, n, self.cap)  # (B, n_kv, g, S)
+        positions = select_positions(scores, n, self.config.k, self.config.local)
+        y = sparse_attention(q, view.k, view.v, positions, cap=self.cap)
         if self.config.mean_v:
             alpha = torch.gather(scores, 3, positions[:, :, None, :].expand(-1, -1, scores.shape[2], -1)).sum(-1, keepdim=True)
-            y = alpha * y + (1 - alpha) * (cache.v_sum[: q.shape[0]] / length)[:, :, None, :]
+            y = alpha * y + (1 - alpha) * (view.v_sum[: q.shape[0]] / n)[:, :, None, :]
         return y.to(q.dtype)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
@@ -239,13 +254,14 @@ class TopKDecode(DecodePolicy):
 
     name = "topk"
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, cap: Optional[float] = None):
         super().__init__()
-        self.k = k
+        self.k, self.cap = k, cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        positions = select_positions(exact_scores(q, cache.k, length), length, self.k, local=0)
-        return sparse_attention(q, cache.k, cache.v, positions).to(q.dtype)
+        view = cache.view(length)
+        positions = select_positions(exact_scores(q, view.k, view.length, self.cap), view.length, self.k, local=0)
+        return sparse_attention(q, view.k, view.v, positions, cap=self.cap).to(q.dtype)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         return seq_len * head_dim + min(self.k, seq_len) * head_dim + 2 * head_dim
@@ -257,11 +273,11 @@ class LocalDecode(DecodePolicy):
     name = "local"
     SINKS = 16
 
-    def __init__(self, k: int, sinks: int = SINKS):
+    def __init__(self, k: int, sinks: int = SINKS, cap: Optional[float] = None):
         super().__init__()
         if k <= sinks:
             raise ValueError(f"--kv-budget must exceed the {sinks} sink tokens of local attention, got {k}")
-        self.k, self.sinks = k, sinks
+        self.k, self.sinks, self.cap = k, sinks, cap
 
     def positions(self, length: int, device: torch.device) -> Tensor:
         """The attended positions (min(k, length),), sinks first."""
@@ -272,8 +288,9 @@ class LocalDecode(DecodePolicy):
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B, n_kv = q.shape[:2]
-        positions = self.positions(length, q.device).expand(B, n_kv, -1)
-        return sparse_attention(q, cache.k, cache.v, positions).to(q.dtype)
+        view = cache.view(length)
+        positions = self.positions(view.length, q.device).expand(B, n_kv, -1)
+        return sparse_attention(q, view.k, view.v, positions, cap=self.cap).to(q.dtype)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         return 2 * min(self.k, seq_len) * head_dim + 2 * head_dim
@@ -290,43 +307,52 @@ class H2ODecode(DecodePolicy):
 
     name = "h2o"
 
-    def __init__(self, k: int, local: Optional[int] = None, prefill_chunk: int = 256):
+    def __init__(self, k: int, local: Optional[int] = None, prefill_chunk: int = 256, cap: Optional[float] = None):
         super().__init__()
         self.k = k
         self.local = k // 4 if local is None else local
         if k < 1 or not 0 <= self.local <= k:
             raise ValueError(f"H2O needs --kv-budget >= 1 and 0 <= --sparq-local <= it, got {k} and {self.local}")
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.cap = prefill_chunk, cap
+        self.received: Optional[Tensor] = None  # (B, n_kv, S) fp32 attention received during the prefill so far
         self.kept: Optional[Tensor] = None  # (B, n_kv, k) positions, -1 = empty
         self.score: Optional[Tensor] = None  # (B, n_kv, k) fp32 cumulative attention
 
     def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None) -> None:
-        key = ("h2o received", self.prefill_chunk)  # independent of the budget: shared through the memo
+        """Add the attention a prefill chunk's queries give every key so far; keep the budget's best."""
+        S = k.shape[2]
+        key = ("h2o received", self.prefill_chunk, self.cap, S)  # independent of the budget: shared via the memo
         memo = {} if memo is None else memo
         if key not in memo:
-            memo[key] = self.prefill_received(q, k, self.prefill_chunk)
-        self.start_from_prefill(memo[key])
+            memo[key] = self.prefill_received(q, k, self.prefill_chunk, self.cap)
+        if q.shape[2] == S:  # the first chunk of a prefill: its queries are at every position
+            self.received = memo[key].clone()
+        else:
+            self.received = F.pad(self.received, (0, S - self.received.shape[2])) + memo[key]
+        self.start_from_prefill(self.received)
 
     @staticmethod
-    def prefill_received(q: Tensor, k: Tensor, chunk: int = 256) -> Tensor:
-        """(B, n_kv, T) fp32: attention each prefill key received, summed over queries, averaged over
-        the group. Independent of the budget, so several H2O budgets can share it (observe_prefill's memo)."""
+    def prefill_received(q: Tensor, k: Tensor, chunk: int = 256, cap: Optional[float] = None) -> Tensor:
+        """(B, n_kv, S) fp32: attention each key received from the T queries at the last T of its S
+        positions (causal), summed over the queries and averaged over the group. Independent of the
+        budget, so several H2O budgets can share it (observe_prefill's memo)."""
         B, H, T, d = q.shape
-        n_kv = k.shape[1]
+        n_kv, S = k.shape[1], k.shape[2]
         g = H // n_kv
-        received = torch.zeros(B, n_kv, T, dtype=torch.float32, device=q.device)  # attention each key received
+        offset = S - T  # position of the first query
+        received = torch.zeros(B, n_kv, S, dtype=torch.float32, device=q.device)  # attention each key received
         qf = q.float().reshape(B, n_kv, g, T, d)  # query heads grouped by their KV head
         kf = k.float()
         future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # (row, key) above the diagonal
         for start in range(0, T, chunk):
-            end = min(start + chunk, T)  # rows [start, end) see only keys [0, end)
+            end = min(start + chunk, T)  # rows [start, end) see only keys [0, offset + end)
             n = end - start
-            # The group's rows stacked into one GEMM per (batch row, KV head): (B, n_kv, g * n, end).
+            # The group's rows stacked into one GEMM per (batch row, KV head): (B, n_kv, g * n, offset + end).
             qc = qf[:, :, :, start:end].reshape(B, n_kv, g * n, d)
-            logits = torch.matmul(qc, kf[:, :, :end].transpose(-1, -2)).view(B, n_kv, g, n, end)
-            logits.div_(math.sqrt(d))
-            logits[..., start:end].masked_fill_(future[:n, :n], float("-inf"))  # causal mask: diagonal block only
-            received[..., :end] += torch.softmax(logits, dim=-1).sum(3).mean(2)
+            logits = torch.matmul(qc, kf[:, :, :offset + end].transpose(-1, -2)).view(B, n_kv, g, n, offset + end)
+            logits = softcap(logits / math.sqrt(d), cap)
+            logits[..., offset + start:offset + end].masked_fill_(future[:n, :n], float("-inf"))  # causal: diagonal block
+            received[..., :offset + end] += torch.softmax(logits, dim=-1).sum(3).mean(2)
         return received
 
     def start_from_prefill(self, received: Tensor) -> None:
@@ -353,9 +379,10 @@ class H2ODecode(DecodePolicy):
         candidates = torch.cat([self.kept, current], dim=-1)  # (B, n_kv, k + 1)
         valid = candidates >= 0
         index = candidates.clamp(min=0)[..., None].expand(-1, -1, -1, d)
-        k_sel = torch.gather(cache.k[:B], 2, index).float()  # (B, n_kv, k + 1, d)
-        v_sel = torch.gather(cache.v[:B], 2, index).float()
-        logits = (q.float() @ k_sel.transpose(-1, -2)) / math.sqrt(d)  # (B, n_kv, g, k + 1)
+        view = cache.view(length)  # H2O runs on global layers only: view.start = 0, positions are absolute
+        k_sel = torch.gather(view.k[:B], 2, index).float()  # (B, n_kv, k + 1, d)
+        v_sel = torch.gather(view.v[:B], 2, index).float()
+        logits = softcap((q.float() @ k_sel.transpose(-1, -2)) / math.sqrt(d), self.cap)  # (B, n_kv, g, k + 1)
         probs = torch.softmax(logits.masked_fill(~valid[:, :, None, :], float("-inf")), dim=-1)
         y = probs @ v_sel
 
@@ -403,7 +430,7 @@ class AttentionSettings:
 def _build_sparq(s: AttentionSettings, args: ModelArgs, kernels: Kernels) -> SparQDecode:
     if s.sparq_r is None:
         raise ValueError("--attention sparq needs --sparq-r")
-    return SparQDecode(s.sparq_config(args), kernels)
+    return SparQDecode(s.sparq_config(args), kernels, args.attn_softcap)
 
 
 @dataclass(frozen=True)
@@ -415,28 +442,34 @@ class Policy:
     help: str
     knob: Optional[str] = None  # "sparq_r" or "kv_budget"; None: no budget (dense)
     knob_min: int = 1  # smallest value of the knob (LM-Infinite needs more than its sink tokens)
-    reads_buckets: bool = False  # honours bucketed reads (cache.masked_live_length): CUDA graphs per bucket
+    reads_buckets: bool = False  # honours bucketed reads (CacheView.live_length): CUDA graphs per bucket
+    windows: bool = True  # can run on a sliding-window layer's view (stateless in positions); H2O cannot
 
 
 POLICIES: dict[str, Policy] = {
-    "dense": Policy(lambda s, args, kernels: DenseDecode(kernels), "exact attention over the live prefix",
+    "dense": Policy(lambda s, args, kernels: DenseDecode(kernels, args.attn_softcap), "exact attention over the live prefix",
                     reads_buckets=True),
     "sparq": Policy(_build_sparq, "SparQ (--sparq-r/-k/-local/-mean-v)", knob="sparq_r", reads_buckets=True),
-    "topk": Policy(lambda s, args, kernels: TopKDecode(s.budget), "FlexGen top-k: exact scores, top-k values",
-                   knob="kv_budget"),
-    "oracle": Policy(lambda s, args, kernels: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget)),
+    "topk": Policy(lambda s, args, kernels: TopKDecode(s.budget, args.attn_softcap),
+                   "FlexGen top-k: exact scores, top-k values", knob="kv_budget"),
+    "oracle": Policy(lambda s, args, kernels: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget),
+                                                           args.attn_softcap),
                      "exact top-k at no transfer cost (upper bound)", knob="kv_budget"),
-    "h2o": Policy(lambda s, args, kernels: H2ODecode(s.budget, s.sparq_local), "H2O: evicting heavy hitters + recent window",
-                  knob="kv_budget"),
-    "local": Policy(lambda s, args, kernels: LocalDecode(s.budget), "LM-Infinite: 16 sinks + recent window",
-                    knob="kv_budget", knob_min=LocalDecode.SINKS + 1),
+    "h2o": Policy(lambda s, args, kernels: H2ODecode(s.budget, s.sparq_local, cap=args.attn_softcap),
+                  "H2O: evicting heavy hitters + recent window", knob="kv_budget", windows=False),
+    "local": Policy(lambda s, args, kernels: LocalDecode(s.budget, cap=args.attn_softcap),
+                    "LM-Infinite: 16 sinks + recent window", knob="kv_budget", knob_min=LocalDecode.SINKS + 1),
 }
 
 
 def policy_factory(settings: AttentionSettings, args: ModelArgs,
                    kernels: Kernels = TORCH_KERNELS) -> Callable[[int], DecodePolicy]:
     """make_policy(layer) for Transformer.set_decode_attention: a fresh instance per layer (H2O keeps
-    per-layer state). Checks the settings once: ValueError in one line."""
+    per-layer state). Checks the settings once: ValueError in one line.
+
+    Sliding-window layers read min(S, window) positions: the policy replaces dense attention there
+    only when it moves fewer elements than dense over a full window (and can run on a window);
+    elsewhere they stay dense. Global layers always get the policy."""
     if settings.policy not in POLICIES:
         raise ValueError(f"unknown attention policy {settings.policy!r} (choose from {', '.join(POLICIES)})")
     entry = POLICIES[settings.policy]
@@ -444,9 +477,29 @@ def policy_factory(settings: AttentionSettings, args: ModelArgs,
         raise ValueError(f"--sparq-r applies to --attention sparq, not {settings.policy}")
     if settings.kv_budget is not None and entry.knob != "kv_budget":
         raise ValueError(f"--kv-budget applies to --attention topk/oracle/h2o/local, not {settings.policy}")
-    build = entry.build
-    build(settings, args, kernels)  # validate now, not in the middle of a run
-    return lambda layer: build(settings, args, kernels)
+    policy = entry.build(settings, args, kernels)  # validate now, not in the middle of a run
+    W = args.sliding_window
+    on_windows = W is not None and entry.windows and (
+        policy.transfer_elements(W, args.head_dim) < DenseDecode().transfer_elements(W, args.head_dim))
+
+    def make(layer: int) -> DecodePolicy:
+        if args.layer_kind(layer) == "window" and not on_windows:
+            return DenseDecode(kernels, args.attn_softcap)
+        return entry.build(settings, args, kernels)
+
+    return make
+
+
+def describe_layers(model) -> str:
+    """Which policy each kind of layer runs, for the startup line: e.g. 'sparq on 3 global layers,
+    dense on 15 window layers (window 512)'."""
+    groups: dict[tuple[str, str], int] = {}
+    for i, layer in enumerate(model.layers):
+        key = (layer.attention.decode_attention.name, model.args.layer_kind(i))
+        groups[key] = groups.get(key, 0) + 1
+    parts = [f"{name} on {n} {kind} layer{'s' if n > 1 else ''}" for (name, kind), n in groups.items()]
+    window = f" (window {model.args.sliding_window})" if model.args.layer_types and "window" in model.args.layer_types else ""
+    return ", ".join(parts) + window
 
 
 def add_attention_flags(p: argparse.ArgumentParser) -> None:
@@ -478,6 +531,13 @@ def attention_settings(args: argparse.Namespace) -> AttentionSettings:
 def compression_ratio(policy: DecodePolicy, seq_len: int, head_dim: int) -> float:
     """Transfers of `policy` relative to dense attention at the same length (paper, Appendix G)."""
     return policy.transfer_elements(seq_len, head_dim) / DenseDecode().transfer_elements(seq_len, head_dim)
+
+
+def model_compression(model, seq_len: int, policies: Optional[list[DecodePolicy]] = None) -> float:
+    """KV transfers of a decode step at live length seq_len with `policies` (default: the installed
+    ones) relative to dense, over every layer (a window layer counts the min(S, window) it reads)."""
+    dense = [DenseDecode()] * model.args.n_layer
+    return model.decode_kv_bytes(seq_len, 1, policies) / model.decode_kv_bytes(seq_len, 1, dense)
 
 
 def _closest(ratio: Callable[[int], float], lo: int, hi: int, target: float) -> int:

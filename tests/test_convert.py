@@ -55,15 +55,16 @@ def test_missing_source(tmp_path: Path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("architecture, model_type", [("GPTNeoXForCausalLM", "gpt_neox"),
-                                                      ("Qwen2ForCausalLM", "qwen2")])
+@pytest.mark.parametrize("architecture, model_type", [("GPT2LMHeadModel", "gpt2"), ("PhiForCausalLM", "phi")])
 def test_unsupported_architecture(tmp_path: Path, architecture: str, model_type: str):
+    """One line naming the architecture and listing the supported ones, before any weight is read."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({
         "architectures": [architecture], "model_type": model_type, "hidden_size": 32, "num_attention_heads": 4,
         "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": VOCAB}))
-    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "unsupported architecture", architecture)
+    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "unsupported architecture", architecture,
+                          "Qwen2ForCausalLM", "Gemma3ForCausalLM", "GPTNeoXForCausalLM")
 
 
 def test_error_cases_in_process(tmp_path: Path):
@@ -285,3 +286,50 @@ def test_unpermute_inverts_llama_cpp_permute():
     w = torch.randn(3 * 16, 8)
     assert torch.equal(convert_hf_checkpoint.unpermute_qk(_llama_cpp_permute(w, 3), 3), w)
     assert not torch.equal(_llama_cpp_permute(w, 3), w)
+
+
+# Byte offsets of the fp16 scale fields in one block of each GGUF quantization type (llama.cpp's
+# ggml-common.h): random bytes elsewhere are valid quants; random bytes there could be inf/NaN.
+FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2)}
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0", "Q4_1", "F16", "BF16", "F32"])
+def test_gguf_tensor_types_dequantize_as_gguf_does(tmp_path: Path, type_name: str):
+    """A tensor of each type the real models use, written with gguf's own writer, read back through
+    the converter's GGUF path: the values gguf's reference dequantization gives, in PyTorch order."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, cols = 3, 512
+    rng = np.random.default_rng(len(type_name) * 7 + cols)
+    if type_name in FP16_FIELDS:
+        raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        for offset in FP16_FIELDS[type_name]:
+            scale = (rng.uniform(0.01, 0.1, (rows, cols // block)) * rng.choice([-1, 1], (rows, cols // block)))
+            raw[:, :, offset:offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(rows, cols // block, 2)
+        raw = raw.reshape(rows, -1)
+    elif type_name == "BF16":
+        bits = (rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        raw = bits.view(np.uint8)  # gguf takes BF16 as raw bytes
+    else:
+        raw = rng.standard_normal((rows, cols)).astype(np.float16 if type_name == "F16" else np.float32)
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    if type_name in ("F16", "F32"):
+        writer.add_tensor("t", raw)
+    else:
+        writer.add_tensor("t", raw, raw_dtype=qtype)  # the shape follows from the bytes per row
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = gguf.GGUFReader(path).tensors
+    assert tensor.tensor_type == qtype
+    ours = convert_hf_checkpoint.read_gguf_tensor(tensor)
+    expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).reshape(rows, cols)
+    assert ours.shape == (rows, cols) and ours.dtype == torch.float32
+    assert torch.isfinite(expected).all() and expected.abs().max() > 0
+    assert torch.equal(ours, expected)

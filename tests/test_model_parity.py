@@ -137,7 +137,7 @@ def test_hf_parity(case: str, tmp_path: Path):
     assert all(t.dtype == torch.float32 for t in state.values())
     if case == "mistral":
         assert saved["architecture"] == "mistral"
-        assert saved["max_context"] == config.sliding_window  # capped: our attention is always full
+        assert saved["sliding_window"] == config.sliding_window and saved["layer_types"] == ["window"] * 2
     if case == "llama31-rope-scaling":
         assert saved["rope_scaling"]["rope_type"] == "llama3"
 

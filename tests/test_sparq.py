@@ -208,7 +208,49 @@ def test_cache_broadcast_row_and_read_length():
     for name in ("k", "k_t", "v", "v_sum"):
         buffer = getattr(cache, name)
         assert torch.equal(buffer[2], buffer[0]) and torch.equal(buffer[1], buffer[0])
-    assert cache.read_length(10) == 10 and cache.masked_live_length is None
+    assert cache.read_length(10) == 10 and cache.view(10).live_length is None
     bucketed = KVCache(1, 300, 1, 8, torch.float32, length_bucket=128)
     assert [bucketed.read_length(n) for n in (1, 128, 129, 290)] == [128, 128, 256, 300]
-    assert bucketed.masked_live_length is bucketed.live_length
+    assert bucketed.view(128).live_length is bucketed.live_length
+
+
+def test_window_cache_views_and_running_sum():
+    """A sliding-window cache shows a decode step only its last `window` positions, and its running
+    V sum covers exactly those, through prefill chunks, decode steps, snapshots and rewinds."""
+    B, n_kv, d, W = 2, 3, 8, 5
+    cache = KVCache(B, 40, n_kv, d, torch.float32, window=W)
+    gen = torch.Generator().manual_seed(3)
+    cache.update(torch.arange(7), torch.randn(B, n_kv, 7, d, generator=gen), torch.randn(B, n_kv, 7, d, generator=gen))
+    torch.testing.assert_close(cache.v_sum, cache.v[:, :, 2:7].sum(2))
+    for pos in range(7, 12):
+        cache.update(torch.tensor([pos]), torch.randn(B, n_kv, 1, d, generator=gen),
+                     torch.randn(B, n_kv, 1, d, generator=gen))
+        view = cache.view(pos + 1)
+        assert view.start == pos + 1 - W and view.length == W
+        assert torch.equal(view.k[:, :, :W], cache.k[:, :, pos + 1 - W:pos + 1])
+        assert torch.equal(view.k_t[:, :, :, :W], cache.k_t[:, :, :, pos + 1 - W:pos + 1])
+        torch.testing.assert_close(view.v_sum, cache.v[:, :, pos + 1 - W:pos + 1].sum(2))
+    cache.rewind(9)
+    torch.testing.assert_close(cache.v_sum, cache.v[:, :, 4:9].sum(2))
+    short = KVCache(1, 8, 1, d, torch.float32, window=W)
+    short.update(torch.arange(3), torch.randn(1, 1, 3, d), torch.randn(1, 1, 3, d))
+    assert short.view(3).start == 0 and short.visible_length(3) == 3
+    with pytest.raises(ValueError, match="exact lengths"):
+        KVCache(1, 8, 1, d, torch.float32, length_bucket=4, window=W)
+
+
+def test_window_policies_attend_exactly_their_window():
+    """Dense and SparQ (r = d, k >= W) on a window cache equal dense attention over the last W positions."""
+    from model import DenseDecode
+
+    B, n_kv, g_, d, S, W = 2, 2, 3, 16, 50, 12
+    cache = KVCache(B, 64, n_kv, d, torch.float32, window=W)
+    gen = torch.Generator().manual_seed(8)
+    k, v = torch.randn(B, n_kv, S, d, generator=gen), torch.randn(B, n_kv, S, d, generator=gen)
+    cache.update(torch.arange(S), k, v)
+    q = random_query(B, n_kv, g_, d)
+    expected = dense_attention(q, k[:, :, S - W:], v[:, :, S - W:])
+    torch.testing.assert_close(DenseDecode()(q, cache, S), expected, atol=2e-6, rtol=1e-5)
+    for mean_v in (False, True):
+        full = SparQDecode(SparQConfig(r=d, k=64, local=0, mean_v=mean_v))(q, cache, S)
+        torch.testing.assert_close(full, expected, atol=2e-6, rtol=1e-5)
