@@ -18,8 +18,12 @@ and positions [:length] are read):
   dense_attention(q, k, v, length, live_length, cap) -> (B, n_kv, g, d)
   sparq_attention(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v, cap) -> (B, n_kv, g, d)
   linear(x (..., K), weight (N, K), bias (N,) or None) -> (..., N)
-`length` is the number of positions read; `live_length` is None when exactly `length` positions
-are live, else a device tensor (bucketed reads: positions from live_length to length are masked);
+`length` is the number of positions read (the longest row's). `live_length` says which are live:
+  None          every row's positions [0, length) are live (exact reads: the CPU default);
+  a 0-dim int   every row's positions [0, live_length) are live, the rest up to `length` masked
+  tensor        (bucketed reads: one CUDA graph per bucket, the length a device tensor);
+  a (B,) int    row b's positions [0, live_length[b]) are live (ragged batches: rows of different
+  tensor        lengths; a kernel should read only those, so a short row costs what it reads).
 `cap` is the attention logit soft-cap (Gemma 2) or None. The fused attention kernels take no cap:
 resolve_kernels leaves attention to the torch path for soft-capped models, and says so.
 """

@@ -262,9 +262,16 @@ def softcap(logits: Tensor, cap: Optional[float]) -> Tensor:
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
+def per_row(live_length: Tensor, ndim: int) -> Tensor:
+    """A live length (0-dim, or (B,) per row) shaped to broadcast against (B, ..., positions) of ndim dims."""
+    return live_length if live_length.dim() == 0 else live_length.view(-1, *([1] * (ndim - 1)))
+
+
 def beyond_live(length: int, live_length: Tensor) -> Tensor:
-    """(length,) True at the positions a bucketed read covers but that are not live yet."""
-    return torch.arange(length, device=live_length.device) >= live_length
+    """True at the positions [0, length) a read covers that are not live: (length,) for one live
+    length (0-dim), (B, 1, 1, length) for per-row live lengths (B,); both broadcast over the
+    scores (B, n_kv, g, length)."""
+    return torch.arange(length, device=live_length.device) >= per_row(live_length, 4)
 
 
 def dense_attention_torch(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None,

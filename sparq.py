@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import TORCH_KERNELS, Kernels
-from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, softcap
+from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, per_row, softcap
 
 
 @dataclass
@@ -132,7 +132,8 @@ def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int,
 def select_positions(s_hat: Tensor, length: int, k: int, local: int, live_length: Optional[Tensor] = None) -> Tensor:
     """Step 2 selection: (B, n_kv, min(k, S)) positions, the last `local` live ones always included.
 
-    With live_length (bucketed lengths) positions beyond it rank last; sparse_attention masks them.
+    With live_length (0-dim: bucketed lengths; (B,): per row) positions beyond it rank last and
+    the local window ends there; sparse_attention masks them.
     """
     score = s_hat.sum(2)  # (B, n_kv, S)
     if live_length is None:
@@ -141,8 +142,9 @@ def select_positions(s_hat: Tensor, length: int, k: int, local: int, live_length
             score[..., length - n_local:] = float("inf")
     else:
         position = torch.arange(length, device=score.device)
-        score = torch.where(position >= live_length - local, float("inf"), score)
-        score = torch.where(position >= live_length, float("-inf"), score)
+        live = per_row(live_length, 3)
+        score = torch.where(position >= live - local, float("inf"), score)
+        score = torch.where(position >= live, float("-inf"), score)
     return torch.topk(score, min(k, length), dim=-1).indices
 
 
@@ -155,7 +157,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, live_le
     v_sel = torch.gather(v[:B], 2, index)
     scores = softcap((q.float() @ k_sel.float().transpose(-1, -2)) / math.sqrt(d), cap)  # (B, n_kv, g, k)
     if live_length is not None:
-        scores = scores.masked_fill((positions >= live_length)[:, :, None, :], float("-inf"))
+        scores = scores.masked_fill((positions >= per_row(live_length, 3))[:, :, None, :], float("-inf"))
     return torch.softmax(scores, dim=-1) @ v_sel.float()  # (B, n_kv, g, d) fp32
 
 
@@ -176,7 +178,8 @@ def sparq_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor
     y = sparse_attention(q, k, v, positions, live_length, cap)  # fp32
     if mean_v:
         alpha = torch.gather(s_hat, 3, positions[:, :, None, :].expand(-1, -1, s_hat.shape[2], -1)).sum(-1, keepdim=True)
-        v_mean = (v_sum[:B] / (length if live_length is None else live_length))[:, :, None, :]  # (B, n_kv, 1, d)
+        n = length if live_length is None else per_row(live_length, 3)
+        v_mean = (v_sum[:B] / n)[:, :, None, :]  # (B, n_kv, 1, d)
         y = alpha * y + (1 - alpha) * v_mean
     return y.to(q.dtype)
 

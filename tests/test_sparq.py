@@ -254,3 +254,27 @@ def test_window_policies_attend_exactly_their_window():
     for mean_v in (False, True):
         full = SparQDecode(SparQConfig(r=d, k=64, local=0, mean_v=mean_v))(q, cache, S)
         torch.testing.assert_close(full, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_per_row_live_lengths_equal_each_row_run_alone():
+    """A (B,) live length (ragged batches): every row of dense and SparQ attention equals that row
+    computed alone at its own exact length."""
+    from model import dense_attention_torch
+    from sparq import sparq_attention_torch
+
+    B, n_kv, g_, d, S_max = 3, 2, 3, 32, 300
+    lengths = [40, 300, 171]
+    gen = torch.Generator().manual_seed(11)
+    k, v = torch.randn(B, n_kv, S_max, d, generator=gen), torch.randn(B, n_kv, S_max, d, generator=gen)
+    k_t = k.transpose(2, 3).contiguous()
+    v_sum = torch.stack([v[b, :, :n].sum(1) for b, n in enumerate(lengths)])
+    q = random_query(B, n_kv, g_, d)
+    live = torch.tensor(lengths)
+    dense = dense_attention_torch(q, k, v, S_max, live)
+    sparq = sparq_attention_torch(q, k, k_t, v, v_sum, S_max, live, 8, 32, 8, True)
+    for b, n in enumerate(lengths):
+        alone = dense_attention_torch(q[b:b + 1], k[b:b + 1], v[b:b + 1], n)
+        torch.testing.assert_close(dense[b:b + 1], alone, atol=2e-6, rtol=1e-5)
+        alone = sparq_attention_torch(q[b:b + 1], k[b:b + 1], k_t[b:b + 1], v[b:b + 1], v_sum[b:b + 1], n, None,
+                                      8, 32, 8, True)
+        torch.testing.assert_close(sparq[b:b + 1], alone, atol=2e-6, rtol=1e-5)
