@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import TORCH_KERNELS, Kernels
-from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, per_row, softcap
+from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, dense_attention_torch, per_row, softcap
 
 
 @dataclass
@@ -185,23 +185,36 @@ def sparq_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor
 
 
 class SparQDecode(DecodePolicy):
-    """The SparQ decode attention policy: the run's SparQ kernel, or the torch path above."""
+    """The SparQ decode attention policy: the run's SparQ kernel, or the torch path above.
+
+    While a layer sees at most k positions, SparQ would select all of them (step 2 is then exact
+    attention and mean-V's alpha is 1): it runs dense attention instead, which computes the same
+    thing without step 1's reads. dense_when_short=False keeps the sparse path (tests of SparQ itself).
+    """
 
     name = "sparq"
 
-    def __init__(self, config: SparQConfig, kernels: Kernels = TORCH_KERNELS, cap: Optional[float] = None):
+    def __init__(self, config: SparQConfig, kernels: Kernels = TORCH_KERNELS, cap: Optional[float] = None,
+                 dense_when_short: bool = True):
         super().__init__()
         self.config = config
         self.attend = kernels.sparq_attention or sparq_attention_torch
+        self.attend_dense = kernels.dense_attention or dense_attention_torch
         self.cap = cap
+        self.dense_when_short = dense_when_short
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         c, view = self.config, cache.view(length)
+        if self.dense_when_short and view.length <= c.k:
+            return self.attend_dense(q, view.k, view.v, view.length, view.live_length, self.cap)
         return self.attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
                            c.r, c.k, c.local, c.mean_v, self.cap)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
-        """Elements moved per KV head per step (paper, eq. 11): S r + 2 k d + 4 d."""
+        """Elements moved per KV head per step at seq_len visible positions (paper, eq. 11): S r + 2 k d + 4 d;
+        dense's 2 S d + 2 d while S <= k (the dense path)."""
+        if self.dense_when_short and seq_len <= self.config.k:
+            return DenseDecode().transfer_elements(seq_len, head_dim)
         k = min(self.config.k, seq_len)
         return seq_len * self.config.r + 2 * k * head_dim + 4 * head_dim
 

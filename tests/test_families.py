@@ -159,6 +159,8 @@ def test_sparq_with_full_r_and_k_generates_dense_tokens(converted):
                              ("sparq", AttentionSettings("sparq", sparq_r=ours.args.head_dim, sparq_k=256, sparq_local=0))):
         ours.setup_caches(2, 24 + 16)
         ours.set_decode_attention(policy_factory(settings, ours.args))
+        for layer in ours.layers:  # test SparQ itself, not the dense path it takes while S <= k
+            layer.attention.decode_attention.dense_when_short = False
         rows[policy], _ = Generator(ours).generate(prompt, 16)
         if policy == "sparq" and ours.args.layer_types is None:
             assert all(layer.attention.decode_attention.name == "sparq" for layer in ours.layers)

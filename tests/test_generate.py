@@ -50,7 +50,7 @@ def test_sparq_with_full_r_and_k_generates_exactly_dense(smollm2):
     prompt = data.essay_tokens(tok, 2048)
     dense = greedy(model, prompt, 64, lambda layer: DenseDecode())
     full = SparQConfig(r=model.args.head_dim, k=4096, local=0)
-    sparq = greedy(model, prompt, 64, lambda layer: SparQDecode(full))
+    sparq = greedy(model, prompt, 64, lambda layer: SparQDecode(full, dense_when_short=False))  # SparQ itself
     assert len(dense[0]) == 64
     assert sparq == dense
 

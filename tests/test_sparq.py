@@ -10,8 +10,8 @@ from sparq import SparQConfig, SparQDecode, sparq_reference
 
 
 def sparq_torch(q, cache, length, config):
-    """The batched torch path, through the policy as the model calls it (no fused kernel)."""
-    return SparQDecode(config)(q, cache, length)
+    """The batched torch path, through the policy as the model calls it (no fused kernel), always sparse."""
+    return SparQDecode(config, dense_when_short=False)(q, cache, length)
 
 
 def dense_attention(q, k, v):
@@ -144,7 +144,9 @@ def test_transfer_accounting_matches_paper_formulas():
     sparq = SparQDecode(SparQConfig(r=16, k=128))
     assert sparq.transfer_elements(S, 64) == S * 16 + 2 * 128 * 64 + 4 * 64
     assert DenseDecode().transfer_elements(S, 64) == 2 * S * 64 + 2 * 64
-    assert sparq.transfer_elements(50, 64) == 50 * 16 + 2 * 50 * 64 + 4 * 64  # k capped at the live length
+    assert SparQDecode(SparQConfig(r=16, k=128), dense_when_short=False).transfer_elements(50, 64) == \
+        50 * 16 + 2 * 50 * 64 + 4 * 64  # k capped at the live length
+    assert sparq.transfer_elements(128, 64) == DenseDecode().transfer_elements(128, 64)  # S <= k: the dense path
     with torch.device("meta"):
         model = Transformer(args).to(torch.bfloat16)
         model.setup_caches(B, S + 1)
@@ -252,7 +254,7 @@ def test_window_policies_attend_exactly_their_window():
     expected = dense_attention(q, k[:, :, S - W:], v[:, :, S - W:])
     torch.testing.assert_close(DenseDecode()(q, cache, S), expected, atol=2e-6, rtol=1e-5)
     for mean_v in (False, True):
-        full = SparQDecode(SparQConfig(r=d, k=64, local=0, mean_v=mean_v))(q, cache, S)
+        full = SparQDecode(SparQConfig(r=d, k=64, local=0, mean_v=mean_v), dense_when_short=False)(q, cache, S)
         torch.testing.assert_close(full, expected, atol=2e-6, rtol=1e-5)
 
 
@@ -278,3 +280,20 @@ def test_per_row_live_lengths_equal_each_row_run_alone():
         alone = sparq_attention_torch(q[b:b + 1], k[b:b + 1], k_t[b:b + 1], v[b:b + 1], v_sum[b:b + 1], n, None,
                                       8, 32, 8, True)
         torch.testing.assert_close(sparq[b:b + 1], alone, atol=2e-6, rtol=1e-5)
+
+
+def test_short_contexts_take_the_dense_path_with_the_same_result():
+    """S <= k: SparQ would select every position; the policy runs dense attention instead (same
+    output, fewer transfers), and switches to the sparse path once S exceeds k."""
+    from model import DenseDecode
+
+    B, n_kv, g_, d = 2, 3, 3, 64
+    cache, _, _ = filled_cache(B, n_kv, d, 200, 256, garbage=False)
+    q = random_query(B, n_kv, g_, d)
+    config = SparQConfig(r=8, k=128, mean_v=True)
+    short, forced = SparQDecode(config), SparQDecode(config, dense_when_short=False)
+    torch.testing.assert_close(short(q, cache, 100), DenseDecode()(q, cache, 100))
+    torch.testing.assert_close(short(q, cache, 100), forced(q, cache, 100), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(short(q, cache, 200), forced(q, cache, 200))  # S > k: sparse, identical
+    assert short.transfer_elements(100, d) == DenseDecode().transfer_elements(100, d) < \
+        forced.transfer_elements(100, d)
