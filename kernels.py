@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels_triton import HAS_TRITON, sparq_attention_triton
+from kernels_triton import HAS_TRITON, dense_attention_triton, sparq_attention_triton
 
 
 @dataclass(frozen=True)
@@ -252,8 +252,8 @@ def _check_fused_call(live_length: Optional[Tensor], cap: Optional[float]) -> No
 CPU_KERNELS = Kernels("cpu", dense_attention=dense_attention_cpu, sparq_attention=sparq_attention_cpu,
                       linear=linear_cpu, packed_quantized=True,
                       describe="fused C++ (csrc/): dense and SparQ attention, decode linears")
-TRITON_KERNELS = Kernels("triton", sparq_attention=sparq_attention_triton, packed_quantized=True,
-                         describe="Triton SparQ attention; dense attention and linears from PyTorch")
+TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, sparq_attention=sparq_attention_triton,
+                         packed_quantized=True, describe="Triton dense and SparQ decode attention; linears from PyTorch")
 
 
 def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int = 1, softcap: bool = False,

@@ -1,37 +1,55 @@
-"""Triton kernels for SparQ decode attention on CUDA (kernels.py puts them in the run's Kernels record).
+"""Triton kernels for decode attention on CUDA, SparQ and dense (kernels.py puts them in the run's Kernels record).
 
-A leaf module, like kernels.py: tensors and ints in, tensors out. The kernels compute what
-`sparq.sparq_reference` computes; without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1
-set before triton is first imported), which is how the CPU test suite checks them.
+A leaf module, like kernels.py: tensors and ints in, tensors out. `sparq_attention_triton` computes
+what `sparq.sparq_reference` computes, `dense_attention_triton` what `model.dense_attention_torch`
+computes; without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1 set before triton is
+first imported), which is how the CPU test suite checks them.
+
+SparQ, one call = 3 to 5 Triton launches and nothing else (no eager torch kernel in between):
+  step 1  grid (B * n_kv, S / BLOCK_S). Step 0 fused: every program ranks |q| summed over the group
+          (a d x d comparison, registers only), takes the top-r components and tau itself. Then
+          logits = q[i1] . K^T[i1] / tau for its block of positions, all g heads at once (every
+          element of K^T read once per KV head), written in fp32 with the block's softmax max and
+          sum per head. Blocks past a row's live length do nothing at all.
+  select  grid (B * n_kv, chunks). Reduces the block stats to each head's softmax (max, sum), reads
+          its chunk of logits once, forms score = sum_g softmax_g (the group sum), forces the local
+          window in and dead positions out, and takes the chunk's top-k with an exact radix select
+          (31 counting passes over the chunk's keys, then ties to the lower position; no sort).
+  merge   (only when there are several chunks) grid (B * n_kv,): the same select over the chunks'
+          candidates gives the final k positions.
+  step 2  grid (B * n_kv, splits): split over the k selected rows (flash-decoding): each program
+          gathers its share of the selected rows of K and V once for the g heads (online softmax),
+          and sums the approximate mass alpha of its rows from the logits (mean-V). One split
+          writes the output directly; several write partials that
+  combine grid (B * n_kv * g,) merges (max, sum, acc, alpha), mixes in mean(V) and writes the output.
+Bytes beyond the paper's transfer count Sr + 2kd + 4d: the fp32 logits written by step 1 and read
+once by select (8 g bytes per position and KV head against 2 r bytes of K^T in bf16: +12% for MHA
+at r = 32, +50% for GQA g = 4; they are normalised per head before the group sum, so the group
+cannot be summed before every block is done), and the tiny stats and partials.
+
+Dense, one call = 1 or 2 launches: a flash-decoding kernel split over S (grid (B * n_kv, splits),
+each K/V row read once for the g heads sharing it; GQA dots on tensor cores in the cache dtype,
+MHA on CUDA cores), and the same combine when there are several splits.
+
+Live lengths (kernels.py docstring): a python int (exact reads), a 0-dim / 1-element device tensor
+(every row), or a (B,) device tensor (ragged rows). With a tensor the shapes and grids follow the
+static `length` (one CUDA graph serves every live length, no host sync) while each program loads
+its row's live length and does nothing, or only writes sentinels, past it: the work scales with the
+live length, row by row.
+
+All softmax arithmetic is fp32. SparQ dots on fp32 operands use input_precision "tf32x3" (about
+fp32 accurate) with g padded to the MMA minimum of 16 rows for GQA; MHA (g = 1) uses
+broadcast-multiply-sum on CUDA cores. The dense GQA kernel dots bf16/fp16 operands directly
+(exact products, fp32 accumulation; probabilities cast to V's dtype as the torch path does).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import torch
 from torch import Tensor
-
-# Two Triton kernels around a few torch ops, all on the device, no host sync:
-#   step 0 (torch)  i1 = top-r of |q| summed over the group, q_hat = q[i1], tau    (B, n_kv, g, r) tiny
-#   step 1 (Triton) logits = q_hat . K^T[i1] / tau: gathers the r rows of K^T    (B, n_kv, g, S_bound)
-#                   grid (B * n_kv, S blocks): every K element is read once per KV head, for all g
-#                   heads; blocks past the live length only write -inf; fully live blocks load unmasked
-#   select (torch)  s_hat = softmax(logits); score = sum_g s_hat, local window forced, dead = -inf; topk
-#                   (fp32 round trips of (B, n_kv, g, S): small next to K^T for MHA, not for GQA at small r)
-#   step 2 (Triton) grid (B * n_kv,): gathers the k selected rows of K and V once for the g heads, exact
-#                   online softmax(q K_sel^T / sqrt(d)) V_sel, then the mean-V mix
-# `length` is a python int (shapes follow it) or a 0-dim / 1-element int device tensor (shapes follow
-# the static bound S_bound = max_length or S_max; positions >= length are masked everywhere), so a
-# decode step can be captured once in a CUDA graph. On CPU tensors the kernels run only in Triton's
-# interpreter (TRITON_INTERPRET=1 set before triton is imported): that is how the tests run them.
-#
-# All arithmetic is fp32 (K/V tiles are upcast after the load). GQA (g > 1): tl.dot on fp32 operands
-# with input_precision "tf32x3" (3 TF32 tensor-core MMAs, about fp32 accurate), g padded to the MMA
-# minimum of 16 rows: the kernels are memory bound and the padded rows cost tensor-core time only,
-# whereas a broadcast-multiply-sum over (g, r, BLOCK_S) would hold a 3-D tile in registers (spills)
-# and a CUDA-core fp32 dot would pay 16 FMAs per K element. MHA (g = 1): broadcast-multiply-sum,
-# one FMA per K element on CUDA cores, no padding and no tensor-core detour.
 
 try:
     import triton
@@ -43,28 +61,68 @@ except ImportError:  # kernels.py must import without triton (CPU-only installs)
     HAS_TRITON = False
 
 TRITON_DOT_PRECISION = "tf32x3"  # "ieee" for exact fp32 FMAs (slower; the interpreter is exact either way)
+INF_KEY = 0x7F800001  # select key of a forced (local window) position: above every finite score's key
+TARGET_PROGRAMS = 4  # launch at least this many programs per SM where the work can be split
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _sparq_step1_rows(qhat_row, idx_row, k_base, stride_krow, stride_ks, offs_g, g_mask, offs_s, live, G, R, r_end,
-                          G_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr,
-                          K_TRANSPOSED: tl.constexpr, MASK_S: tl.constexpr, PRECISION: tl.constexpr):
-        """sum over the selected rows r < r_end of q_hat[:, r] * K^T[i1[r], offs_s]: (G_PAD, BLOCK_S) fp32."""
+    def _live_length(live, b, S_bound, LIVE: tl.constexpr):
+        """A row's live length: LIVE 0 = the int `live`, 1 = a device scalar, 2 = per row (live[b])."""
+        if LIVE == 0:
+            n = live
+        elif LIVE == 1:
+            n = tl.load(live).to(tl.int32)
+        else:
+            n = tl.load(live + b).to(tl.int32)
+        return tl.minimum(n, S_bound)
+
+    @triton.jit
+    def _topk_select(key, KT):
+        """Exact top-KT of int32 keys >= -1 (-1 = never): (selected mask, its slot 0..KT-1 in key order).
+
+        Finds the KT-th largest key T by 31 counting passes (bit by bit, high to low), takes every
+        key > T and the first (lowest-index) keys == T up to KT. Fewer than KT keys >= 0: all of them.
+        """
+        t = tl.sum(tl.zeros_like(key), axis=0)
+        bit = tl.sum(tl.zeros_like(key), axis=0) + (1 << 30)
+        for _ in range(31):
+            cand = t | bit
+            count = tl.sum((key >= cand).to(tl.int32), axis=0)
+            t = tl.where(count >= KT, cand, t)
+            bit = bit >> 1
+        above = key > t
+        need = KT - tl.sum(above.to(tl.int32), axis=0)
+        tie = key == t
+        chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= need))
+        slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        return chosen, slot
+
+    @triton.jit
+    def _sparq_step1_rows(q_row, stride_qg, order, k_base, stride_krow, stride_ks, offs_g, g_mask, offs_s,
+                          live_s, R, G_PAD: tl.constexpr, D_PAD: tl.constexpr, R_BLOCK: tl.constexpr,
+                          BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, K_TRANSPOSED: tl.constexpr,
+                          MASK_S: tl.constexpr, PRECISION: tl.constexpr):
+        """sum over the top-r components i of q_hat[:, i] * K^T[i, offs_s]: (G_PAD, BLOCK_S) fp32, and
+        sum |q_hat| per head (tau's numerator). order (D_PAD / R_BLOCK, R_BLOCK): the components by rank."""
         acc = tl.zeros((G_PAD, BLOCK_S), dtype=tl.float32)
-        for r0 in range(0, r_end, R_BLOCK):
+        q_hat_abs = tl.zeros((G_PAD,), dtype=tl.float32)
+        offs_rb = tl.arange(0, D_PAD // R_BLOCK)
+        for r0 in range(0, R, R_BLOCK):
             offs_r = r0 + tl.arange(0, R_BLOCK)
             r_mask = offs_r < R
-            rows = tl.load(idx_row + offs_r, mask=r_mask, other=0).to(tl.int64)
-            q_hat = tl.load(qhat_row + offs_g[:, None] * R + offs_r[None, :],
-                            mask=g_mask[:, None] & r_mask[None, :], other=0.0)  # (G_PAD, R_BLOCK)
+            rows = tl.sum(tl.where(offs_rb[:, None] == r0 // R_BLOCK, order, 0), axis=0)  # ranks r0 .. r0 + R_BLOCK - 1
+            q_hat = tl.load(q_row + offs_g[:, None] * stride_qg + rows[None, :],
+                            mask=g_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)  # (G_PAD, R_BLOCK)
+            q_hat_abs += tl.sum(tl.abs(q_hat), axis=1)
+            rows = rows.to(tl.int64)
             if K_TRANSPOSED:  # K^T rows: BLOCK_S contiguous elements each (coalesced)
                 k_ptrs = k_base + rows[:, None] * stride_krow + offs_s[None, :]
             else:  # 1xK layout: gather r columns of d-contiguous rows
                 k_ptrs = k_base + rows[:, None] + offs_s[None, :].to(tl.int64) * stride_ks
             if MASK_S:
-                k_mask = r_mask[:, None] & live[None, :]
+                k_mask = r_mask[:, None] & live_s[None, :]
             else:
                 k_mask = r_mask[:, None]
             k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0).to(tl.float32)  # (R_BLOCK, BLOCK_S)
@@ -72,87 +130,190 @@ if HAS_TRITON:
                 acc = tl.dot(q_hat, k_tile, acc, input_precision=PRECISION)
             else:  # MHA (G_PAD = 1): one FMA per K element on CUDA cores
                 acc += tl.sum(q_hat[:, :, None] * k_tile[None, :, :], axis=1)
-        return acc
+        return acc, q_hat_abs
 
-    @triton.jit(do_not_specialize=["length", "S_bound"])
+    @triton.jit(do_not_specialize=["live", "S_bound"])
     def _sparq_step1_kernel(
-        qhat_ptr, tau_ptr, idx_ptr,  # (B, n_kv, G, R) fp32, (B, n_kv, G) fp32, (B, n_kv, R) int32; contiguous
+        q_ptr, stride_qb, stride_qh, stride_qg,  # q (B, n_kv, G, D), D unit-stride
         k_ptr, stride_kb, stride_kh, stride_krow, stride_ks,  # k_t (rows = d, S unit-stride) or k (S, d unit-stride)
-        logits_ptr,  # (B, n_kv, G, S_bound) fp32, contiguous
-        length, n_kv, G, R, S_bound,
-        G_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr,
-        K_TRANSPOSED: tl.constexpr, LEN_IS_PTR: tl.constexpr, PRECISION: tl.constexpr,
+        logits_ptr,  # (B * n_kv, G, S_bound) fp32: written at live positions only
+        bmax_ptr, bsum_ptr,  # (B * n_kv, G, NB) fp32: each block's max of the logits, and sum of exp(logit - max)
+        live, n_kv, G, D, R, S_bound, NB,
+        G_PAD: tl.constexpr, D_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+        USE_DOT: tl.constexpr, K_TRANSPOSED: tl.constexpr, LIVE: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """One program per (batch row, KV head, block of S): approximate logits of all G query heads."""
+        """One program per (batch row, KV head, block of S): step 0, then approximate logits of all G heads."""
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
-        b = (pid_bh // n_kv).to(tl.int64)
-        h = (pid_bh % n_kv).to(tl.int64)
-        if LEN_IS_PTR:
-            n = tl.load(length).to(tl.int32)
-        else:
-            n = length
-        offs_g = tl.arange(0, G_PAD)
-        offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-        g_mask = offs_g < G
-        live = offs_s < n
-        k_base = k_ptr + b * stride_kb + h * stride_kh
-        qhat_row = qhat_ptr + pid_bh * G * R
-        idx_row = idx_ptr + pid_bh * R
-        if (pid_s + 1) * BLOCK_S <= n:  # fully live block: no mask along S, so loads vectorize (16 B)
-            acc = _sparq_step1_rows(qhat_row, idx_row, k_base, stride_krow, stride_ks, offs_g, g_mask, offs_s,
-                                    live, G, R, R, G_PAD, R_BLOCK, BLOCK_S, USE_DOT, K_TRANSPOSED, False, PRECISION)
-        else:  # the block holding the live end (masked), or one past it: no K traffic, only -inf written
-            r_end = tl.where(pid_s * BLOCK_S < n, R, 0)
-            acc = _sparq_step1_rows(qhat_row, idx_row, k_base, stride_krow, stride_ks, offs_g, g_mask, offs_s,
-                                    live, G, R, r_end, G_PAD, R_BLOCK, BLOCK_S, USE_DOT, K_TRANSPOSED, True, PRECISION)
-        tau = tl.load(tau_ptr + pid_bh * G + offs_g, mask=g_mask, other=1.0)
-        logits = tl.where(live[None, :], acc / tau[:, None], float("-inf"))
-        out_ptrs = logits_ptr + pid_bh.to(tl.int64) * G * S_bound + offs_g[:, None] * S_bound + offs_s[None, :]
-        tl.store(out_ptrs, logits, mask=g_mask[:, None] & (offs_s < S_bound)[None, :])
+        b = pid_bh // n_kv
+        h = pid_bh % n_kv
+        n = _live_length(live, b, S_bound, LIVE)
+        start = pid_s * BLOCK_S
+        if start < n:  # blocks past the live length: no work, no traffic (select never reads them)
+            offs_g = tl.arange(0, G_PAD)
+            offs_d = tl.arange(0, D_PAD)
+            g_mask = offs_g < G
+            d_mask = offs_d < D
+            q_row = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+            q = tl.load(q_row + offs_g[:, None] * stride_qg + offs_d[None, :],
+                        mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # (G_PAD, D_PAD)
+            # Step 0: the components in decreasing order of |q| summed over the group (ties: lower index
+            # first), by a bitonic sort of (|q| bits, index) keys; padding sorts last.
+            q_abs = tl.abs(q)
+            a = tl.sum(q_abs, axis=0)  # (D_PAD,) >= 0: its fp32 bits order like its values
+            key = tl.where(d_mask, (a.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (65535 - offs_d), -1)
+            order = (65535 - (tl.sort(key, descending=True) & 65535)).to(tl.int32)
+            order = tl.reshape(order, (D_PAD // R_BLOCK, R_BLOCK))
+            total = tl.where(g_mask, tl.sum(q_abs, axis=1), 1.0)  # sum |q| per head (padded heads: 1)
 
-    @triton.jit(do_not_specialize=["length", "S_bound"])
+            k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+            offs_s = start + tl.arange(0, BLOCK_S)
+            live_s = offs_s < n
+            rows_g = (pid_bh * G + offs_g).to(tl.int64)
+            out_ptrs = logits_ptr + rows_g[:, None] * S_bound + offs_s[None, :]
+            if start + BLOCK_S <= n:  # fully live block: no mask along S, so loads and stores vectorize
+                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, order, k_base, stride_krow, stride_ks, offs_g,
+                                                   g_mask, offs_s, live_s, R, G_PAD, D_PAD, R_BLOCK, BLOCK_S, USE_DOT,
+                                                   K_TRANSPOSED, False, PRECISION)
+                tau = tl.where(g_mask, tl.sqrt(D * q_hat_abs / total), 1.0)
+                logits = acc / tau[:, None]
+                tl.store(out_ptrs, logits, mask=g_mask[:, None])
+            else:  # the block holding the live end
+                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, order, k_base, stride_krow, stride_ks, offs_g,
+                                                   g_mask, offs_s, live_s, R, G_PAD, D_PAD, R_BLOCK, BLOCK_S, USE_DOT,
+                                                   K_TRANSPOSED, True, PRECISION)
+                tau = tl.where(g_mask, tl.sqrt(D * q_hat_abs / total), 1.0)
+                logits = acc / tau[:, None]
+                tl.store(out_ptrs, logits, mask=g_mask[:, None] & live_s[None, :])
+            masked = tl.where(live_s[None, :], logits, float("-inf"))
+            m_blk = tl.max(masked, axis=1)  # finite: the block holds a live position
+            l_blk = tl.sum(tl.exp(masked - m_blk[:, None]), axis=1)
+            tl.store(bmax_ptr + rows_g * NB + pid_s, m_blk, mask=g_mask)
+            tl.store(bsum_ptr + rows_g * NB + pid_s, l_blk, mask=g_mask)
+
+    @triton.jit(do_not_specialize=["live", "S_bound"])
+    def _sparq_select_kernel(
+        logits_ptr, bmax_ptr, bsum_ptr,  # from step 1
+        stat_ptr,  # (B * n_kv, 2, G) fp32 out: each head's softmax max and sum (written by chunk 0)
+        pos_ptr,  # (B * n_kv, n_chunks, KT) int32 out: selected positions, ascending
+        key_ptr,  # (B * n_kv, n_chunks, KT) int32 out: their keys, -1 past the chunk's candidates (not FINAL)
+        live, n_kv, G, S_bound, NB, KT, LOCAL, n_chunks,
+        NB_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, LIVE: tl.constexpr,
+        FINAL: tl.constexpr,
+    ):
+        """One program per (batch row, KV head, chunk of S): the chunk's top-KT positions by group score."""
+        pid_bh = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        b = pid_bh // n_kv
+        n = _live_length(live, b, S_bound, LIVE)
+        offs = pid_c * CHUNK + tl.arange(0, CHUNK)
+        key = tl.where(offs < S_bound, 0, -1)  # dead positions rank above nothing but padding
+        if pid_c * CHUNK < n:
+            live_c = offs < n
+            offs_j = tl.arange(0, NB_PAD)
+            j_mask = offs_j < (n + BLOCK_S - 1) // BLOCK_S  # the blocks step 1 wrote
+            score = tl.zeros((CHUNK,), dtype=tl.float32)
+            for g in range(0, G):
+                row = (pid_bh * G + g).to(tl.int64)
+                m_blk = tl.load(bmax_ptr + row * NB + offs_j, mask=j_mask, other=float("-inf"))
+                l_blk = tl.load(bsum_ptr + row * NB + offs_j, mask=j_mask, other=0.0)
+                m_g = tl.max(m_blk, axis=0)
+                z_g = tl.sum(l_blk * tl.exp(m_blk - m_g), axis=0)
+                if pid_c == 0:
+                    tl.store(stat_ptr + pid_bh * 2 * G + g, m_g)
+                    tl.store(stat_ptr + pid_bh * 2 * G + G + g, z_g)
+                logit = tl.load(logits_ptr + row * S_bound + offs, mask=live_c, other=float("-inf"))
+                score += tl.exp(logit - m_g) / z_g
+            key = tl.where(live_c, score.to(tl.int32, bitcast=True) + 1, key)  # scores >= 0: bits are ordered
+            key = tl.where(live_c & (offs >= n - LOCAL), 2139095041, key)  # INF_KEY
+        chosen, slot = _topk_select(key, KT)
+        out = (pid_bh * n_chunks + pid_c).to(tl.int64) * KT
+        tl.store(pos_ptr + out + slot, offs, mask=chosen)
+        if not FINAL:
+            tl.store(key_ptr + out + slot, key, mask=chosen)
+            offs_k = tl.arange(0, CHUNK)
+            n_chosen = tl.sum(chosen.to(tl.int32), axis=0)
+            tl.store(key_ptr + out + offs_k, tl.full((CHUNK,), -1, tl.int32), mask=(offs_k >= n_chosen) & (offs_k < KT))
+
+    @triton.jit
+    def _sparq_merge_kernel(pos_in_ptr, key_in_ptr, pos_ptr, N, KT, N_PAD: tl.constexpr):
+        """One program per (batch row, KV head): the top-KT of the chunks' N candidates (ascending positions)."""
+        pid_bh = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, N_PAD)
+        mask = offs < N
+        key = tl.load(key_in_ptr + pid_bh * N + offs, mask=mask, other=-1)
+        pos = tl.load(pos_in_ptr + pid_bh * N + offs, mask=mask, other=0)
+        chosen, slot = _topk_select(key, KT)
+        tl.store(pos_ptr + pid_bh * KT + slot, pos, mask=chosen)
+
+    @triton.jit
+    def _write_output(y, alpha, n, v_sum_ptr, stride_sb, stride_sh, out_ptr, stride_ob, stride_oh, stride_og, b, h,
+                      offs_g, g_mask, offs_d, d_mask, MEAN_V: tl.constexpr):
+        """y (G_PAD, D_PAD) normalised attention; with MEAN_V mix in mean(V) by alpha (G_PAD,); store."""
+        if MEAN_V:
+            v_mean = tl.load(v_sum_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + offs_d,
+                             mask=d_mask, other=0.0) / n.to(tl.float32)
+            y = alpha[:, None] * y + (1.0 - alpha[:, None]) * v_mean[None, :]
+        out = out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+        tl.store(out + offs_g[:, None] * stride_og + offs_d[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=g_mask[:, None] & d_mask[None, :])
+
+    @triton.jit
+    def _write_partial(acc, m_i, l_i, alpha, part_acc_ptr, part_ml_ptr, pid_bh, pid_s, NSPLIT, G, D,
+                       offs_g, g_mask, offs_d, d_mask):
+        """One split's unnormalised state: acc (G, D) and (max, sum, alpha) (3, G), fp32."""
+        base = (pid_bh * NSPLIT + pid_s).to(tl.int64)
+        tl.store(part_acc_ptr + base * G * D + offs_g[:, None] * D + offs_d[None, :], acc,
+                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_ml_ptr + base * 3 * G + offs_g, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + base * 3 * G + G + offs_g, l_i, mask=g_mask)
+        tl.store(part_ml_ptr + base * 3 * G + 2 * G + offs_g, alpha, mask=g_mask)
+
+    @triton.jit(do_not_specialize=["live", "S_bound"])
     def _sparq_step2_kernel(
-        q_ptr,  # (B, n_kv, G, D) fp32, contiguous
-        pos_ptr,  # (B, n_kv, KT) int32 selected positions, contiguous
+        q_ptr, stride_qb, stride_qh, stride_qg,  # (B, n_kv, G, D), D unit-stride
+        pos_ptr,  # (B * n_kv, KT) int32 selected positions
         k_ptr, stride_kb, stride_kh, stride_ks,  # (B_max, n_kv, S_max, D), D unit-stride
         v_ptr, stride_vb, stride_vh, stride_vs,
-        s_hat_ptr,  # (B, n_kv, G, S_bound) fp32, contiguous (read only with MEAN_V)
+        logits_ptr, stat_ptr,  # step 1's logits and select's (max, sum) per head: alpha (MEAN_V)
         v_sum_ptr, stride_sb, stride_sh,  # (B_max, n_kv, D) fp32, D unit-stride
-        out_ptr,  # (B, n_kv, G, D) in q's dtype, contiguous
-        length, n_kv, G, D, KT, S_bound, sm_scale,
+        out_ptr, stride_ob, stride_oh, stride_og,  # (B, n_kv, G, D) in q's dtype (FINAL)
+        part_acc_ptr, part_ml_ptr,  # partials (not FINAL)
+        live, n_kv, G, D, KT, KS, NSPLIT, S_bound, sm_scale,
         G_PAD: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_DOT: tl.constexpr, MEAN_V: tl.constexpr, LEN_IS_PTR: tl.constexpr, PRECISION: tl.constexpr,
+        USE_DOT: tl.constexpr, MEAN_V: tl.constexpr, FINAL: tl.constexpr, LIVE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
-        """One program per (batch row, KV head): exact attention of all G heads over the KT selected rows.
-
-        Online softmax over blocks of BLOCK_K gathered rows; selected positions >= length get weight 0.
-        """
+        """One program per (batch row, KV head, split of the selection): exact attention of all G heads
+        over its KS selected rows (online softmax); selected positions past the live length get weight 0."""
         pid_bh = tl.program_id(0)
-        b = (pid_bh // n_kv).to(tl.int64)
-        h = (pid_bh % n_kv).to(tl.int64)
-        if LEN_IS_PTR:
-            n = tl.load(length).to(tl.int32)
-        else:
-            n = length
+        pid_s = tl.program_id(1)
+        b = pid_bh // n_kv
+        h = pid_bh % n_kv
+        n = _live_length(live, b, S_bound, LIVE)
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D_PAD)
         g_mask = offs_g < G
         d_mask = offs_d < D
-        q = tl.load(q_ptr + pid_bh * G * D + offs_g[:, None] * D + offs_d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (G_PAD, D_PAD)
-        k_base = k_ptr + b * stride_kb + h * stride_kh
-        v_base = v_ptr + b * stride_vb + h * stride_vh
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_g[:, None] * stride_qg
+                    + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+        v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+        rows_g = (pid_bh * G + offs_g).to(tl.int64)
+        if MEAN_V:
+            m_hat = tl.load(stat_ptr + pid_bh * 2 * G + offs_g, mask=g_mask, other=0.0)
+            z_hat = tl.load(stat_ptr + pid_bh * 2 * G + G + offs_g, mask=g_mask, other=1.0)
         m_i = tl.full((G_PAD,), -1.0e30, dtype=tl.float32)  # finite: an all-masked block gives p = 0, not NaN
         l_i = tl.zeros((G_PAD,), dtype=tl.float32)
         acc = tl.zeros((G_PAD, D_PAD), dtype=tl.float32)
         alpha = tl.zeros((G_PAD,), dtype=tl.float32)
-        for k0 in range(0, KT, BLOCK_K):
+        k_end = tl.minimum(pid_s * KS + KS, KT)
+        for k0 in range(pid_s * KS, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            pos = tl.load(pos_ptr + pid_bh * KT + offs_k, mask=offs_k < KT, other=0)
-            valid = (offs_k < KT) & (pos < n)
+            pos = tl.load(pos_ptr + pid_bh.to(tl.int64) * KT + offs_k, mask=offs_k < k_end, other=0)
+            valid = (offs_k < k_end) & (pos < n)
             pos = pos.to(tl.int64)
-            if EVEN_D:  # no mask along d (D == D_PAD): the row loads vectorize (16 B)
+            if EVEN_D:  # no mask along d (D == D_PAD): the row loads vectorize
                 kv_mask = valid[:, None]
             else:
                 kv_mask = valid[:, None] & d_mask[None, :]
@@ -161,8 +322,7 @@ if HAS_TRITON:
                 s = tl.dot(q, tl.trans(k_sel), input_precision=PRECISION)  # (G_PAD, BLOCK_K)
             else:
                 s = tl.sum(q[:, None, :] * k_sel[None, :, :], axis=2)
-            s = s * sm_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
+            s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             correction = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -175,15 +335,246 @@ if HAS_TRITON:
             acc = acc * correction[:, None] + pv
             m_i = m_new
             if MEAN_V:  # alpha_h = approximate mass of the selection = sum of s_hat_h over it
-                s_hat = tl.load(s_hat_ptr + pid_bh.to(tl.int64) * G * S_bound + offs_g[:, None] * S_bound + pos[None, :],
-                                mask=g_mask[:, None] & valid[None, :], other=0.0)
-                alpha += tl.sum(s_hat, axis=1)
-        y = acc / l_i[:, None]
+                logit = tl.load(logits_ptr + rows_g[:, None] * S_bound + pos[None, :],
+                                mask=g_mask[:, None] & valid[None, :], other=float("-inf"))
+                alpha += tl.sum(tl.exp(logit - m_hat[:, None]) / z_hat[:, None], axis=1)
+        if FINAL:
+            _write_output(acc / l_i[:, None], alpha, n, v_sum_ptr, stride_sb, stride_sh, out_ptr, stride_ob,
+                          stride_oh, stride_og, b, h, offs_g, g_mask, offs_d, d_mask, MEAN_V)
+        else:
+            _write_partial(acc, m_i, l_i, alpha, part_acc_ptr, part_ml_ptr, pid_bh, pid_s, NSPLIT, G, D,
+                           offs_g, g_mask, offs_d, d_mask)
+
+    @triton.jit(do_not_specialize=["live", "S_bound"])
+    def _dense_kernel(
+        q_ptr, stride_qb, stride_qh, stride_qg,  # (B, n_kv, G, D), D unit-stride
+        k_ptr, stride_kb, stride_kh, stride_ks,  # (B_max, n_kv, S_max, D), D unit-stride
+        v_ptr, stride_vb, stride_vh, stride_vs,
+        out_ptr, stride_ob, stride_oh, stride_og,  # (B, n_kv, G, D) in q's dtype (FINAL)
+        part_acc_ptr, part_ml_ptr,  # partials (not FINAL)
+        live, n_kv, G, D, S_bound, SPLIT, NSPLIT, sm_scale,
+        G_PAD: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr, FINAL: tl.constexpr, LIVE: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """Flash-decoding: one program per (batch row, KV head, SPLIT positions); exact attention of all G
+        heads over the live positions of its range (each K and V row read once). Splits past the live
+        length do nothing (the combine skips them)."""
+        pid_bh = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = pid_bh // n_kv
+        h = pid_bh % n_kv
+        n = _live_length(live, b, S_bound, LIVE)
+        start = pid_s * SPLIT
+        if start < n:
+            end = tl.minimum(start + SPLIT, n)
+            offs_g = tl.arange(0, G_PAD)
+            offs_d = tl.arange(0, D_PAD)
+            g_mask = offs_g < G
+            d_mask = offs_d < D
+            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_g[:, None] * stride_qg
+                        + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+            if not DOT_NATIVE:
+                q = q.to(tl.float32)
+            k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+            v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+            m_i = tl.full((G_PAD,), -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros((G_PAD,), dtype=tl.float32)
+            acc = tl.zeros((G_PAD, D_PAD), dtype=tl.float32)
+            for j in range(start, end, BLOCK_N):
+                offs_n = j + tl.arange(0, BLOCK_N)
+                valid = offs_n < end
+                if EVEN_D:
+                    kv_mask = valid[:, None]
+                else:
+                    kv_mask = valid[:, None] & d_mask[None, :]
+                rows = offs_n.to(tl.int64)
+                k_blk = tl.load(k_base + rows[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+                v_blk = tl.load(v_base + rows[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+                if USE_DOT:
+                    if DOT_NATIVE:  # bf16/fp16 operands: exact products, fp32 accumulation
+                        s = tl.dot(q, tl.trans(k_blk))
+                    else:
+                        s = tl.dot(q, tl.trans(k_blk.to(tl.float32)), input_precision=PRECISION)
+                else:
+                    s = tl.sum(q.to(tl.float32)[:, None, :] * k_blk.to(tl.float32)[None, :, :], axis=2)
+                s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                correction = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * correction + tl.sum(p, axis=1)
+                if USE_DOT:
+                    if DOT_NATIVE:  # probabilities in V's dtype, as the torch path multiplies them
+                        pv = tl.dot(p.to(v_blk.dtype), v_blk)
+                    else:
+                        pv = tl.dot(p, v_blk.to(tl.float32), input_precision=PRECISION)
+                else:
+                    pv = tl.sum(p[:, :, None] * v_blk.to(tl.float32)[None, :, :], axis=1)
+                acc = acc * correction[:, None] + pv
+                m_i = m_new
+            if FINAL:
+                _write_output(acc / l_i[:, None], l_i, n, q_ptr, 0, 0, out_ptr, stride_ob, stride_oh, stride_og, b, h,
+                              offs_g, g_mask, offs_d, d_mask, False)
+            else:
+                _write_partial(acc, m_i, l_i, l_i, part_acc_ptr, part_ml_ptr, pid_bh, pid_s, NSPLIT, G, D,
+                               offs_g, g_mask, offs_d, d_mask)
+
+    @triton.jit(do_not_specialize=["live", "S_bound"])
+    def _combine_kernel(
+        part_acc_ptr, part_ml_ptr,  # (B * n_kv, NSPLIT, G, D) and (B * n_kv, NSPLIT, 3, G) fp32
+        v_sum_ptr, stride_sb, stride_sh,
+        out_ptr, stride_ob, stride_oh, stride_og,
+        live, n_kv, G, D, NSPLIT, SPLIT, S_bound,
+        D_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, BY_LENGTH: tl.constexpr, MEAN_V: tl.constexpr,
+        LIVE: tl.constexpr,
+    ):
+        """One program per (batch row, KV head, query head): merge the splits' (max, sum, acc[, alpha]).
+        BY_LENGTH (dense): split s covers positions [s SPLIT, (s + 1) SPLIT); those past the live length
+        were not written."""
+        pid = tl.program_id(0)
+        pid_bh = pid // G
+        g = pid % G
+        b = pid_bh // n_kv
+        h = pid_bh % n_kv
+        n = _live_length(live, b, S_bound, LIVE)
+        if BY_LENGTH:
+            n_valid = tl.minimum((n + SPLIT - 1) // SPLIT, NSPLIT)
+        else:
+            n_valid = NSPLIT
+        offs_d = tl.arange(0, D_PAD)
+        d_mask = offs_d < D
+        m = tl.full((), -1.0e30, dtype=tl.float32)
+        l = tl.full((), 0.0, dtype=tl.float32)
+        alpha = tl.full((), 0.0, dtype=tl.float32)
+        acc = tl.zeros((D_PAD,), dtype=tl.float32)
+        for s0 in range(0, n_valid, SPLIT_BLOCK):
+            offs_s = s0 + tl.arange(0, SPLIT_BLOCK)
+            s_mask = offs_s < n_valid
+            base = (pid_bh * NSPLIT + offs_s).to(tl.int64)
+            m_s = tl.load(part_ml_ptr + base * 3 * G + g, mask=s_mask, other=-1.0e30)
+            l_s = tl.load(part_ml_ptr + base * 3 * G + G + g, mask=s_mask, other=0.0)
+            a_s = tl.load(part_acc_ptr + (base * G + g)[:, None] * D + offs_d[None, :],
+                          mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+            m_new = tl.maximum(m, tl.max(m_s, axis=0))
+            scale = tl.exp(m_s - m_new)
+            correction = tl.exp(m - m_new)
+            l = l * correction + tl.sum(l_s * scale, axis=0)
+            acc = acc * correction + tl.sum(a_s * scale[:, None], axis=0)
+            m = m_new
+            if MEAN_V:
+                alpha += tl.sum(tl.load(part_ml_ptr + base * 3 * G + 2 * G + g, mask=s_mask, other=0.0), axis=0)
+        y = acc / l
         if MEAN_V:
-            v_mean = tl.load(v_sum_ptr + b * stride_sb + h * stride_sh + offs_d, mask=d_mask, other=0.0) / n.to(tl.float32)
-            y = alpha[:, None] * y + (1.0 - alpha[:, None]) * v_mean[None, :]
-        tl.store(out_ptr + pid_bh * G * D + offs_g[:, None] * D + offs_d[None, :],
-                 y.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+            v_mean = tl.load(v_sum_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + offs_d,
+                             mask=d_mask, other=0.0) / n.to(tl.float32)
+            y = alpha * y + (1.0 - alpha) * v_mean
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + g * stride_og + offs_d,
+                 y.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch plans: every size and constexpr fixed by the static shapes (no autotuning), so one CUDA
+# graph per shape; tests/test_kernels_triton.py compiles every kernel of these plans for sm_90 and
+# checks for register spills.
+# ---------------------------------------------------------------------------------------------
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: Optional[int]) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 132  # an H100 SXM: the plans are then the ones the GPU would use
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else _sm_count(None)
+
+
+def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, sms: int = 132) -> dict:
+    """Sizes and launch parameters of one SparQ call (see the module docstring for the kernels)."""
+    rows = B * n_kv
+    target = TARGET_PROGRAMS * sms
+    use_dot = g > 1  # GQA: tensor-core dots over g padded to >= 16 rows; MHA: CUDA-core FMAs
+    G_PAD = max(16, _pow2(g)) if use_dot else 1
+    D_PAD = max(16, _pow2(d))
+    # Step 1: 256 positions x 16 rows of K^T per loop step; 128 positions when 256 would give < 2 waves.
+    BLOCK_S = 256 if rows * triton.cdiv(S_bound, 256) >= 2 * sms else 128
+    NB = triton.cdiv(S_bound, BLOCK_S)
+    step1 = dict(G_PAD=G_PAD, D_PAD=D_PAD, R_BLOCK=16, BLOCK_S=BLOCK_S, USE_DOT=use_dot,
+                 PRECISION=TRITON_DOT_PRECISION, num_warps=8, num_stages=3)
+    # Select: chunks of S (powers of two, >= 4 KT) for ~2 programs per SM; the merge takes the
+    # chunks' candidates in one program: at most 4096 of them while chunks stay <= 8192 positions.
+    KT_P2 = _pow2(KT)
+    if S_bound <= 4096 and rows >= sms or S_bound <= max(1024, 4 * KT_P2):
+        CHUNK, n_chunks = max(16, _pow2(S_bound)), 1
+    else:
+        CHUNK = max(1024, 4 * KT_P2, _pow2(triton.cdiv(S_bound, triton.cdiv(2 * sms, rows))))
+        while triton.cdiv(S_bound, CHUNK) * KT > 4096 and CHUNK < 8192 or triton.cdiv(S_bound, CHUNK) * KT > 16384:
+            CHUNK *= 2
+        n_chunks = triton.cdiv(S_bound, CHUNK)
+        if n_chunks == 1:
+            CHUNK = max(16, _pow2(S_bound))
+    select = dict(NB_PAD=max(16, _pow2(NB)), CHUNK=CHUNK, BLOCK_S=BLOCK_S, FINAL=n_chunks == 1,
+                  num_warps=8 if CHUNK >= 2048 else 4, num_stages=1)
+    merge = None if n_chunks == 1 else dict(N_PAD=_pow2(n_chunks * KT), num_warps=8, num_stages=1)
+    # Step 2: 16 or 32 selected rows of K and V per loop step (64 spills with the dot); split the
+    # selection over programs when the rows alone would not fill the GPU.
+    BLOCK_K = 16 if KT <= 16 else 32
+    n_split = 1 if rows >= target // 2 else max(1, min(triton.cdiv(KT, BLOCK_K), triton.cdiv(target // 2, rows)))
+    KS = triton.cdiv(triton.cdiv(KT, n_split), BLOCK_K) * BLOCK_K
+    n_split = triton.cdiv(KT, KS)
+    step2 = dict(G_PAD=G_PAD, D_PAD=D_PAD, EVEN_D=d == D_PAD, BLOCK_K=BLOCK_K, USE_DOT=use_dot,
+                 PRECISION=TRITON_DOT_PRECISION, FINAL=n_split == 1, num_warps=8 if use_dot else 4, num_stages=3)
+    combine = None if n_split == 1 else dict(D_PAD=D_PAD, SPLIT_BLOCK=min(16, _pow2(n_split)), BY_LENGTH=False,
+                                             num_warps=4, num_stages=1)
+    return dict(NB=NB, n_chunks=n_chunks, KS=KS, n_split=n_split, step1=step1, select=select, merge=merge,
+                step2=step2, combine=combine)
+
+
+def dense_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, native_dot: bool, sms: int = 132) -> dict:
+    """Sizes and launch parameters of one dense call: SPLIT positions per program, n_split programs per row."""
+    rows = B * n_kv
+    use_dot = g > 1
+    G_PAD = max(16, _pow2(g)) if use_dot else 1
+    D_PAD = max(16, _pow2(d))
+    BLOCK_N = 64 if (use_dot and native_dot or d <= 64) else 32  # fp32 tiles: 32 rows (64 spills)
+    target = TARGET_PROGRAMS * sms
+    per_row = max(1, triton.cdiv(target, rows))
+    SPLIT = max(4 * BLOCK_N, triton.cdiv(triton.cdiv(S_bound, per_row), BLOCK_N) * BLOCK_N)
+    n_split = triton.cdiv(S_bound, SPLIT)
+    if n_split == 1:
+        SPLIT = max(S_bound, 1)
+    kernel = dict(G_PAD=G_PAD, D_PAD=D_PAD, EVEN_D=d == D_PAD, BLOCK_N=BLOCK_N, USE_DOT=use_dot,
+                  DOT_NATIVE=native_dot and use_dot, PRECISION=TRITON_DOT_PRECISION, FINAL=n_split == 1,
+                  num_warps=4, num_stages=3)
+    combine = None if n_split == 1 else dict(D_PAD=D_PAD, SPLIT_BLOCK=min(16, _pow2(n_split)), BY_LENGTH=True,
+                                             num_warps=4, num_stages=1)
+    return dict(SPLIT=SPLIT, n_split=n_split, dense=kernel, combine=combine)
+
+
+def sparq_launches(plan: dict) -> int:
+    """Kernels one SparQ call launches: step 1, select, step 2, plus merge and combine when split."""
+    return 3 + (plan["merge"] is not None) + (plan["combine"] is not None)
+
+
+def dense_launches(plan: dict) -> int:
+    """Kernels one dense call launches: the split kernel, plus the combine when it split."""
+    return 1 + (plan["combine"] is not None)
+
+
+def _launch(kernel, grid, params: dict, *args):
+    params = dict(params)
+    kernel[grid](*args, **params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
 
 
 def _triton_ready(device: torch.device) -> None:
@@ -194,91 +585,134 @@ def _triton_ready(device: torch.device) -> None:
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
 
 
-def _triton_configs(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int) -> tuple[dict, dict]:
-    """Launch parameters (constexprs, num_warps, num_stages) of step 1 and step 2. No autotuning:
-    fixed choices that compile for sm_90 without register spills (tests/test_kernels_triton.py)."""
-    use_dot = g > 1  # GQA: tensor-core dots over g padded to >= 16 rows; MHA: CUDA-core FMAs
-    G_PAD = max(16, triton.next_power_of_2(g)) if use_dot else 1
-    # Step 1: 256 positions x 16 rows of K^T per loop step (R_BLOCK = 32 doubles the registers, to
-    # ~160 with the dot: 1 CTA per SM); 128 positions when 256 would give < 2 waves on 132 SMs.
-    BLOCK_S = 256 if B * n_kv * triton.cdiv(S_bound, 256) >= 264 else 128
-    step1 = dict(G_PAD=G_PAD, R_BLOCK=16, BLOCK_S=BLOCK_S, USE_DOT=use_dot, PRECISION=TRITON_DOT_PRECISION,
-                 num_warps=8 if BLOCK_S >= 256 else 4, num_stages=3)
-    # Step 2: 32 selected rows of K and V per loop step (64 spills with the dot).
-    D_PAD = max(16, triton.next_power_of_2(d))
-    step2 = dict(G_PAD=G_PAD, D_PAD=D_PAD, EVEN_D=d == D_PAD, BLOCK_K=16 if KT <= 16 else 32,
-                 USE_DOT=use_dot, PRECISION=TRITON_DOT_PRECISION, num_warps=8 if use_dot else 4, num_stages=3)
-    return step1, step2
+def _live_args(q: Tensor, length: int, live: Optional[Tensor]) -> tuple[int, object]:
+    """(LIVE mode, the kernels' `live` argument) for a live length None / one element / (B,)."""
+    if live is None:
+        return 0, length
+    if live.device != q.device or live.dtype not in (torch.int32, torch.int64):
+        raise ValueError("a tensor live length must be int32/int64 on q's device")
+    if live.numel() == 1:
+        return 1, live
+    if live.shape != (q.shape[0],):
+        raise ValueError(f"a live length tensor must have one element or one per batch row ({q.shape[0]}), "
+                         f"got shape {tuple(live.shape)}")
+    return 2, live.contiguous()
+
+
+def _check_layout(q: Tensor, *tensors: Optional[Tensor]) -> None:
+    if q.stride(-1) != 1 or any(t is not None and t.stride(-1) != 1 for t in tensors):
+        raise ValueError("q, k, v and v_sum must be contiguous along d, k_t along S")
 
 
 def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                       length_t: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
-                       max_length: int) -> Tensor:
-    """The launches behind sparq::decode_triton; length_t (device tensor) overrides length when given."""
+                       live: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+    """The launches behind sparq::sparq_triton (the module docstring): Triton kernels only."""
     _triton_ready(q.device)
+    _check_layout(q, k, k_t, v, v_sum)
     B, n_kv, g, d = q.shape
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or v_sum.stride(-1) != 1 or (k_t is not None and k_t.stride(-1) != 1):
-        raise ValueError("k, v and v_sum must be contiguous along d, k_t along S")
-    dynamic = length_t is not None
-    if dynamic and (length_t.device != q.device or length_t.dtype not in (torch.int32, torch.int64)
-                    or length_t.numel() != 1):
-        raise ValueError("a tensor length must be one int32/int64 element on q's device")
-    S_bound = max_length if dynamic else length  # width of the logits: static under CUDA graphs
-    len_arg = length_t.reshape(()) if dynamic else length
-    device = q.device
+    if not 1 <= r <= d or k_top < 1 or not 0 <= local:
+        raise ValueError(f"bad SparQ settings r={r}, k={k_top}, local={local} for head dim {d}")
+    LIVE, live_arg = _live_args(q, length, live)
+    S_bound, device, rows = length, q.device, B * n_kv
+    KT = min(k_top, S_bound)  # with a tensor live length, selections past it get weight 0
+    plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _device_sms(device))
+    NB, n_chunks, KS, n_split = plan["NB"], plan["n_chunks"], plan["KS"], plan["n_split"]
+    f32, i32 = torch.float32, torch.int32
 
-    # Step 0: top-r components of |q| (summed over the group) and the temperature, per query head.
-    qf = q.float().contiguous()
-    q_abs = qf.abs()
-    i1 = torch.topk(q_abs.sum(2), r, dim=-1).indices  # (B, n_kv, r)
-    q_hat = torch.gather(qf, 3, i1[:, :, None, :].expand(B, n_kv, g, r)).contiguous()  # (B, n_kv, g, r)
-    tau = torch.sqrt(d * q_hat.abs().sum(-1) / q_abs.sum(-1)).contiguous()  # (B, n_kv, g)
-    i1 = i1.to(torch.int32).contiguous()
-
-    # Step 1: approximate logits; programs past the live length write -inf.
-    KT = min(k_top, S_bound)  # with a tensor length, selections past the live length get weight 0
-    step1, step2 = _triton_configs(B, n_kv, g, d, S_bound, KT)
-    logits = torch.empty((B, n_kv, g, S_bound), dtype=torch.float32, device=device)
+    logits = torch.empty((rows, g, S_bound), dtype=f32, device=device)
+    block_stats = torch.empty((2, rows, g, NB), dtype=f32, device=device)
     if k_t is not None:
-        kk, strides = k_t, (k_t.stride(0), k_t.stride(1), k_t.stride(2), k_t.stride(3))
+        kk, k_strides = k_t, (k_t.stride(0), k_t.stride(1), k_t.stride(2), k_t.stride(3))
     else:
-        kk, strides = k, (k.stride(0), k.stride(1), k.stride(3), k.stride(2))
-    grid1 = (B * n_kv, triton.cdiv(S_bound, step1["BLOCK_S"]))
-    _sparq_step1_kernel[grid1](q_hat, tau, i1, kk, *strides, logits, len_arg, n_kv, g, r, S_bound,
-                               K_TRANSPOSED=k_t is not None, LEN_IS_PTR=dynamic, **step1)
+        kk, k_strides = k, (k.stride(0), k.stride(1), k.stride(3), k.stride(2))
+    q_strides = (q.stride(0), q.stride(1), q.stride(2))
+    step1 = plan["step1"]
+    _launch(_sparq_step1_kernel, (rows, NB), dict(step1, K_TRANSPOSED=k_t is not None, LIVE=LIVE),
+            q, *q_strides, kk, *k_strides, logits, block_stats[0], block_stats[1], live_arg, n_kv, g, d, r, S_bound, NB)
 
-    # Selection: softmax per head over live positions, group sum, local window forced, top-k.
-    s_hat = torch.softmax(logits, dim=-1)  # dead positions: -inf -> 0
-    if dynamic:  # one pass: live positions outside the window keep their score, the window gets inf, dead -inf
-        pos = torch.arange(S_bound, device=device)
-        fill = torch.where(pos < length_t, float("inf"), float("-inf"))  # (S_bound,) tiny
-        score = torch.where(pos < length_t - local, s_hat[:, :, 0] if g == 1 else s_hat.sum(2), fill)
+    stats = torch.empty((rows, 2, g), dtype=f32, device=device)
+    if n_chunks == 1:
+        positions = torch.empty((rows, KT), dtype=i32, device=device)
+        keys = positions  # unused (FINAL)
     else:
-        score = s_hat.sum(2)  # (B, n_kv, S_bound), a fresh tensor: force the window in place
-        if local > 0:
-            score[..., max(length - local, 0):] = float("inf")
-    positions = torch.topk(score, KT, dim=-1).indices.to(torch.int32).contiguous()  # (B, n_kv, KT)
+        positions = torch.empty((rows, n_chunks, KT), dtype=i32, device=device)
+        keys = torch.empty((rows, n_chunks, KT), dtype=i32, device=device)
+    _launch(_sparq_select_kernel, (rows, n_chunks), dict(plan["select"], LIVE=LIVE),
+            logits, block_stats[0], block_stats[1], stats, positions, keys, live_arg, n_kv, g, S_bound, NB, KT,
+            local, n_chunks)
+    if n_chunks > 1:
+        final = torch.empty((rows, KT), dtype=i32, device=device)
+        _launch(_sparq_merge_kernel, (rows,), plan["merge"], positions, keys, final, n_chunks * KT, KT)
+        positions = final
 
-    # Step 2: exact attention over the selection, then the mean-V mix.
     out = torch.empty((B, n_kv, g, d), dtype=q.dtype, device=device)
-    _sparq_step2_kernel[(B * n_kv,)](
-        qf, positions, k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
-        s_hat, v_sum, v_sum.stride(0), v_sum.stride(1), out, len_arg, n_kv, g, d, KT, S_bound, 1.0 / math.sqrt(d),
-        MEAN_V=mean_v, LEN_IS_PTR=dynamic, **step2)
+    o_strides = (out.stride(0), out.stride(1), out.stride(2))
+    if n_split == 1:
+        part_acc = part_ml = out  # unused (FINAL)
+    else:
+        part_acc = torch.empty((rows, n_split, g, d), dtype=f32, device=device)
+        part_ml = torch.empty((rows, n_split, 3, g), dtype=f32, device=device)
+    _launch(_sparq_step2_kernel, (rows, n_split), dict(plan["step2"], MEAN_V=mean_v, LIVE=LIVE),
+            q, *q_strides, positions, k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1),
+            v.stride(2), logits, stats, v_sum, v_sum.stride(0), v_sum.stride(1), out, *o_strides, part_acc, part_ml,
+            live_arg, n_kv, g, d, KT, KS, n_split, S_bound, 1.0 / math.sqrt(d))
+    if n_split > 1:
+        _launch(_combine_kernel, (rows * g,), dict(plan["combine"], MEAN_V=mean_v, LIVE=LIVE),
+                part_acc, part_ml, v_sum, v_sum.stride(0), v_sum.stride(1), out, *o_strides, live_arg, n_kv, g, d,
+                n_split, 0, S_bound)
     return out
 
 
-# torch.compile sees one opaque op with a fake (shape-only) impl: no tracing into the launch code,
-# no graph break, and CUDA-graph capture (mode="reduce-overhead") records the launches as they are.
-@torch.library.custom_op("sparq::decode_triton", mutates_args=())
-def _decode_triton_op(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                      length_t: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
-                      max_length: int) -> Tensor:
-    return _sparq_triton_impl(q, k, k_t, v, v_sum, length, length_t, r, k_top, local, mean_v, max_length)
+def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optional[Tensor]) -> Tensor:
+    """The launches behind sparq::dense_triton: the split kernel, and the combine if it split."""
+    _triton_ready(q.device)
+    _check_layout(q, k, v)
+    B, n_kv, g, d = q.shape
+    LIVE, live_arg = _live_args(q, length, live)
+    S_bound, device, rows = length, q.device, B * n_kv
+    # bf16/fp16 dots on GPU; Triton's interpreter (CPU tensors) mis-evaluates tl.dot on bf16 operands,
+    # so there the same products go through fp32 dots (exact for 16-bit inputs either way)
+    native = q.dtype == k.dtype == v.dtype and k.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cuda"
+    plan = dense_plan(B, n_kv, g, d, S_bound, native, _device_sms(device))
+    SPLIT, n_split = plan["SPLIT"], plan["n_split"]
+    out = torch.empty((B, n_kv, g, d), dtype=q.dtype, device=device)
+    o_strides = (out.stride(0), out.stride(1), out.stride(2))
+    if n_split == 1:
+        part_acc = part_ml = out  # unused (FINAL)
+    else:
+        part_acc = torch.empty((rows, n_split, g, d), dtype=torch.float32, device=device)
+        part_ml = torch.empty((rows, n_split, 3, g), dtype=torch.float32, device=device)
+    _launch(_dense_kernel, (rows, n_split), dict(plan["dense"], LIVE=LIVE),
+            q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
+            v, v.stride(0), v.stride(1), v.stride(2), out, *o_strides, part_acc, part_ml,
+            live_arg, n_kv, g, d, S_bound, SPLIT, n_split, 1.0 / math.sqrt(d))
+    if n_split > 1:
+        _launch(_combine_kernel, (rows * g,), dict(plan["combine"], MEAN_V=False, LIVE=LIVE),
+                part_acc, part_ml, out, 0, 0, out, *o_strides, live_arg, n_kv, g, d, n_split, SPLIT, S_bound)
+    return out
 
 
-@_decode_triton_op.register_fake
-def _decode_triton_fake(q, k, k_t, v, v_sum, length, length_t, r, k_top, local, mean_v, max_length):
+# torch.compile sees one opaque op per attention call with a fake (shape-only) impl: no tracing into
+# the launch code, no graph break, and CUDA-graph capture (mode="reduce-overhead") records the
+# launches as they are. Everything inside is a Triton kernel (no eager torch op left to fuse).
+@torch.library.custom_op("sparq::sparq_triton", mutates_args=())
+def _sparq_triton_op(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
+                     live: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+    return _sparq_triton_impl(q, k, k_t, v, v_sum, length, live, r, k_top, local, mean_v)
+
+
+@_sparq_triton_op.register_fake
+def _sparq_triton_fake(q, k, k_t, v, v_sum, length, live, r, k_top, local, mean_v):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("sparq::dense_triton", mutates_args=())
+def _dense_triton_op(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optional[Tensor]) -> Tensor:
+    return _dense_triton_impl(q, k, v, length, live)
+
+
+@_dense_triton_op.register_fake
+def _dense_triton_fake(q, k, v, length, live):
     return q.new_empty(q.shape)
 
 
@@ -287,16 +721,28 @@ def sparq_attention_triton(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tenso
                            cap: Optional[float] = None) -> Tensor:
     """SparQ decode attention with the Triton kernels: same semantics as `sparq.sparq_reference`.
 
-    q (B, n_kv, g, d); k, v (B_max, n_kv, S_max, d) d-contiguous; k_t (B_max, n_kv, d, S_max)
-    S-contiguous or None (1xK layout: step 1 gathers r columns of k); v_sum (B_max, n_kv, d) fp32.
-    length: positions read (a python int). live_length: None (exactly `length` are live), or a 0-dim /
-    1-element int32/int64 device tensor (CUDA-graph safe: no host sync, shapes sized by `length`,
-    which must bound it). Returns (B, n_kv, g, d) in q.dtype. CUDA tensors, or CPU tensors under
-    TRITON_INTERPRET=1. No soft-cap (cap must be None: resolve_kernels routes soft-capped models
-    to the torch path).
+    q (B, n_kv, g, d) d-contiguous; k, v (B_max, n_kv, S_max, d) d-contiguous; k_t (B_max, n_kv, d,
+    S_max) S-contiguous or None (1xK layout: step 1 gathers r columns of k); v_sum (B_max, n_kv, d)
+    fp32. length: positions read (a python int; shapes and grids follow it). live_length: None
+    (exactly `length` are live), a 0-dim / 1-element int32/int64 device tensor (CUDA-graph safe: no
+    host sync), or a (B,) one (ragged rows: row b reads only its live positions); `length` must bound
+    it. Returns (B, n_kv, g, d) in q.dtype. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
+    No soft-cap (cap must be None: resolve_kernels routes soft-capped models to the torch path).
     """
     if cap is not None:
         raise ValueError("the Triton SparQ kernels take no attention soft-cap")
-    if live_length is not None:
-        return _decode_triton_op(q, k, k_t, v, v_sum, 0, live_length, r, k_top, local, mean_v, length)
-    return _decode_triton_op(q, k, k_t, v, v_sum, length, None, r, k_top, local, mean_v, length)
+    return _sparq_triton_op(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v)
+
+
+def dense_attention_triton(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None,
+                           cap: Optional[float] = None) -> Tensor:
+    """Exact decode attention with the Triton flash-decoding kernel: same semantics as
+    `model.dense_attention_torch` (q, k, v, length and live_length as for sparq_attention_triton).
+
+    Split over S so that B = 1 fills the GPU; each K/V row is read once for the g query heads that
+    share it; with a tensor live length one CUDA graph serves every length and the cost follows the
+    live length. No soft-cap.
+    """
+    if cap is not None:
+        raise ValueError("the Triton dense kernel takes no attention soft-cap")
+    return _dense_triton_op(q, k, v, length, live_length)
