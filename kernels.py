@@ -149,20 +149,22 @@ def _load_for_first_call(op: str) -> None:
 
 
 if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must not redefine the ops
+    # lengths: None, or the (B,) per-row live lengths of a ragged batch (kernels read only those)
     torch.library.define("sparq::decode_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
-                                              "SymInt length, int r, int k_top, int local, bool mean_v) -> Tensor")
-    torch.library.define("sparq::dense_cpu", "(Tensor q, Tensor k, Tensor v, SymInt length) -> Tensor")
+                                              "SymInt length, int r, int k_top, int local, bool mean_v, "
+                                              "Tensor? lengths=None) -> Tensor")
+    torch.library.define("sparq::dense_cpu", "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None) -> Tensor")
     torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
 
     @torch.library.impl("sparq::decode_cpu", "CompositeExplicitAutograd")
-    def _decode_cpu_first_call(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v):
+    def _decode_cpu_first_call(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
         _load_for_first_call("decode_cpu")
-        return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v)
+        return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths)
 
     @torch.library.impl("sparq::dense_cpu", "CompositeExplicitAutograd")
-    def _dense_cpu_first_call(q, k, v, length):
+    def _dense_cpu_first_call(q, k, v, length, lengths=None):
         _load_for_first_call("dense_cpu")
-        return torch.ops.sparq.dense_cpu.default(q, k, v, length)
+        return torch.ops.sparq.dense_cpu.default(q, k, v, length, lengths)
 
     @torch.library.impl("sparq::linear_cpu", "CompositeExplicitAutograd")
     def _linear_cpu_first_call(x, w):
@@ -170,11 +172,11 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         return torch.ops.sparq.linear_cpu.default(x, w)
 
     @torch.library.register_fake("sparq::decode_cpu")
-    def _decode_cpu_fake(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v):
+    def _decode_cpu_fake(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::dense_cpu")
-    def _dense_cpu_fake(q, k, v, length):
+    def _dense_cpu_fake(q, k, v, length, lengths=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::linear_cpu")
@@ -213,11 +215,12 @@ def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_lengt
 
     q (B, n_kv, g, d); k, v (B_max, n_kv, S_max, d) d-contiguous (rows [:B] and positions [:length]
     are read, once each, for all g heads). fp32 softmax and accumulation; returns (B, n_kv, g, d) in
-    q.dtype. Exact lengths only (live_length None) and no soft-cap: resolve_kernels never pairs it
-    with either.
+    q.dtype. live_length None (every row reads [0, length)) or a (B,) int tensor (row b reads only
+    [0, live_length[b]): ragged batches); no bucketed 0-dim length and no soft-cap: resolve_kernels
+    never pairs it with either.
     """
     _check_fused_call(live_length, cap)
-    return torch.ops.sparq.dense_cpu.default(q, k, v, length)
+    return torch.ops.sparq.dense_cpu.default(q, k, v, length, live_length)
 
 
 def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
@@ -228,18 +231,22 @@ def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, 
     q (B, n_kv, g, d) fp32/bf16/fp16; k, v (B_max, n_kv, S_max, d) d-contiguous; k_t (B_max, n_kv, d,
     S_max) S-contiguous, or None (1xK layout: step 1 reads whole rows of k, which holds the r
     columns in every cache line anyway); v_sum (B_max, n_kv, d) fp32; length = live length S (int
-    or SymInt), 1 <= S <= S_max; 1 <= r <= d; 0 <= local <= k_top (else RuntimeError); exact
-    lengths only (live_length None), no soft-cap. Reads only rows [:B] and positions [:S]. Returns
+    or SymInt), 1 <= S <= S_max; 1 <= r <= d; 0 <= local <= k_top (else RuntimeError). live_length
+    None (every row's S is `length`) or a (B,) int tensor: row b's S is live_length[b] in [1,
+    length] (ragged batches: its own local window, top-k and mean-V over its own positions); no
+    bucketed 0-dim length, no soft-cap. Reads only rows [:B] and each row's positions [:S]. Returns
     (B, n_kv, g, d) in q.dtype; ties in the top-r / top-k go to the lower index. Threads:
     torch.get_num_threads().
     """
     _check_fused_call(live_length, cap)
-    return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v)
+    return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, live_length)
 
 
 def _check_fused_call(live_length: Optional[Tensor], cap: Optional[float]) -> None:
-    if live_length is not None:
-        raise ValueError("the fused CPU kernels read exact lengths (no --length-bucket)")
+    """The fused attention kernels take exact lengths: None or per-row (B,) ones, never a bucket or a cap."""
+    if live_length is not None and live_length.dim() != 1:
+        raise ValueError("the fused CPU kernels read exact lengths (no --length-bucket): "
+                         "live_length must be None or a (B,) tensor of per-row lengths")
     if cap is not None:
         raise ValueError("the fused CPU kernels take no attention soft-cap")
 

@@ -3,7 +3,9 @@
 //
 // Registered as the CPU kernel of sparq::dense_cpu, whose schema (and fake implementation, for
 // torch.compile) kernels.py defines:
-//   dense_cpu(Tensor q, Tensor k, Tensor v, SymInt length) -> Tensor
+//   dense_cpu(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None) -> Tensor
+// lengths: None (every row reads positions [0, length)) or (B,) int: row b reads [0, lengths[b])
+// (ragged batches: a short row costs only what it reads).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -12,6 +14,8 @@
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <optional>
+#include <vector>
 
 #include "attend.h"
 #include "parallel.h"
@@ -27,10 +31,14 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 
 struct DenseProblem {
-  int64_t B, H, g, d, S;
+  int64_t B, H, g, d, S;  // S: the longest row's length
   int64_t qs0, qs1, qs2, qs3, ks0, ks1, ks2, vs0, vs1, vs2;
-  int nc;
-  int64_t cs;
+  int64_t cs;                      // chunk length (a multiple of 64)
+  const int64_t* len;              // (B,) live length of each row
+  std::vector<int64_t> unit0;      // (B * H + 1,) first unit of each bh: bh owns ceil(len / cs) chunks
+  std::vector<int32_t> unit_bh;    // the bh of each unit
+  int64_t units() const { return unit0.back(); }
+  int64_t chunks(int64_t bh) const { return unit0[bh + 1] - unit0[bh]; }
 };
 
 // Register-blocked dense pieces for d = 16 * NV: blocks of 64 positions (in L1 after the first
@@ -143,11 +151,12 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
 
 template <typename KT, typename QT>
 static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT* v, QT* out) {
-  const int64_t BH = P.B * P.H, units = BH * P.nc, g = P.g, d = P.d;
+  const int64_t BH = P.B * P.H, units = P.units(), g = P.g, d = P.d;
+  const bool single = units == BH;  // one chunk per bh: write the output directly
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));
   const int64_t ldL = round_up(P.cs, 16);
   const int64_t slot_floats = round_up(g * d, 16) + g * ldL + round_up(g * d, 16) + round_up(2 * g, 16);
-  const int64_t unit_floats = P.nc > 1 ? round_up(g * d + 2 * g, 16) : 0;  // y (g x d), m (g), Z (g)
+  const int64_t unit_floats = single ? 0 : round_up(g * d + 2 * g, 16);  // y (g x d), m (g), Z (g)
   Workspace& ws = workspace();
   std::lock_guard<std::mutex> lock(ws.mu);
   float* base = ws.get(nt * slot_floats + units * unit_floats + 64);
@@ -158,9 +167,9 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
     float* y = L + g * ldL;
     float* mz = y + round_up(g * d, 16);
     if (phase == 0) {
-      const int64_t bh = u / P.nc, c = u % P.nc;
-      const int64_t p0 = c * P.cs, p1 = std::min(P.S, p0 + P.cs);
-      if (P.nc == 1) {
+      const int64_t bh = P.unit_bh[u], c = u - P.unit0[bh];
+      const int64_t p0 = c * P.cs, p1 = std::min(P.len[bh / P.H], p0 + P.cs);
+      if (single) {
         dense_unit<KT, QT>(P, q, k, v, bh, p0, p1, qf, L, ldL, y, mz);
         QT* o = out + bh * g * d;
         for (int64_t hh = 0; hh < g; ++hh) {
@@ -170,23 +179,19 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
         return;
       }
       float* U = ubase + u * unit_floats;
-      if (p1 <= p0) {
-        std::fill(U, U + g * d, 0.f);
-        for (int64_t hh = 0; hh < g; ++hh) { U[g * d + hh] = kNegInf; U[g * d + g + hh] = 0.f; }
-        return;
-      }
       dense_unit<KT, QT>(P, q, k, v, bh, p0, p1, qf, L, ldL, U, U + g * d);
       return;
     }
     const int64_t bh = u;  // phase 1: combine the chunks of bh
+    const int64_t u0 = P.unit0[bh], nc = P.chunks(bh);
     QT* o = out + bh * g * d;
     for (int64_t hh = 0; hh < g; ++hh) {
       float M_ = kNegInf;
-      for (int64_t c = 0; c < P.nc; ++c) M_ = std::max(M_, ubase[(bh * P.nc + c) * unit_floats + g * d + hh]);
+      for (int64_t c = 0; c < nc; ++c) M_ = std::max(M_, ubase[(u0 + c) * unit_floats + g * d + hh]);
       float Z = 0.f;
       std::fill(y, y + d, 0.f);
-      for (int64_t c = 0; c < P.nc; ++c) {
-        const float* U = ubase + (bh * P.nc + c) * unit_floats;
+      for (int64_t c = 0; c < nc; ++c) {
+        const float* U = ubase + (u0 + c) * unit_floats;
         if (!(U[g * d + g + hh] > 0.f)) continue;
         const float w = std::exp(U[g * d + hh] - M_);
         Z += w * U[g * d + g + hh];
@@ -196,11 +201,12 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
       for (int64_t j = 0; j < d; ++j) o[hh * d + j] = from_f<QT>(y[j] * inv);
     }
   };
-  if (P.nc == 1) run_phases(nt, {units}, fn);
+  if (single) run_phases(nt, {units}, fn);
   else run_phases(nt, {units, BH}, fn);
 }
 
-at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length) {
+at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
+                     const std::optional<at::Tensor>& lengths) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "sparq::dense_cpu: expected q (B, n_kv, g, d), k/v (B_max, n_kv, S_max, d)");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
@@ -213,17 +219,15 @@ at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const auto kdt = k.scalar_type(), qdt = q.scalar_type();
   TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf, "sparq::dense_cpu: unsupported cache dtype");
   TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, "sparq::dense_cpu: unsupported q dtype");
+  const std::vector<int64_t> len = row_lengths(lengths, B, length, "sparq::dense_cpu");
   DenseProblem P{};
-  P.B = B; P.H = H; P.g = g; P.d = d; P.S = length;
+  P.B = B; P.H = H; P.g = g; P.d = d; P.S = length; P.len = len.data();
   P.qs0 = q.stride(0); P.qs1 = q.stride(1); P.qs2 = q.stride(2); P.qs3 = q.stride(3);
   P.ks0 = k.stride(0); P.ks1 = k.stride(1); P.ks2 = k.stride(2);
   P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
   // chunks: balance the threads, and bound the logits buffer (g x cs floats per thread)
-  P.nc = choose_chunks(B * H, length, thread_count());
-  P.cs = round_up((length + P.nc - 1) / P.nc, 64);
-  const int64_t max_cs = std::max<int64_t>(1024, (int64_t(1) << 18) / std::max<int64_t>(g, 1));
-  if (P.cs > max_cs) P.cs = round_up(max_cs, 64);
-  P.nc = (int)((length + P.cs - 1) / P.cs);
+  P.cs = chunk_length(len, H, thread_count(), std::max<int64_t>(1024, (int64_t(1) << 18) / std::max<int64_t>(g, 1)));
+  split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
 #define SPARQ_RUN(KT, QT) run_dense<KT, QT>(P, q.data_ptr<QT>(), k.data_ptr<KT>(), v.data_ptr<KT>(), out.data_ptr<QT>())
 #define SPARQ_Q(KT)                                  \

@@ -1,5 +1,5 @@
 // Thread scheduling shared by the CPU kernels: the threads to use, phases of units claimed by
-// torch's OpenMP team, and the number of S chunks for the attention kernels.
+// torch's OpenMP team, per-row live lengths and the S chunks of the attention kernels.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -13,8 +13,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
+#include <optional>
+#include <queue>
 #include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "workspace.h"  // round_up
 
 namespace sparq_cpu {
 
@@ -85,22 +93,75 @@ static inline int thread_count() {
   return at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
 }
 
-// How many chunks to split S into: enough units to balance the threads, chunks >= 1024 positions.
-static inline int choose_chunks(int64_t BH, int64_t S, int nthreads) {
-  if (nthreads <= 1) return 1;
-  auto efficiency = [&](int64_t units) {
-    const int64_t per = (units + nthreads - 1) / nthreads;
-    return (double)units / (double)(per * nthreads);
-  };
-  int best = 1;
-  double best_eff = efficiency(BH);
-  for (int nc = 2; nc <= 16; ++nc) {
+// ---------------------------------------------------------------------------------------------
+// Ragged batches: each batch row b reads its own live positions [0, len[b]). Every (row, KV head)
+// "bh" splits into ceil(len[b] / cs) chunks of one chunk length cs; the units are numbered bh by bh.
+// ---------------------------------------------------------------------------------------------
+
+// The live length of each of the B rows: `length` for all (no lengths tensor), else lengths[b],
+// checked to lie in [1, length].
+static inline std::vector<int64_t> row_lengths(const std::optional<at::Tensor>& lengths, int64_t B, int64_t length,
+                                               const char* op) {
+  if (!lengths.has_value() || !lengths->defined()) return std::vector<int64_t>(B, length);
+  const at::Tensor& t = *lengths;
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.size(0) == B &&
+                  (t.scalar_type() == at::kLong || t.scalar_type() == at::kInt),
+              op, ": lengths must be a CPU (B,) integer tensor with B = ", B, ", got ", t.sizes());
+  const at::Tensor l = t.to(at::kLong).contiguous();
+  std::vector<int64_t> len(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + B);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(1 <= len[b] && len[b] <= length, op, ": lengths[", b, "] = ", len[b], " outside [1, ", length, "]");
+  return len;
+}
+
+// Fraction of the time nthreads threads are busy when they claim the units of chunk length cs in
+// order (each takes the next unit when it finishes one; a unit costs its positions plus a fixed
+// overhead of 256): total work / (nthreads x the last finish).
+static inline double claim_efficiency(const std::vector<int64_t>& len, int64_t H, int nthreads, int64_t cs) {
+  std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
+  for (int t = 0; t < nthreads; ++t) free_at.push(0.0);
+  double total = 0.0, last = 0.0;
+  for (int64_t l : len)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t p = 0; p < l; p += cs) {
+        const double cost = (double)std::min(cs, l - p) + 256.0;
+        const double end = free_at.top() + cost;
+        free_at.pop();
+        free_at.push(end);
+        total += cost;
+        last = std::max(last, end);
+      }
+  return total / (nthreads * last);
+}
+
+// The chunk length: the fewest chunks of the longest row (chunks >= 1024 positions, at most
+// max_cs, a multiple of 64) that keep the threads >= 90% busy, else the best balance found.
+static inline int64_t chunk_length(const std::vector<int64_t>& len, int64_t H, int nthreads, int64_t max_cs) {
+  const int64_t S = len.empty() ? 1 : *std::max_element(len.begin(), len.end());
+  auto cs_for = [&](int nc) { return std::min(round_up((S + nc - 1) / nc, 64), std::max<int64_t>(64, max_cs / 64 * 64)); };
+  if (nthreads <= 1) return cs_for(1);
+  int64_t best = cs_for(1);
+  double best_eff = claim_efficiency(len, H, nthreads, best);
+  for (int nc = 2; nc <= 16 && best_eff < 0.9; ++nc) {
     if (S / nc < 1024) break;
-    if (best_eff >= 0.9) break;
-    const double e = efficiency(BH * nc);
-    if (e > best_eff + 1e-9) { best = nc; best_eff = e; }
+    const int64_t cs = cs_for(nc);
+    const double e = claim_efficiency(len, H, nthreads, cs);
+    if (e > best_eff + 1e-9) { best = cs; best_eff = e; }
   }
   return best;
+}
+
+// unit0[bh] = first unit of bh (bh = b * H + h), unit0[B * H] = the number of units; unit_bh[u] = its bh.
+static inline void split_rows(const std::vector<int64_t>& len, int64_t H, int64_t cs, std::vector<int64_t>* unit0,
+                              std::vector<int32_t>* unit_bh) {
+  const int64_t B = (int64_t)len.size();
+  unit0->assign(B * H + 1, 0);
+  unit_bh->clear();
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t n = (len[bh / H] + cs - 1) / cs;
+    (*unit0)[bh + 1] = (*unit0)[bh] + n;
+    for (int64_t c = 0; c < n; ++c) unit_bh->push_back((int32_t)bh);
+  }
 }
 
 }  // namespace sparq_cpu

@@ -4,7 +4,9 @@
 // Registered as the CPU kernel of sparq::decode_cpu, whose schema (and fake implementation, for
 // torch.compile) kernels.py defines:
 //   decode_cpu(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, SymInt length,
-//              int r, int k_top, int local, bool mean_v) -> Tensor
+//              int r, int k_top, int local, bool mean_v, Tensor? lengths=None) -> Tensor
+// lengths: None (every row's live length is `length`) or (B,) int: row b's S is lengths[b] (ragged
+// batches: the row reads, selects and averages over its own positions only).
 // decode_cpu computes what sparq.sparq_reference computes, in fp32:
 //   i1 = top-r of |q| summed over the g query heads of a KV head;
 //   s_hat_h = softmax_s(q_h[i1] . K[s, i1] / tau_h), tau_h = sqrt(d |q_h[i1]|_1 / |q_h|_1);
@@ -39,6 +41,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <vector>
 
 #include "attend.h"
 #include "parallel.h"
@@ -53,7 +56,7 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 
 struct Problem {
-  int64_t B, H, g, d, S, r, kk, n_local, m, n_scored;
+  int64_t B, H, g, d, S, r, k_top, local, kk, m;  // S, kk, m: the longest row's (buffer sizes)
   bool mean_v, two_k;
   // strides (elements); the last dim of k, v, k_t, v_sum is contiguous
   int64_t qs0, qs1, qs2, qs3;
@@ -62,10 +65,28 @@ struct Problem {
   int64_t vs0, vs1, vs2;
   int64_t vss0, vss1;
   const float* vsum;
-  // chunking over S
-  int nc;
-  int64_t cs;  // chunk length (multiple of 64)
+  // ragged rows and chunking over S
+  const int64_t* len;            // (B,) live length of each row
+  int64_t cs;                    // chunk length (multiple of 64)
+  std::vector<int64_t> unit0;    // (B * H + 1,) first unit of each bh: bh owns ceil(len / cs) chunks
+  std::vector<int32_t> unit_bh;  // the bh of each unit
+  int64_t units() const { return unit0.back(); }
+  int64_t chunks(int64_t bh) const { return unit0[bh + 1] - unit0[bh]; }
 };
+
+// The lengths of one row: S live positions, the last n_local forced in, m more chosen among the
+// n_scored = S - n_local others (kk = n_local + m = min(k_top, S) in all).
+struct Row {
+  int64_t S, n_local, m, n_scored;
+};
+static inline Row row_of(const Problem& P, int64_t b) {
+  Row w;
+  w.S = P.len[b];
+  w.n_local = std::min(P.local, w.S);
+  w.m = std::min(P.k_top, w.S) - w.n_local;
+  w.n_scored = w.S - w.n_local;
+  return w;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Top-k without sorting: i1 (prepare), the positions of pass C, and the merge of chunk candidates.
@@ -579,7 +600,7 @@ static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_
   QT* o = out + (b * P.H + h) * g * d;
   if (alpha) {
     const float* vs = P.vsum + b * P.vss0 + h * P.vss1;
-    const float inv_s = 1.0f / (float)P.S;
+    const float inv_s = 1.0f / (float)P.len[b];
     for (int64_t hh = 0; hh < g; ++hh) {
       const float a = alpha[hh];
       for (int64_t j = 0; j < d; ++j) o[hh * d + j] = from_f<QT>(a * y[hh * d + j] + (1.0f - a) * (vs[j] * inv_s));
@@ -607,8 +628,9 @@ static Scratch scratch_layout(const Problem& P, int64_t len, bool own_logits) {
   s.st = take(g * (int64_t)(sizeof(RunState) / sizeof(float)));
   s.sc = take(len);
   s.bmax = take(len / kBlock + 1);
-  s.ss = take(std::max(len, m * P.nc) + 16);  // + 16: compress_store slack
-  s.si = take(std::max(len, m * P.nc) + 16);
+  const int64_t most_chunks = (P.S + P.cs - 1) / P.cs;  // a merge concatenates a bh's chunk candidates
+  s.ss = take(std::max(len, m * most_chunks) + 16);  // + 16: compress_store slack
+  s.si = take(std::max(len, m * most_chunks) + 16);
   s.pos = take(P.kk);
   s.lg = take(g * P.kk);
   s.y = take(g * P.d);
@@ -623,10 +645,10 @@ static Scratch scratch_layout(const Problem& P, int64_t len, bool own_logits) {
 template <typename KT, typename QT>
 static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const KT* v, QT* out) {
   const int64_t BH = P.B * P.H;
-  const int64_t units = BH * P.nc;
+  const int64_t units = P.units();
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));  // slots
   const int64_t g = P.g;
-  const bool single = P.nc == 1;  // one unit per bh: everything in the slot's own buffers
+  const bool single = units == BH;  // one unit per bh: everything in the slot's own buffers
   const int64_t len = single ? P.S : P.cs;
   const int64_t ldE = round_up(len, kBlock), nblk = ldE / kBlock;
   const Scratch L = scratch_layout(P, len, single);
@@ -693,21 +715,23 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
       std::fill(x.st[hh].z, x.st[hh].z + 16, 0.f);
     }
   };
-  auto locals_into = [&](int32_t* dst) {
-    for (int64_t j = 0; j < P.n_local; ++j) dst[j] = (int32_t)(P.S - P.n_local + j);
+  auto locals_into = [&](const Row& w, int32_t* dst) {
+    for (int64_t j = 0; j < w.n_local; ++j) dst[j] = (int32_t)(w.S - w.n_local + j);
   };
 
   if (single) {
     auto fn = [&](int, int64_t bh, int slot) {
       const Slot x = slot_of(slot);
+      const Row w = row_of(P, bh / P.H);
+      const int64_t nb = (w.S + kBlock - 1) / kBlock;
       const KT* kbh = setup_bh(x, bh);
       reset_state(x);
-      pass_a<KT>(P, x.rows, kbh, x.qmask, x.qhat, 0, P.S, x.E, ldE, x.st, x.mb, nblk);
-      for (int64_t hh = 0; hh < g; ++hh) block_weights(x.mb + hh * nblk, nblk, x.st[hh].m, hsum(load(x.st[hh].z)));
-      const int64_t nsel = select_top(x.E, ldE, x.mb, nblk, g, 0, P.n_scored, P.m, x.sc, x.bmax, x.ss, x.si);
-      locals_into(x.pos);
-      std::copy(x.si, x.si + nsel, x.pos + P.n_local);
-      const int64_t kk = P.n_local + nsel;
+      pass_a<KT>(P, x.rows, kbh, x.qmask, x.qhat, 0, w.S, x.E, ldE, x.st, x.mb, nblk);
+      for (int64_t hh = 0; hh < g; ++hh) block_weights(x.mb + hh * nblk, nb, x.st[hh].m, hsum(load(x.st[hh].z)));
+      const int64_t nsel = select_top(x.E, ldE, x.mb, nblk, g, 0, w.n_scored, w.m, x.sc, x.bmax, x.ss, x.si);
+      locals_into(w, x.pos);
+      std::copy(x.si, x.si + nsel, x.pos + w.n_local);
+      const int64_t kk = w.n_local + nsel;
       if (P.mean_v) {
         for (int64_t hh = 0; hh < g; ++hh) {
           float a = 0.f;
@@ -728,57 +752,56 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
   auto fn = [&](int phase, int64_t u, int slot) {
     const Slot x = slot_of(slot);
     if (phase == 0) {
-      const int64_t bh = u / P.nc, c = u % P.nc;
-      const int64_t p0 = c * P.cs, p1 = std::min(P.S, p0 + P.cs);
+      const int64_t bh = P.unit_bh[u], c = u - P.unit0[bh];
+      const int64_t p0 = c * P.cs, p1 = std::min(P.len[bh / P.H], p0 + P.cs);
       float* stat = ustat(u);
-      for (int64_t hh = 0; hh < g; ++hh) { stat[hh] = kNegInf; stat[g + hh] = 0.f; }
-      if (p1 <= p0) return;
       const KT* kbh = setup_bh(x, bh);
       reset_state(x);
       pass_a<KT>(P, x.rows, kbh, x.qmask, x.qhat, p0, p1, uE(u), ldE, x.st, umb(u), nblk);
       for (int64_t hh = 0; hh < g; ++hh) { stat[hh] = x.st[hh].m; stat[g + hh] = hsum(load(x.st[hh].z)); }
     } else if (phase == 1) {
-      const int64_t bh = u / P.nc, c = u % P.nc;
-      const int64_t p0 = c * P.cs, p1 = std::min(P.S, p0 + P.cs);
+      const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh);
+      const Row w = row_of(P, bh / P.H);
+      const int64_t p0 = (u - u0) * P.cs, p1 = std::min(w.S, p0 + P.cs);
       int32_t* count = reinterpret_cast<int32_t*>(ucand(u));
       *count = 0;
-      if (p1 <= p0) return;
       for (int64_t hh = 0; hh < g; ++hh) {
         float M_ = kNegInf, Z = 0.f;
-        for (int64_t cc = 0; cc < P.nc; ++cc) M_ = std::max(M_, ustat(bh * P.nc + cc)[hh]);
-        for (int64_t cc = 0; cc < P.nc; ++cc) {
-          const float* s2 = ustat(bh * P.nc + cc);
+        for (int64_t cc = 0; cc < nc; ++cc) M_ = std::max(M_, ustat(u0 + cc)[hh]);
+        for (int64_t cc = 0; cc < nc; ++cc) {
+          const float* s2 = ustat(u0 + cc);
           if (s2[g + hh] > 0.f) Z += s2[g + hh] * std::exp(s2[hh] - M_);
         }
         block_weights(umb(u) + hh * nblk, (p1 - p0 + kBlock - 1) / kBlock, M_, Z);
       }
-      const int64_t shi = std::min(p1, P.n_scored);
+      const int64_t shi = std::min(p1, w.n_scored);
       if (shi > p0) {
-        const int64_t cnt = select_top(uE(u), ldE, umb(u), nblk, g, p0, shi, P.m, x.sc, x.bmax, x.ss, x.si);
+        const int64_t cnt = select_top(uE(u), ldE, umb(u), nblk, g, p0, shi, w.m, x.sc, x.bmax, x.ss, x.si);
         *count = (int32_t)cnt;
         std::copy(x.ss, x.ss + cnt, ucand(u) + 16);
         std::copy(x.si, x.si + cnt, reinterpret_cast<int32_t*>(ucand(u) + 16 + m1));
       }
     } else {
-      const int64_t bh = u;
+      const int64_t bh = u, u0 = P.unit0[bh], nc = P.chunks(bh);
+      const Row w = row_of(P, bh / P.H);
       int64_t n = 0;
-      for (int64_t c = 0; c < P.nc; ++c) {  // chunks hold ascending positions: so does the concatenation
-        const float* cu = ucand(bh * P.nc + c);
+      for (int64_t c = 0; c < nc; ++c) {  // chunks hold ascending positions: so does the concatenation
+        const float* cu = ucand(u0 + c);
         const int32_t cnt = *reinterpret_cast<const int32_t*>(cu);
         std::copy(cu + 16, cu + 16 + cnt, x.ss + n);
         const int32_t* ci = reinterpret_cast<const int32_t*>(cu + 16 + m1);
         std::copy(ci, ci + cnt, x.si + n);
         n += cnt;
       }
-      n = select_from(x.ss, x.si, n, P.m);
-      locals_into(x.pos);
-      std::copy(x.si, x.si + n, x.pos + P.n_local);
-      const int64_t kk = P.n_local + n;
+      n = select_from(x.ss, x.si, n, w.m);
+      locals_into(w, x.pos);
+      std::copy(x.si, x.si + n, x.pos + w.n_local);
+      const int64_t kk = w.n_local + n;
       if (P.mean_v) {
         for (int64_t hh = 0; hh < g; ++hh) x.alpha[hh] = 0.f;
         for (int64_t j = 0; j < kk; ++j) {
           const int64_t c = x.pos[j] / P.cs, o = x.pos[j] - c * P.cs;
-          const int64_t uu = bh * P.nc + c;
+          const int64_t uu = u0 + c;
           for (int64_t hh = 0; hh < g; ++hh) x.alpha[hh] += uE(uu)[hh * ldE + o] * umb(uu)[hh * nblk + o / kBlock];
         }
       }
@@ -792,7 +815,7 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
 
 at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                       const at::Tensor& v, const at::Tensor& v_sum, int64_t length, int64_t r, int64_t k_top,
-                      int64_t local, bool mean_v) {
+                      int64_t local, bool mean_v, const std::optional<at::Tensor>& lengths) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && v_sum.dim() == 3,
               "sparq::decode_cpu: expected q (B, n_kv, g, d), k/v (B_max, n_kv, S_max, d), v_sum (B_max, n_kv, d)");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
@@ -822,12 +845,12 @@ at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optio
   TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf, "sparq::decode_cpu: unsupported cache dtype");
   TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, "sparq::decode_cpu: unsupported q dtype");
 
+  const std::vector<int64_t> len = row_lengths(lengths, B, length, "sparq::decode_cpu");
   Problem P{};
-  P.B = B; P.H = H; P.g = g; P.d = d; P.S = length; P.r = r;
-  P.kk = std::min(k_top, length);
-  P.n_local = std::min(local, length);
-  P.m = P.kk - P.n_local;
-  P.n_scored = length - P.n_local;
+  P.B = B; P.H = H; P.g = g; P.d = d; P.r = r; P.k_top = k_top; P.local = local; P.len = len.data();
+  P.S = *std::max_element(len.begin(), len.end());
+  P.kk = std::min(k_top, P.S);
+  P.m = P.kk - std::min(local, P.S);  // the most any row chooses
   P.mean_v = mean_v;
   P.two_k = two_k;
   P.qs0 = q.stride(0); P.qs1 = q.stride(1); P.qs2 = q.stride(2); P.qs3 = q.stride(3);
@@ -836,9 +859,8 @@ at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optio
   P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
   P.vss0 = v_sum.stride(0); P.vss1 = v_sum.stride(1);
   P.vsum = v_sum.data_ptr<float>();
-  P.nc = choose_chunks(B * H, length, thread_count());
-  P.cs = round_up((length + P.nc - 1) / P.nc, 64);
-  P.nc = (int)((length + P.cs - 1) / P.cs);
+  P.cs = chunk_length(len, H, thread_count(), std::numeric_limits<int64_t>::max());
+  split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
 
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
 

@@ -125,6 +125,8 @@ _ALL = list(itertools.product(G, D, BATCH, SEQ, R, MEAN_V, LAYOUT, DTYPE, THREAD
 CASES = random.Random(4).sample(_ALL, 44)
 # head dims that are not a multiple of 16: the kernels' unblocked logits / softmax / P @ V paths
 UNBLOCKED = [(3, 72, 2, 700, "8", True, "twice", "float32", 2), (1, 40, 1, 129, "d", False, "once", "bfloat16", 1)]
+# Gemma's head dim 256 (the largest register-blocked case)
+HEAD_256 = [(4, 256, 2, 3000, "8", True, "twice", "bfloat16", 2), (1, 256, 1, 700, "d", False, "once", "float32", 1)]
 
 
 def test_grid_covers_every_value():
@@ -132,7 +134,7 @@ def test_grid_covers_every_value():
         assert {case[axis] for case in CASES} == set(values)
 
 
-@pytest.mark.parametrize("g,d,B,S,r,mean_v,layout,dtype,n_threads", CASES + UNBLOCKED)
+@pytest.mark.parametrize("g,d,B,S,r,mean_v,layout,dtype,n_threads", CASES + UNBLOCKED + HEAD_256)
 def test_matches_reference(g, d, B, S, r, mean_v, layout, dtype, n_threads, threads):
     threads(n_threads)
     dtype = getattr(torch, dtype)
@@ -245,8 +247,10 @@ def test_rejects_bad_arguments():
         kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, None, 65, 8, 2, False)
     with pytest.raises(RuntimeError, match="local"):
         kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, None, 8, 8, 9, False)
-    with pytest.raises(ValueError, match="exact lengths"):
+    with pytest.raises(ValueError, match="exact lengths"):  # a bucketed (0-dim) length
         kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, torch.tensor(9), 8, 8, 2, False)
+    with pytest.raises(ValueError, match="soft-cap"):
+        kernels.dense_attention_cpu(q, k, k, 16, None, 50.0)
 
 
 def test_kernel_choice_is_resolved_once_and_fallbacks_are_announced(monkeypatch):
@@ -309,7 +313,8 @@ def test_softmax_extremes_do_not_overflow():
 @pytest.mark.parametrize("g,d,B,S,dtype,n_threads", [
     (3, 64, 1, 1, "float32", 2), (1, 128, 3, 1000, "float32", 1), (4, 80, 1, 4097, "float32", 2),
     (8, 64, 3, 129, "float32", 2), (3, 64, 1, 3000, "bfloat16", 2), (1, 128, 2, 700, "bfloat16", 1),
-    (3, 72, 2, 700, "float32", 2)])  # d % 16 != 0: the unblocked path
+    (3, 72, 2, 700, "float32", 2),  # d % 16 != 0: the unblocked path
+    (4, 256, 2, 2100, "float32", 2), (4, 256, 1, 500, "bfloat16", 1)])  # Gemma's head dim
 def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
     """kernels.dense_attention_cpu: exact attention over [0, S), against model.dense_attention_torch in fp32."""
     from model import dense_attention_torch
@@ -326,6 +331,114 @@ def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
     k2, v2 = k.clone(), v.clone()
     k2[:, :, S:], v2[:, :, S:], k2[B:], v2[B:] = float("nan"), float("nan"), float("nan"), float("nan")
     assert torch.equal(kernels.dense_attention_cpu(q, k2, v2, S), out)
+
+
+# Ragged batches: per-row live lengths (B,). (kind, d, layout, dtype, threads, lengths): both
+# kernels, head dims 64 / 128 / 256 (Gemma), both layouts, fp32 / bf16, one and two threads; rows
+# shorter than k, than the local window, of one position, and long enough to be split into chunks.
+RAGGED = [
+    ("sparq", 64, "twice", "float32", 2, (3000, 700, 1, 4500)),
+    ("sparq", 64, "once", "bfloat16", 1, (129, 2600, 40)),
+    ("sparq", 128, "once", "float32", 2, (5000, 90)),
+    ("sparq", 128, "twice", "bfloat16", 2, (17, 2300, 2300)),
+    ("sparq", 256, "twice", "float32", 2, (2100, 300, 4)),
+    ("sparq", 256, "once", "bfloat16", 1, (1000, 3000)),
+    ("dense", 64, "once", "float32", 2, (3000, 700, 1, 4500)),
+    ("dense", 128, "once", "bfloat16", 1, (129, 2600, 40)),
+    ("dense", 256, "once", "float32", 2, (5000, 90, 2047)),
+    ("dense", 256, "once", "bfloat16", 2, (33, 1200)),
+]
+
+
+def _ragged_cache(gen, lengths, n_kv, g, d, dtype, layout, cfg):
+    """q and a cache of B = len(lengths) rows (+ one spare) holding random values at each row's
+    live positions and zeros elsewhere, with v_sum summed over each row's own positions."""
+    B, S = len(lengths), max(lengths)
+    k, k_t, v, _ = _cache(gen, B + 1, n_kv, S + 7, d, S, dtype, layout)
+    q = _query(gen, B, n_kv, g, d, cfg.r, dtype)
+    for b, n in enumerate(lengths):
+        k[b, :, n:], v[b, :, n:] = 0, 0
+        _untie(gen, q[b:b + 1], k[b:b + 1], v[b:b + 1], n, cfg)
+    k_t = k.transpose(2, 3).contiguous() if layout == "twice" else None
+    v_sum = torch.stack([v[b, :, :n].float().sum(1) for b, n in enumerate(lengths)] + [v[B, :, :S].float().sum(1)])
+    return q, k, k_t, v, v_sum
+
+
+def _poisoned(k, k_t, v, v_sum, lengths):
+    """Copies with NaN at every position beyond each row's live length and in the spare rows."""
+    B = len(lengths)
+    k2, v2, v_sum2 = k.clone(), v.clone(), v_sum.clone()
+    k_t2 = None if k_t is None else k_t.clone()
+    for b, n in enumerate(lengths):
+        k2[b, :, n:], v2[b, :, n:] = float("nan"), float("nan")
+        if k_t2 is not None:
+            k_t2[b, :, :, n:] = float("nan")
+    k2[B:], v2[B:], v_sum2[B:] = float("nan"), float("nan"), float("nan")
+    if k_t2 is not None:
+        k_t2[B:] = float("nan")
+    return k2, k_t2, v2, v_sum2
+
+
+@pytest.mark.parametrize("kind,d,layout,dtype,n_threads,lengths", RAGGED)
+def test_ragged_rows_match_each_row_alone(kind, d, layout, dtype, n_threads, lengths, threads):
+    """live_length (B,): each row equals that row run alone with its own length, and the torch path
+    with per-row lengths; nothing beyond a row's length (NaN there) nor in rows >= B is read."""
+    from model import dense_attention_torch
+    from sparq import sparq_attention_torch
+
+    threads(n_threads)
+    dtype = getattr(torch, dtype)
+    n_kv, g = (2, 3) if d < 256 else (1, 4)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, d, layout, lengths)).encode()))
+    cfg = SparQConfig(r=8, k=128, local=32, mean_v=True)
+    q, k, k_t, v, v_sum = _ragged_cache(gen, lengths, n_kv, g, d, dtype, layout, cfg)
+    live, S = torch.tensor(lengths), max(lengths)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)
+
+    def fused(q, k, k_t, v, v_sum, length, live_length):
+        if kind == "dense":
+            return kernels.dense_attention_cpu(q, k, v, length, live_length)
+        return kernels.sparq_attention_cpu(q, k, k_t, v, v_sum, length, live_length, cfg.r, cfg.k, cfg.local, cfg.mean_v)
+
+    out = fused(q, *_poisoned(k, k_t, v, v_sum, lengths), S, live)
+    assert torch.isfinite(out).all()
+    for b, n in enumerate(lengths):  # the row alone, at its own length
+        alone = fused(q[b:b + 1], k[b:b + 1], None if k_t is None else k_t[b:b + 1], v[b:b + 1], v_sum[b:b + 1], n, None)
+        _check(out[b:b + 1], alone, *tol)
+    if kind == "dense":
+        ref = dense_attention_torch(q.float(), k.float(), v.float(), S, live).to(dtype)
+    else:
+        ref = sparq_attention_torch(q, k, k_t, v, v_sum, S, live, cfg.r, cfg.k, cfg.local, cfg.mean_v)
+    _check(out, ref, *tol)
+
+
+def test_ragged_lengths_are_checked():
+    q = torch.randn(2, 1, 1, 64)
+    k = torch.randn(3, 1, 16, 64)
+    v_sum = torch.zeros(3, 1, 64)
+    for bad in (torch.tensor([16, 0]), torch.tensor([17, 3]), torch.tensor([4]), torch.tensor([[4, 4]])):
+        with pytest.raises((RuntimeError, ValueError)):
+            kernels.sparq_attention_cpu(q, k, None, k, v_sum, 16, bad, 8, 8, 2, False)
+        with pytest.raises((RuntimeError, ValueError)):
+            kernels.dense_attention_cpu(q, k, k, 16, bad)
+
+
+def test_ragged_torch_compile_fullgraph():
+    """A (B,) live-length tensor through torch.compile(fullgraph=True): no graph break, same values."""
+    torch._dynamo.reset()
+    B, n_kv, g, d, S_max = 3, 3, 3, 64, 2048
+    gen = torch.Generator().manual_seed(5)
+    k, k_t, v, v_sum = _cache(gen, B, n_kv, S_max, d, S_max, torch.float32, "twice")
+
+    def step(q, length: int, live):
+        y = kernels.sparq_attention_cpu(q, k, k_t, v, v_sum, length, live, 16, 64, 16, True)
+        return y * 2.0 + kernels.dense_attention_cpu(q, k, v, length, live)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for lengths in ((1500, 200, 1400), (1700, 1700, 90), (2048, 1, 2000)):
+        q = _query(gen, B, n_kv, g, d, 16, torch.float32)
+        live = torch.tensor(lengths)
+        torch.testing.assert_close(compiled(q, max(lengths), live), step(q, max(lengths), live), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("M,N,K,x_dtype,w_dtype,n_threads", [
