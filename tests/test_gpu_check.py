@@ -1,0 +1,123 @@
+"""gpu_check.py: the parts that need no GPU (arguments, the transfer theory, goals and report
+formatting, the import chain of a bare GPU machine, and a tiny CPU smoke of the whole harness with
+the Triton kernels in the interpreter). The GPU parts skip here with a reason."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gpu_check  # noqa: E402
+from conftest import assert_one_line_error  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+ON_GPU = torch.cuda.is_available()
+
+
+def test_sections_and_bad_arguments(capsys):
+    assert gpu_check.parse_sections("tests,e2e") == ["tests", "e2e"]
+    assert gpu_check.main(["--sections", "tests,bogus"]) == 2
+    err = capsys.readouterr().err
+    assert_one_line_error((2, err), "bogus")
+    assert gpu_check.main(["--steps", "0"]) == 2
+
+
+def test_cpu_device_needs_the_interpreter(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert gpu_check.main(["--device", "cpu"]) == 2
+    assert_one_line_error((2, capsys.readouterr().err), "TRITON_INTERPRET")
+
+
+@pytest.mark.skipif(ON_GPU, reason="this machine has a GPU: the check would run")
+def test_without_a_gpu_every_section_is_skipped(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--json", str(out)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert set(report["skipped"]) == set(gpu_check.SECTIONS) and report["goals"] == []
+
+
+def test_transfer_theory_matches_the_paper():
+    """Table 4 (B=64, 32 heads, d=128, S=4096, r=32, k=128): theoretical speedup 6.4x."""
+    _, B, n_kv, g, d, S, r, k = gpu_check.TABLE4
+    dense, sparq = gpu_check.dense_bytes(B, n_kv, d, S), gpu_check.sparq_bytes(B, n_kv, d, S, r, k)
+    assert dense == B * n_kv * (2 * S * d + 2 * d) * 2
+    assert sparq == B * n_kv * (S * r + 2 * k * d + 4 * d) * 2
+    assert round(dense / sparq, 1) == 6.4
+    assert gpu_check.sparq_bytes(1, 1, 128, 64, 32, 128) == (64 * 32 + 2 * 64 * 128 + 4 * 128) * 2  # k capped at S
+    # the logits round trip our kernels add: 8 g bytes per position and KV head
+    assert gpu_check.sparq_extra_bytes(1, 8, 4, 1000) == 8 * 4 * 1000 * 8
+    names = [s[0] for s in gpu_check.ATTENTION_SHAPES]
+    assert len(names) == 7 and any("llama3-8b" in n and "128k" in n for n in names)
+
+
+def test_goals_and_report_formatting():
+    rows = [dict(name=gpu_check.TABLE4[0], B=64, S=4096, dense_us=1500.0, dense_best="triton", sparq_us=300.0,
+                 theory_speedup=6.4, dense_theory_pct=95.0, sparq_theory_pct=75.0, sparq_gbs=2250.0, dense_kernels=1,
+                 sparq_kernels=3, dense_all=dict(sdpa=1600.0, triton=1500.0)),
+            dict(name="llama3-8b B=1 S=32k", B=1, S=32768, dense_us=30.0, dense_best="flex", sparq_us=40.0,
+                 theory_speedup=7.0, sparq_theory_pct=20.0, sparq_gbs=500.0, dense_all=dict(flex=30.0)),
+            dict(name="llama2-7b B=1 S=8k", B=1, S=8192, error="OutOfMemoryError: x")]
+    goals = gpu_check.attention_goals(rows)
+    assert [(g.passed, round(g.value, 2)) for g in goals] == [(True, 75.0), (False, 0.75)]
+    text = gpu_check.attention_table(rows)
+    assert "5.00x" in text and "triton" in text and "error: OutOfMemoryError" in text and "3" in text
+    e2e = [dict(model="llama2-7b", weights="bf16", B=1, context=16384, policy=p, ms_per_step=ms, tokens_per_s=1e3 / ms,
+                gb_per_s=2000.0) for p, ms in (("dense", 10.0), ("sparq", 7.0))]
+    e2e.append(dict(model="llama2-7b", weights="int8", B=1, context=16384, policy="-", error="RuntimeError: no"))
+    goals = gpu_check.e2e_goals(e2e)
+    assert goals[0].passed and round(goals[0].value, 2) == 1.43 and goals[1].passed is None
+    assert "error: RuntimeError" in gpu_check.e2e_table(e2e)
+    lines = gpu_check.goals_text(goals).splitlines()
+    assert lines[0].startswith("  [PASS]") and lines[1].startswith("  [n/a ]")
+
+
+IMPORTS_ON_A_BARE_GPU_MACHINE = """
+import sys
+sys.modules['gguf'] = None  # the GPU machine has no gguf: importing it would fail
+import gpu_check, model, sparq, quantize, kernels, kernels_triton
+assert 'convert_hf_checkpoint' not in sys.modules and 'gguf' not in [m for m in sys.modules if sys.modules[m]]
+"""
+
+
+def test_import_chain_needs_no_gguf():
+    proc = subprocess.run([sys.executable, "-c", IMPORTS_ON_A_BARE_GPU_MACHINE], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_cpu_smoke_of_the_whole_harness(tmp_path):
+    """Every section on CPU with tiny shapes: the Triton kernels in the interpreter (built-in checks,
+    attention timing of SparQ and every dense candidate), a tiny random model end to end (dense and
+    SparQ, int8 and int4 weights), the goals and the JSON report."""
+    out = tmp_path / "report.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "gpu_check.py", "--device", "cpu", "--compile", "eager", "--steps", "2",
+                           "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    checks = report["sections"]["tests"]["builtin"]
+    assert checks and all(c["passed"] for c in checks), checks
+    attention = report["sections"]["attention"]
+    assert len(attention) == 2 and all(r["sparq_us"] > 0 and {"sdpa", "triton"} <= set(r["dense_all"])
+                                       for r in attention), attention
+    e2e = report["sections"]["e2e"]
+    assert not [r for r in e2e if "error" in r], e2e
+    assert {(r["weights"], r["policy"]) for r in e2e} == {(w, p) for w in ("fp32", "int8", "int4")
+                                                         for p in ("dense", "sparq")}
+    assert all(r["tokens_per_s"] > 0 and r["gb_per_s"] > 0 for r in e2e)
+    assert "== goals (issue 14) ==" in proc.stdout
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the attention timing needs a GPU (CUDA graphs, profiler kernel counts)")
+def test_attention_row_on_gpu():
+    row = gpu_check.attention_row(("small", 1, 8, 4, 128, 8192, 32, 128), "cuda",
+                                  bandwidth=gpu_check.copy_bandwidth("cuda"), replays=5)
+    assert row["sparq_us"] > 0 and row["dense_us"] > 0 and 3 <= row["sparq_kernels"] <= 5
