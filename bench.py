@@ -298,19 +298,26 @@ def _plot(rows: list[dict], path: str, r: int, k: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _time_decode(step, model, batch_size: int, start: int, steps: int, warmup: int) -> float:
-    """Seconds per decode step (median) at live lengths start + 1, start + 2, ... (after warm-up)."""
+def _time_decode(step, model, starts: list[int], steps: int, warmup: int) -> float:
+    """Seconds per decode step (median, after warm-up) of len(starts) rows whose first decode step is
+    at position starts[b] (rows alike, or ragged: each row at its own live length)."""
     import torch
 
-    token = torch.zeros(batch_size, 1, dtype=torch.long)
+    B, top = len(starts), max(starts)
+    token = torch.zeros(B, 1, dtype=torch.long)
+    ragged = len(set(starts)) > 1
     times = []
     with torch.no_grad():
         for cache in model.caches:
-            cache.rewind(start)  # positions [0, start) live again, whatever the last timing wrote
+            cache.rewind(top)  # positions [0, top) live again, whatever the last timing wrote
+        if ragged:  # every row holds the same essay: row b's live prefix is its first starts[b] tokens
+            model.set_live_lengths(torch.tensor(starts))
+        positions = torch.tensor(starts).view(B, 1) if ragged else torch.tensor([top])
         for i in range(warmup + steps):
             t0 = time.perf_counter()
-            step(model, token, torch.tensor([start + i]), start + i + 1)
+            step(model, token, positions, top + i + 1)
             times.append(time.perf_counter() - t0)
+            positions += 1
     return statistics.median(times[warmup:])
 
 
@@ -351,25 +358,34 @@ def cmd_decode(args) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     config = factories["sparq"](0).config
-    prompt = torch.tensor([data.essay_tokens(tok, max(1, max(starts.values())))])
-    cache_length = max(starts.values()) + args.warmup + args.steps
+    # (label, first decode position of each row): every context at every batch size, then the ragged case
+    cases = [(str(context), [starts[context]] * B) for context in contexts for B in batches]
+    if args.ragged:
+        ragged = cli.int_list(args.ragged, "--ragged", minimum=1)
+        if max(ragged) + args.warmup + args.steps > model_args.max_context:
+            raise UserError(f"--ragged contexts plus --warmup and --steps exceed the model's context of "
+                            f"{model_args.max_context} tokens")
+        cases.append(("/".join(map(str, ragged)), ragged))
+    longest = max(max(rows_) for _, rows_ in cases)
+    max_rows = max(len(rows_) for _, rows_ in cases)
+    prompt = torch.tensor([data.essay_tokens(tok, max(1, longest))])
+    cache_length = longest + args.warmup + args.steps
 
     print(f"# decode, {args.checkpoint}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
           f"{'compiled' if args.compile else 'eager'}, SparQ r={config.r} k={config.k} local={config.local} "
           f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}")
     print(_DECODE_HEADER, flush=True)
     rows = []
-    progress = tqdm(total=len(dtypes) * len(contexts) * len(batches) * len(settings), desc="decode bench",
-                    file=sys.stderr)
+    progress = tqdm(total=len(dtypes) * len(cases) * len(settings), desc="decode bench", file=sys.stderr)
     for dtype_name in dtypes:
         model = load_checkpoint(args.checkpoint, "cpu", _dtype(dtype_name), kernels)
         policies = {name: [make(i) for i in range(model_args.n_layer)] for name, make in factories.items()}
-        model.setup_caches(max(batches), cache_length)
+        model.setup_caches(max_rows, cache_length)
         with torch.no_grad():  # one dense prefill of the longest prompt serves every shorter context (causal)
             progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}")
             prefill(model, prompt, progress=True)
         for cache in model.caches:
-            cache.broadcast_row(max(batches))
+            cache.broadcast_row(max_rows)
         weights = model.weight_bytes()
         step = decode_step
         if args.compile:
@@ -377,30 +393,30 @@ def cmd_decode(args) -> int:
             # dynamo's default of 8 recompiles in one process
             torch._dynamo.config.recompile_limit = 64
             step = torch.compile(decode_step, dynamic=True, fullgraph=True)
-        for context in contexts:
-            start = starts[context]
-            for B in batches:
-                seconds, kv = {}, {}
-                S = start + args.warmup + args.steps // 2 + 1  # the median step's live length
-                for name, layers in policies.items():
-                    model.set_decode_attention(lambda i, layers=layers: layers[i])
-                    progress.set_postfix_str(f"{dtype_name} context={context} B={B} {name}")
-                    seconds[name] = _time_decode(step, model, B, start, args.steps, args.warmup)
-                    kv[name] = model.decode_kv_bytes(S, B)
-                    progress.update()
-                for name in policies:
-                    rows.append({
-                        "prompt_tokens": context, "live_length": S, "batch_size": B, "dtype": dtype_name,
-                        "attention": name, "kernel": kernels.name, "compiled": args.compile,
-                        "threads": torch.get_num_threads(),
-                        "decode_tokens_per_s": 1 / seconds[name], "total_tokens_per_s": B / seconds[name],
-                        "weight_bytes": weights, "kv_bytes_read_per_step": kv[name],
-                        "kv_gb_s": kv[name] / seconds[name] / 1e9, "gb_s": (weights + kv[name]) / seconds[name] / 1e9,
-                        "speedup_vs_dense": seconds["dense"] / seconds[name],
-                        "theoretical_speedup": (weights + kv["dense"]) / (weights + kv[name]),
-                        "theoretical_kv_speedup": kv["dense"] / kv[name],
-                    })
-                progress.write(_decode_row_line(rows[-2], rows[-1]))
+        for label, row_starts in cases:
+            B = len(row_starts)
+            seconds, kv = {}, {}
+            live = [start + args.warmup + args.steps // 2 + 1 for start in row_starts]  # at the median step
+            for name, layers in policies.items():
+                model.set_decode_attention(lambda i, layers=layers: layers[i])
+                progress.set_postfix_str(f"{dtype_name} context={label} B={B} {name}")
+                seconds[name] = _time_decode(step, model, row_starts, args.steps, args.warmup)
+                kv[name] = sum(model.decode_kv_bytes(S, 1) for S in live)  # every row at its own length
+                progress.update()
+            for name in policies:
+                rows.append({
+                    "prompt_tokens": label if "/" in label else int(label), "live_length": max(live),
+                    "batch_size": B, "dtype": dtype_name,
+                    "attention": name, "kernel": kernels.name, "compiled": args.compile,
+                    "threads": torch.get_num_threads(),
+                    "decode_tokens_per_s": 1 / seconds[name], "total_tokens_per_s": B / seconds[name],
+                    "weight_bytes": weights, "kv_bytes_read_per_step": kv[name],
+                    "kv_gb_s": kv[name] / seconds[name] / 1e9, "gb_s": (weights + kv[name]) / seconds[name] / 1e9,
+                    "speedup_vs_dense": seconds["dense"] / seconds[name],
+                    "theoretical_speedup": (weights + kv["dense"]) / (weights + kv[name]),
+                    "theoretical_kv_speedup": kv["dense"] / kv[name],
+                })
+            progress.write(_decode_row_line(rows[-2], rows[-1]))
     progress.close()
     _print_decode_table(rows, config, kernels.name, args.compile)
     if args.json:
@@ -417,7 +433,7 @@ _DECODE_HEADER = (f"{'dtype':9} {'context':>7} {'B':>3} {'dense tok/s':>11} {'Sp
 
 
 def _decode_row_line(dense: dict, sparq: dict) -> str:
-    return (f"{dense['dtype']:9} {dense['prompt_tokens']:7d} {dense['batch_size']:3d} "
+    return (f"{dense['dtype']:9} {str(dense['prompt_tokens']):>7} {dense['batch_size']:3d} "
             f"{dense['decode_tokens_per_s']:11.2f} {sparq['decode_tokens_per_s']:11.2f} "
             f"{sparq['speedup_vs_dense']:6.2f}x {sparq['theoretical_speedup']:5.2f}x "
             f"{sparq['theoretical_kv_speedup']:8.2f}x {dense['gb_s']:10.2f} {sparq['gb_s']:10.2f} "
@@ -444,11 +460,13 @@ def _plot_decode(rows: list[dict], path: str) -> None:
     dtypes = sorted({r["dtype"] for r in rows})
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes):
-        for B in sorted({r["batch_size"] for r in rows}):
+        uniform = [r for r in rows if isinstance(r["prompt_tokens"], int)]  # the ragged case is in the table only
+        for B in sorted({r["batch_size"] for r in uniform}):
             for attention, style in (("dense", "--"), ("sparq", "-")):
-                pts = sorted((r["prompt_tokens"], r["total_tokens_per_s"]) for r in rows
+                pts = sorted((r["prompt_tokens"], r["total_tokens_per_s"]) for r in uniform
                              if r["dtype"] == dtype and r["batch_size"] == B and r["attention"] == attention)
-                ax.plot(*zip(*pts), style, marker="o", label=f"{attention} B={B}")
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", label=f"{attention} B={B}")
         ax.set(title=f"decode throughput ({dtype})", xlabel="context (tokens)", ylabel="tokens/s (all rows)",
                xscale="log")
         ax.legend(fontsize=8)
@@ -560,6 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
     p.add_argument("--sparq-mean-v", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"), help="decode kernels (as generate.py)")
+    p.add_argument("--ragged", default=None,
+                   help="also time one batch of rows at these different contexts (comma list), e.g. 1024,4096,8192")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (dynamic shapes)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per configuration (median)")
     p.add_argument("--warmup", type=int, default=3)

@@ -2,9 +2,16 @@
 
     python generate.py --prompt "Tell me a story" --chat
     python generate.py --checkpoint checkpoints/SmolLM2-135M-Instruct --prompt-tokens 4096 --sparq-r 32
+    python generate.py --prompt-file prompts.jsonl --sparq-r 16 --json out.json   # a batch of different prompts
+    python generate.py --interactive                                               # chat at the terminal
 
 "Bandwidth achieved" counts the weight bytes plus the KV-cache bytes each decode step reads
 (by the transfer formulas of the attention policy in use), not the weights alone.
+
+A prompt file ending in .jsonl holds one prompt per line, {"prompt": "...", "chat": true} ("chat"
+optional, default --chat); they run as one batch of rows of different lengths, each at its own
+positions (no left padding), and the JSON output keeps one sample per prompt, in input order.
+Any other prompt file is one prompt: its whole text.
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, TextIO
 
 import torch
 from torch import Tensor
@@ -26,8 +33,7 @@ import quantize
 import tokenizer as tokenizer_module
 from cli import UserError
 from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
-from model import Transformer, checkpoint_paths, load_model
-from model import ModelArgs
+from model import ModelArgs, Transformer, checkpoint_paths, load_model
 from sparq import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
                    model_compression, policy_factory)
 
@@ -54,44 +60,90 @@ def sample(logits: Tensor, temperature: float, top_k: Optional[int]) -> Tensor:
 PREFILL_CHUNK = 2048  # prompt tokens per prefill step: memory stays bounded at any prompt length
 
 
-def prefill_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, end: int) -> Tensor:
-    """tokens (B, T) at positions input_pos = [end - T, end) -> logits (B, vocab) of the last one."""
-    return model(tokens, input_pos, end)
+def prefill_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, end: int,
+                  last: Optional[Tensor] = None) -> Tensor:
+    """tokens (B, T) at positions input_pos = [end - T, end) -> logits (B, vocab) of the last one
+    (or of position last[b] of row b)."""
+    return model(tokens, input_pos, end, last)
 
 
 def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step: Callable = prefill_chunk,
-            progress: bool = False) -> Tensor:
-    """prompt (B, T) at positions [0, T), in chunks of `chunk` tokens (each attends to the cache the
-    chunks before it wrote) -> logits (B, vocab) of the last position. progress: a bar on stderr."""
+            progress: bool = False, lengths: Optional[Tensor] = None, start: int = 0) -> Tensor:
+    """prompt (B, T) at positions [start, start + T), in chunks of `chunk` tokens (each attends to the
+    cache the chunks before it wrote) -> logits (B, vocab) of the last position. lengths (B,): a
+    right-padded batch of prompts of those lengths, whose logits are each row's at its last real
+    token (the padding is written to the cache, and set_live_lengths makes it dead). progress: a
+    bar on stderr for long prompts."""
     from tqdm import tqdm
 
     T = prompt.shape[1]
-    starts = range(0, T, chunk)
-    with tqdm(total=T, desc="prefill", unit="tok", file=sys.stderr, disable=not progress or len(starts) < 2,
+    ends = range(start + T, start, -chunk)[::-1]  # chunk ends; the first chunk may be short
+    logits = None
+    with tqdm(total=T, desc="prefill", unit="tok", file=sys.stderr, disable=not progress or len(ends) < 2,
               leave=False) as bar:
-        for start in starts:
-            end = min(start + chunk, T)
-            logits = step(model, prompt[:, start:end], torch.arange(start, end, device=prompt.device), end)
-            bar.update(end - start)
+        for end in ends:
+            begin = max(start, end - chunk)
+            tokens = prompt[:, begin - start:end - start]
+            positions = torch.arange(begin, end, device=prompt.device)
+            if lengths is None:
+                logits = step(model, tokens, positions, end)
+            else:  # keep each row's logits from the chunk that holds its last real token
+                last_pos = start + lengths - 1
+                chunk_logits = step(model, tokens, positions, end, (last_pos - begin).clamp(0, end - begin - 1))
+                here = ((last_pos >= begin) & (last_pos < end))[:, None]
+                logits = chunk_logits if logits is None else torch.where(here, chunk_logits, logits)
+            bar.update(end - begin)
     return logits
 
 
 def decode_step(model: Transformer, token: Tensor, input_pos: Tensor, length: int) -> Tensor:
-    """token (B, 1) at position input_pos (1,); length = live length including it -> logits (B, vocab)."""
+    """token (B, 1) at positions input_pos ((1,) for every row, or (B, 1) per row); length = the
+    positions decode attention reads -> logits (B, vocab)."""
     return model(token, input_pos, length)
 
 
 @dataclass
 class DecodeStats:
+    prefill_tokens: int  # prompt tokens prefilled (every row)
     prefill_s: float
-    decode_s: float
+    decode_s: float  # time in decode steps (printing excluded, see print_s)
     steps: int  # decode steps actually run (the first token comes from prefill)
-    kv_bytes_read: int  # KV-cache bytes read over all decode steps
+    kv_bytes_read: int  # KV-cache bytes read over all decode steps, every row at its own length
+    print_s: float = 0.0  # time spent printing streamed text, excluded from decode_s
+
+
+class TextStream:
+    """Prints a row's text as its tokens arrive. It decodes the whole row and prints what is new, so
+    merges and multi-byte characters come out right; an incomplete character (decoded as U+FFFD) is
+    held back until the next token completes it."""
+
+    def __init__(self, tokenizer, out: TextIO = sys.stdout):
+        self.tokenizer, self.out = tokenizer, out
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if not text.endswith("\ufffd") and len(text) > self.printed:
+            self.out.write(text[self.printed:])
+            self.out.flush()
+            self.printed = len(text)
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode(self.tokens)
+        self.out.write(text[self.printed:] + "\n")
+        self.out.flush()
 
 
 @dataclass
 class Generator:
-    """Prefill + token-by-token decode on a model with caches set up, optionally compiled."""
+    """Prefill + token-by-token decode on a model with caches set up, optionally compiled.
+
+    Rows of different lengths (a batch of different prompts) each decode at their own positions;
+    a row that has stopped keeps computing (its tokens are dropped) until every row has stopped.
+    No host sync per step: positions live on the device and advance in place, and stop tokens are
+    checked on the host every `check_every` steps (every step when streaming)."""
 
     model: Transformer
     stop_ids: set[int] = field(default_factory=set)
@@ -101,54 +153,79 @@ class Generator:
     compile_prefill: bool = False
     prefill_chunk: int = PREFILL_CHUNK
     progress: bool = False  # a progress bar over long prefills
+    check_every: int = 16
 
     def __post_init__(self):
         self._prefill_chunk = prefill_chunk
         self._decode = decode_step
-        device_type = self.model.device.type
         if self.compile_decode:
-            mode = "reduce-overhead" if device_type == "cuda" else None
+            mode = "reduce-overhead" if self.model.device.type == "cuda" else None
             self._decode = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=True)
         if self.compile_prefill:
             self._prefill_chunk = torch.compile(prefill_chunk, fullgraph=True, dynamic=True)
+        self._stop_tensor = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=self.model.device)
 
     @torch.no_grad()
-    def generate(self, prompt: Tensor, max_new_tokens: int) -> tuple[list[list[int]], DecodeStats]:
-        """prompt (B, T) -> the new tokens of each row (cut after a stop token) and timings."""
-        B, T = prompt.shape
-        device = prompt.device
+    def generate(self, prompts: Tensor | list[list[int]], max_new_tokens: int,
+                 stream: Optional[TextStream] = None) -> tuple[list[list[int]], DecodeStats]:
+        """prompts: (B, T) tokens, or a list of B prompts of any lengths -> the new tokens of each
+        row (cut after a stop token) and timings. stream: print row 0 as it is generated (B = 1)."""
+        rows = prompts.tolist() if isinstance(prompts, Tensor) else [list(p) for p in prompts]
+        B, lengths = len(rows), [len(p) for p in rows]
+        T = max(lengths)
+        device = self.model.device
+        ragged = len(set(lengths)) > 1
+        padded = torch.tensor([p + [0] * (T - len(p)) for p in rows], device=device)  # (B, T) right-padded
+        row_lengths = torch.tensor(lengths, device=device)
+
         self.model.reset_caches()
         start = time.perf_counter()
-        logits = prefill(self.model, prompt, self.prefill_chunk, self._prefill_chunk, self.progress)
+        logits = prefill(self.model, padded, self.prefill_chunk, self._prefill_chunk, self.progress,
+                         row_lengths if ragged else None)
+        if ragged:
+            self.model.set_live_lengths(row_lengths)
         next_token = sample(logits, self.temperature, self.top_k)
         synchronize(device)
         prefill_s = time.perf_counter() - start
 
-        generated = [next_token]
-        done = self._is_stop(next_token)
-        kv_bytes = 0
+        # Positions on the device, advanced in place: (1,) shared, or (B, 1) per row.
+        input_pos = row_lengths.view(B, 1).clone() if ragged else torch.tensor([T], device=device)
+        generated, done = [next_token], self._is_stop(next_token)
+        kv_bytes, print_s, steps = 0, 0.0, 0
+        print_s += self._stream(stream, next_token)
         start = time.perf_counter()
-        steps = 0
-        for position in range(T, T + max_new_tokens - 1):
-            if bool(done.all()):
+        for step in range(max_new_tokens - 1):
+            if (stream is not None or step % self.check_every == 0) and bool(done.all()):
                 break
-            input_pos = torch.tensor([position], device=device)
-            logits = self._decode(self.model, next_token.view(B, 1), input_pos, self.model.read_length(position + 1))
+            live = [n + step + 1 for n in lengths]  # each row's live length after this step
+            logits = self._decode(self.model, next_token.view(B, 1), input_pos, self.model.read_length(max(live)))
+            input_pos += 1
             next_token = sample(logits, self.temperature, self.top_k)
             generated.append(next_token)
             done |= self._is_stop(next_token)
-            kv_bytes += self.model.decode_kv_bytes(position + 1, B)
+            kv_bytes += sum(self.model.decode_kv_bytes(n, 1) for n in live) if ragged else \
+                self.model.decode_kv_bytes(live[0], B)
             steps += 1
+            print_s += self._stream(stream, next_token)
         synchronize(device)
-        decode_s = time.perf_counter() - start
+        decode_s = time.perf_counter() - start - print_s
 
         tokens = torch.stack(generated, dim=1).tolist()  # (B, n)
-        return [self._cut_at_stop(row) for row in tokens], DecodeStats(prefill_s, decode_s, steps, kv_bytes)
+        stats = DecodeStats(sum(lengths), prefill_s, decode_s, steps, kv_bytes, print_s)
+        return [self._cut_at_stop(row) for row in tokens], stats
+
+    def _stream(self, stream: Optional[TextStream], token: Tensor) -> float:
+        """Print row 0's new token; returns the seconds it took (kept out of the decode timing)."""
+        if stream is None:
+            return 0.0
+        start = time.perf_counter()
+        value = int(token[0])
+        if value not in self.stop_ids:
+            stream.add(value)
+        return time.perf_counter() - start
 
     def _is_stop(self, token: Tensor) -> Tensor:
-        if not self.stop_ids:
-            return torch.zeros_like(token, dtype=torch.bool)
-        return torch.isin(token, torch.tensor(sorted(self.stop_ids), device=token.device))
+        return torch.isin(token, self._stop_tensor)
 
     def _cut_at_stop(self, row: list[int]) -> list[int]:
         for i, token in enumerate(row):
@@ -201,6 +278,28 @@ def install_policy(model: Transformer, settings: AttentionSettings) -> None:
         raise UserError(str(e)) from None
 
 
+def free_memory_bytes(device: str) -> Optional[int]:
+    """Memory available for new allocations on `device` (None if unknown)."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_cache_fits(args: ModelArgs, batch: int, seq_len: int, layout: str, dtype: torch.dtype, device: str) -> None:
+    """Refuse, with the numbers, a KV cache that cannot be allocated (before trying)."""
+    need = Transformer.cache_bytes(args, batch, seq_len, layout, dtype)
+    free = free_memory_bytes(device)
+    if free is not None and need > 0.9 * free:
+        raise UserError(f"the KV cache needs {need / 2**30:.1f} GiB (batch {batch} x {seq_len} positions, layout "
+                        f"{layout}) but only {free / 2**30:.1f} GiB are free: lower --batch-size or --max-seq-length"
+                        + (" (or use --kv-layout once)" if layout == "twice" else ""))
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
@@ -212,24 +311,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model.pth or its directory (default: the embedded SmolLM2-135M-Instruct)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="Hello, my name is", help="prompt text")
-    prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
+    prompt.add_argument("--prompt-file", type=Path,
+                        help="a .jsonl file of prompts (one batch of rows of different lengths), or any other "
+                             "file whose whole text is the prompt")
     prompt.add_argument("--prompt-tokens", type=cli.positive_int,
                         help="a synthetic prompt of exactly N tokens cut from the Paul Graham essays")
+    prompt.add_argument("--interactive", action="store_true",
+                        help="chat at the terminal (the chat template; the conversation stays in the cache)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-new-tokens", type=cli.positive_int, default=200)
-    p.add_argument("--batch-size", type=cli.positive_int, default=1)
-    p.add_argument("--num-samples", type=cli.positive_int, default=1, help="repeat generation (the first warms up)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=None,
+                   help="repeat the prompt in this many rows (default 1; a .jsonl prompt file sets the batch)")
+    p.add_argument("--num-samples", type=cli.positive_int, default=1, help="repeat generation")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=cli.positive_int, default=None)
     p.add_argument("--max-seq-length", type=cli.positive_int, default=None,
                    help="KV cache length (default: prompt + new tokens, capped at the model's context)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (a warm-up generation compiles it before the timed ones)")
     p.add_argument("--compile-prefill", action="store_true", help="torch.compile the prefill")
     p.add_argument("--length-bucket", type=cli.positive_int, default=None,
                    help="decode attention reads the live length rounded up to a multiple of this, masking "
                         "the rest (default: 1 on CPU = exact; 256 on CUDA = one CUDA graph per bucket)")
+    p.add_argument("--no-stream", action="store_true", help="at batch size 1, print the text at the end, not as it comes")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, help="write the results as JSON")
     p.add_argument("--kv-layout", choices=["twice", "once"], default="twice",
@@ -241,25 +347,65 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def prompt_tokens(args: argparse.Namespace, tokenizer) -> list[int]:
-    if args.prompt_tokens is not None:
-        return data.essay_tokens(tokenizer, args.prompt_tokens)
-    if args.prompt_file is not None:
-        try:
-            text = args.prompt_file.read_text(encoding="utf-8")
-        except OSError as e:
-            raise UserError(f"cannot read --prompt-file: {e.strerror}: {args.prompt_file}") from None
-    else:
-        text = args.prompt
+@dataclass
+class Prompt:
+    text: str
+    chat: bool
+
+
+def read_prompts(args: argparse.Namespace) -> list[Prompt]:
+    """The prompts of the command line (--prompt, a .jsonl or text --prompt-file); one-line errors."""
+    if args.prompt_file is None:
+        if not args.prompt.strip():
+            raise UserError("the prompt is empty")
+        return [Prompt(args.prompt, args.chat)]
     try:
-        return tokenizer.encode_prompt(text, chat=args.chat)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+        text = args.prompt_file.read_text(encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read --prompt-file: {e.strerror}: {args.prompt_file}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {e.start})") from None
+    if args.prompt_file.suffix != ".jsonl":
+        if not text.strip():
+            raise UserError(f"--prompt-file {args.prompt_file} is empty")
+        return [Prompt(text, args.chat)]
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{args.prompt_file}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
+            raise UserError(f'{args.prompt_file}:{number}: expected {{"prompt": "<non-empty text>"}}')
+        prompts.append(Prompt(entry["prompt"], bool(entry.get("chat", args.chat))))
+    if not prompts:
+        raise UserError(f"--prompt-file {args.prompt_file} holds no prompt")
+    return prompts
 
 
-def check_device(args: argparse.Namespace) -> None:
+def prompt_ids(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    """The token ids of every row of the batch."""
+    if args.prompt_tokens is not None:
+        rows = [data.essay_tokens(tokenizer, args.prompt_tokens)]
+    else:
+        try:
+            rows = [tokenizer.encode_prompt(p.text, chat=p.chat) for p in read_prompts(args)]
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    if len(rows) > 1 and args.batch_size not in (None, len(rows)):
+        raise UserError(f"the prompt file holds {len(rows)} prompts: it sets the batch size (drop --batch-size)")
+    if any(not ids for ids in rows):
+        raise UserError("a prompt encodes to no tokens")
+    return rows * (args.batch_size or 1) if len(rows) == 1 else rows
+
+
+def check_flags(args: argparse.Namespace) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -273,93 +419,130 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_device(args)
+    check_flags(args)
     settings = attention_settings(args)
     length_bucket = args.length_bucket or (256 if args.device == "cuda" else 1)
     if length_bucket > 1 and not POLICIES[settings.policy].reads_buckets:
         raise UserError(f"--length-bucket applies to dense and sparq attention, not {settings.policy}")
     torch.manual_seed(args.seed)
-    kernels = kernels_for(args.kernel, args.device, model_args(args.checkpoint), length_bucket)
+    config = model_args(args.checkpoint)
+    if args.top_k is not None and args.top_k > config.vocab_size:
+        raise UserError(f"--top-k {args.top_k} exceeds the vocabulary of {config.vocab_size} tokens")
+    kernels = kernels_for(args.kernel, args.device, config, length_bucket)
     model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels)
     tokenizer = load_tokenizer(args.checkpoint)
+    if args.interactive:
+        return chat_loop(args, model, tokenizer, settings, length_bucket)
 
-    ids = prompt_tokens(args, tokenizer)
+    rows = prompt_ids(args, tokenizer)
+    longest, ragged = max(map(len, rows)), len({len(r) for r in rows}) > 1
+    if ragged and not POLICIES[settings.policy].ragged:
+        raise UserError(f"--attention {settings.policy} cannot run prompts of different lengths in one batch: "
+                        f"run them one at a time")
     max_context = model.args.max_context
-    max_seq_length = args.max_seq_length or min(len(ids) + args.max_new_tokens, max_context)
-    if len(ids) + 1 > max_seq_length:
-        raise UserError(f"the prompt has {len(ids)} tokens; it does not fit --max-seq-length {max_seq_length}")
+    max_seq_length = args.max_seq_length or min(longest + args.max_new_tokens, max_context)
+    if longest + 1 > max_seq_length:
+        raise UserError(f"the prompt has {longest} tokens; it does not fit --max-seq-length {max_seq_length}")
     if max_seq_length > max_context:
         raise UserError(f"--max-seq-length {max_seq_length} exceeds the model's context of {max_context} tokens")
-    max_new_tokens = min(args.max_new_tokens, max_seq_length - len(ids))
+    max_new_tokens = min(args.max_new_tokens, max_seq_length - longest)
+    if max_new_tokens < args.max_new_tokens:
+        print(f"note: --max-new-tokens capped at {max_new_tokens}: the cache holds {max_seq_length} positions "
+              f"and the longest prompt {longest}", file=sys.stderr)
 
-    try:
-        model.setup_caches(args.batch_size, max_seq_length, kv_layout=args.kv_layout, length_bucket=length_bucket)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    install_policy(model, settings)
-    policy = next((layer.attention.decode_attention for layer in model.layers
-                   if layer.attention.decode_attention.name == settings.policy), model.layers[0].attention.decode_attention)
-
+    setup(model, args, settings, len(rows), max_seq_length, length_bucket)
     print(f"model: {model.args.n_layer} layers, dim {model.args.dim}, {model.args.n_head} heads / "
           f"{model.args.n_kv_head} KV heads, {args.dtype} on {args.device}; "
           f"KV cache {model.kv_cache_bytes() / 2**20:.1f} MiB (layout {args.kv_layout}, "
-          f"batch {args.batch_size} x {max_seq_length} positions); kernels: {kernels.name} ({kernels.describe})",
+          f"batch {len(rows)} x {max_seq_length} positions); kernels: {kernels.name} ({kernels.describe})",
           file=sys.stderr)
     print(f"attention: {describe_layers(model)}", file=sys.stderr)
     generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
                           compile_decode=args.compile, compile_prefill=args.compile_prefill,
                           progress=sys.stderr.isatty())
-    prompt = torch.tensor([ids] * args.batch_size, device=args.device)
+    if args.compile:  # compile (and capture) outside the timed runs
+        start = time.perf_counter()
+        generator.generate(rows, min(max_new_tokens, 3))
+        print(f"warm-up (compilation) {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
+    stream = len(rows) == 1 and not args.no_stream
     results = []
     for i in range(args.num_samples):
-        samples, stats = generator.generate(prompt, max_new_tokens)
+        header = f"--- sample {i + 1}"
+        if stream:
+            print(header, flush=True)
+        samples, stats = generator.generate(rows, max_new_tokens, TextStream(tokenizer) if stream else None)
+        if stream:
+            print(flush=True)
+        else:
+            for b, row in enumerate(samples):
+                print(header + (f", row {b + 1}" if len(rows) > 1 else ""))
+                print(tokenizer.decode(row))
+        report(stats, len(rows), model.weight_bytes(), first_call=i == 0 and not args.compile)
         results.append((samples, stats))
-        for b, row in enumerate(samples):
-            header = f"--- sample {i + 1}" + (f", row {b + 1}" if args.batch_size > 1 else "")
-            print(header)
-            print(tokenizer.decode(row))
-        report(stats, args.batch_size, model.weight_bytes(), len(ids))
 
     samples, stats = results[-1]
-    summary = summarize(stats, args.batch_size, model.weight_bytes(), len(ids))
+    summary = summarize(stats, len(rows), model.weight_bytes())
     print(f"peak memory: {peak_memory_bytes(args.device) / 2**30:.2f} GiB", file=sys.stderr)
-    if settings.policy != "dense":
-        ratio = model_compression(model, len(ids) + stats.steps)
+    if settings.policy != "dense" and stats.steps:
+        ratio = model_compression(model, longest + stats.steps)
         print(f"attention: {settings.policy}, KV transfers {ratio:.3f} of dense at the final length "
               f"(compression 1/{1 / ratio:.1f})", file=sys.stderr)
     if args.json:
-        write_json(args, settings, model, tokenizer, samples, summary, policy)
+        write_json(args, settings, model, tokenizer, rows, samples, summary)
     return 0
 
 
-def summarize(stats: DecodeStats, batch_size: int, weights: int, prompt_len: int) -> dict:
-    steps_per_s = stats.steps / stats.decode_s if stats.decode_s > 0 else float("nan")
-    bytes_per_s = (weights * stats.steps + stats.kv_bytes_read) / stats.decode_s if stats.decode_s > 0 else float("nan")
+def setup(model: Transformer, args: argparse.Namespace, settings: AttentionSettings, batch: int, max_seq_length: int,
+          length_bucket: int) -> None:
+    """Allocate the caches (refused with the numbers if they cannot fit) and install the policy."""
+    check_cache_fits(model.args, batch, max_seq_length, args.kv_layout, model.cache_dtype, args.device)
+    try:
+        model.setup_caches(batch, max_seq_length, kv_layout=args.kv_layout, length_bucket=length_bucket)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    install_policy(model, settings)
+
+
+def summarize(stats: DecodeStats, batch_size: int, weights: int) -> dict:
+    steps_per_s = stats.steps / stats.decode_s if stats.steps and stats.decode_s > 0 else float("nan")
+    bytes_per_s = (weights * stats.steps + stats.kv_bytes_read) / stats.decode_s if stats.steps else float("nan")
     return {
-        "prompt_tokens": prompt_len,
+        "prompt_tokens": stats.prefill_tokens,
         "prefill_s": stats.prefill_s,
+        "prefill_tokens_per_s": stats.prefill_tokens / stats.prefill_s if stats.prefill_s > 0 else float("nan"),
+        "decode_steps": stats.steps,
         "decode_tokens_per_s": steps_per_s,
         "total_tokens_per_s": steps_per_s * batch_size,
         "bandwidth_gb_s": bytes_per_s / 1e9,
         "weight_bytes": weights,
         "kv_bytes_read_per_step": stats.kv_bytes_read // max(stats.steps, 1),
+        "print_s": stats.print_s,
     }
 
 
-def report(stats: DecodeStats, batch_size: int, weights: int, prompt_len: int) -> None:
-    s = summarize(stats, batch_size, weights, prompt_len)
-    print(f"prefill: {prompt_len} tokens x {batch_size} in {s['prefill_s']:.2f} s; decode: {stats.steps} steps, "
-          f"{s['decode_tokens_per_s']:.2f} tokens/s per sequence, {s['total_tokens_per_s']:.2f} tokens/s total; "
-          f"bandwidth achieved {s['bandwidth_gb_s']:.2f} GB/s (weights {weights / 1e6:.1f} MB + "
-          f"KV {s['kv_bytes_read_per_step'] / 1e6:.2f} MB per step)", file=sys.stderr)
+def report(stats: DecodeStats, batch_size: int, weights: int, first_call: bool = False) -> None:
+    s = summarize(stats, batch_size, weights)
+    prefill_line = (f"prefill: {stats.prefill_tokens} tokens ({batch_size} row{'s' if batch_size > 1 else ''}) in "
+                    f"{s['prefill_s']:.2f} s, {s['prefill_tokens_per_s']:.0f} tokens/s")
+    if stats.steps == 0:
+        print(f"{prefill_line}; decode: nothing was decoded (the first token already ended every row)", file=sys.stderr)
+        return
+    warm = (" (one step: it includes the first call's warm-up; use more --max-new-tokens or --num-samples 2)"
+            if first_call and stats.steps < 2 else "")
+    printing = f"; printing took {stats.print_s:.2f} s, excluded" if stats.print_s > 0.01 else ""
+    print(f"{prefill_line}; decode: {stats.steps} steps, {s['decode_tokens_per_s']:.2f} tokens/s per sequence, "
+          f"{s['total_tokens_per_s']:.2f} tokens/s total{warm}; bandwidth achieved {s['bandwidth_gb_s']:.2f} GB/s "
+          f"(weights {weights / 1e6:.1f} MB + KV {s['kv_bytes_read_per_step'] / 1e6:.2f} MB per step){printing}",
+          file=sys.stderr)
 
 
-def write_json(args, settings, model, tokenizer, samples, summary, policy) -> None:
+def write_json(args, settings, model, tokenizer, rows, samples, summary) -> None:
     out = {
         "prompt_tokens": summary["prompt_tokens"],
-        "batch_size": args.batch_size,
-        "samples": [{"text": tokenizer.decode(row), "tokens": row} for row in samples],
+        "batch_size": len(rows),
+        "samples": [{"prompt_tokens": len(ids), "text": tokenizer.decode(row), "tokens": row}
+                    for ids, row in zip(rows, samples)],
         **{k: v for k, v in summary.items() if k != "prompt_tokens"},
         "device": args.device,
         "dtype": args.dtype,
@@ -367,12 +550,89 @@ def write_json(args, settings, model, tokenizer, samples, summary, policy) -> No
         "kernels": model.kernels.name,
     }
     if settings.policy == "sparq":
-        c = policy.config
+        c = next(layer.attention.decode_attention.config for layer in model.layers
+                 if layer.attention.decode_attention.name == "sparq")
         out["sparq"] = {"r": c.r, "k": c.k, "local": c.local, "mean_v": c.mean_v}
-        final_len = summary["prompt_tokens"] + len(samples[0])
+        final_len = max(len(ids) for ids in rows) + summary["decode_steps"]
         out["compression_ratio"] = model_compression(model, final_len)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    try:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(out, indent=2) + "\n")
+        tmp.replace(args.json)
+    except OSError as e:
+        raise UserError(f"cannot write --json {args.json}: {e.strerror}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Interactive chat
+# ---------------------------------------------------------------------------------------------
+
+
+def chat_loop(args: argparse.Namespace, model: Transformer, tokenizer, settings: AttentionSettings,
+              length_bucket: int, input_fn: Callable[[str], str] = input, out: TextIO = sys.stdout) -> int:
+    """A chat at the terminal on the chat template. The conversation stays in the cache between turns:
+    each turn prefills only what it adds (when the re-rendered conversation extends the tokens in
+    the cache), and when the context is full the oldest turns are dropped, which is said."""
+    max_seq_length = args.max_seq_length or model.args.max_context
+    setup(model, args, settings, 1, max_seq_length, length_bucket)
+    generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
+                          compile_decode=args.compile)
+    messages: list[dict] = []
+    cached: list[int] = []  # the token ids whose keys and values the cache holds, from position 0
+    print(f"chat with {args.checkpoint} (empty line or Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            text = input_fn("> ")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        messages.append({"role": "user", "content": text})
+        while True:
+            ids = tokenizer.encode_chat(messages)
+            if len(ids) + 2 <= max_seq_length or len(messages) <= 1:
+                break
+            messages = messages[2:]  # drop the oldest exchange
+            print("note: the conversation no longer fits the context: dropped the oldest turn", file=sys.stderr)
+        if len(ids) + 2 > max_seq_length:
+            print(f"note: this message alone ({len(ids)} tokens) does not fit the context of {max_seq_length}",
+                  file=sys.stderr)
+            messages.pop()
+            continue
+        budget = min(args.max_new_tokens, max_seq_length - len(ids))
+        reply, cached = chat_turn(generator, tokenizer, cached, ids, budget, out)
+        messages.append({"role": "assistant", "content": tokenizer.decode([t for t in reply if t not in tokenizer.stop_ids])})
+    return 0
+
+
+@torch.no_grad()
+def chat_turn(generator: Generator, tokenizer, cached: list[int], ids: list[int], max_new: int,
+              out: TextIO) -> tuple[list[int], list[int]]:
+    """One assistant reply to the conversation `ids`, streamed to `out`. Reuses the cache when `cached`
+    is a prefix of `ids` (prefills the rest); returns (reply tokens, the ids now in the cache)."""
+    model = generator.model
+    reuse = len(cached) if cached and ids[:len(cached)] == cached else 0
+    if reuse == 0:
+        model.reset_caches()
+    new = torch.tensor([ids[reuse:]], device=model.device)
+    logits = prefill(model, new, generator.prefill_chunk, start=reuse)
+    stream = TextStream(tokenizer, out)
+    token = sample(logits, generator.temperature, generator.top_k)
+    reply = [int(token)]
+    position = len(ids)
+    while reply[-1] not in generator.stop_ids and len(reply) < max_new:
+        stream.add(reply[-1])
+        logits = generator._decode(model, token.view(1, 1), torch.tensor([position], device=model.device),
+                                   model.read_length(position + 1))
+        token = sample(logits, generator.temperature, generator.top_k)
+        reply.append(int(token))
+        position += 1
+    if reply[-1] not in generator.stop_ids:
+        stream.add(reply[-1])
+    stream.finish()
+    # The cache now holds ids and the reply but its last token (sampled, never fed back).
+    return reply, ids + reply[:-1]
 
 
 if __name__ == "__main__":

@@ -127,8 +127,9 @@ class CacheView:
 
     k, k_t, v are views of the buffers from position `start` on (so the kernels see a plain prefix
     of `length` positions); v_sum is the running sum of V over exactly the visible positions.
-    live_length: None when every position read is live, else a device tensor (relative to start)
-    beyond which reads are masked (bucketed lengths)."""
+    live_length: None when every position read is live; else a device tensor beyond which reads are
+    masked: 0-dim (bucketed lengths, every row alike) or (B,) (ragged rows: each row's live length).
+    Kernels take exactly these (kernels.py docstring)."""
 
     k: Tensor  # (B_max, n_kv, S_max - start, d)
     k_t: Optional[Tensor]  # (B_max, n_kv, d, S_max - start)
@@ -146,8 +147,9 @@ class KVCache(nn.Module):
     k_t   (B, n_kv, d, S_max)  S-contiguous: the r rows SparQ step 1 reads (absent with layout "once")
     v     (B, n_kv, S_max, d)
     v_sum (B, n_kv, d) fp32    running sum of V over the visible positions (SparQ mean-V)
-    live_length ()  int64      positions [0, live_length) are live: a device tensor, so a step
-                               never syncs with the host
+    live_length (B,) int64     row b's positions [0, live_length[b]) are live: a device tensor, so
+                               a step never syncs with the host. Rows share one live length unless
+                               set_live_lengths made them ragged (batches of different prompts).
 
     window: a sliding-window layer's cache; a decode step sees only the last `window` live positions
     (the buffers still hold every position: a window layer reads min(S, window) of them, which is
@@ -178,30 +180,45 @@ class KVCache(nn.Module):
         self.register_buffer("k_t", k_t, persistent=False)
         self.register_buffer("v_sum", torch.zeros((max_batch, n_kv_head, head_dim), dtype=torch.float32),
                              persistent=False)
-        self.register_buffer("live_length", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("live_length", torch.zeros((max_batch,), dtype=torch.long), persistent=False)
+        self.ragged = False  # rows have their own live lengths (set_live_lengths); reset clears it
 
     @property
     def max_seq_length(self) -> int:
         return self.k.shape[2]
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
-        """Write k, v (B, n_kv, T, d) at positions input_pos (T,). Positions must be new."""
+        """Write k, v (B, n_kv, T, d) at positions input_pos: (T,) for every row, or (B, T) per row
+        (ragged rows). Positions must be new."""
         B, n_kv = k.shape[:2]
         # Advanced indexing on the whole buffers, not index_copy_ into a [:B] slice: with a dynamic
         # batch size torch.compile cannot write through that slice in place and copied every
         # cache buffer whole, several times per layer and step.
         rows = torch.arange(B, device=k.device).view(B, 1, 1)
         heads = torch.arange(n_kv, device=k.device).view(1, n_kv, 1)
+        input_pos = input_pos.view(-1, 1, input_pos.shape[-1])  # (1 or B, 1, T)
         self.k[rows, heads, input_pos] = k  # indexes (B, n_kv, T) -> rows of d
         self.v[rows, heads, input_pos] = v
         if self.k_t is not None:
             self.k_t[rows, heads, :, input_pos] = k  # advanced indices first: the same (B, n_kv, T, d)
         self.v_sum[:B] += v.float().sum(dim=2)
         if self.window is not None:  # the positions that leave the window (still in the buffers)
-            leaving = input_pos - self.window  # (T,)
-            gone = self.v[rows, heads, leaving.clamp(min=0)].float() * (leaving >= 0).view(1, 1, -1, 1)
+            leaving = input_pos - self.window  # (1 or B, 1, T)
+            gone = self.v[rows, heads, leaving.clamp(min=0)].float() * (leaving >= 0)[..., None]
             self.v_sum[:B] -= gone.sum(dim=2)
-        self.live_length.copy_(input_pos[-1] + 1)
+        self.live_length[:B] = input_pos[:, 0, -1] + 1
+
+    def set_live_lengths(self, lengths: Tensor) -> None:
+        """Make rows ragged: row b's live positions are [0, lengths[b]) (B,), whatever a padded prefill
+        wrote beyond them; the running V sums are recomputed over each row's visible positions."""
+        if self.window is not None:
+            raise ValueError("ragged batches with sliding-window layers are not supported: run such prompts one at a time")
+        B = lengths.shape[0]
+        positions = torch.arange(self.max_seq_length, device=lengths.device)
+        live = (positions < lengths[:, None]).to(torch.float32)  # (B, S_max)
+        self.v_sum[:B] = torch.einsum("bhsd,bs->bhd", self.v[:B].float(), live)
+        self.live_length[:B] = lengths
+        self.ragged = True
 
     def read_length(self, live_length: int) -> int:
         """Positions decode attention reads at this live length: rounded up to the bucket, capped at S_max."""
@@ -214,37 +231,45 @@ class KVCache(nn.Module):
     def visible_length(self, length: int) -> int:
         return length - self.visible_start(length)
 
-    def view(self, length: int) -> CacheView:
-        """The positions a decode step reading `length` positions attends to."""
+    def view(self, length: int, rows: int) -> CacheView:
+        """The positions a decode step of `rows` rows reading `length` positions attends to."""
         start = self.visible_start(length)
         k_t = None if self.k_t is None else self.k_t[:, :, :, start:]
-        live = self.live_length if self.length_bucket > 1 else None
+        if self.ragged:
+            live = self.live_length[:rows]
+        elif self.length_bucket > 1:
+            live = self.live_length[0]  # every row alike: one 0-dim live length
+        else:
+            live = None
         return CacheView(self.k[:, :, start:], k_t, self.v[:, :, start:], self.v_sum, length - start, live, start)
 
     def reset(self) -> None:
         for buffer in (self.k, self.v, self.k_t, self.v_sum, self.live_length):
             if buffer is not None:
                 buffer.zero_()
+        self.ragged = False
 
     def snapshot(self) -> dict[str, Tensor]:
         """Copies of the state that is not indexed by position (running V sum, live length).
 
         Decode steps write K, K^T and V only at new positions, which are never read before being
         rewritten, so restore(snapshot) rewinds the cache exactly to when the snapshot was taken."""
-        return {"v_sum": self.v_sum.clone(), "live_length": self.live_length.clone()}
+        return {"v_sum": self.v_sum.clone(), "live_length": self.live_length.clone(), "ragged": self.ragged}
 
-    def restore(self, snapshot: dict[str, Tensor]) -> None:
+    def restore(self, snapshot: dict) -> None:
         self.v_sum.copy_(snapshot["v_sum"])
         self.live_length.copy_(snapshot["live_length"])
+        self.ragged = snapshot["ragged"]
 
     def rewind(self, length: int) -> None:
-        """Keep positions [0, length) live, as if nothing after them had been written."""
+        """Keep positions [0, length) of every row live, as if nothing after them had been written."""
         self.v_sum.copy_(self.v[:, :, self.visible_start(length):length].float().sum(dim=2))
         self.live_length.fill_(length)
+        self.ragged = False
 
     def broadcast_row(self, n_rows: int) -> None:
         """Copy batch row 0 into rows 1..n_rows-1 (every row then holds the same prompt)."""
-        for buffer in (self.k, self.k_t, self.v, self.v_sum):
+        for buffer in (self.k, self.k_t, self.v, self.v_sum, self.live_length):
             if buffer is not None:
                 buffer[1:n_rows].copy_(buffer[:1].expand_as(buffer[1:n_rows]))
 
@@ -350,7 +375,7 @@ class DenseDecode(DecodePolicy):
         self.cap = cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        view = cache.view(length)
+        view = cache.view(length, q.shape[0])
         return self.attend(q, view.k, view.v, view.length, view.live_length, self.cap)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
@@ -428,12 +453,13 @@ def rope_cache(rotary_dim: int, base: float, scaling: Optional[dict], max_seq_le
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """Rotate-half RoPE (the HF layout) on the first rotary_dim dims of each head, the rest passing
-    through (partial RoPE). x (B, T, heads, d); rope (T, 2, rotary_dim/2)."""
+    through (partial RoPE). x (B, T, heads, d); rope (T, 2, rotary_dim/2), or (B, T, 2, rotary_dim/2)
+    when rows are at different positions."""
     rotary_dim = 2 * rope.shape[-1]
     x_rot, x_pass = x[..., :rotary_dim].float(), x[..., rotary_dim:]
     x1, x2 = x_rot.chunk(2, dim=-1)
-    cos = rope[:, 0].unsqueeze(1)  # (T, 1, rotary_dim/2)
-    sin = rope[:, 1].unsqueeze(1)
+    cos = rope[..., 0, :].unsqueeze(-2)  # ([B,] T, 1, rotary_dim/2)
+    sin = rope[..., 1, :].unsqueeze(-2)
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
     return rotated if x_pass.shape[-1] == 0 else torch.cat([rotated, x_pass], dim=-1)
 
@@ -553,13 +579,23 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV caches' (and activations') dtype: the embedding's, or fp32 for quantized embeddings."""
+        dtype = self.tok_embeddings.weight.dtype
+        return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+    @staticmethod
+    def cache_bytes(args: ModelArgs, batch: int, seq_len: int, layout: str, dtype: torch.dtype) -> int:
+        """Bytes setup_caches allocates: K, V (and K^T with layout "twice") per layer, plus the V sums."""
+        per_layer = batch * args.n_kv_head * args.head_dim * (seq_len * (3 if layout == "twice" else 2)
+                                                              * dtype.itemsize + 4)
+        return per_layer * args.n_layer
+
     def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_layout: str = "twice",
                      length_bucket: int = 1) -> None:
         """Allocate the static KV caches (in the model's dtype, on its device); see KVCache for length_bucket."""
-        args = self.args
-        dtype = self.tok_embeddings.weight.dtype
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            dtype = torch.float32  # quantized embeddings keep fp32 activations
+        args, dtype = self.args, self.cache_dtype
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, args.n_kv_head, args.head_dim, dtype,
@@ -612,13 +648,21 @@ class Transformer(nn.Module):
                     tensors[id(t)] = t
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
-    def forward(self, idx: Tensor, input_pos: Tensor, length: int) -> Tensor:
-        """idx (B, T) tokens at positions input_pos (T,). A decode step (T = 1): length = the cache
-        positions decode attention reads, the live length after this step rounded up to the caches'
-        length_bucket (read_length). A prefill chunk (T > 1, positions [length - T, length)): length
-        = the position after it.
+    def set_live_lengths(self, lengths: Tensor) -> None:
+        """Ragged rows (batches of different prompts): row b's positions [0, lengths[b]) are live in
+        every cache, whatever a right-padded prefill wrote beyond them."""
+        for cache in self.caches:
+            cache.set_live_lengths(lengths)
 
-        Returns logits (B, vocab) for the last position only, in fp32.
+    def forward(self, idx: Tensor, input_pos: Tensor, length: int, last: Optional[Tensor] = None) -> Tensor:
+        """idx (B, T) tokens at positions input_pos: (T,) for every row, or (B, T) per row (ragged
+        rows decode at their own positions). A decode step (T = 1): length = the cache positions
+        decode attention reads (the longest row's live length after this step, rounded up to the
+        caches' length_bucket: read_length). A prefill chunk (T > 1, positions [length - T, length)):
+        length = the position after it.
+
+        Returns logits (B, vocab) in fp32 for the last position, or for position last[b] of the T
+        in row b when `last` (B,) is given (a right-padded prompt's last real token).
         """
         rope = self.rope[input_pos]  # (T, 2, rotary_dim/2)
         rope_local = self.rope_local[input_pos] if self.args.rope_local_base is not None else rope
@@ -627,8 +671,8 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, length)
-        x = self.norm(x[:, -1])
-        return softcap(self.output(x).float(), self.args.final_softcap)
+        x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
+        return softcap(self.output(self.norm(x)).float(), self.args.final_softcap)
 
 
 # ---------------------------------------------------------------------------------------------

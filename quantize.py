@@ -679,6 +679,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     return cli.main(build_parser(), run, argv)
 
 
+def bring_along(source_dir: Path, out_dir: Path) -> None:
+    """A quantized file written to another directory needs its config.json and tokenizer beside it
+    (load_model and generate.py read them from there): copy what the source directory has."""
+    import shutil
+
+    import tokenizer
+
+    for name in ("config.json", *tokenizer.HF_FILES):
+        if (source_dir / name).is_file() and not (out_dir / name).exists():
+            shutil.copyfile(source_dir / name, out_dir / name)
+
+
 def run(args: argparse.Namespace) -> Path:
     if args.mode not in MODES:
         raise QuantizationError(f"unknown mode {args.mode!r} (choose from {', '.join(MODES)})")
@@ -696,11 +708,11 @@ def run(args: argparse.Namespace) -> Path:
     out_path = args.out or default_out(path, args.mode, group_size)
     if out_path.resolve() == path.resolve():
         raise QuantizationError(f"--out {out_path} would overwrite the input checkpoint")
-    if out_path.parent.resolve() != directory.resolve() and not (out_path.parent / "config.json").is_file():
-        print(f"note: {out_path.parent} has no config.json; load_model needs one next to the file", file=sys.stderr)
     quantized = quantize_state_dict(state, model_args, args.mode, group_size, args.head, source=str(path),
                                     progress=not args.no_progress)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if out_path.parent.resolve() != directory.resolve():
+        bring_along(directory, out_path.parent)
     tmp = out_path.with_name(out_path.name + ".tmp")
     try:
         torch.save(quantized, tmp)

@@ -204,7 +204,7 @@ class SparQDecode(DecodePolicy):
         self.dense_when_short = dense_when_short
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        c, view = self.config, cache.view(length)
+        c, view = self.config, cache.view(length, q.shape[0])
         if self.dense_when_short and view.length <= c.k:
             return self.attend_dense(q, view.k, view.v, view.length, view.live_length, self.cap)
         return self.attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
@@ -224,16 +224,20 @@ class SparQDecode(DecodePolicy):
 # ---------------------------------------------------------------------------------------------
 
 
-def exact_scores(q: Tensor, k: Tensor, length: int, cap: Optional[float] = None) -> Tensor:
+def exact_scores(q: Tensor, k: Tensor, length: int, cap: Optional[float] = None,
+                 live_length: Optional[Tensor] = None) -> Tensor:
     """softmax(cap(q . K / sqrt(d))) over the live positions: (B, n_kv, g, S) fp32."""
     B, _, _, d = q.shape
-    return torch.softmax(softcap((q.float() @ k[:B, :, :length].float().transpose(-1, -2)) / math.sqrt(d), cap), dim=-1)
+    logits = softcap((q.float() @ k[:B, :, :length].float().transpose(-1, -2)) / math.sqrt(d), cap)
+    if live_length is not None:
+        logits = logits.masked_fill(beyond_live(length, live_length), float("-inf"))
+    return torch.softmax(logits, dim=-1)
 
 
 def selection_agreement(q: Tensor, cache: KVCache, length: int, r: int, k: int) -> Tensor:
     """(B,) fraction of the exact top-k positions (group-summed scores) that SparQ's step 1 with r
     components also ranks in its top k: the paper's Figure 4e diagnostic, local window off."""
-    view = cache.view(length)
+    view = cache.view(length, q.shape[0])
     n = view.length
     exact = select_positions(exact_scores(q, view.k, n), n, k, 0)  # (B, n_kv, k)
     approx = select_positions(approximate_scores(q, view.k, view.k_t, n, r), n, k, 0)
@@ -251,14 +255,15 @@ class OracleDecode(DecodePolicy):
         self.config, self.cap = config, cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        view = cache.view(length)
-        n = view.length
-        scores = exact_scores(q, view.k, n, self.cap)  # (B, n_kv, g, S)
-        positions = select_positions(scores, n, self.config.k, self.config.local)
-        y = sparse_attention(q, view.k, view.v, positions, cap=self.cap)
+        view = cache.view(length, q.shape[0])
+        n, live = view.length, view.live_length
+        scores = exact_scores(q, view.k, n, self.cap, live)  # (B, n_kv, g, S)
+        positions = select_positions(scores, n, self.config.k, self.config.local, live)
+        y = sparse_attention(q, view.k, view.v, positions, live, self.cap)
         if self.config.mean_v:
             alpha = torch.gather(scores, 3, positions[:, :, None, :].expand(-1, -1, scores.shape[2], -1)).sum(-1, keepdim=True)
-            y = alpha * y + (1 - alpha) * (view.v_sum[: q.shape[0]] / n)[:, :, None, :]
+            count = n if live is None else per_row(live, 3)
+            y = alpha * y + (1 - alpha) * (view.v_sum[: q.shape[0]] / count)[:, :, None, :]
         return y.to(q.dtype)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
@@ -275,9 +280,10 @@ class TopKDecode(DecodePolicy):
         self.k, self.cap = k, cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        view = cache.view(length)
-        positions = select_positions(exact_scores(q, view.k, view.length, self.cap), view.length, self.k, local=0)
-        return sparse_attention(q, view.k, view.v, positions, cap=self.cap).to(q.dtype)
+        view = cache.view(length, q.shape[0])
+        n, live = view.length, view.live_length
+        positions = select_positions(exact_scores(q, view.k, n, self.cap, live), n, self.k, 0, live)
+        return sparse_attention(q, view.k, view.v, positions, live, self.cap).to(q.dtype)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         return seq_len * head_dim + min(self.k, seq_len) * head_dim + 2 * head_dim
@@ -302,11 +308,21 @@ class LocalDecode(DecodePolicy):
         recent = self.k - self.sinks
         return torch.cat([torch.arange(self.sinks, device=device), torch.arange(length - recent, length, device=device)])
 
+    def row_positions(self, live_length: Tensor) -> Tensor:
+        """(B, k) attended positions per row (ragged rows): sinks, then the row's most recent; a row
+        shorter than k gets [0, k), whose positions past its live length sparse_attention masks."""
+        slot = torch.arange(self.k, device=live_length.device)
+        recent_start = (live_length - (self.k - self.sinks)).clamp(min=self.sinks)[:, None]  # (B, 1)
+        return torch.where(slot < self.sinks, slot, recent_start + slot - self.sinks)
+
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B, n_kv = q.shape[:2]
-        view = cache.view(length)
-        positions = self.positions(view.length, q.device).expand(B, n_kv, -1)
-        return sparse_attention(q, view.k, view.v, positions, cap=self.cap).to(q.dtype)
+        view = cache.view(length, B)
+        if view.live_length is None:
+            positions = self.positions(view.length, q.device).expand(B, n_kv, -1)
+        else:
+            positions = self.row_positions(view.live_length).clamp(max=view.k.shape[2] - 1)[:, None].expand(B, n_kv, -1)
+        return sparse_attention(q, view.k, view.v, positions, view.live_length, self.cap).to(q.dtype)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         return 2 * min(self.k, seq_len) * head_dim + 2 * head_dim
@@ -395,7 +411,7 @@ class H2ODecode(DecodePolicy):
         candidates = torch.cat([self.kept, current], dim=-1)  # (B, n_kv, k + 1)
         valid = candidates >= 0
         index = candidates.clamp(min=0)[..., None].expand(-1, -1, -1, d)
-        view = cache.view(length)  # H2O runs on global layers only: view.start = 0, positions are absolute
+        view = cache.view(length, q.shape[0])  # H2O runs on global layers only: view.start = 0, positions are absolute
         k_sel = torch.gather(view.k[:B], 2, index).float()  # (B, n_kv, k + 1, d)
         v_sel = torch.gather(view.v[:B], 2, index).float()
         logits = softcap((q.float() @ k_sel.transpose(-1, -2)) / math.sqrt(d), self.cap)  # (B, n_kv, g, k + 1)
@@ -460,6 +476,7 @@ class Policy:
     knob_min: int = 1  # smallest value of the knob (LM-Infinite needs more than its sink tokens)
     reads_buckets: bool = False  # honours bucketed reads (CacheView.live_length): CUDA graphs per bucket
     windows: bool = True  # can run on a sliding-window layer's view (stateless in positions); H2O cannot
+    ragged: bool = True  # runs rows of different lengths in one batch; H2O's prefill state cannot
 
 
 POLICIES: dict[str, Policy] = {
@@ -472,7 +489,7 @@ POLICIES: dict[str, Policy] = {
                                                            args.attn_softcap),
                      "exact top-k at no transfer cost (upper bound)", knob="kv_budget"),
     "h2o": Policy(lambda s, args, kernels: H2ODecode(s.budget, s.sparq_local, cap=args.attn_softcap),
-                  "H2O: evicting heavy hitters + recent window", knob="kv_budget", windows=False),
+                  "H2O: evicting heavy hitters + recent window", knob="kv_budget", windows=False, ragged=False),
     "local": Policy(lambda s, args, kernels: LocalDecode(s.budget, cap=args.attn_softcap),
                     "LM-Infinite: 16 sinks + recent window", knob="kv_budget", knob_min=LocalDecode.SINKS + 1),
 }

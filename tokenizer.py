@@ -88,11 +88,16 @@ class Tokenizer:
             if system is not None:
                 raise ValueError("a system prompt needs chat=True")
             return ([self.bos_id] if self.add_bos else []) + self.encode(text)
+        messages = ([{"role": "system", "content": system}] if system is not None else [])
+        messages.append({"role": "user", "content": text})
+        return self.encode_chat(messages)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Ids of a conversation ({"role", "content"} messages) rendered by the chat template, with the
+        assistant header for the next reply (the template writes any BOS itself)."""
         if self.chat_template is None:
             raise ValueError("chat=True, but this tokenizer has no chat template "
                              "(none in tokenizer_config.json or chat_template.jinja)")
-        messages = ([{"role": "system", "content": system}] if system is not None else [])
-        messages.append({"role": "user", "content": text})
         names = {i: s for s, i in self.special_tokens.items()}
         rendered = render_chat_template(self.chat_template, messages, bos_token=names.get(self.bos_id, ""),
                                         eos_token=names.get(self.eos_id, ""))

@@ -1,0 +1,144 @@
+"""Batches of different prompts: every row of a ragged batch generates exactly what its prompt
+generates alone (the reference), for every policy that runs ragged rows, eager and compiled; and the
+command line around it (a .jsonl prompt file, its errors)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import kernels
+from conftest import REPO, assert_one_line_error
+from generate import Generator
+from kernels import TORCH_KERNELS
+from model import ModelArgs, Transformer, load_model
+from sparq import POLICIES, AttentionSettings, policy_factory
+
+
+def run_rows(model, rows, new_tokens, settings, compile_decode=False):
+    """Greedy tokens of each row, generated together in one batch."""
+    model.setup_caches(len(rows), max(map(len, rows)) + new_tokens)
+    model.set_decode_attention(policy_factory(settings, model.args, model.kernels))
+    tokens, stats = Generator(model, compile_decode=compile_decode).generate(rows, new_tokens)
+    assert stats.steps == new_tokens - 1
+    return tokens
+
+
+def alone(model, rows, new_tokens, settings):
+    return [run_rows(model, [row], new_tokens, settings)[0] for row in rows]
+
+
+def tiny_model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    args = ModelArgs(vocab_size=101, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=96,
+                     max_context=512)
+    model = Transformer(args)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * (1.5 / math.sqrt(p.shape[-1])) if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
+    return model.eval()
+
+
+RAGGED_POLICIES = [name for name, entry in POLICIES.items() if entry.ragged]
+
+
+@pytest.mark.parametrize("policy", RAGGED_POLICIES)
+def test_every_row_equals_its_prompt_alone_tiny_model(policy):
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 70, 33)]
+    settings = AttentionSettings(policy, sparq_r=6 if policy == "sparq" else None, sparq_k=24,
+                                 kv_budget=24 if POLICIES[policy].knob == "kv_budget" else None)
+    batch = run_rows(model, rows, 14, settings)
+    assert batch == alone(model, rows, 14, settings)
+    assert len({str(r) for r in batch}) == 3
+
+
+def test_h2o_refuses_ragged_batches_in_one_line(tmp_path, smollm2_checkpoint):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hi"}\n{"prompt": "A much longer prompt than the first one"}\n')
+    result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(smollm2_checkpoint), "--prompt-file",
+                             str(prompts), "--attention", "h2o", "--kv-budget", "64", "--max-new-tokens", "2"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(result, "h2o", "one at a time")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_checkpoint):
+    import tokenizer
+
+    return load_model(smollm2_checkpoint), tokenizer.load_tokenizer(smollm2_checkpoint)
+
+
+@pytest.mark.parametrize("policy", ["dense", "sparq"])
+def test_smollm2_rows_of_20_700_3000_tokens_equal_each_prompt_alone(smollm2, policy):
+    """The issue's reference: a batch mixing short and long prompts, fp32, eager, torch kernels
+    (fused kernels: test_fused_kernels_run_ragged_rows)."""
+    model, tok = smollm2
+    essay = data.essay_tokens(tok, 3100)
+    rows = [essay[:20], essay[50:750], essay[100:3100]]
+    settings = AttentionSettings(policy, sparq_r=16 if policy == "sparq" else None, sparq_k=64)
+    batch = run_rows(model, rows, 12, settings)
+    assert batch == alone(model, rows, 12, settings)
+
+
+def test_compiled_ragged_decode_equals_eager(smollm2):
+    model, tok = smollm2
+    essay = data.essay_tokens(tok, 900)
+    rows = [essay[:20], essay[100:900], essay[30:330]]
+    settings = AttentionSettings("sparq", sparq_r=16, sparq_k=64)
+    eager = run_rows(model, rows, 10, settings)
+    torch._dynamo.reset()
+    assert run_rows(model, rows, 10, settings, compile_decode=True) == eager
+
+
+def test_fused_kernels_run_ragged_rows(smollm2_checkpoint, smollm2):
+    """The fused CPU kernels read each row's own live length: the same tokens as the torch path."""
+    _, tok = smollm2
+    error = kernels.cpu_kernel_error()
+    if error is not None:
+        pytest.fail(f"the fused CPU kernels did not build: {error}")
+    fused = load_model(smollm2_checkpoint, kernels=kernels.CPU_KERNELS)
+    plain = load_model(smollm2_checkpoint, kernels=TORCH_KERNELS)
+    essay = data.essay_tokens(tok, 700)
+    rows = [essay[:25], essay[100:700], essay[10:210]]
+    for policy in ("dense", "sparq"):
+        settings = AttentionSettings(policy, sparq_r=16 if policy == "sparq" else None, sparq_k=64)
+        assert run_rows(fused, rows, 10, settings) == run_rows(plain, rows, 10, settings)
+
+
+def test_prompt_file_jsonl_keeps_input_order(tmp_path, smollm2_checkpoint):
+    prompts = ["What is the capital of France?", "Name a prime number.",
+               "Write one sentence about the sea, then stop."]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p, "chat": True}) for p in prompts) + "\n\n")
+    out = tmp_path / "out.json"
+    result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(smollm2_checkpoint), "--prompt-file",
+                             str(path), "--max-new-tokens", "12", "--json", str(out), "--kernel", "torch"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["batch_size"] == 3 and len(report["samples"]) == 3
+    lengths = [s["prompt_tokens"] for s in report["samples"]]
+    assert len(set(lengths)) > 1  # a ragged batch
+    single = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(smollm2_checkpoint), "--chat",
+                             "--prompt", prompts[1], "--max-new-tokens", "12", "--json", str(tmp_path / "one.json"),
+                             "--kernel", "torch"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr
+    assert json.loads((tmp_path / "one.json").read_text())["samples"][0]["tokens"] == report["samples"][1]["tokens"]
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ("", "holds no prompt"), ('{"prompt": ""}\n', "non-empty"), ("not json\n", "not JSON"),
+    ('{"text": "hi"}\n', '"prompt"')])
+def test_bad_prompt_files_are_one_line_errors(tmp_path, smollm2_checkpoint, content, fragment):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(smollm2_checkpoint),
+                             "--prompt-file", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(result, fragment)
