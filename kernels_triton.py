@@ -63,6 +63,9 @@ except ImportError:  # kernels.py must import without triton (CPU-only installs)
 TRITON_DOT_PRECISION = "tf32x3"  # "ieee" for exact fp32 FMAs (slower; the interpreter is exact either way)
 INF_KEY = 0x7F800001  # select key of a forced (local window) position: above every finite score's key
 TARGET_PROGRAMS = 4  # launch at least this many programs per SM where the work can be split
+# Step 0's ranking of |q|: a bitonic sort (True), or a d x d comparison (False: ~50x faster in
+# Triton's interpreter, but it spills when compiled). None: sort on CUDA, comparison on CPU tensors.
+RANK_BY_SORT: Optional[bool] = None
 
 
 if HAS_TRITON:
@@ -141,6 +144,7 @@ if HAS_TRITON:
         live, n_kv, G, D, R, S_bound, NB,
         G_PAD: tl.constexpr, D_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
         USE_DOT: tl.constexpr, K_TRANSPOSED: tl.constexpr, LIVE: tl.constexpr, PRECISION: tl.constexpr,
+        RANK_BY_SORT: tl.constexpr,
     ):
         """One program per (batch row, KV head, block of S): step 0, then approximate logits of all G heads."""
         pid_bh = tl.program_id(0)
@@ -161,8 +165,13 @@ if HAS_TRITON:
             # first), by a bitonic sort of (|q| bits, index) keys; padding sorts last.
             q_abs = tl.abs(q)
             a = tl.sum(q_abs, axis=0)  # (D_PAD,) >= 0: its fp32 bits order like its values
-            key = tl.where(d_mask, (a.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (65535 - offs_d), -1)
-            order = (65535 - (tl.sort(key, descending=True) & 65535)).to(tl.int32)
+            if RANK_BY_SORT:  # compiled: a 128-element bitonic sort, registers only
+                key = tl.where(d_mask, (a.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (65535 - offs_d), -1)
+                order = (65535 - (tl.sort(key, descending=True) & 65535)).to(tl.int32)
+            else:  # the same order from a d x d comparison (fast in the interpreter, register-hungry compiled)
+                beats = (a[None, :] > a[:, None]) | ((a[None, :] == a[:, None]) & (offs_d[None, :] < offs_d[:, None]))
+                rank = tl.where(d_mask, tl.sum(beats.to(tl.int32), axis=1), offs_d)  # [i, j]: j ranks above i
+                order = tl.sum(tl.where(rank[:, None] == offs_d[None, :], offs_d[:, None], 0), axis=0)
             order = tl.reshape(order, (D_PAD // R_BLOCK, R_BLOCK))
             total = tl.where(g_mask, tl.sum(q_abs, axis=1), 1.0)  # sum |q| per head (padded heads: 1)
 
@@ -627,7 +636,9 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
         kk, k_strides = k, (k.stride(0), k.stride(1), k.stride(3), k.stride(2))
     q_strides = (q.stride(0), q.stride(1), q.stride(2))
     step1 = plan["step1"]
-    _launch(_sparq_step1_kernel, (rows, NB), dict(step1, K_TRANSPOSED=k_t is not None, LIVE=LIVE),
+    rank_by_sort = RANK_BY_SORT if RANK_BY_SORT is not None else device.type == "cuda"
+    _launch(_sparq_step1_kernel, (rows, NB), dict(step1, K_TRANSPOSED=k_t is not None, LIVE=LIVE,
+                                                  RANK_BY_SORT=rank_by_sort),
             q, *q_strides, kk, *k_strides, logits, block_stats[0], block_stats[1], live_arg, n_kv, g, d, r, S_bound, NB)
 
     stats = torch.empty((rows, 2, g), dtype=f32, device=device)
