@@ -31,7 +31,7 @@ import re
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Optional
@@ -103,21 +103,22 @@ class Budget:
 
     @property
     def k(self) -> Optional[int]:
-        return self.settings.sparq_k if self.method == "sparq" else self.settings.kv_budget
+        uses_budget = self.method != "dense" and "kv_budget" in POLICIES[self.method].flags
+        return self.settings.budget if uses_budget else self.settings.sparq_k
 
     def describe(self) -> str:
         if self.method == "dense":
             return "dense"
-        setting = f"r={self.r}, k={self.k}" if self.method == "sparq" else f"k={self.k}"
+        setting = f"r={self.r}, k={self.k}" if self.r is not None else f"k={self.k}"
         return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len})"
 
 
 def solve_budget(method: str, target: Fraction, seq_len: int, args: ModelArgs,
                  base: AttentionSettings = AttentionSettings()) -> Budget:
     """Budget for `method` whose transfers at seq_len are closest to target x dense (Appendix G)."""
-    settings, achieved = settings_for_compression(AttentionSettings(method, sparq_k=base.sparq_k,
-                                                                    sparq_mean_v=base.sparq_mean_v),
-                                                  float(target), seq_len, args)
+    flags = POLICIES[method].flags  # the base's sparq_r (fixed-r SparQ) only where the policy reads it
+    start = replace(base, policy=method, sparq_r=base.sparq_r if "sparq_r" in flags else None, kv_budget=None)
+    settings, achieved = settings_for_compression(start, float(target), seq_len, args)
     if settings.policy == "dense":
         return Budget("dense", DENSE, seq_len, settings)
     return Budget(method, target, seq_len, settings, achieved)
@@ -138,10 +139,11 @@ class FanOut(DecodePolicy):
         super().__init__()
         self._policies = policies  # a plain list: not submodules
 
-    def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None) -> None:
+    def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
+                        lengths: Optional[Tensor] = None) -> None:
         memo = {} if memo is None else memo
         for policy in self._policies:
-            policy.observe_prefill(q, k, memo)
+            policy.observe_prefill(q, k, memo, lengths)
 
     def forward(self, q, cache, length):  # pragma: no cover - prefill only
         raise RuntimeError("FanOut is installed only for the prefill")
@@ -166,9 +168,14 @@ class Runner:
         self.kv_layout = kv_layout
         self.device = model.device
         self._cache_shape: Optional[tuple[int, int]] = None
-        self._snapshots: list[dict[str, Tensor]] = []
-        self.T = 0
+        self._snapshots: list[dict] = []
+        self.lengths: list[int] = []  # prompt length of each row (rows may differ: ragged batches)
         self.first_logits: Optional[Tensor] = None
+
+    @property
+    def T(self) -> int:
+        """The longest prompt of the batch."""
+        return max(self.lengths)
 
     def configs(self, methods: list[str], targets: list[Fraction], seq_len: int) -> list[Config]:
         """Dense first, then every method at every target below 1."""
@@ -189,16 +196,26 @@ class Runner:
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], configs: list[Config], extra_len: int) -> None:
-        """Dense prefill of equal-length prompts; every config's policies observe it."""
-        lengths = {len(p) for p in prompts}
-        assert len(lengths) == 1, f"a batch must share one prompt length, got {sorted(lengths)}"
-        self.T = lengths.pop()
+        """Dense prefill of the prompts (rows of different lengths are right-padded and made ragged,
+        as generate.py does); every config's policies observe it."""
+        self.lengths = [len(p) for p in prompts]
+        ragged = len(set(self.lengths)) > 1
         self.ensure_cache(len(prompts), self.T + extra_len)
         self.model.reset_caches()
         self.model.set_decode_attention(lambda i: FanOut([c.layers[i] for c in configs]))
-        idx = torch.tensor(prompts, device=self.device)
-        self.first_logits = prefill(self.model, idx)
+        idx = torch.tensor([p + [0] * (self.T - len(p)) for p in prompts], device=self.device)
+        lengths = torch.tensor(self.lengths, device=self.device)
+        self.first_logits = prefill(self.model, idx, lengths=lengths if ragged else None)
+        if ragged:
+            self.model.set_live_lengths(lengths)
         self._snapshots = [cache.snapshot() for cache in self.model.caches]
+
+    def positions(self, step: int) -> tuple[Tensor, int]:
+        """The positions of decode step `step` after the prefill: (1,) shared or (B, 1) per row, and the
+        positions attention reads (the longest row's live length)."""
+        if len(set(self.lengths)) > 1:
+            return torch.tensor(self.lengths, device=self.device).view(-1, 1) + step, self.T + step + 1
+        return torch.tensor([self.T + step], device=self.device), self.T + step + 1
 
     def rewind(self) -> None:
         """Restore the cache state just after the prefill."""
@@ -213,9 +230,11 @@ class Runner:
         return policies
 
     def achieved(self, config: Config, steps: int) -> float:
-        """Transfers / dense over every layer, averaged over decode steps at lengths T+1 .. T+steps."""
-        lengths = range(self.T + 1, self.T + 1 + max(steps, 1))
-        return sum(model_compression(self.model, s, config.layers) for s in lengths) / len(lengths)
+        """Transfers / dense over every layer, averaged over the rows and their decode steps at live
+        lengths T_b + 1 .. T_b + steps."""
+        ratios = [model_compression(self.model, T + 1 + j, config.layers)
+                  for T in self.lengths for j in range(max(steps, 1))]
+        return sum(ratios) / len(ratios)
 
     @torch.no_grad()
     def teacher_force(self, config: Config, targets: list[list[int]]) -> tuple[list[list[float]], list[list[int]], int]:
@@ -235,9 +254,7 @@ class Runner:
             argmax.append(logits.argmax(dim=-1))
             if j == n - 1:
                 break
-            position = self.T + j
-            logits = decode_step(self.model, padded[:, j:j + 1], torch.tensor([position], device=self.device),
-                                 position + 1)
+            logits = decode_step(self.model, padded[:, j:j + 1], *self.positions(j))
         lp = torch.stack(logprobs, dim=1).tolist()
         am = torch.stack(argmax, dim=1).tolist()
         return [lp[b][:len(targets[b])] for b in range(B)], [am[b][:len(targets[b])] for b in range(B)], n - 1
@@ -259,9 +276,7 @@ class Runner:
                     done[b] = True
             if all(done):
                 break
-            position = self.T + j
-            logits = decode_step(self.model, token.view(B, 1), torch.tensor([position], device=self.device),
-                                 position + 1)
+            logits = decode_step(self.model, token.view(B, 1), *self.positions(j))
             token = sample(logits, 0.0, None)
             steps += 1
             for b, t in enumerate(token.tolist()):
@@ -312,7 +327,7 @@ def evaluate_batch(task_name: str, runner: Runner, tokenizer, examples: list[Exa
     """Every config on one batch: teacher-force the answers, generate greedily, score with the task."""
     task = TASKS[task_name]
     if task.score is None:
-        return diagnose_batch(runner, examples, configs, results, progress)
+        return diagnose_batch(task_name, runner, examples, configs, results, progress)
     extra = max(max(len(e.answer), e.max_new) for e in examples) + 1
     runner.prefill([e.prompt for e in examples], configs, extra)
     for config in configs:
@@ -366,8 +381,8 @@ class Probe(DecodePolicy):
         return y
 
 
-def diagnose_batch(runner: Runner, examples: list[Example], configs: list[Config], results: Results,
-                   progress) -> None:
+def diagnose_batch(task_name: str, runner: Runner, examples: list[Example], configs: list[Config],
+                   results: Results, progress) -> None:
     model = runner.model
     runner.prefill([e.prompt for e in examples], configs, len(examples[0].answer) + 1)
     # One probed decode step on the first continuation token, dense activations throughout.
@@ -375,32 +390,32 @@ def diagnose_batch(runner: Runner, examples: list[Example], configs: list[Config
     probes = []
     for i in range(model.args.n_layer):
         policies = [(ci, copy.deepcopy(c.layers[i])) for ci, c in enumerate(configs)]
-        sparq = [(ci, c.budget.r) for ci, c in enumerate(configs) if c.method == "sparq"]
+        sparq = [(ci, c.budget.r) for ci, c in enumerate(configs) if c.budget.r is not None]
         probes.append(Probe(configs[0].layers[i], policies, sparq, runner.base.sparq_k))  # configs[0] is dense
     model.set_decode_attention(lambda i: probes[i])
     with torch.no_grad():
         token = torch.tensor([[e.answer[0]] for e in examples], device=runner.device)
-        decode_step(model, token, torch.tensor([runner.T], device=runner.device), runner.T + 1)
+        decode_step(model, token, *runner.positions(0))
     # Top-1 agreement with dense over teacher-forced steps (the first prediction comes from the prefill).
     dense_argmax = None
     for ci, config in enumerate(configs):
         _, argmax, steps = runner.teacher_force(config, [e.answer for e in examples])
         if dense_argmax is None:
             dense_argmax = argmax  # configs[0] is dense
-        results.add("diagnostics", config, "top1_agreement",
-                    [sum(a == b for a, b in zip(row[1:], ref[1:])) / (len(row) - 1)
+        results.add(task_name, config, "top1_agreement",
+                    [sum(a == b for a, b in zip(row[1:], ref[1:])) / max(len(row) - 1, 1)
                      for row, ref in zip(argmax, dense_argmax)])
         rel = torch.stack([p.rel_l2[ci] for p in probes], dim=1)  # (B, n_layer)
-        results.add("diagnostics", config, "attn_rel_l2", rel.mean(dim=1).tolist())
-        results.per_layer[("diagnostics", "attn_rel_l2", config.method, config.budget.target)] += rel.tolist()
-        if config.method in ("sparq", "dense"):
+        results.add(task_name, config, "attn_rel_l2", rel.mean(dim=1).tolist())
+        results.per_layer[(task_name, "attn_rel_l2", config.method, config.budget.target)] += rel.tolist()
+        if config.method == "dense" or config.budget.r is not None:
             if config.method == "dense":
                 agree = torch.ones(len(examples), model.args.n_layer)
             else:
                 agree = torch.stack([p.agreement[ci] for p in probes], dim=1)
-            results.add("diagnostics", config, "topk_agreement", agree.mean(dim=1).tolist())
-            results.per_layer[("diagnostics", "topk_agreement", config.method, config.budget.target)] += agree.tolist()
-        results.achieved[("diagnostics", config.method, config.budget.target)].append(runner.achieved(config, steps))
+            results.add(task_name, config, "topk_agreement", agree.mean(dim=1).tolist())
+            results.per_layer[(task_name, "topk_agreement", config.method, config.budget.target)] += agree.tolist()
+        results.achieved[(task_name, config.method, config.budget.target)].append(runner.achieved(config, steps))
         progress.update(1)
 
 
@@ -409,8 +424,11 @@ def diagnose_batch(runner: Runner, examples: list[Example], configs: list[Config
 # =============================================================================================
 
 
+PERCENT_METRICS = ("exact_match", "f1")  # fractions in the rows, shown in percent
+
+
 def format_cell(metric: str, score: float, stderr: float) -> str:
-    if metric == "exact_match":
+    if metric in PERCENT_METRICS:
         score, stderr = 100 * score, 100 * stderr
     if metric == "chars":
         text = f"{score:.1f}"
@@ -434,7 +452,7 @@ def table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
         header = ["method"]
         columns = []
         for metric, hib in metrics:
-            unit = " %" if metric == "exact_match" else ""
+            unit = " %" if metric in PERCENT_METRICS else ""
             arrow = "↑" if hib else "↓"
             for t in [DENSE] + sparse_targets:
                 header.append(f"{metric}{unit}{arrow} {fraction_label(t)}")
@@ -477,13 +495,13 @@ def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -
                 if r is None or "delta_vs_dense" not in r:
                     cells.append("-")
                     continue
-                scale = 100 if metric == "exact_match" else 1
-                digits = 1 if metric in ("exact_match", "chars") else 3
+                scale = 100 if metric in PERCENT_METRICS else 1
+                digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
                 d, se = scale * r["delta_vs_dense"], scale * r["delta_stderr"]
                 cells.append(f"{d:+.{digits}f}" + ("" if math.isnan(se) else f"±{se:.{digits}f}"))
             body.append([f"{task}/{metric}", method] + cells)
     widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
-    lines = ["\npaired difference from dense (same examples; exact_match in points)"]
+    lines = ["\npaired difference from dense (same examples; exact_match and f1 in points)"]
     for row in [header] + body:
         lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
     return "\n".join(lines)
@@ -517,9 +535,10 @@ def budget_summary(budgets: dict[tuple, Budget]) -> str:
     for (seq_len, method), chosen in sorted(by_key.items()):
         parts = []
         for target, b in sorted(chosen.items(), reverse=True):
-            setting = f"r={b.r}" if method == "sparq" else f"k={b.k}"
+            setting = f"r={b.r}" if POLICIES[method].knob == "sparq_r" else f"k={b.k}"
             parts.append(f"{fraction_label(target)}: {setting} ({b.achieved:.3f})")
-        extra = f" (k={next(iter(chosen.values())).k}, local k/4)" if method == "sparq" else ""
+        first = next(iter(chosen.values()))
+        extra = {"sparq_r": f" (k={first.k}, local k/4)", "sparq_k": f" (r={first.r}, local k/4)"}.get(POLICIES[method].knob, "")
         lines.append(f"  S={seq_len} {method}{extra}: " + ", ".join(parts))
     return "budgets (setting: transfers / dense at the prompt length)\n" + "\n".join(lines) if lines else ""
 
@@ -600,7 +619,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", default="1/2,1/4,1/8", help="comma list of target compressions in (0, 1]")
     p.add_argument("--examples", type=int, default=8, help="examples per task and length")
     p.add_argument("--lengths", default=None,
-                   help=f"prompt lengths in tokens for every task, e.g. 2k,4k (default {DEFAULT_LENGTH})")
+                   help=f"prompt lengths in tokens for every task sized in tokens, e.g. 2k,4k (default {DEFAULT_LENGTH})")
+    p.add_argument("--squad-contexts", default=None,
+                   help="confusion paragraphs per SQuAD prompt, comma list (default 7; the paper's sweep: 7,15,31,63)")
+    p.add_argument("--sparq-r", type=int, default=32,
+                   help="r of the fixed-r SparQ variant (--attention sparq-fixed-r, budgeted by k)")
     p.add_argument("--checkpoint", type=Path, default=data.DEFAULT_CHECKPOINT)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="example generation seed")
@@ -639,7 +662,9 @@ def run(args: argparse.Namespace) -> int:
     tasks = cli.name_list(args.task, "--task", list(TASKS))
     methods = cli.name_list(args.attention, "--attention", list(POLICIES))
     targets = list(dict.fromkeys([DENSE] + [parse_compression(c) for c in args.compression.split(",") if c.strip()]))
-    lengths = {t: parse_lengths(args.lengths) if args.lengths else [DEFAULT_LENGTH] for t in tasks}
+    contexts = cli.int_list(args.squad_contexts, "--squad-contexts") if args.squad_contexts else None
+    lengths = {t: (parse_lengths(args.lengths) if args.lengths else list(TASKS[t].default_sizes))
+               if TASKS[t].size == "tokens" else (contexts or list(TASKS[t].default_sizes)) for t in tasks}
     if args.repetition_passage < 128:
         raise UserError("--repetition-passage must be at least 128 characters")
     for flag in ("examples", "batch_size", "sparq_k", "bpc_tokens", "repetition_chars", "retrieval_keys"):
@@ -658,10 +683,11 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.checkpoint)
     for task, task_lengths in lengths.items():
         for length in task_lengths:
-            if length + 300 > model.args.max_context:
+            if TASKS[task].size == "tokens" and length + 300 > model.args.max_context:
                 raise UserError(f"--lengths {length} does not fit the model's context of {model.args.max_context} tokens")
 
-    runner = Runner(model, AttentionSettings(sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v), args.kv_layout)
+    runner = Runner(model, AttentionSettings(sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v),
+                    args.kv_layout)
     options = TaskOptions(args.bpc_tokens, args.repetition_chars, args.repetition_passage, args.retrieval_keys)
     results = Results()
     start = time.perf_counter()
@@ -672,6 +698,10 @@ def run(args: argparse.Namespace) -> int:
     for task in tasks:
         for length in lengths[task]:
             examples = TASKS[task].build(tokenizer, length, args.examples, args.seed, options)
+            longest = max(len(e.prompt) + max(len(e.answer), e.max_new) for e in examples)
+            if longest + 1 > model.args.max_context:
+                raise UserError(f"{task} at size {length}: prompts of up to {longest} tokens do not fit the model's "
+                                f"context of {model.args.max_context} (fewer --squad-contexts?)")
             queues.append([(task, length, examples[i:i + args.batch_size])
                            for i in range(0, len(examples), args.batch_size)])
     work = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
@@ -689,8 +719,11 @@ def run(args: argparse.Namespace) -> int:
 
     with tqdm(total=len(work) * n_configs, disable=args.quiet, unit="policy-batch", file=sys.stderr) as progress:
         for done, (task, length, batch) in enumerate(work, 1):
-            progress.set_description(f"{task} S={length} B={len(batch)}")
-            configs = runner.configs(methods, targets, length)
+            progress.set_description(f"{task} {'S' if TASKS[task].size == 'tokens' else 'contexts'}={length} "
+                                     f"B={len(batch)}")
+            # budgets at the batch's prompt length (SQuAD's vary: their mean)
+            seq_len = round(sum(len(e.prompt) for e in batch) / len(batch))
+            configs = runner.configs(methods, targets, seq_len)
             for c in configs:
                 results.budgets[(task, c.method, c.budget.target, length)] = c.budget
             evaluate_batch(task, runner, tokenizer, batch, configs, results, progress)

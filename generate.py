@@ -61,10 +61,10 @@ PREFILL_CHUNK = 2048  # prompt tokens per prefill step: memory stays bounded at 
 
 
 def prefill_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, end: int,
-                  last: Optional[Tensor] = None) -> Tensor:
+                  lengths: Optional[Tensor] = None) -> Tensor:
     """tokens (B, T) at positions input_pos = [end - T, end) -> logits (B, vocab) of the last one
-    (or of position last[b] of row b)."""
-    return model(tokens, input_pos, end, last)
+    (or of each row's last real token, for right-padded prompts of these lengths)."""
+    return model(tokens, input_pos, end, lengths)
 
 
 def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step: Callable = prefill_chunk,
@@ -89,7 +89,7 @@ def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step
                 logits = step(model, tokens, positions, end)
             else:  # keep each row's logits from the chunk that holds its last real token
                 last_pos = start + lengths - 1
-                chunk_logits = step(model, tokens, positions, end, (last_pos - begin).clamp(0, end - begin - 1))
+                chunk_logits = step(model, tokens, positions, end, start + lengths)
                 here = ((last_pos >= begin) & (last_pos < end))[:, None]
                 logits = chunk_logits if logits is None else torch.where(here, chunk_logits, logits)
             bar.update(end - begin)
@@ -436,9 +436,9 @@ def run(args: argparse.Namespace) -> int:
 
     rows = prompt_ids(args, tokenizer)
     longest, ragged = max(map(len, rows)), len({len(r) for r in rows}) > 1
-    if ragged and not POLICIES[settings.policy].ragged:
-        raise UserError(f"--attention {settings.policy} cannot run prompts of different lengths in one batch: "
-                        f"run them one at a time")
+    if ragged and model.args.layer_types and "window" in model.args.layer_types:
+        raise UserError("prompts of different lengths in one batch need every layer global; this model has "
+                        "sliding-window layers: run the prompts one at a time")
     max_context = model.args.max_context
     max_seq_length = args.max_seq_length or min(longest + args.max_new_tokens, max_context)
     if longest + 1 > max_seq_length:

@@ -354,10 +354,12 @@ class DecodePolicy(nn.Module):
 
     name = "policy"
 
-    def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None) -> None:
+    def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
+                        lengths: Optional[Tensor] = None) -> None:
         """Called after each prefill chunk with its queries q (B, H, T, d) at the last T positions and
         every key so far k (B, n_kv, S, d); stateful policies (H2O) use it. memo: shared by policies
-        observing the same prefill (eval.py), for work that does not depend on their settings."""
+        observing the same prefill (eval.py), for work that does not depend on their settings.
+        lengths (B,): a right-padded batch of prompts of these lengths (queries past them are padding)."""
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Elements of K/V moved per KV head per decode step over seq_len visible positions."""
@@ -492,9 +494,10 @@ class Attention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
         self.decode_attention: DecodePolicy = DenseDecode(kernels, self.cap)
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int, lengths: Optional[Tensor] = None) -> Tensor:
         """x (B, T, D) at positions input_pos; length: for a decode step (T = 1) the positions decode
-        attention reads, for a prefill chunk the position after it (the chunk ends there)."""
+        attention reads, for a prefill chunk the position after it (the chunk ends there); lengths:
+        the prompt lengths of a right-padded prefill (see Transformer.forward)."""
         B, T, _ = x.shape
         H, n_kv, d = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.wqkv(x).split([H * d, n_kv * d, n_kv * d], dim=-1)
@@ -510,7 +513,7 @@ class Attention(nn.Module):
             k_start = 0 if self.window is None else max(0, length - T - self.window + 1)
             keys, values = self.kv_cache.k[:B, :, k_start:length], self.kv_cache.v[:B, :, k_start:length]
             y = prefill_attention(q, keys, values, length - T, self.window, self.cap)  # (B, H, T, d)
-            self.decode_attention.observe_prefill(q, self.kv_cache.k[:B, :, :length])
+            self.decode_attention.observe_prefill(q, self.kv_cache.k[:B, :, :length], lengths=lengths)
         else:
             q = q.view(B, n_kv, H // n_kv, d)  # query heads grouped by the KV head they share
             y = self.decode_attention(q, self.kv_cache, length).view(B, H, 1, d)
@@ -543,8 +546,8 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = make_norm(args) if args.sandwich_norms else None
         self.post_ffn_norm = make_norm(args) if args.sandwich_norms else None
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int) -> Tensor:
-        a = self.attention(self.attention_norm(x), rope, input_pos, length)
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int, lengths: Optional[Tensor] = None) -> Tensor:
+        a = self.attention(self.attention_norm(x), rope, input_pos, length, lengths)
         if self.parallel_residual:
             return x + a + self.feed_forward(self.ffn_norm(x))
         if self.post_attention_norm is not None:
@@ -654,15 +657,18 @@ class Transformer(nn.Module):
         for cache in self.caches:
             cache.set_live_lengths(lengths)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, length: int, last: Optional[Tensor] = None) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor, length: int, lengths: Optional[Tensor] = None) -> Tensor:
         """idx (B, T) tokens at positions input_pos: (T,) for every row, or (B, T) per row (ragged
         rows decode at their own positions). A decode step (T = 1): length = the cache positions
         decode attention reads (the longest row's live length after this step, rounded up to the
         caches' length_bucket: read_length). A prefill chunk (T > 1, positions [length - T, length)):
         length = the position after it.
 
-        Returns logits (B, vocab) in fp32 for the last position, or for position last[b] of the T
-        in row b when `last` (B,) is given (a right-padded prompt's last real token).
+        lengths (B,): a prefill chunk of a right-padded batch of prompts of these lengths (ragged rows);
+        the logits are then row b's at its last real token when the chunk holds it (clamped into the
+        chunk otherwise), and stateful policies learn which queries are padding.
+
+        Returns logits (B, vocab) in fp32 for the last position (or each row's last real one).
         """
         rope = self.rope[input_pos]  # (T, 2, rotary_dim/2)
         rope_local = self.rope_local[input_pos] if self.args.rope_local_base is not None else rope
@@ -670,8 +676,13 @@ class Transformer(nn.Module):
         if self.args.embedding_scale is not None:
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, length)
-        x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
+            x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, length, lengths)
+        if lengths is None:
+            x = x[:, -1]
+        else:
+            T = idx.shape[1]
+            last = (lengths - 1 - (length - T)).clamp(0, T - 1)  # each row's last real token in this chunk
+            x = x[torch.arange(x.shape[0], device=x.device), last]
         return softcap(self.output(self.norm(x)).float(), self.args.final_softcap)
 
 

@@ -350,24 +350,28 @@ class H2ODecode(DecodePolicy):
         self.kept: Optional[Tensor] = None  # (B, n_kv, k) positions, -1 = empty
         self.score: Optional[Tensor] = None  # (B, n_kv, k) fp32 cumulative attention
 
-    def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None) -> None:
-        """Add the attention a prefill chunk's queries give every key so far; keep the budget's best."""
+    def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
+                        lengths: Optional[Tensor] = None) -> None:
+        """Add the attention a prefill chunk's queries give every key so far; keep the budget's best.
+        lengths (B,): right-padded prompts; padding queries give nothing and padding keys are never kept."""
         S = k.shape[2]
         key = ("h2o received", self.prefill_chunk, self.cap, S)  # independent of the budget: shared via the memo
         memo = {} if memo is None else memo
         if key not in memo:
-            memo[key] = self.prefill_received(q, k, self.prefill_chunk, self.cap)
+            memo[key] = self.prefill_received(q, k, self.prefill_chunk, self.cap, lengths)
         if q.shape[2] == S:  # the first chunk of a prefill: its queries are at every position
             self.received = memo[key].clone()
         else:
             self.received = F.pad(self.received, (0, S - self.received.shape[2])) + memo[key]
-        self.start_from_prefill(self.received)
+        self.start_from_prefill(self.received, lengths)
 
     @staticmethod
-    def prefill_received(q: Tensor, k: Tensor, chunk: int = 256, cap: Optional[float] = None) -> Tensor:
+    def prefill_received(q: Tensor, k: Tensor, chunk: int = 256, cap: Optional[float] = None,
+                         lengths: Optional[Tensor] = None) -> Tensor:
         """(B, n_kv, S) fp32: attention each key received from the T queries at the last T of its S
-        positions (causal), summed over the queries and averaged over the group. Independent of the
-        budget, so several H2O budgets can share it (observe_prefill's memo)."""
+        positions (causal), summed over the queries and averaged over the group; with lengths (B,),
+        queries at positions >= lengths[b] (padding) give nothing. Independent of the budget, so
+        several H2O budgets can share it (observe_prefill's memo)."""
         B, H, T, d = q.shape
         n_kv, S = k.shape[1], k.shape[2]
         g = H // n_kv
@@ -384,34 +388,43 @@ class H2ODecode(DecodePolicy):
             logits = torch.matmul(qc, kf[:, :, :offset + end].transpose(-1, -2)).view(B, n_kv, g, n, offset + end)
             logits = softcap(logits / math.sqrt(d), cap)
             logits[..., offset + start:offset + end].masked_fill_(future[:n, :n], float("-inf"))  # causal: diagonal block
-            received[..., :offset + end] += torch.softmax(logits, dim=-1).sum(3).mean(2)
+            probs = torch.softmax(logits, dim=-1)  # (B, n_kv, g, n, offset + end)
+            if lengths is not None:  # padding queries give nothing
+                real = torch.arange(offset + start, offset + end, device=q.device) < lengths[:, None]  # (B, n)
+                probs = probs * real[:, None, None, :, None]
+            received[..., :offset + end] += probs.sum(3).mean(2)
         return received
 
-    def start_from_prefill(self, received: Tensor) -> None:
-        """Keep the budget's positions of a prefill from prefill_received's scores."""
+    def start_from_prefill(self, received: Tensor, lengths: Optional[Tensor] = None) -> None:
+        """Keep the budget's positions of a prefill from prefill_received's scores (row b's prompt:
+        lengths[b] positions, or all of them)."""
         B, n_kv, T = received.shape
         device = received.device
-        key = self._keep_priority(received, torch.arange(T, device=device), T)
+        length = T if lengths is None else lengths.view(B, 1, 1)
+        key = self._keep_priority(received, torch.arange(T, device=device), length)
         count = min(self.k, T)
-        top = torch.topk(key, count, dim=-1).indices  # (B, n_kv, count)
+        top = torch.topk(key, count, dim=-1)  # (B, n_kv, count); a short row's extra picks are padding
         self.kept = torch.full((B, n_kv, self.k), -1, dtype=torch.long, device=device)
         self.score = torch.zeros(B, n_kv, self.k, dtype=torch.float32, device=device)
-        self.kept[..., :count] = top
-        self.score[..., :count] = torch.gather(received, 2, top)
+        self.kept[..., :count] = torch.where(top.values > float("-inf"), top.indices, -1)
+        self.score[..., :count] = torch.gather(received, 2, top.indices)
 
-    def _keep_priority(self, score: Tensor, positions: Tensor, length: int) -> Tensor:
-        """Higher = kept longer: recent positions first, then cumulative score; empty slots last."""
+    def _keep_priority(self, score: Tensor, positions: Tensor, length: int | Tensor) -> Tensor:
+        """Higher = kept longer: recent positions first, then cumulative score; empty slots (and
+        positions at or past the row's length: padding) last. length: an int, or (B, 1, 1) per row."""
         recent = positions >= length - self.local
         priority = torch.where(recent, float("inf"), score)
-        return torch.where(positions < 0, float("-inf"), priority)
+        return torch.where((positions < 0) | (positions >= length), float("-inf"), priority)
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B, n_kv, g, d = q.shape
-        current = torch.full((B, n_kv, 1), length - 1, dtype=torch.long, device=q.device)
+        view = cache.view(length, B)  # H2O runs on global layers only: view.start = 0, positions are absolute
+        ragged = view.live_length is not None and view.live_length.dim() == 1
+        now = view.live_length.view(B, 1, 1) if ragged else length  # each row's live length
+        current = (now - 1 if ragged else torch.full((B, 1, 1), length - 1, device=q.device)).expand(B, n_kv, 1)
         candidates = torch.cat([self.kept, current], dim=-1)  # (B, n_kv, k + 1)
         valid = candidates >= 0
         index = candidates.clamp(min=0)[..., None].expand(-1, -1, -1, d)
-        view = cache.view(length, q.shape[0])  # H2O runs on global layers only: view.start = 0, positions are absolute
         k_sel = torch.gather(view.k[:B], 2, index).float()  # (B, n_kv, k + 1, d)
         v_sel = torch.gather(view.v[:B], 2, index).float()
         logits = softcap((q.float() @ k_sel.transpose(-1, -2)) / math.sqrt(d), self.cap)  # (B, n_kv, g, k + 1)
@@ -419,7 +432,7 @@ class H2ODecode(DecodePolicy):
         y = probs @ v_sel
 
         score = torch.cat([self.score, torch.zeros_like(current, dtype=torch.float32)], dim=-1) + probs.mean(2)
-        keep = torch.topk(self._keep_priority(score, candidates, length), self.k, dim=-1).indices  # evict one
+        keep = torch.topk(self._keep_priority(score, candidates, now), self.k, dim=-1).indices  # evict one
         self.kept = torch.gather(candidates, 2, keep)
         self.score = torch.gather(score, 2, keep)
         return y.to(q.dtype)
@@ -472,26 +485,31 @@ class Policy:
 
     build: Callable[[AttentionSettings, ModelArgs, Kernels], DecodePolicy]
     help: str
-    knob: Optional[str] = None  # "sparq_r" or "kv_budget"; None: no budget (dense)
+    flags: tuple[str, ...] = ()  # the optional settings it reads (sparq_r, kv_budget): others given are an error
+    knob: Optional[str] = None  # the setting a target compression solves for (sparq_r, sparq_k, kv_budget)
     knob_min: int = 1  # smallest value of the knob (LM-Infinite needs more than its sink tokens)
     reads_buckets: bool = False  # honours bucketed reads (CacheView.live_length): CUDA graphs per bucket
     windows: bool = True  # can run on a sliding-window layer's view (stateless in positions); H2O cannot
-    ragged: bool = True  # runs rows of different lengths in one batch; H2O's prefill state cannot
 
 
 POLICIES: dict[str, Policy] = {
     "dense": Policy(lambda s, args, kernels: DenseDecode(kernels, args.attn_softcap), "exact attention over the live prefix",
                     reads_buckets=True),
-    "sparq": Policy(_build_sparq, "SparQ (--sparq-r/-k/-local/-mean-v)", knob="sparq_r", reads_buckets=True),
+    "sparq": Policy(_build_sparq, "SparQ (--sparq-r/-k/-local/-mean-v)", ("sparq_r",), knob="sparq_r",
+                    reads_buckets=True),
+    # The same policy, budgeted the other way (the paper's length sweep): r fixed, k set by the compression.
+    "sparq-fixed-r": Policy(_build_sparq, "SparQ budgeted by k at a fixed --sparq-r", ("sparq_r",), knob="sparq_k",
+                            reads_buckets=True),
     "topk": Policy(lambda s, args, kernels: TopKDecode(s.budget, args.attn_softcap),
-                   "FlexGen top-k: exact scores, top-k values", knob="kv_budget"),
+                   "FlexGen top-k: exact scores, top-k values", ("kv_budget",), knob="kv_budget"),
     "oracle": Policy(lambda s, args, kernels: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget),
                                                            args.attn_softcap),
-                     "exact top-k at no transfer cost (upper bound)", knob="kv_budget"),
+                     "exact top-k at no transfer cost (upper bound)", ("kv_budget",), knob="kv_budget"),
     "h2o": Policy(lambda s, args, kernels: H2ODecode(s.budget, s.sparq_local, cap=args.attn_softcap),
-                  "H2O: evicting heavy hitters + recent window", knob="kv_budget", windows=False, ragged=False),
+                  "H2O: evicting heavy hitters + recent window", ("kv_budget",), knob="kv_budget", windows=False),
     "local": Policy(lambda s, args, kernels: LocalDecode(s.budget, cap=args.attn_softcap),
-                    "LM-Infinite: 16 sinks + recent window", knob="kv_budget", knob_min=LocalDecode.SINKS + 1),
+                    "LM-Infinite: 16 sinks + recent window", ("kv_budget",), knob="kv_budget",
+                    knob_min=LocalDecode.SINKS + 1),
 }
 
 
@@ -506,10 +524,10 @@ def policy_factory(settings: AttentionSettings, args: ModelArgs,
     if settings.policy not in POLICIES:
         raise ValueError(f"unknown attention policy {settings.policy!r} (choose from {', '.join(POLICIES)})")
     entry = POLICIES[settings.policy]
-    if settings.sparq_r is not None and settings.policy != "sparq":
-        raise ValueError(f"--sparq-r applies to --attention sparq, not {settings.policy}")
-    if settings.kv_budget is not None and entry.knob != "kv_budget":
-        raise ValueError(f"--kv-budget applies to --attention topk/oracle/h2o/local, not {settings.policy}")
+    for flag in ("sparq_r", "kv_budget"):
+        if getattr(settings, flag) is not None and flag not in entry.flags:
+            users = "/".join(name for name, e in POLICIES.items() if flag in e.flags)
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --attention {users}, not {settings.policy}")
     policy = entry.build(settings, args, kernels)  # validate now, not in the middle of a run
     W = args.sliding_window
     on_windows = W is not None and entry.windows and (
@@ -591,8 +609,8 @@ def _closest(ratio: Callable[[int], float], lo: int, hi: int, target: float) -> 
 def settings_for_compression(settings: AttentionSettings, target: float, seq_len: int,
                              args: ModelArgs) -> tuple[AttentionSettings, float]:
     """The settings of `settings.policy` whose transfers at seq_len are closest to target x dense,
-    and the compression they achieve. Its registry knob is solved (SparQ: r at fixed k; the
-    baselines: their budget k); target 1, or a policy without a knob, is dense."""
+    and the compression they achieve. Its registry knob is solved (SparQ: r at fixed k, or k at
+    fixed r; the baselines: their budget k); target 1, or a policy without a knob, is dense."""
     entry = POLICIES[settings.policy]
     if entry.knob is None or target >= 1:
         return AttentionSettings("dense"), 1.0
@@ -603,6 +621,6 @@ def settings_for_compression(settings: AttentionSettings, target: float, seq_len
     def ratio(x: int) -> float:
         return compression_ratio(entry.build(with_knob(x), args, TORCH_KERNELS), seq_len, args.head_dim)
 
-    hi = args.head_dim if entry.knob == "sparq_r" else max(seq_len, entry.knob_min)
+    hi = args.head_dim if entry.knob == "sparq_r" else max(seq_len - 1, entry.knob_min)
     best = with_knob(_closest(ratio, entry.knob_min, hi, target))
     return best, ratio(getattr(best, entry.knob))

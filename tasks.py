@@ -19,6 +19,13 @@ Tasks (offline data only; examples are built by token count, so a batch shares o
               attn_rel_l2 of each policy's attention output vs dense (per layer, dense inputs),
               and top1_agreement of the next-token argmax with dense over 16 teacher-forced steps
               (scored by the harness's probes, not by a scorer here).
+  squad       the paper's headline task (squad.py): SQuAD v1.1 1-shot with confusion paragraphs from
+              other articles (--squad-contexts of them: 7 by default, about 1.5k tokens), plain-text
+              prompt ending in "Answer:", greedy answer to the end of the line; exact_match and f1
+              with SQuAD's official normalisation, against any reference. Prompts differ in length:
+              a batch is ragged (every row at its own positions).
+  squad-diagnostics  the diagnostics above on SQuAD prompts (the paper's Figure 4e), teacher-forcing
+              the first reference answer.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import data
+import squad
 from cli import UserError
 
 SF_NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -316,9 +324,11 @@ class Outcome:
 class Task:
     name: str
     metrics: tuple[tuple[str, bool], ...]  # (metric, higher is better)
-    build: Callable[[object, int, int, int, TaskOptions], list[Example]]  # (tokenizer, length, n, seed, options)
+    build: Callable[[object, int, int, int, TaskOptions], list[Example]]  # (tokenizer, size, n, seed, options)
     score: Optional[Callable[[Example, Outcome], dict[str, float]]]  # None: the harness scores (diagnostics)
     finished: Callable[[Example, str], bool] = lambda example, text: False  # a greedy row is done
+    size: str = "tokens"  # what `size` means: the prompt length in tokens, or "contexts" (SQuAD's paragraphs)
+    default_sizes: tuple[int, ...] = (2048,)
 
 
 def _answers_question(example: Example, text: str) -> bool:
@@ -333,6 +343,31 @@ def _diverged(example: Example, text: str) -> bool:
 
 def _score_question(example: Example, outcome: Outcome) -> dict[str, float]:
     return {"answer_nll": answer_nll(outcome.logprobs), "exact_match": float(contains_key(outcome.text, example.key))}
+
+
+def squad_examples(tokenizer, n_confusion: int, n: int, seed: int, diagnostics: bool = False) -> list[Example]:
+    """n SQuAD questions (squad.py) with n_confusion confusion paragraphs, as plain-text prompts (the
+    paper's format, also for instruct models: the comparison between methods is the point). For
+    the diagnostics the first reference answer and the newline are teacher-forced."""
+    articles = squad.load()
+    out = []
+    for ex in squad.iter_examples(articles, n, n_confusion, seed):
+        answer = tokenizer.encode(" " + ex.answers[0] + "\n") if diagnostics else []
+        out.append(Example(prompt=tokenizer.encode_prompt(ex.prompt, chat=False), answer=answer,
+                           max_new=0 if diagnostics else 24,
+                           meta={"id": ex.id, "answers": ex.answers, "title": ex.title}))
+    return out
+
+
+def _score_squad(example: Example, outcome: Outcome) -> dict[str, float]:
+    answer = squad.answer_from_generation(outcome.text)
+    return {"exact_match": float(squad.exact_match(answer, example.meta["answers"])),
+            "f1": squad.f1(answer, example.meta["answers"])}
+
+
+def _line_ended(example: Example, text: str) -> bool:
+    """A SQuAD answer ends with its line (leading spaces and newlines before any text do not count)."""
+    return "\n" in text.lstrip()
 
 
 TASKS: dict[str, Task] = {task.name: task for task in (
@@ -352,4 +387,10 @@ TASKS: dict[str, Task] = {task.name: task for task in (
     Task("diagnostics", (("topk_agreement", True), ("attn_rel_l2", False), ("top1_agreement", True)),
          lambda tok, length, n, seed, o: bpc_examples(tok, length, n, seed, continuation_tokens=17, task="diagnostics"),
          None),
+    Task("squad", (("exact_match", True), ("f1", True)),
+         lambda tok, contexts, n, seed, o: squad_examples(tok, contexts, n, seed),
+         _score_squad, _line_ended, size="contexts", default_sizes=(7,)),
+    Task("squad-diagnostics", (("topk_agreement", True), ("attn_rel_l2", False), ("top1_agreement", True)),
+         lambda tok, contexts, n, seed, o: squad_examples(tok, contexts, n, seed, diagnostics=True),
+         None, size="contexts", default_sizes=(7,)),
 )}

@@ -381,3 +381,40 @@ def test_smoke_every_task_on_the_embedded_model(tmp_path, capsys):
     assert png.stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "needle" in printed and "exact_match" in printed
+
+
+def fake_squad(root: Path) -> None:
+    """A SQuAD-format file with 5 articles of 3 paragraphs, 2 questions each, where squad.py reads it."""
+    articles = []
+    for a in range(5):
+        paragraphs = []
+        for p in range(3):
+            context = f"Article {a} paragraph {p}: the river town of Place{a}{p} was founded in {1700 + 10 * a + p}."
+            qas = [{"id": f"{a}-{p}-{q}", "question": q_text, "answers": [{"text": answer, "answer_start": 0}]}
+                   for q, (q_text, answer) in enumerate([(f"When was Place{a}{p} founded?", str(1700 + 10 * a + p)),
+                                                         (f"What kind of town is Place{a}{p}?", "river town")])]
+            paragraphs.append({"context": context, "qas": qas})
+        articles.append({"title": f"Article_{a}", "paragraphs": paragraphs})
+    (root / "squad").mkdir(parents=True)
+    (root / "squad" / "squaddev_v1.1.json").write_text(json.dumps({"data": articles, "version": "1.1"}))
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
+def test_squad_tasks_run_ragged_batches_through_every_method(tmp_path, monkeypatch, capsys):
+    """SQuAD prompts differ in length: the batch is ragged; every method runs, with the fixed-r SparQ
+    variant budgeted by k, and EM/F1 come out in [0, 1] with the achieved compression recorded."""
+    fake_squad(tmp_path / "cache")
+    monkeypatch.setenv("SPARQ_FAST_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "squad.json"
+    argv = ["--task", "squad,squad-diagnostics", "--squad-contexts", "3", "--examples", "3", "--batch-size", "3",
+            "--attention", "dense,sparq,sparq-fixed-r,h2o,local,topk,oracle", "--compression", "1/2",
+            "--sparq-k", "16", "--sparq-r", "16", "--json", str(out), "--quiet"]
+    assert ev.main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    squad_rows = [r for r in rows if r["task"] == "squad"]
+    assert {r["attention"] for r in squad_rows} == {"dense", "sparq", "sparq-fixed-r", "h2o", "local", "topk", "oracle"}
+    assert all(0 <= r["score"] <= 1 and r["n"] == 3 for r in squad_rows)
+    fixed = [b for b in json.loads(out.read_text())["meta"]["budgets"] if b["attention"] == "sparq-fixed-r"]
+    assert fixed and all(b["r"] == 16 and b["k"] > 16 for b in fixed)  # r fixed, k solved for 1/2
+    assert "squad-diagnostics" in {r["task"] for r in rows}
+    assert "f1 %" in capsys.readouterr().out

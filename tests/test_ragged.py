@@ -44,10 +44,7 @@ def tiny_model(seed: int = 0) -> Transformer:
     return model.eval()
 
 
-RAGGED_POLICIES = [name for name, entry in POLICIES.items() if entry.ragged]
-
-
-@pytest.mark.parametrize("policy", RAGGED_POLICIES)
+@pytest.mark.parametrize("policy", list(POLICIES))
 def test_every_row_equals_its_prompt_alone_tiny_model(policy):
     model = tiny_model()
     gen = torch.Generator().manual_seed(1)
@@ -59,13 +56,14 @@ def test_every_row_equals_its_prompt_alone_tiny_model(policy):
     assert len({str(r) for r in batch}) == 3
 
 
-def test_h2o_refuses_ragged_batches_in_one_line(tmp_path, smollm2_checkpoint):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "Hi"}\n{"prompt": "A much longer prompt than the first one"}\n')
-    result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(smollm2_checkpoint), "--prompt-file",
-                             str(prompts), "--attention", "h2o", "--kv-budget", "64", "--max-new-tokens", "2"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert_one_line_error(result, "h2o", "one at a time")
+def test_sliding_window_models_refuse_ragged_rows():
+    """A window layer's visible positions start at each row's own length minus the window: not done
+    for ragged rows (generate.py refuses such a batch in one line before it gets here)."""
+    args = ModelArgs(vocab_size=101, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=96,
+                     sliding_window=8, layer_types=["window", "global"])
+    model = Transformer(args).eval()
+    with pytest.raises(ValueError, match="one at a time"):
+        run_rows(model, [[1, 2, 3], [4, 5, 6, 7, 8]], 3, AttentionSettings("dense"))
 
 
 @pytest.fixture(scope="module")
