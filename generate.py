@@ -31,6 +31,7 @@ import cli
 import data
 import quantize
 import tokenizer as tokenizer_module
+import tp
 from cli import UserError
 from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
 from model import ModelArgs, Transformer, checkpoint_paths, load_model
@@ -159,8 +160,14 @@ class Generator:
         self._prefill_chunk = prefill_chunk
         self._decode = decode_step
         if self.compile_decode:
-            mode = "reduce-overhead" if self.model.device.type == "cuda" else None
-            self._decode = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=True)
+            on_cuda = self.model.device.type == "cuda"
+            if on_cuda:  # gpt-fast's inductor settings: tuned (dequantizing) GEMVs, CUDA graphs per shape
+                import torch._inductor.config as inductor_config
+
+                inductor_config.coordinate_descent_tuning = True
+                inductor_config.triton.unique_kernel_names = True
+            self._decode = torch.compile(decode_step, mode="reduce-overhead" if on_cuda else None, fullgraph=True,
+                                         dynamic=True)
         if self.compile_prefill:
             self._prefill_chunk = torch.compile(prefill_chunk, fullgraph=True, dynamic=True)
         self._stop_tensor = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=self.model.device)
@@ -171,7 +178,7 @@ class Generator:
         """prompts: (B, T) tokens, or a list of B prompts of any lengths -> the new tokens of each
         row (cut after a stop token) and timings. stream: print row 0 as it is generated (B = 1)."""
         rows = prompts.tolist() if isinstance(prompts, Tensor) else [list(p) for p in prompts]
-        B, lengths = len(rows), [len(p) for p in rows]
+        lengths = [len(p) for p in rows]
         T = max(lengths)
         device = self.model.device
         ragged = len(set(lengths)) > 1
@@ -187,9 +194,20 @@ class Generator:
         next_token = sample(logits, self.temperature, self.top_k)
         synchronize(device)
         prefill_s = time.perf_counter() - start
+        tokens, stats = self.decode(next_token, lengths, max_new_tokens, stream)
+        stats.prefill_tokens, stats.prefill_s = sum(lengths), prefill_s
+        return tokens, stats
 
+    @torch.no_grad()
+    def decode(self, next_token: Tensor, lengths: list[int], max_new_tokens: int,
+               stream: Optional[TextStream] = None) -> tuple[list[list[int]], DecodeStats]:
+        """Decode from caches that hold each row's first lengths[b] positions (a prefill, or any filled
+        cache: benchmarks), next_token (B,) being the token at position lengths[b] -> the new tokens
+        of each row (cut after a stop token) and timings (prefill fields zero)."""
+        B, T, device = len(lengths), max(lengths), self.model.device
+        ragged = len(set(lengths)) > 1
         # Positions on the device, advanced in place: (1,) shared, or (B, 1) per row.
-        input_pos = row_lengths.view(B, 1).clone() if ragged else torch.tensor([T], device=device)
+        input_pos = torch.tensor(lengths, device=device).view(B, 1) if ragged else torch.tensor([T], device=device)
         generated, done = [next_token], self._is_stop(next_token)
         kv_bytes, print_s, steps = 0, 0.0, 0
         print_s += self._stream(stream, next_token)
@@ -211,7 +229,7 @@ class Generator:
         decode_s = time.perf_counter() - start - print_s
 
         tokens = torch.stack(generated, dim=1).tolist()  # (B, n)
-        stats = DecodeStats(sum(lengths), prefill_s, decode_s, steps, kv_bytes, print_s)
+        stats = DecodeStats(0, 0.0, decode_s, steps, kv_bytes, print_s)
         return [self._cut_at_stop(row) for row in tokens], stats
 
     def _stream(self, stream: Optional[TextStream], token: Tensor) -> float:
@@ -432,8 +450,19 @@ def run(args: argparse.Namespace) -> int:
     model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels)
     tokenizer = load_tokenizer(args.checkpoint)
     if args.interactive:
+        if tp.world_size() > 1:
+            raise UserError("--interactive runs in one process, not under torchrun")
         return chat_loop(args, model, tokenizer, settings, length_bucket)
+    world = tp.maybe_shard(model, args.device)  # under torchrun: this rank's KV heads (tp.py)
+    try:
+        return generate_rows(args, model, tokenizer, settings, kernels, length_bucket, world)
+    finally:
+        tp.shutdown()
 
+
+def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, settings: AttentionSettings,
+                  kernels: Kernels, length_bucket: int, world: Optional[int]) -> int:
+    """The prompts of the command line, generated as one batch; reported and written as asked."""
     rows = prompt_ids(args, tokenizer)
     longest, ragged = max(map(len, rows)), len({len(r) for r in rows}) > 1
     if ragged and model.args.layer_types and "window" in model.args.layer_types:
@@ -457,6 +486,10 @@ def run(args: argparse.Namespace) -> int:
           f"batch {len(rows)} x {max_seq_length} positions); kernels: {kernels.name} ({kernels.describe})",
           file=sys.stderr)
     print(f"attention: {describe_layers(model)}", file=sys.stderr)
+    if world:
+        print(f"tensor parallel: {world} ranks, {model.args.n_kv_head} KV heads each ({torch.get_num_threads()} "
+              f"threads per rank); figures below are rank 0's, its KV bytes x {world} for the whole model",
+              file=sys.stderr)
     generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
                           compile_decode=args.compile, compile_prefill=args.compile_prefill,
                           progress=sys.stderr.isatty())

@@ -49,21 +49,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+import cli
+import data
+from cli import UserError
+
 LLAMA_CPP_PYTHON = "0.3.36"  # the newest llama-cpp-python with an sdist when this was written
 # Our format name -> llama-quantize's type name.
 FORMATS = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 DEFAULT_FORMATS = ("bf16", "f32", "q8_0", "q4_0", "q4_1")
 DEFAULT_CONTEXTS = (16, 1024, 4096, 8000)
 STAMP = "sparq-fast-build.json"
-USER_ERROR = 2
 
 
-class UserError(Exception):
-    """A mistake in the command line or a missing tool: one line on stderr, exit status 2."""
-
-
-class BuildError(Exception):
-    """llama.cpp failed to download, configure, build or run: one line (plus a log tail), exit 1."""
+class BuildError(UserError):
+    """llama.cpp failed to download, configure, build or run: one line (plus a log tail)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,8 +93,7 @@ class Build:
 
 def default_cache() -> Path:
     """$SPARQ_FAST_CACHE/llama.cpp, else ~/.cache/sparq-fast/llama.cpp."""
-    base = os.environ.get("SPARQ_FAST_CACHE") or Path.home() / ".cache" / "sparq-fast"
-    return Path(base).expanduser() / "llama.cpp"
+    return data.cache_dir().expanduser() / "llama.cpp"
 
 
 def cpu_model() -> str:
@@ -533,49 +531,19 @@ def format_table(rows: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block
-        raise UserError(message)
-
-
-def int_list(text: str, flag: str, minimum: int = 0) -> list[int]:
-    """'16,1024' -> [16, 1024]; UserError unless every item is an integer >= minimum."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{flag} must be a comma-separated list of integers, got {text!r}") from None
-    if not values or any(v < minimum for v in values):
-        raise UserError(f"{flag} must list integers >= {minimum}, got {text!r}")
-    return list(dict.fromkeys(values))
-
-
 def format_list(text: str) -> list[str]:
     """'bf16,q4_1' -> ['bf16', 'q4_1']; UserError for an empty list or an unknown format."""
-    names = [x.strip().lower() for x in text.split(",") if x.strip()]
-    bad = [x for x in names if x not in FORMATS]
-    if not names or bad:
-        raise UserError(f"unknown format {', '.join(bad) or repr(text)} (choose from {', '.join(FORMATS)})")
-    return list(dict.fromkeys(names))
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return cli.name_list(text.lower(), "format", FORMATS)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="llamacpp.py", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = cli.ArgumentParser(prog="llamacpp.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.ArgumentParser)
     cache_help = "cache directory (default: $SPARQ_FAST_CACHE/llama.cpp, else ~/.cache/sparq-fast/llama.cpp)"
 
     p = sub.add_parser("build", help="download llama-cpp-python's sdist and build llama.cpp's tools (once)")
     p.add_argument("--cache", type=Path, default=None, help=cache_help)
-    p.add_argument("--jobs", type=_positive, default=2, help="parallel compile jobs (default 2)")
+    p.add_argument("--jobs", type=cli.positive_int, default=2, help="parallel compile jobs (default 2)")
     p.add_argument("--nice", type=int, default=10, help="niceness of the compile (default 10; 0 = none)")
     p.set_defaults(func=cmd_build)
 
@@ -584,9 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help=f"comma list of {', '.join(FORMATS)}")
     p.add_argument("--contexts", default=_join(DEFAULT_CONTEXTS),
                    help="comma list of context lengths N (e.g. 16,1024,4096,8000,16384,32768 for 32k models)")
-    p.add_argument("--n-gen", type=_positive, default=32, help="tokens generated per decode measurement")
-    p.add_argument("--threads", type=_positive, default=2)
-    p.add_argument("--reps", type=_positive, default=3, help="llama-bench repetitions (-r) per test")
+    p.add_argument("--n-gen", type=cli.positive_int, default=32, help="tokens generated per decode measurement")
+    p.add_argument("--threads", type=cli.positive_int, default=2)
+    p.add_argument("--reps", type=cli.positive_int, default=3, help="llama-bench repetitions (-r) per test")
     p.add_argument("--cache", type=Path, default=None, help=cache_help)
     p.add_argument("--json", type=Path, default=None, help="write the rows (with the llama-bench commands) as JSON")
     p.set_defaults(func=cmd_bench)
@@ -601,7 +569,7 @@ def cmd_build(args) -> int:
 
 def cmd_bench(args) -> int:
     formats = format_list(args.formats)
-    contexts = int_list(args.contexts, "--contexts")
+    contexts = cli.int_list(args.contexts, "--contexts", minimum=0)
     if not args.gguf.is_file():
         raise UserError(f"GGUF file not found: {args.gguf}")
     b = build(args.cache)
@@ -622,19 +590,7 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-        return args.func(args) or 0
-    except UserError as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return USER_ERROR
-    except BuildError as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return 130
+    return cli.main(build_parser(), lambda args: args.func(args), argv)
 
 
 if __name__ == "__main__":

@@ -575,6 +575,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", torch.empty(0), persistent=False)  # global layers
         self.register_buffer("rope_local", torch.empty(0), persistent=False)  # window layers
+        self.activation_dtype = torch.float32  # quantized embeddings dequantize to this (load_model's dtype)
         self.max_batch_size = -1
         self.max_seq_length = -1
 
@@ -584,9 +585,10 @@ class Transformer(nn.Module):
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        """The KV caches' (and activations') dtype: the embedding's, or fp32 for quantized embeddings."""
+        """The KV caches' (and activations') dtype: the embedding's; for quantized embeddings the dtype
+        load_model was asked for (activation_dtype)."""
         dtype = self.tok_embeddings.weight.dtype
-        return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else self.activation_dtype
 
     @staticmethod
     def cache_bytes(args: ModelArgs, batch: int, seq_len: int, layout: str, dtype: torch.dtype) -> int:
@@ -595,18 +597,23 @@ class Transformer(nn.Module):
                                                               * dtype.itemsize + 4)
         return per_layer * args.n_layer
 
+    CACHE_ALIGN = 64  # cache positions are allocated in multiples of this: K^T rows stay 16-byte aligned
+
     def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_layout: str = "twice",
                      length_bucket: int = 1) -> None:
-        """Allocate the static KV caches (in the model's dtype, on its device); see KVCache for length_bucket."""
+        """Allocate the static KV caches (in the activation dtype, on the model's device) for at least
+        max_seq_length positions, rounded up to CACHE_ALIGN so that every row of K^T starts 16-byte
+        aligned (vectorised loads); see KVCache for length_bucket."""
         args, dtype = self.args, self.cache_dtype
+        allocated = -(-max_seq_length // self.CACHE_ALIGN) * self.CACHE_ALIGN
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         for i, layer in enumerate(self.layers):
-            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, args.n_kv_head, args.head_dim, dtype,
+            layer.attention.kv_cache = KVCache(max_batch_size, allocated, args.n_kv_head, args.head_dim, dtype,
                                                kv_layout, length_bucket, args.window(i)).to(self.device)
         rotary_dim = args.rotary_dim or args.head_dim
-        self.rope = rope_cache(rotary_dim, args.rope_base, args.rope_scaling, max_seq_length).to(self.device)
+        self.rope = rope_cache(rotary_dim, args.rope_base, args.rope_scaling, allocated).to(self.device)
         if args.rope_local_base is not None:
-            self.rope_local = rope_cache(rotary_dim, args.rope_local_base, None, max_seq_length).to(self.device)
+            self.rope_local = rope_cache(rotary_dim, args.rope_local_base, None, allocated).to(self.device)
 
     @property
     def caches(self) -> list[KVCache]:
@@ -672,7 +679,7 @@ class Transformer(nn.Module):
         """
         rope = self.rope[input_pos]  # (T, 2, rotary_dim/2)
         rope_local = self.rope_local[input_pos] if self.args.rope_local_base is not None else rope
-        x = self.tok_embeddings(idx)
+        x = self.tok_embeddings(idx).to(self.cache_dtype)  # quantized embeddings dequantize in fp32
         if self.args.embedding_scale is not None:
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
@@ -748,6 +755,7 @@ def load_model(checkpoint: Path | str, device: str | torch.device = "cpu", dtype
     for name, p in model.named_parameters():
         if name in floating:
             p.data = p.data.to(dtype)
+    model.activation_dtype = dtype
     if quantization is not None:
         quantized.finalize(model, kernels)  # pick the kernels and pack the weights for `device`
     return model.eval()

@@ -217,11 +217,13 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_int_list():
-    assert llamacpp.int_list("16,1024, 4096,16", "--contexts") == [16, 1024, 4096]
-    assert llamacpp.int_list("0", "--contexts") == [0]
+    import cli
+
+    assert cli.int_list("16,1024, 4096,16", "--contexts", minimum=0) == [16, 1024, 4096]
+    assert cli.int_list("0", "--contexts", minimum=0) == [0]
     for bad in ("", ",", "16,abc", "1.5", "-1"):
         with pytest.raises(llamacpp.UserError, match="--contexts"):
-            llamacpp.int_list(bad, "--contexts")
+            cli.int_list(bad, "--contexts", minimum=0)
 
 
 def test_format_list():
@@ -250,7 +252,7 @@ def test_default_cache(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--gguf", "no/such/file.gguf"], "GGUF file not found: no/such/file.gguf"),
-    (["bench", "--gguf", "x.gguf", "--formats", "bf16,q4_k"], "unknown format q4_k"),
+    (["bench", "--gguf", "x.gguf", "--formats", "bf16,q4_k"], "unknown format value 'q4_k'"),
     (["bench", "--gguf", "x.gguf", "--contexts", "16,many"], "--contexts must be a comma-separated list"),
     (["bench", "--gguf", "x.gguf", "--contexts", ""], "--contexts must list integers"),
     (["bench", "--gguf", "x.gguf", "--threads", "0"], "must be at least 1"),
