@@ -3,8 +3,9 @@
     torchrun --nproc_per_node 2 generate.py --prompt "Hello" --sparq-r 16
     torchrun --nproc_per_node 2 bench.py decode --prompt-tokens 0,8000 --batch-size 1
 
-Each rank owns n_kv / N whole KV heads and the query heads that share them (q/k/v projections
-column parallel: their rows), so every attention policy (dense, SparQ, the baselines, H2O's state)
+Each rank owns whole KV heads (n_kv / N of them, the first n_kv % N ranks one more when N does not
+divide n_kv: SmolLM2's 3 KV heads go 2 + 1 over two ranks) and the query heads that share them
+(q/k/v projections column parallel: their rows), so every attention policy (dense, SparQ, the baselines, H2O's state)
 runs on its own heads exactly as in one process, and a rank's KV cache holds only its heads. The
 attention output projection and the MLP's down projection are row parallel (their input columns),
 each followed by one all-reduce; the MLP's gate/up projections are column parallel. Norms,
@@ -69,17 +70,23 @@ def all_reduce(x: Tensor) -> Tensor:
     return funcol.all_reduce(x, "sum", dist.group.WORLD)
 
 
-class RowParallelLinear(nn.Module):
-    """The rank's input columns of a linear layer: partial products summed over the ranks, then the
-    bias (added once, after the sum)."""
+def span(n: int, world: int, rank_: int) -> tuple[int, int]:
+    """Rank rank_'s share [start, end) of n items over `world` ranks: n // world each, the first n % world
+    ranks one more."""
+    base, extra = divmod(n, world)
+    start = rank_ * base + min(rank_, extra)
+    return start, start + base + (rank_ < extra)
 
-    def __init__(self, linear: Linear, rank_: int, world: int):
+
+class RowParallelLinear(nn.Module):
+    """The rank's input columns [start, end) of a linear layer: partial products summed over the ranks,
+    then the bias (added once, after the sum)."""
+
+    def __init__(self, linear: Linear, start: int, end: int):
         super().__init__()
-        K = linear.in_features // world
-        self.linear = Linear(K, linear.out_features, bias=False)
+        self.linear = Linear(end - start, linear.out_features, bias=False)
         self.linear.matmul = linear.matmul  # the run's kernel
-        self.linear.weight = nn.Parameter(linear.weight.detach()[:, rank_ * K:(rank_ + 1) * K].contiguous(),
-                                          requires_grad=False)
+        self.linear.weight = nn.Parameter(linear.weight.detach()[:, start:end].contiguous(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -97,37 +104,32 @@ def _rows(linear: Linear, spans: list[tuple[int, int]]) -> None:
 
 
 def check_shardable(model: Transformer, world: int) -> None:
-    args = model.args
     if getattr(model, "quantization", None) is not None:
         raise UserError("tensor parallel runs float checkpoints: this one is quantized (its packed weights do not shard)")
-    if args.n_kv_head % world:
-        raise UserError(f"tensor parallel over {world} ranks needs the KV heads ({args.n_kv_head}) to divide among "
-                        f"them: use --nproc_per_node {', '.join(str(n) for n in range(1, args.n_kv_head + 1) if args.n_kv_head % n == 0)}")
-    if args.intermediate_size % world:
-        raise UserError(f"tensor parallel over {world} ranks needs the MLP width ({args.intermediate_size}) to divide among them")
+    if world > model.args.n_kv_head:
+        raise UserError(f"tensor parallel over {world} ranks needs a KV head for each: this model has "
+                        f"{model.args.n_kv_head} (use --nproc_per_node {model.args.n_kv_head} or fewer)")
 
 
 def shard(model: Transformer, rank_: int, world: int) -> Transformer:
     """Keep this rank's share of every layer, in place (call before setup_caches)."""
     check_shardable(model, world)
     args = model.args
-    d, g = args.head_dim, args.group_size
-    kv = args.n_kv_head // world  # KV heads per rank, with their g query heads each
-    q0, k0 = rank_ * kv * g * d, rank_ * kv * d
-    F_ = args.intermediate_size // world
+    d, g, H, n_kv = args.head_dim, args.group_size, args.n_head, args.n_kv_head
+    k0, k1 = span(n_kv, world, rank_)  # this rank's KV heads, with their g query heads each
+    f0, f1 = span(args.intermediate_size, world, rank_)
     for layer in model.layers:
         attention = layer.attention
-        H, n_kv = args.n_head, args.n_kv_head
-        _rows(attention.wqkv, [(q0, q0 + kv * g * d), (H * d + k0, H * d + k0 + kv * d),
-                               ((H + n_kv) * d + k0, (H + n_kv) * d + k0 + kv * d)])
-        attention.n_head, attention.n_kv_head = kv * g, kv
-        attention.wo = RowParallelLinear(attention.wo, rank_, world)
+        _rows(attention.wqkv, [(k0 * g * d, k1 * g * d), ((H + k0) * d, (H + k1) * d),
+                               ((H + n_kv + k0) * d, (H + n_kv + k1) * d)])
+        attention.n_head, attention.n_kv_head = (k1 - k0) * g, k1 - k0
+        attention.wo = RowParallelLinear(attention.wo, k0 * g * d, k1 * g * d)
         mlp = layer.feed_forward
         for column in (mlp.w1, mlp.w3):
             if column is not None:
-                _rows(column, [(rank_ * F_, (rank_ + 1) * F_)])
-        mlp.w2 = RowParallelLinear(mlp.w2, rank_, world)
-    model.args = replace(args, n_head=kv * g, n_kv_head=kv, intermediate_size=F_)  # this rank's shapes
+                _rows(column, [(f0, f1)])
+        mlp.w2 = RowParallelLinear(mlp.w2, f0, f1)
+    model.args = replace(args, n_head=(k1 - k0) * g, n_kv_head=k1 - k0, intermediate_size=f1 - f0)  # this rank's
     model.tp_world = world
     return model
 

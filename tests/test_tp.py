@@ -1,0 +1,63 @@
+"""Tensor parallel decode (tp.py) on gloo with 2 processes: greedy tokens equal one process's, for dense,
+SparQ and H2O, eager and compiled; sharded shapes per rank; generate.py under torchrun; the errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, assert_one_line_error
+
+
+def torchrun(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_two_ranks_generate_what_one_process_does(tmp_path, compiled):
+    out = tmp_path / "tp.json"
+    result = torchrun("tests/tp_worker.py", out, *(["--compile"] if compiled else []))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for n_kv, run in report.items():
+        for policy in ("dense", "sparq", "h2o"):
+            assert run["sharded"][policy] == run["single"][policy], (n_kv, policy)
+        # q/k/v rows: (own query heads + 2 x own KV heads) x d; MLP up rows and down columns: a share each
+        heads = [2, 2] if n_kv == "4" else [2, 1]  # 3 KV heads split 2 + 1
+        for shapes, kv in zip(run["shapes"], heads):
+            assert shapes["wqkv"] == [(2 * kv + 2 * kv) * 16, 96]
+            assert shapes["wo"] == [96, 2 * kv * 16] and shapes["cache_k"][1] == kv
+        assert sum(s["w1"][0] for s in run["shapes"]) == 100
+
+
+def test_generate_under_torchrun_matches_one_process(tmp_path, smollm2_checkpoint):
+    common = ["--checkpoint", smollm2_checkpoint, "--prompt", "The three best things about Paris are",
+              "--max-new-tokens", "10", "--no-stream", "--kernel", "torch"]
+    single = subprocess.run([sys.executable, "generate.py", *map(str, common), "--json", str(tmp_path / "one.json")],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr
+    result = torchrun("generate.py", *common, "--json", tmp_path / "tp.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tensor parallel: 2 ranks" in result.stderr
+    one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "tp.json"))
+    assert two["samples"][0]["tokens"] == one["samples"][0]["tokens"]
+
+
+def test_more_ranks_than_kv_heads_is_one_line(tmp_path):
+    """SmolLM2 has 3 KV heads: 4 ranks cannot each own one (the check runs before any collective)."""
+    import tp
+    from cli import UserError
+    from model import ModelArgs, Transformer
+
+    args = ModelArgs(vocab_size=10, dim=32, n_layer=1, n_head=3, n_kv_head=3, head_dim=8, intermediate_size=16)
+    with pytest.raises(UserError, match="needs a KV head for each"):
+        tp.check_shardable(Transformer(args), 4)
+    assert tp.span(3, 2, 0) == (0, 2) and tp.span(3, 2, 1) == (2, 3) and tp.span(1536, 2, 1) == (768, 1536)
+
+
+def test_interactive_refuses_torchrun(smollm2_checkpoint):
+    result = torchrun("generate.py", "--checkpoint", smollm2_checkpoint, "--interactive", timeout=300)
+    assert result.returncode != 0 and "one process" in result.stderr
