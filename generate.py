@@ -541,7 +541,7 @@ def summarize(stats: DecodeStats, batch_size: int, weights: int) -> dict:
     steps_per_s = stats.steps / stats.decode_s if stats.steps and stats.decode_s > 0 else float("nan")
     bytes_per_s = (weights * stats.steps + stats.kv_bytes_read) / stats.decode_s if stats.steps else float("nan")
     return {
-        "prompt_tokens": stats.prefill_tokens,
+        "prefill_tokens": stats.prefill_tokens,
         "prefill_s": stats.prefill_s,
         "prefill_tokens_per_s": stats.prefill_tokens / stats.prefill_s if stats.prefill_s > 0 else float("nan"),
         "decode_steps": stats.steps,
@@ -572,11 +572,11 @@ def report(stats: DecodeStats, batch_size: int, weights: int, first_call: bool =
 
 def write_json(args, settings, model, tokenizer, rows, samples, summary) -> None:
     out = {
-        "prompt_tokens": summary["prompt_tokens"],
+        "prompt_tokens": max(len(ids) for ids in rows),  # the longest prompt (every row's, unless ragged)
         "batch_size": len(rows),
         "samples": [{"prompt_tokens": len(ids), "text": tokenizer.decode(row), "tokens": row}
                     for ids, row in zip(rows, samples)],
-        **{k: v for k, v in summary.items() if k != "prompt_tokens"},
+        **summary,
         "device": args.device,
         "dtype": args.dtype,
         "attention": settings.policy,
