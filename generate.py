@@ -440,6 +440,9 @@ def run(args: argparse.Namespace) -> int:
     check_flags(args)
     settings = attention_settings(args)
     length_bucket = args.length_bucket or (256 if args.device == "cuda" else 1)
+    if args.device == "cuda" and args.compile and length_bucket == 1:
+        raise UserError("--length-bucket 1 with --compile on CUDA would capture a new CUDA graph every step: "
+                        "use the default (256) or a larger bucket")
     if length_bucket > 1 and not POLICIES[settings.policy].reads_buckets:
         raise UserError(f"--length-bucket applies to dense and sparq attention, not {settings.policy}")
     torch.manual_seed(args.seed)
