@@ -155,6 +155,10 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
                                               "Tensor? lengths=None) -> Tensor")
     torch.library.define("sparq::dense_cpu", "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None) -> Tensor")
     torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
+    torch.library.define("sparq::linear_cpu_isa", "() -> str")  # the GEMV's instruction set in this build
+    # weight-only quantized GEMVs (quantize.py's stored formats; see csrc/linear_quant.cpp)
+    torch.library.define("sparq::linear_int8_cpu", "(Tensor x, Tensor w, Tensor scales) -> Tensor")
+    torch.library.define("sparq::linear_int4_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor")
 
     @torch.library.impl("sparq::decode_cpu", "CompositeExplicitAutograd")
     def _decode_cpu_first_call(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
@@ -171,6 +175,16 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         _load_for_first_call("linear_cpu")
         return torch.ops.sparq.linear_cpu.default(x, w)
 
+    @torch.library.impl("sparq::linear_int8_cpu", "CompositeExplicitAutograd")
+    def _linear_int8_cpu_first_call(x, w, scales):
+        _load_for_first_call("linear_int8_cpu")
+        return torch.ops.sparq.linear_int8_cpu.default(x, w, scales)
+
+    @torch.library.impl("sparq::linear_int4_cpu", "CompositeExplicitAutograd")
+    def _linear_int4_cpu_first_call(x, w, scales, zeros):
+        _load_for_first_call("linear_int4_cpu")
+        return torch.ops.sparq.linear_int4_cpu.default(x, w, scales, zeros)
+
     @torch.library.register_fake("sparq::decode_cpu")
     def _decode_cpu_fake(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
         return q.new_empty(q.shape)
@@ -181,6 +195,14 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
 
     @torch.library.register_fake("sparq::linear_cpu")
     def _linear_cpu_fake(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("sparq::linear_int8_cpu")
+    def _linear_int8_cpu_fake(x, w, scales):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("sparq::linear_int4_cpu")
+    def _linear_int4_cpu_fake(x, w, scales, zeros):
         return x.new_empty((x.shape[0], w.shape[0]))
 
 

@@ -36,9 +36,17 @@ What is quantized, and why:
   * RMSNorm weights stay floating point (tiny; load_model casts them to the requested dtype).
 Quantized embeddings emit fp32 activations (model.setup_caches then keeps fp32 KV caches).
 
-Kernels (CPU, torch 2.13). aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu are only
-vectorized for bf16 activations; with fp32 activations they run a scalar loop, 10-30x slower. So the
-packed paths cast the activations to bf16, run the kernel (fp32 accumulation) and cast back:
+Kernels (CPU, torch 2.13).
+  both          "gemv"      the fused CPU GEMVs of csrc/linear_quant.cpp (sparq::linear_int8_cpu /
+                            sparq::linear_int4_cpu) for the <= 16 rows of a decode step: they read
+                            the stored tensors as they are (nothing packed at load), dequantize in
+                            registers to exactly the weights below and multiply in fp32; more rows
+                            (prefill) dequantize the weight and run F.linear, as fast as the packed
+                            aten kernels there. bench.py linear --quantized compares them with the
+                            aten kernels below at decode sizes.
+aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu are only vectorized for bf16
+activations; with fp32 activations they run a scalar loop, 10-30x slower. So the packed paths cast
+the activations to bf16, run the kernel (fp32 accumulation) and cast back:
   int4 layers   "int4pack"  aten._weight_int4pack_mm_for_cpu (CUDA: aten._weight_int4pack_mm)
   int8 layers   "int4x2"    the same int4 kernel on q split into two nibbles (see Int8Linear): the
                             int8 kernel is compute-bound here, this is 1.2-1.5x faster, same weights
@@ -70,6 +78,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import cli
+import kernels
 from kernels import Kernels
 from model import (CheckpointError, ModelArgs, QuantizedLoading, Transformer, checkpoint_paths, load_state_dict)
 
@@ -78,7 +87,7 @@ MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 32
 HEAD_CHOICES = ("int8", "int4", "none")
-BACKENDS = ("auto", "int4x2", "int8pack", "dequant")  # see Int8Linear; int4 layers: auto = int4pack
+BACKENDS = ("auto", "gemv", "int4x2", "int8pack", "dequant")  # see Int8Linear; int4 layers: gemv, int4pack
 KERNEL_DTYPE = torch.bfloat16  # the activation dtype the packed kernels are vectorized for
 
 
@@ -179,6 +188,17 @@ def _int4_scales_and_zeros(scales: Tensor, zeros: Tensor) -> Tensor:
     return torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
 
 
+def _gemv_rows(x: Tensor, in_features: int) -> Optional[Tensor]:
+    """x as the (rows, K) input of a fused decode GEMV, or None when it has too many rows (prefill)."""
+    rows = x.numel() // in_features
+    return x.reshape(rows, in_features) if rows <= kernels.LINEAR_CPU_MAX_ROWS else None
+
+
+def _gemv_available(device: torch.device) -> bool:
+    """The fused quantized GEMVs run on CPU once the C++ kernels are built (resolve_kernels built them)."""
+    return device.type == "cpu" and kernels.cpu_kernel_available()
+
+
 def _int4pack_mm(x2: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
     if packed.device.type == "cpu":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_and_zeros)
@@ -201,6 +221,8 @@ class Int8Linear(nn.Module):
     channel or (N, K / group_size) per group of inputs (group_size set: the head).
 
     Kernels (self.kernel, chosen by finalize):
+      "gemv"     sparq::linear_int8_cpu on the stored weight and scales for decode-sized inputs,
+                 dequantize + F.linear for more rows (see the module docstring).
       "int4x2"   q = 16 hi + lo with hi in [-8, 7], lo in [0, 15]: both halves go through the int4
                  kernel as one (N, 2K) matrix -- [hi | lo] with scales 16 s / s and zeros 0 / 8 s --
                  against [x | x]. Exactly the same weights; the int4 kernel is ~1.3x faster than
@@ -235,6 +257,8 @@ class Int8Linear(nn.Module):
 
     def supports(self, kernel: str) -> bool:
         cpu = self.scales.device.type == "cpu"
+        if kernel == "gemv":  # groups of whole 16-wide vectors
+            return _gemv_available(self.scales.device) and (self.group_size is None or self.group_size % 16 == 0)
         if kernel == "int4x2":  # int4 kernel: N in blocks of 16; groups must not straddle hi | lo
             return cpu and self.out_features % 16 == 0 and self._split_group_size() is not None
         if kernel == "int8pack":  # the CPU kernel walks K in steps of 16 (AVX512) with no tail
@@ -259,7 +283,7 @@ class Int8Linear(nn.Module):
         elif kernel == "int8pack":
             if self.weight.data_ptr() % 64:  # the kernel uses aligned loads: own, aligned memory
                 self.weight = self.weight.clone()
-        elif kernel != "dequant":
+        elif kernel not in ("gemv", "dequant"):  # gemv reads the stored tensors as they are
             raise ValueError(f"unknown int8 kernel {kernel!r}")
         self.kernel = kernel
 
@@ -268,23 +292,31 @@ class Int8Linear(nn.Module):
         Drops the int8 weight when the kernel no longer reads it, unless keep_weight."""
         if self.kernel != "dequant":
             return
-        choices = {"auto": ("int4x2", "int8pack"), "int4x2": ("int4x2",), "int8pack": ("int8pack",),
-                   "dequant": ()}[backend or "auto"]
+        choices = {"auto": ("gemv", "int4x2", "int8pack"), "gemv": ("gemv",), "int4x2": ("int4x2",),
+                   "int8pack": ("int8pack",), "dequant": ()}[backend or "auto"]
         for kernel in choices:
-            if self.supports(kernel) and _kernel_ok(kernel, self.scales.device):
+            if self.supports(kernel) and _kernel_ok(kernel, self.scales.device, self.group_size or 0, bits=8):
                 self.use_kernel(kernel)
                 break
         if self.kernel == "int4x2" and not keep_weight:
             self.weight = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel == "int4x2":
+        if self.kernel == "gemv":
+            y = self.forward_gemv(x)
+        elif self.kernel == "int4x2":
             y = self.forward_int4x2(x)
         elif self.kernel == "int8pack":
             y = self.forward_int8pack(x)
         else:
             y = self.forward_dequant(x)
         return y if self.bias is None else y + self.bias
+
+    def forward_gemv(self, x: Tensor) -> Tensor:
+        x2 = _gemv_rows(x, self.in_features)
+        if x2 is None:  # a prefill: a GEMM's work, torch's own
+            return self.forward_dequant(x)
+        return torch.ops.sparq.linear_int8_cpu(x2, self.weight, self.scales).reshape(*x.shape[:-1], self.out_features)
 
     def forward_int4x2(self, x: Tensor) -> Tensor:
         x2 = _as_2d_bf16(x, self.in_features)
@@ -310,8 +342,10 @@ class Int4Linear(nn.Module):
     """y = x W^T, W int4 affine per group of `group_size` inputs: w = (q - 8) * s + z.
 
     Stored (persistent): weight (N, K/2) uint8 portable nibbles, scales and zeros (N, K/gs) bf16.
-    Kernels: "int4pack" (aten int4 kernel; finalize packs the weight for this machine into
-    `packed` / `scales_and_zeros` and drops the portable tensors unless keep_weight) or "dequant".
+    Kernels: "gemv" (sparq::linear_int4_cpu on the stored tensors for decode-sized inputs, dequantize
+    + F.linear for more rows), "int4pack" (aten int4 kernel; finalize packs the weight for this
+    machine into `packed` / `scales_and_zeros` and drops the portable tensors unless keep_weight) or
+    "dequant".
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int, device=None, bias: bool = False):
@@ -334,6 +368,8 @@ class Int4Linear(nn.Module):
 
     def supports(self, kernel: str) -> bool:
         device = self.scales.device.type
+        if kernel == "gemv":  # groups of whole 32-column steps (every GROUP_SIZES entry)
+            return _gemv_available(self.scales.device) and self.group_size % 32 == 0
         if kernel == "int4pack":
             if device == "cpu":  # the kernel's N blocks are 16, 32, 48 or 64 wide
                 return self.out_features % 16 == 0
@@ -344,21 +380,40 @@ class Int4Linear(nn.Module):
         if kernel == "int4pack":
             self.packed = pack_int4_for_kernel(unpack_nibbles(self.weight))
             self.scales_and_zeros = _int4_scales_and_zeros(self.scales, self.zeros)
-        elif kernel != "dequant":
+        elif kernel not in ("gemv", "dequant"):  # gemv reads the stored tensors as they are
             raise ValueError(f"unknown int4 kernel {kernel!r}")
         self.kernel = kernel
 
     def finalize(self, backend: Optional[str] = None, keep_weight: bool = False) -> None:
+        """Pick the kernel: backend None/"auto" = "gemv", else "int4pack", the first that applies and
+        passes the self-check; "gemv" / "int4pack" force one (falling back to dequant); "int4x2" and
+        "int8pack" are int8 kernels: int4 layers then take int4pack as before."""
         if self.kernel != "dequant" or backend == "dequant":
             return
-        if self.supports("int4pack") and _kernel_ok("int4pack", self.scales.device, self.group_size):
-            self.use_kernel("int4pack")
-            if not keep_weight:  # the packed copies replace them (and weight_bytes counts them once)
-                self.weight = self.scales = self.zeros = None
+        choices = ("gemv",) if backend == "gemv" else ("int4pack",) if backend in ("int4x2", "int8pack") \
+            else ("gemv", "int4pack")
+        for kernel in choices:
+            if self.supports(kernel) and _kernel_ok(kernel, self.scales.device, self.group_size, bits=4):
+                self.use_kernel(kernel)
+                break
+        if self.kernel == "int4pack" and not keep_weight:  # the packed copies replace them (weight_bytes counts once)
+            self.weight = self.scales = self.zeros = None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.forward_int4pack(x) if self.kernel == "int4pack" else self.forward_dequant(x)
+        if self.kernel == "gemv":
+            y = self.forward_gemv(x)
+        elif self.kernel == "int4pack":
+            y = self.forward_int4pack(x)
+        else:
+            y = self.forward_dequant(x)
         return y if self.bias is None else y + self.bias
+
+    def forward_gemv(self, x: Tensor) -> Tensor:
+        x2 = _gemv_rows(x, self.in_features)
+        if x2 is None:  # a prefill: a GEMM's work, torch's own
+            return self.forward_dequant(x)
+        y = torch.ops.sparq.linear_int4_cpu(x2, self.weight, self.scales, self.zeros)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_int4pack(self, x: Tensor) -> Tensor:
         y = _int4pack_mm(_as_2d_bf16(x, self.in_features), self.packed, self.group_size, self.scales_and_zeros)
@@ -411,30 +466,33 @@ QUANTIZED_MODULES = (Int8Linear, Int4Linear, Int8Embedding, Int4Embedding)
 
 
 # Self-check of each packed kernel on the running machine, once per (kernel, device, group size).
-_KERNEL_CHECKS: dict[tuple[str, str, int], bool] = {}
+_KERNEL_CHECKS: dict[tuple[str, str, int, int], bool] = {}
 
 
-def _kernel_ok(kernel: str, device: torch.device, group_size: int = 0) -> bool:
-    key = (kernel, str(device), group_size)
+def _kernel_ok(kernel: str, device: torch.device, group_size: int = 0, bits: Optional[int] = None) -> bool:
+    """Whether `kernel` passes its self-check for an int{bits} layer (group_size 0: int8 per channel);
+    bits defaults to the kernel's own (int4pack: 4, int4x2 / int8pack: 8)."""
+    bits = bits or (4 if kernel == "int4pack" else 8)
+    key = (kernel, str(device), group_size, bits)
     if key not in _KERNEL_CHECKS:
-        _KERNEL_CHECKS[key] = _check_kernel(kernel, device, group_size)
+        _KERNEL_CHECKS[key] = _check_kernel(kernel, device, group_size, bits)
     return _KERNEL_CHECKS[key]
 
 
-def _check_kernel(kernel: str, device: torch.device, group_size: int) -> bool:
-    """Run `kernel` on a small random layer and compare it with the dequantized matmul."""
+def _check_kernel(kernel: str, device: torch.device, group_size: int, bits: int = 8) -> bool:
+    """Run `kernel` on a small random int{bits} layer and compare it with the dequantized matmul."""
     gen = torch.Generator().manual_seed(0)
     N, K = 64, max(2 * group_size, 128)
     w = torch.randn(N, K, generator=gen)
     x = torch.randn(5, K, generator=gen).to(KERNEL_DTYPE).float()  # bf16 values: the kernels' input
     try:
-        if kernel == "int4pack":
+        if bits == 4:
             layer = Int4Linear(K, N, group_size)
             q, layer.scales, layer.zeros = quantize_int4(w, group_size)
             layer.weight = pack_nibbles(q)
         else:
-            layer = Int8Linear(K, N)
-            layer.weight, layer.scales = quantize_int8(w)
+            layer = Int8Linear(K, N, group_size or None)
+            layer.weight, layer.scales = quantize_int8(w, group_size or None)
         layer = layer.to(device)
         expected = (x @ layer.dequantized_weight().T).cpu()
         layer.use_kernel(kernel)
@@ -533,8 +591,9 @@ def finalize_model(model: nn.Module, kernels: Kernels, backend: Optional[str] = 
     the model is on its final device (model.load_model does); the packed layouts are device-specific.
 
     kernels.packed_quantized False (--kernel torch): "dequant" everywhere. Else backend None or
-    "auto" = the fastest kernel that applies and passes its self-check (int8: "int4x2", else
-    "int8pack"; int4: "int4pack"), or force "int4x2" / "int8pack" / "dequant" (benchmarks).
+    "auto" = the fastest kernel that applies and passes its self-check (int8: "gemv", else "int4x2",
+    else "int8pack"; int4: "gemv", else "int4pack"), or force "gemv" / "int4x2" / "int8pack" /
+    "dequant" (benchmarks).
     Tensors a kernel no longer reads are released; a tied embedding keeps its own reference to the
     head's stored tensors, so the lookup still works.
     """

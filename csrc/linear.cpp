@@ -1,34 +1,78 @@
 // Decode-step GEMV for CPU: y = x @ w^T for the few rows of one decode step.
 //
-// Registered as the CPU kernel of sparq::linear_cpu, whose schema (and fake implementation, for
-// torch.compile) kernels.py defines:
+// Registered as the CPU kernels of sparq::linear_cpu and sparq::linear_cpu_isa, whose schemas (and
+// fake implementations, for torch.compile) kernels.py defines:
 //   linear_cpu(Tensor x, Tensor w) -> Tensor
+//   linear_cpu_isa() -> str      which path this build compiled (see below)
+//
+// At batch 1 every weight is read once per step, so this is a bandwidth problem: stock torch's
+// GEMV streams fp32 and bf16 weights at 7-9 GB/s on a 2-core machine against ~20 GB/s per core
+// for a plain sum (bench.py linear). Each thread streams 4 weight rows at a time (4 sequential
+// streams the hardware prefetcher follows), dotted with every row of x (L1-resident); the rows of
+// w are split over torch's threads in units claimed dynamically.
+//
+// The instruction set is chosen at build time from the compiler's feature macros (the build is
+// -march=native, and kernels.py puts the CPU's flags in the build tag), never per call:
+//   "avx512-bf16"  bf16 weights: vdpbf16ps, 32 weights per instruction with no widening (x in bf16:
+//                  exact products; x in fp32 / fp16: split into bf16 hi + lo parts, two dot products,
+//                  |x - hi - lo| <= 2^-17 |x|); fp32 / fp16 weights as "avx512".
+//   "avx512"       every weight dtype widened to fp32 (16 lanes), FMA: the readable reference path.
+//   "avx2"         the same with 8-lane AVX2 vectors (CPUs without AVX-512).
+//   "portable"     the reference path on simd.h's portable vectors.
+// (AMX-BF16 would add tile multiplies for many rows; at <= 16 rows the GEMV is bound by the weight
+// stream, which vdpbf16ps already keeps up with, and the CPUs measured here have no AMX.)
+// tests/test_kernels_cpu.py builds this file alone with features turned off and checks each path.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "parallel.h"
 #include "simd.h"
 
+#if !defined(SPARQ_AVX512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPARQ_AVX2 1
+#include <immintrin.h>
+#endif
+#if defined(SPARQ_AVX512) && defined(__AVX512BF16__)
+#define SPARQ_AVX512_BF16 1
+#endif
+
 namespace sparq_cpu {
 namespace {
 
+static const char* gemv_isa() {
+#if defined(SPARQ_AVX512_BF16)
+  return "avx512-bf16";
+#elif defined(SPARQ_AVX512)
+  return "avx512";
+#elif defined(SPARQ_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+// The rows of x, prepared once per call for the path that reads them.
+struct XRows {
+  int64_t M, K;
+  std::vector<float> f;   // (M, K) fp32: the widening paths
+  int64_t Kp = 0;         // bf16 planes: K padded to 32 with zeros
+  int nt = 0;             // bf16 terms: 1 (x was bf16), 2 (hi + lo of fp32 / fp16 x)
+  std::vector<bf16> h;    // (nt, M, Kp)
+};
+
 // ---------------------------------------------------------------------------------------------
-// Decode linear: y (M, N) = x (M, K) @ w (N, K)^T for the few rows of one decode step (M <= 16).
-// At batch 1 every weight is read once per step, so this is a bandwidth problem: stock torch's
-// GEMV streams fp32 and bf16 weights at 7-9 GB/s on this machine against ~22 GB/s for a plain
-// sum (bench.py linear). Here each thread streams 4 weight rows at a time (4 sequential streams
-// the hardware prefetcher follows), dotted with every row of x (held in fp32, L1-resident);
-// the rows of w are split over torch's threads in units claimed dynamically.
+// Reference path: widen every weight to fp32 (simd.h's 16-lane V), FMA with x in fp32.
+// y[m * N + r] = x_m . w_r for MB rows of x (K floats apart) and RB rows of w (ws elements apart):
+// each 16-wide slice of the RB weight rows is loaded once and used for all MB rows of x; the
+// MB * RB accumulators stay in registers.
 // ---------------------------------------------------------------------------------------------
 
-// y[m * N + r] = x_m . w_r for MB rows of x (K floats apart) and RB rows of w (ws elements
-// apart): each 16-wide slice of the RB weight rows is loaded (and widened to fp32) once and used
-// for all MB rows of x; MB * RB <= 16 accumulators stay in registers.
 template <int MB, int RB, class WT>
 static inline void dot_block(const float* x, int64_t K, const WT* w, int64_t ws, float* y, int64_t N) {
   V acc[MB][RB];
@@ -57,33 +101,167 @@ static inline void dot_block(const float* x, int64_t K, const WT* w, int64_t ws,
 }
 
 template <int RB, class WT>
-static inline void dot_rows(const float* xf, int64_t M, int64_t K, const WT* w, int64_t ws, float* y, int64_t N) {
-  for (int64_t m = 0; m < M; m += 4) {  // x in blocks of up to 4 rows
-    const float* x = xf + m * K;
+static inline void dot_rows(const XRows& x, const WT* w, int64_t ws, float* y, int64_t N) {
+  for (int64_t m = 0; m < x.M; m += 4) {  // x in blocks of up to 4 rows
+    const float* xm = x.f.data() + m * x.K;
     float* ym = y + m * N;
-    switch (std::min<int64_t>(4, M - m)) {
-      case 1: dot_block<1, RB>(x, K, w, ws, ym, N); break;
-      case 2: dot_block<2, RB>(x, K, w, ws, ym, N); break;
-      case 3: dot_block<3, RB>(x, K, w, ws, ym, N); break;
-      default: dot_block<4, RB>(x, K, w, ws, ym, N); break;
+    switch (std::min<int64_t>(4, x.M - m)) {
+      case 1: dot_block<1, RB>(xm, x.K, w, ws, ym, N); break;
+      case 2: dot_block<2, RB>(xm, x.K, w, ws, ym, N); break;
+      case 3: dot_block<3, RB>(xm, x.K, w, ws, ym, N); break;
+      default: dot_block<4, RB>(xm, x.K, w, ws, ym, N); break;
     }
   }
 }
 
-// rows [n0, n1) of w: y[m, n] for every m, 4 weight rows at a time (4 sequential streams the
-// hardware prefetcher follows)
-template <class WT>
-static void linear_rows(const float* xf, int64_t M, int64_t K, const WT* w, int64_t ws, int64_t n0, int64_t n1,
-                        float* y, int64_t N) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) dot_rows<4>(xf, M, K, w + n * ws, ws, y + n, N);
-  for (; n < n1; ++n) dot_rows<1>(xf, M, K, w + n * ws, ws, y + n, N);
+// ---------------------------------------------------------------------------------------------
+// AVX2: the reference path with 8-lane vectors (the K % 8 tail in scalar code).
+// ---------------------------------------------------------------------------------------------
+#ifdef SPARQ_AVX2
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const bf16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+static inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
+template <int MB, int RB, class WT>
+static inline void dot_block_avx2(const float* x, int64_t K, const WT* w, int64_t ws, float* y, int64_t N) {
+  __m256 acc[MB][RB];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) acc[m][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = load8(w + r * ws + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < RB; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) {
+      float s = hsum8(acc[m][r]);
+      for (int64_t t = k; t < K; ++t) s += x[m * K + t] * to_f(w[r * ws + t]);
+      y[m * N + r] = s;
+    }
+}
+
+template <int RB, class WT>
+static inline void dot_rows_avx2(const XRows& x, const WT* w, int64_t ws, float* y, int64_t N) {
+  for (int64_t m = 0; m < x.M; m += 2) {  // 2 x-rows x 4 w-rows: 8 of the 16 ymm registers accumulate
+    const float* xm = x.f.data() + m * x.K;
+    if (x.M - m == 1) dot_block_avx2<1, RB>(xm, x.K, w, ws, y + m * N, N);
+    else dot_block_avx2<2, RB>(xm, x.K, w, ws, y + m * N, N);
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// AVX512_BF16: bf16 weights straight into vdpbf16ps (acc[i] += w[2i] x[2i] + w[2i+1] x[2i+1]),
+// 32 weights per load and instruction; x as NT bf16 planes (hi, and lo for fp32 / fp16 x).
+// ---------------------------------------------------------------------------------------------
+#ifdef SPARQ_AVX512_BF16
+template <int MB, int RB, int NT>
+static inline void dot_block_bf16(const bf16* x, int64_t Kp, int64_t plane, int64_t K, const bf16* w, int64_t ws,
+                                  float* y, int64_t N) {
+  __m512 acc[MB][RB];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) acc[m][r] = _mm512_setzero_ps();
+  auto step = [&](const __m512bh* wv, int64_t k) {
+    for (int m = 0; m < MB; ++m)
+      for (int t = 0; t < NT; ++t) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * plane + m * Kp + k);
+        for (int r = 0; r < RB; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
+      }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ws + k);
+    step(wv, k);
+  }
+  if (k < K) {  // masked weights; x is zero-padded to Kp
+    const __mmask32 mask = (__mmask32)((K - k) >= 32 ? 0xFFFFFFFFu : ((1u << (K - k)) - 1u));
+    __m512bh wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * ws + k);
+    step(wv, k);
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) y[m * N + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+template <int RB, int NT>
+static inline void dot_rows_bf16_nt(const XRows& x, const bf16* w, int64_t ws, float* y, int64_t N) {
+  const int64_t plane = x.M * x.Kp;
+  for (int64_t m = 0; m < x.M; m += 4) {
+    const bf16* xm = x.h.data() + m * x.Kp;
+    float* ym = y + m * N;
+    switch (std::min<int64_t>(4, x.M - m)) {
+      case 1: dot_block_bf16<1, RB, NT>(xm, x.Kp, plane, x.K, w, ws, ym, N); break;
+      case 2: dot_block_bf16<2, RB, NT>(xm, x.Kp, plane, x.K, w, ws, ym, N); break;
+      case 3: dot_block_bf16<3, RB, NT>(xm, x.Kp, plane, x.K, w, ws, ym, N); break;
+      default: dot_block_bf16<4, RB, NT>(xm, x.Kp, plane, x.K, w, ws, ym, N); break;
+    }
+  }
+}
+
+template <int RB>
+static inline void dot_rows_bf16(const XRows& x, const bf16* w, int64_t ws, float* y, int64_t N) {
+  if (x.nt == 1) dot_rows_bf16_nt<RB, 1>(x, w, ws, y, N);
+  else dot_rows_bf16_nt<RB, 2>(x, w, ws, y, N);
+}
+#endif
+
+// rows [n0, n1) of w: y[m, n] for every m, 4 weight rows at a time, on this build's path
+template <class WT>
+static void linear_rows(const XRows& x, const WT* w, int64_t ws, int64_t n0, int64_t n1, float* y, int64_t N) {
+  int64_t n = n0;
+#if defined(SPARQ_AVX512_BF16)
+  if constexpr (std::is_same_v<WT, bf16>) {
+    for (; n + 4 <= n1; n += 4) dot_rows_bf16<4>(x, w + n * ws, ws, y + n, N);
+    for (; n < n1; ++n) dot_rows_bf16<1>(x, w + n * ws, ws, y + n, N);
+    return;
+  }
+#endif
+#if defined(SPARQ_AVX2)
+  for (; n + 4 <= n1; n += 4) dot_rows_avx2<4>(x, w + n * ws, ws, y + n, N);
+  for (; n < n1; ++n) dot_rows_avx2<1>(x, w + n * ws, ws, y + n, N);
+#else
+  for (; n + 4 <= n1; n += 4) dot_rows<4>(x, w + n * ws, ws, y + n, N);
+  for (; n < n1; ++n) dot_rows<1>(x, w + n * ws, ws, y + n, N);
+#endif
+}
+
+// x (M, K) of any float dtype -> the fp32 rows, and (bf16 weights on the vdpbf16ps path) the bf16
+// planes: x itself when it is bf16, else hi = bf16(x), lo = bf16(x - hi).
 template <class XT>
-static void to_f32(const XT* x, int64_t M, int64_t K, int64_t xs, float* out) {
+static XRows prepare_x(const XT* x, int64_t M, int64_t K, int64_t xs, bool bf16_planes) {
+  XRows r;
+  r.M = M;
+  r.K = K;
+  r.f.resize(std::max<int64_t>(M * K, 1));
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) out[m * K + k] = static_cast<float>(x[m * xs + k]);
+    for (int64_t k = 0; k < K; ++k) r.f[m * K + k] = static_cast<float>(x[m * xs + k]);
+  if (bf16_planes) {
+    r.Kp = round_up(std::max<int64_t>(K, 1), 32);
+    r.nt = std::is_same_v<XT, bf16> ? 1 : 2;
+    r.h.assign(r.nt * M * r.Kp, bf16(0.f));
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = r.f[m * K + k];
+        const bf16 hi(v);
+        r.h[m * r.Kp + k] = hi;
+        if (r.nt == 2) r.h[(M + m) * r.Kp + k] = bf16(v - static_cast<float>(hi));
+      }
+  }
+  return r;
 }
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) {
@@ -96,31 +274,34 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) {
   const auto xdt = x.scalar_type(), wdt = w.scalar_type();
   TORCH_CHECK(xdt == at::kFloat || xdt == at::kBFloat16 || xdt == at::kHalf, "sparq::linear_cpu: unsupported x dtype");
   TORCH_CHECK(wdt == at::kFloat || wdt == at::kBFloat16 || wdt == at::kHalf, "sparq::linear_cpu: unsupported w dtype");
-  std::vector<float> xf(std::max<int64_t>(M * K, 1));
-  if (xdt == at::kFloat) to_f32(x.data_ptr<float>(), M, K, x.stride(0), xf.data());
-  else if (xdt == at::kBFloat16) to_f32(x.data_ptr<bf16>(), M, K, x.stride(0), xf.data());
-  else to_f32(x.data_ptr<f16>(), M, K, x.stride(0), xf.data());
+#ifdef SPARQ_AVX512_BF16
+  const bool planes = wdt == at::kBFloat16;
+#else
+  const bool planes = false;
+#endif
+  XRows xr;
+  if (xdt == at::kFloat) xr = prepare_x(x.data_ptr<float>(), M, K, x.stride(0), planes);
+  else if (xdt == at::kBFloat16) xr = prepare_x(x.data_ptr<bf16>(), M, K, x.stride(0), planes);
+  else xr = prepare_x(x.data_ptr<f16>(), M, K, x.stride(0), planes);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  const int nt = thread_count();
-  // units of 64 rows (a multiple of 4), at least 4 per thread so a late thread is not waited on
-  int64_t rows = 64;
-  while (rows > 4 && (N + rows - 1) / rows < 4 * nt) rows /= 2;
-  const int64_t units = (N + rows - 1) / rows;
   const int64_t ws = w.stride(0);
-  auto fn = [&](int, int64_t u, int) {
-    const int64_t n0 = u * rows, n1 = std::min(N, n0 + rows);
-    if (wdt == at::kFloat) linear_rows(xf.data(), M, K, w.data_ptr<float>(), ws, n0, n1, yp, N);
-    else if (wdt == at::kBFloat16) linear_rows(xf.data(), M, K, w.data_ptr<bf16>(), ws, n0, n1, yp, N);
-    else linear_rows(xf.data(), M, K, w.data_ptr<f16>(), ws, n0, n1, yp, N);
-  };
-  run_phases(nt, {units}, fn);
+  over_weight_rows(N, [&](int64_t n0, int64_t n1) {
+    if (wdt == at::kFloat) linear_rows(xr, w.data_ptr<float>(), ws, n0, n1, yp, N);
+    else if (wdt == at::kBFloat16) linear_rows(xr, w.data_ptr<bf16>(), ws, n0, n1, yp, N);
+    else linear_rows(xr, w.data_ptr<f16>(), ws, n0, n1, yp, N);
+  });
   return xdt == at::kFloat ? y : y.to(xdt);
 }
+
+std::string linear_cpu_isa() { return gemv_isa(); }
 
 }  // namespace
 }  // namespace sparq_cpu
 
 TORCH_LIBRARY_IMPL(sparq, CPU, m) {
   m.impl("linear_cpu", &sparq_cpu::linear_cpu);
+}
+TORCH_LIBRARY_IMPL(sparq, CompositeExplicitAutograd, m) {  // no tensor arguments
+  m.impl("linear_cpu_isa", &sparq_cpu::linear_cpu_isa);
 }

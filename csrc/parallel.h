@@ -93,6 +93,19 @@ static inline int thread_count() {
   return at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
 }
 
+// The GEMVs' split: rows [0, N) of a weight in units of up to 64 rows (a multiple of 4, so blocks
+// of 4 rows stay whole), at least 4 units per thread so a late thread is not waited on; fn(n0, n1)
+// runs on torch's threads.
+template <class F>
+static void over_weight_rows(int64_t N, F&& fn) {
+  const int nt = thread_count();
+  int64_t rows = 64;
+  while (rows > 4 && (N + rows - 1) / rows < 4 * nt) rows /= 2;
+  const int64_t units = (N + rows - 1) / rows;
+  auto unit = [&](int, int64_t u, int) { fn(u * rows, std::min(N, (u + 1) * rows)); };
+  run_phases(nt, {units}, unit);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Ragged batches: each batch row b reads its own live positions [0, len[b]). Every (row, KV head)
 // "bh" splits into ceil(len[b] / cs) chunks of one chunk length cs; the units are numbered bh by bh.

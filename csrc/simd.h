@@ -49,6 +49,7 @@ static inline M cmp_gt(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_GT_O
 static inline M cmp_eq(V a, V b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_EQ_OQ); }
 static inline M tail_mask(int64_t n) { return n >= 16 ? (M)0xFFFF : (M)((1u << n) - 1u); }
 static inline V vselect(M m, V a, V b) { return {_mm512_mask_blend_ps(m, b.x, a.x)}; }  // m ? a : b
+static inline V vlane(V a, int i) { return {_mm512_permutexvar_ps(_mm512_set1_epi32(i), a.x)}; }  // lane i everywhere
 
 static inline V load(const float* p) { return {_mm512_loadu_ps(p)}; }
 static inline V load(const bf16* p) {
@@ -96,6 +97,19 @@ static inline Lanes load_ids(const int32_t* p, M m) { return {_mm512_maskz_loadu
 static inline int compress_store(float* dst_s, int32_t* dst_i, M m, V a, Lanes idx) {
   return compress_store(dst_s, dst_i, m, a, idx.x);
 }
+// 16 int8 -> fp32 (masked: the lanes of m, zeros elsewhere)
+static inline V load_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+static inline V load_i8(const int8_t* p, M m) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)))}; }
+// 16 bytes of 4-bit values -> (low nibbles, high nibbles) - 8 as fp32; vpermps reads only the low
+// 4 bits of each index, so the table lookup both masks and converts
+static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  lo->x = _mm512_permutexvar_ps(b, table);
+  hi->x = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+}
 static inline void prefetch(const void* p) { __asm__ __volatile__("prefetcht0 (%0)" : : "r"(p)); }
 static inline void prefetch_l2(const void* p) { __asm__ __volatile__("prefetcht1 (%0)" : : "r"(p)); }
 
@@ -123,6 +137,7 @@ static inline M cmp_gt(V a, V b) { M m = 0; SPARQ_LANES m |= (M)(a.x[l] > b.x[l]
 static inline M cmp_eq(V a, V b) { M m = 0; SPARQ_LANES m |= (M)(a.x[l] == b.x[l]) << l; return m; }
 static inline M tail_mask(int64_t n) { return n >= 16 ? (M)0xFFFF : (M)((1u << n) - 1u); }
 static inline V vselect(M m, V a, V b) { V r; SPARQ_LANES r.x[l] = ((m >> l) & 1) ? a.x[l] : b.x[l]; return r; }
+static inline V vlane(V a, int i) { return vset(a.x[i]); }
 template <typename T> static inline V load_lanes(const T* p) { V r; SPARQ_LANES r.x[l] = (float)p[l]; return r; }
 template <typename T> static inline V load_lanes(const T* p, M m) { V r; SPARQ_LANES r.x[l] = ((m >> l) & 1) ? (float)p[l] : 0.f; return r; }
 // Overloads, not a template load<T>: for bf16 / f16 pointers argument-dependent lookup also finds
@@ -143,6 +158,11 @@ static inline int compress_store(float* dst_s, int32_t* dst_i, M m, V a, Lanes i
   int c = 0;
   for (int l = 0; l < 16; ++l) if ((m >> l) & 1) { dst_s[c] = a.x[l]; dst_i[c++] = idx.x[l]; }
   return c;
+}
+static inline V load_i8(const int8_t* p) { V r; for (int l = 0; l < 16; ++l) r.x[l] = (float)p[l]; return r; }
+static inline V load_i8(const int8_t* p, M m) { V r; for (int l = 0; l < 16; ++l) r.x[l] = ((m >> l) & 1) ? (float)p[l] : 0.f; return r; }
+static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
+  for (int l = 0; l < 16; ++l) { lo->x[l] = (float)(p[l] & 15) - 8.f; hi->x[l] = (float)(p[l] >> 4) - 8.f; }
 }
 static inline void prefetch(const void* p) { __builtin_prefetch(p); }
 static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }

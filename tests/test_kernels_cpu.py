@@ -12,10 +12,14 @@ gives equal logits).
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
+import platform
 import random
+import subprocess
 import sys
+import textwrap
 import zlib
 from pathlib import Path
 
@@ -475,3 +479,135 @@ def test_fused_linear_in_the_model_matches_f_linear():
     compiled = torch.compile(layer, fullgraph=True)
     x = torch.randn(3, 1, 96, generator=gen)
     torch.testing.assert_close(compiled(x), layer(x), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The quantized GEMVs (csrc/linear_quant.cpp) and the instruction-set variants of the GEMVs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("M,N,K,group,x_dtype,scale_dtype,n_threads", [
+    (1, 576, 576, None, "float32", "bfloat16", 2), (3, 5, 100, None, "float32", "float32", 1),  # K % 16 != 0
+    (16, 961, 576, 64, "bfloat16", "bfloat16", 2), (2, 4099, 64, 32, "float32", "bfloat16", 2),
+    (5, 67, 1536, 16, "float16", "float32", 1)])
+def test_fused_int8_linear_matches_fp64(M, N, K, group, x_dtype, scale_dtype, n_threads, threads):
+    """sparq::linear_int8_cpu: per-channel and grouped scales, against fp64 over the dequantized weights."""
+    threads(n_threads)
+    gen = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=gen).to(getattr(torch, x_dtype))
+    q = torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8)
+    s = (torch.rand(N, K // (group or K), generator=gen) + 0.01).to(getattr(torch, scale_dtype))
+    if group is None:
+        s = s[:, 0]
+    w = q.double() * (s.double()[:, None] if group is None else s.double().repeat_interleave(group, 1))
+    out = torch.ops.sparq.linear_int8_cpu(x, q, s)
+    assert out.dtype == x.dtype and out.shape == (M, N)
+    ref = (x.double() @ w.T).to(x.dtype).double()
+    tol = 1e-5 * math.sqrt(K) * float(ref.abs().max()) / 10 if x.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-2 if x.dtype != torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("M,N,K,group,x_dtype,scale_dtype,n_threads", [
+    (1, 576, 576, 32, "float32", "bfloat16", 2), (3, 5, 64, 32, "float32", "float32", 1),
+    (16, 961, 576, 64, "bfloat16", "bfloat16", 2), (2, 1027, 1536, 256, "float32", "bfloat16", 2),
+    (7, 67, 768, 128, "float16", "float32", 1)])
+def test_fused_int4_linear_matches_fp64(M, N, K, group, x_dtype, scale_dtype, n_threads, threads):
+    """sparq::linear_int4_cpu on quantize.py's portable nibbles (low nibble = even column):
+    W = (q - 8) * s + z per group, against fp64."""
+    threads(n_threads)
+    gen = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=gen).to(getattr(torch, x_dtype))
+    q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    s = (torch.rand(N, K // group, generator=gen) + 0.01).to(getattr(torch, scale_dtype))
+    z = torch.randn(N, K // group, generator=gen).to(getattr(torch, scale_dtype))
+    w = (q.double() - 8) * s.double().repeat_interleave(group, 1) + z.double().repeat_interleave(group, 1)
+    out = torch.ops.sparq.linear_int4_cpu(x, packed, s, z)
+    assert out.dtype == x.dtype and out.shape == (M, N)
+    ref = (x.double() @ w.T).to(x.dtype).double()
+    tol = 1e-5 * math.sqrt(K) * float(ref.abs().max()) / 10 if x.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-2 if x.dtype != torch.float32 else 1e-5)
+
+
+def test_gemv_isa_matches_the_cpu():
+    """The GEMV's instruction set is fixed at build time (-march=native): bf16 dot products where
+    the CPU has them."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    isa = torch.ops.sparq.linear_cpu_isa()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert isa == ("avx512-bf16" if "avx512_bf16" in flags else "avx512")
+    elif {"avx2", "fma", "f16c"} <= flags:
+        assert isa == "avx2"
+
+
+# A variant build of the GEMV sources alone with some CPU features turned off, checked against
+# fp64 in a subprocess (a second build of the same ops cannot load beside the main one).
+_VARIANT_CHECK = textwrap.dedent("""
+    import math, sys
+    import torch
+    from torch.utils import cpp_extension
+    sys.path.insert(0, {repo!r})
+    import kernels  # the op schemas
+    cpp_extension.load(name={name!r}, sources={sources!r}, extra_cflags=["-O3", *{flags!r}, "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], is_python_module=False)
+    print("ISA", torch.ops.sparq.linear_cpu_isa())
+    for M, N, K, xd, wd in [(1, 576, 576, "float32", "float32"), (1, 1000, 17, "float32", "bfloat16"),
+                            (3, 5, 1536, "float32", "bfloat16"), (16, 961, 576, "bfloat16", "bfloat16"),
+                            (2, 4099, 64, "bfloat16", "float32"), (5, 67, 45, "float16", "float16")]:
+        g = torch.Generator().manual_seed(M * N + K)
+        x = torch.randn(M, K, generator=g).to(getattr(torch, xd))
+        w = torch.randn(N, K, generator=g).to(getattr(torch, wd))
+        ref = (x.double() @ w.double().T).to(x.dtype).double()
+        tol = 1e-5 * math.sqrt(K) if x.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(torch.ops.sparq.linear_cpu(x, w).double(), ref, atol=tol, rtol=tol)
+    for M, N, K, group in [(1, 100, 576, None), (4, 33, 100, None), (16, 70, 576, 64)]:
+        g = torch.Generator().manual_seed(N + K)
+        x = torch.randn(M, K, generator=g)
+        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        s = torch.rand(N, K // (group or K), generator=g).bfloat16() + 0.01
+        s = s[:, 0] if group is None else s
+        w = q.double() * (s.double()[:, None] if group is None else s.double().repeat_interleave(group, 1))
+        torch.testing.assert_close(torch.ops.sparq.linear_int8_cpu(x, q, s).double(), x.double() @ w.T,
+                                   atol=1e-4 * float(w.abs().max()) * math.sqrt(K), rtol=1e-5)
+    for M, N, K, group in [(1, 100, 576, 32), (9, 37, 256, 128)]:
+        g = torch.Generator().manual_seed(N + K)
+        x = torch.randn(M, K, generator=g)
+        q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+        s = torch.rand(N, K // group, generator=g).bfloat16() + 0.01
+        z = torch.randn(N, K // group, generator=g).bfloat16()
+        w = (q.double() - 8) * s.double().repeat_interleave(group, 1) + z.double().repeat_interleave(group, 1)
+        out = torch.ops.sparq.linear_int4_cpu(x, q[:, 0::2] | (q[:, 1::2] << 4), s, z)
+        torch.testing.assert_close(out.double(), x.double() @ w.T, atol=1e-4 * float(w.abs().max()) * math.sqrt(K),
+                                   rtol=1e-5)
+    print("OK")
+""")
+
+
+def test_gemv_variants_without_cpu_features_match_fp64():
+    """The GEMV sources built with features turned off (AVX-512 without its bf16 dot products;
+    AVX2 only, x86-64-v3; SSE2 only, the portable vectors), each checked against fp64: the paths
+    other CPUs take stay correct. Each variant is cached in torch's extension dir like the main build."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the variants are x86-64 -march flags")
+    cpu = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    variants = [(["-march=x86-64"], "portable")]
+    if {"avx2", "fma", "f16c"} <= cpu:
+        variants.append((["-march=x86-64-v3"], "avx2"))
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
+        variants.append((["-march=native", "-mno-avx512bf16"], "avx512"))
+    csrc = Path(kernels.__file__).resolve().parent / "csrc"
+    sources = [str(csrc / "linear.cpp"), str(csrc / "linear_quant.cpp")]
+    tag = hashlib.sha1(torch.__version__.encode())
+    for path in sorted(csrc.iterdir()):
+        tag.update(path.name.encode() + path.read_bytes())
+    procs = []
+    for flags, isa in variants:  # built in parallel, one subprocess each
+        name = "sparq_gemv_" + "_".join(f.strip("-").replace("=", "").replace("-", "") for f in flags)
+        name += "_" + tag.hexdigest()[:10]
+        script = _VARIANT_CHECK.format(repo=str(csrc.parent), name=name, sources=sources, flags=flags)
+        procs.append((flags, isa, subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                                   stderr=subprocess.STDOUT, text=True)))
+    for flags, isa, proc in procs:
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0 and out.rstrip().endswith("OK"), f"{flags}:\n{out[-3000:]}"
+        assert f"ISA {isa}" in out, f"{flags} built the wrong path:\n{out[-3000:]}"

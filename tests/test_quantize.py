@@ -156,12 +156,13 @@ def assert_matches_reference(layer, w_ref, kernel, shape):
     x = torch.randn(*shape, w_ref.shape[1], generator=torch.Generator().manual_seed(1))
     if kernel != "dequant":
         layer.use_kernel(kernel)
-        x = x.bfloat16().float()  # the packed kernels read bf16 activations (by design)
+    if kernel not in ("dequant", "gemv"):
+        x = x.bfloat16().float()  # the packed aten kernels read bf16 activations (by design)
     assert layer.kernel == kernel
     y = layer(x)
     expected = x.double() @ w_ref.T
     assert y.shape == (*shape, w_ref.shape[0]) and y.dtype == torch.float32
-    if kernel == "dequant":
+    if kernel in ("dequant", "gemv"):  # fp32 over exactly the dequantized weights
         torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     else:  # fp32 accumulation, output rounded to bf16: 2^-9 relative, plus summation order
         err = (y.double() - expected).abs()
@@ -169,8 +170,8 @@ def assert_matches_reference(layer, w_ref, kernel, shape):
 
 
 @pytest.mark.parametrize("group_size", [None, 64])
-@pytest.mark.parametrize("kernel", ["int4x2", "int8pack", "dequant"])
-@pytest.mark.parametrize("shape", [(1,), (3,), (8,), (2, 5)])
+@pytest.mark.parametrize("kernel", ["gemv", "int4x2", "int8pack", "dequant"])
+@pytest.mark.parametrize("shape", [(1,), (3,), (8,), (2, 5), (3, 7)])  # 21 rows: gemv's prefill path
 def test_int8_linear_kernels_match_the_dequantized_matmul(group_size, kernel, shape):
     layer, w_ref = int8_layer(96, 576, group_size=group_size)
     if group_size is not None and kernel == "int8pack":
@@ -181,12 +182,12 @@ def test_int8_linear_kernels_match_the_dequantized_matmul(group_size, kernel, sh
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
-@pytest.mark.parametrize("kernel", ["int4pack", "dequant"])
-@pytest.mark.parametrize("shape", [(1,), (8,), (2, 5)])
+@pytest.mark.parametrize("kernel", ["gemv", "int4pack", "dequant"])
+@pytest.mark.parametrize("shape", [(1,), (8,), (2, 5), (3, 7)])  # 21 rows: gemv's prefill path
 def test_int4_linear_kernels_match_the_dequantized_matmul(group_size, kernel, shape):
     layer, w_ref = int4_layer(96, 768, group_size)
-    if kernel == "int4pack":
-        require_kernel(layer, kernel, group_size)
+    if kernel != "dequant":
+        require_kernel(layer, kernel, group_size, 4)
     assert_matches_reference(layer, w_ref, kernel, shape)
 
 
@@ -301,7 +302,11 @@ def test_weights_survive_the_dtype_cast(tmp_path):
     path = quantize_file(tiny_checkpoint(tmp_path, True), "int4", 32)
     model = load(path, dtype=torch.bfloat16)
     assert model.norm.weight.dtype == torch.bfloat16
-    assert model.layers[0].attention.wqkv.scales_and_zeros.dtype == torch.bfloat16
+    wqkv = model.layers[0].attention.wqkv  # the scales its kernel reads stayed bf16, its q integer
+    if wqkv.kernel == "gemv":
+        assert wqkv.scales.dtype == wqkv.zeros.dtype == torch.bfloat16 and wqkv.weight.dtype == torch.uint8
+    else:
+        assert wqkv.scales_and_zeros.dtype == torch.bfloat16
     assert model.output.scales.dtype == torch.bfloat16 and model.tok_embeddings.weight.dtype == torch.int8
     model.setup_caches(1, 8)
     with torch.no_grad():

@@ -1,0 +1,286 @@
+// Decode-step GEMVs over weight-only quantized weights (quantize.py's stored formats, read as they
+// are: no repacking at load), for the few rows of one decode step.
+//
+// Registered as the CPU kernels of these ops, whose schemas (and fake implementations, for
+// torch.compile) kernels.py defines:
+//   linear_int8_cpu(Tensor x, Tensor w, Tensor scales) -> Tensor
+//       w (N, K) int8, scales (N,) per output channel or (N, G) per group of K / G inputs:
+//       W[n, k] = w[n, k] * scales[n, k / gs]
+//   linear_int4_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor
+//       w (N, K / 2) uint8, two 4-bit values q per byte (low nibble = even column), scales and
+//       zeros (N, G): W[n, k] = (q[n, k] - 8) * scales[n, k / gs] + zeros[n, k / gs]
+// y = x @ W^T in fp32 (x any float dtype, returned in x's dtype); scales / zeros bf16 or fp32.
+//
+// Each weight vector is dequantized in registers to exactly the fp32 values quantize.py's
+// dequantize_int8 / dequantize_int4 produce (q * s and (q - 8) * s + z are exact in fp32, one
+// rounding for + z as there), then multiplied with x in fp32: the result is the fp32 GEMV over the
+// dequantized weights, while the stream is 1 byte (int8) or 1/2 byte (int4) per weight. Software
+// prefetch a block of rows ahead keeps the stream going while the conversions compute (without it
+// the int8 stream ran at half the bandwidth). bench.py linear --quantized compares these with
+// torch's packed aten kernels. The code is written once over simd.h's vectors (AVX-512, or the
+// portable ones, which the compiler vectorises for AVX2).
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+#include "simd.h"
+
+#ifndef SPARQ_QPF
+#define SPARQ_QPF 4
+#endif
+
+namespace sparq_cpu {
+namespace {
+
+template <class ST>
+static inline float scale_at(const ST* s, int64_t i) { return to_f(s[i]); }
+
+// ---------------------------------------------------------------------------------------------
+// int8: MB rows of x (fp32, K apart) against RB rows of w (ws bytes apart), W = q * s. Per output
+// channel the scale multiplies the finished dot product; per group, each group's partial dot
+// product (t) is scaled into the accumulator: one FMA per group instead of a multiply per weight.
+// The scales of 16 groups are loaded (widened) as one vector per row and broadcast lane by lane.
+// ---------------------------------------------------------------------------------------------
+
+template <int MB, int RB, class ST>
+static inline void int8_block(const float* x, int64_t K, const int8_t* w, int64_t ws, const ST* s, int64_t ss,
+                              int64_t G, float* y, int64_t N) {
+  V acc[MB][RB];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) acc[m][r] = vzero();
+  if (G == 1) {  // per output channel
+    const int64_t kfull = K / 16 * 16;
+    for (int64_t k = 0; k < kfull; k += 16) {
+      if (k % 64 == 0)
+        for (int r = 0; r < RB; ++r) prefetch_l2(w + (r + SPARQ_QPF) * ws + k);
+      V wv[RB];
+      for (int r = 0; r < RB; ++r) wv[r] = load_i8(w + r * ws + k);
+      for (int m = 0; m < MB; ++m) {
+        const V xv = load(x + m * K + k);
+        for (int r = 0; r < RB; ++r) acc[m][r] = vfma(wv[r], xv, acc[m][r]);
+      }
+    }
+    if (kfull < K) {
+      const M mask = tail_mask(K - kfull);
+      for (int r = 0; r < RB; ++r) {
+        const V wv = load_i8(w + r * ws + kfull, mask);
+        for (int m = 0; m < MB; ++m) acc[m][r] = vfma(wv, load(x + m * K + kfull, mask), acc[m][r]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < RB; ++r) y[m * N + r] = hsum(acc[m][r]) * scale_at(s, r * ss);
+    return;
+  }
+  const int64_t gs = K / G;  // a multiple of 16
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const M gm = tail_mask(G - g0);
+    V sv[RB];
+    for (int r = 0; r < RB; ++r) sv[r] = load(s + r * ss + g0, gm);
+    for (int64_t g = g0; g < std::min(G, g0 + 16); ++g) {
+      V t[MB][RB];
+      for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < RB; ++r) t[m][r] = vzero();
+      for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
+        if (k % 64 == 0)  // the next rows' cache lines, a block ahead of the stream
+          for (int r = 0; r < RB; ++r) prefetch_l2(w + (r + SPARQ_QPF) * ws + k);
+        V wv[RB];
+        for (int r = 0; r < RB; ++r) wv[r] = load_i8(w + r * ws + k);
+        for (int m = 0; m < MB; ++m) {
+          const V xv = load(x + m * K + k);
+          for (int r = 0; r < RB; ++r) t[m][r] = vfma(wv[r], xv, t[m][r]);
+        }
+      }
+      for (int r = 0; r < RB; ++r) {
+        const V sg = vlane(sv[r], (int)(g - g0));
+        for (int m = 0; m < MB; ++m) acc[m][r] = vfma(sg, t[m][r], acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) y[m * N + r] = hsum(acc[m][r]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// int4: W = (q - 8) s + z, so x . W = sum_g s_g (x_g . (q_g - 8)) + sum_g z_g X_g with X_g the sum
+// of x over group g. x is split into its even and odd columns (xe, xo: (M, K / 2) each): the low
+// nibbles of 16 bytes (16 even columns) meet 16 consecutive xe, the high nibbles 16 xo. Groups span
+// gs / 2 bytes (gs a multiple of 32: whole 16-byte steps); X: (M, G).
+// ---------------------------------------------------------------------------------------------
+
+template <int MB, int RB, class ST>
+static inline void int4_block(const float* xe, const float* xo, int64_t K2, const float* X, int64_t G,
+                              const uint8_t* w, int64_t ws, const ST* s, const ST* z, int64_t ss, float* y, int64_t N) {
+  const int64_t gs2 = K2 / G;  // bytes per group
+  V acc[MB][RB];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) acc[m][r] = vzero();
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const M gm = tail_mask(G - g0);
+    V sv[RB];
+    for (int r = 0; r < RB; ++r) {
+      sv[r] = load(s + r * ss + g0, gm);
+      for (int m = 0; m < MB; ++m)  // the zero points' term, 16 groups at a time
+        acc[m][r] = vfma(load(z + r * ss + g0, gm), load(X + m * G + g0, gm), acc[m][r]);
+    }
+    for (int64_t g = g0; g < std::min(G, g0 + 16); ++g) {
+      for (int r = 0; r < RB; ++r) {
+        const V sg = vlane(sv[r], (int)(g - g0));
+        if (MB == 1) {  // one row of x: scale the group's partial dot product (fewest operations)
+          V t = vzero();
+          for (int64_t b = g * gs2; b < (g + 1) * gs2; b += 16) {
+            if (b % 64 == 0) prefetch_l2(w + (r + SPARQ_QPF) * ws + b);
+            V lo, hi;
+            load_nibbles_minus8(w + r * ws + b, &lo, &hi);
+            t = vfma(hi, load(xo + b), vfma(lo, load(xe + b), t));
+          }
+          acc[0][r] = vfma(sg, t, acc[0][r]);
+        } else {  // several: scale the weights once, (q - 8) s, shared by every row of x
+          for (int64_t b = g * gs2; b < (g + 1) * gs2; b += 16) {
+            if (b % 64 == 0) prefetch_l2(w + (r + SPARQ_QPF) * ws + b);
+            V lo, hi;
+            load_nibbles_minus8(w + r * ws + b, &lo, &hi);
+            lo = vmul(lo, sg);
+            hi = vmul(hi, sg);
+            for (int m = 0; m < MB; ++m) acc[m][r] = vfma(hi, load(xo + m * K2 + b), vfma(lo, load(xe + m * K2 + b), acc[m][r]));
+          }
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) y[m * N + r] = hsum(acc[m][r]);
+}
+
+// Blocks of up to 4 rows of x over rows [n0, n1) of w, 4 weight rows at a time (4 sequential
+// streams for the hardware prefetcher); block(mb, rb, m, n) calls the <MB, RB> kernel.
+template <class Block>
+static inline void over_blocks(int64_t M, int64_t n0, int64_t n1, Block&& block) {
+  auto rows_of_x = [&](auto rb, int64_t n) {
+    for (int64_t m = 0; m < M; m += 4) {
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: block(std::integral_constant<int, 1>{}, rb, m, n); break;
+        case 2: block(std::integral_constant<int, 2>{}, rb, m, n); break;
+        case 3: block(std::integral_constant<int, 3>{}, rb, m, n); break;
+        default: block(std::integral_constant<int, 4>{}, rb, m, n); break;
+      }
+    }
+  };
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) rows_of_x(std::integral_constant<int, 4>{}, n);
+  for (; n < n1; ++n) rows_of_x(std::integral_constant<int, 1>{}, n);
+}
+
+template <class XT>
+static void x_to_f32(const at::Tensor& x, float* out) {
+  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
+  const XT* p = x.data_ptr<XT>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) out[m * K + k] = static_cast<float>(p[m * xs + k]);
+}
+
+static std::vector<float> x_f32(const at::Tensor& x) {
+  std::vector<float> f(std::max<int64_t>(x.numel(), 1));
+  switch (x.scalar_type()) {
+    case at::kFloat: x_to_f32<float>(x, f.data()); break;
+    case at::kBFloat16: x_to_f32<bf16>(x, f.data()); break;
+    default: x_to_f32<f16>(x, f.data()); break;
+  }
+  return f;
+}
+
+static void check_x(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.stride(1) == 1, op, ": x must be a CPU (M, K) tensor contiguous along K");
+  TORCH_CHECK(x.size(0) <= 16, op, ": at most 16 rows (decode)");
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, op, ": unsupported x dtype");
+}
+
+static int64_t check_scales(const at::Tensor& s, int64_t N, const char* op) {
+  TORCH_CHECK(s.device().is_cpu() && s.size(0) == N && (s.dim() == 1 || (s.dim() == 2 && s.stride(1) == 1)) &&
+                  (s.scalar_type() == at::kBFloat16 || s.scalar_type() == at::kFloat),
+              op, ": scales / zeros must be CPU bf16 or fp32, (N,) or (N, G) contiguous along G");
+  return s.dim() == 1 ? 1 : s.size(1);
+}
+
+at::Tensor linear_int8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const char* op = "sparq::linear_int8_cpu";
+  check_x(x, op);
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.scalar_type() == at::kChar && w.stride(1) == 1 &&
+                  w.size(1) == x.size(1), op, ": w must be int8 (N, K) contiguous along K, K = x's");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t G = check_scales(scales, N, op);
+  TORCH_CHECK(K % G == 0 && (G == 1 || (K / G) % 16 == 0), op, ": groups must split K into multiples of 16");
+  const int64_t ss = scales.dim() == 1 ? 1 : scales.stride(0), ws = w.stride(0);
+  const std::vector<float> xf = x_f32(x);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto run = [&](auto* s) {
+    over_weight_rows(N, [&](int64_t n0, int64_t n1) {
+      over_blocks(M, n0, n1, [&](auto mb, auto rb, int64_t m, int64_t n) {
+        int8_block<decltype(mb)::value, decltype(rb)::value>(xf.data() + m * K, K, wp + n * ws, ws, s + n * ss, ss, G,
+                                                            yp + m * N + n, N);
+      });
+    });
+  };
+  if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<bf16>());
+  else run(scales.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros) {
+  const char* op = "sparq::linear_int4_cpu";
+  check_x(x, op);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), K2 = K / 2;
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.scalar_type() == at::kByte && w.stride(1) == 1 &&
+                  K % 2 == 0 && w.size(1) == K2, op, ": w must be uint8 (N, K / 2) contiguous, K = x's");
+  const int64_t G = check_scales(scales, N, op);
+  TORCH_CHECK(scales.dim() == 2 && zeros.sizes() == scales.sizes() && zeros.strides() == scales.strides() &&
+                  zeros.scalar_type() == scales.scalar_type() && zeros.device().is_cpu(),
+              op, ": scales and zeros must be (N, G) alike");
+  TORCH_CHECK(K % G == 0 && (K / G) % 32 == 0, op, ": groups must split K into multiples of 32");
+  const int64_t ss = scales.stride(0), ws = w.stride(0);
+  const std::vector<float> xf = x_f32(x);
+  std::vector<float> xeo(2 * std::max<int64_t>(M * K2, 1) + M * G);  // even columns, odd ones, group sums
+  float* xe = xeo.data();
+  float* xo = xe + M * K2;
+  float* X = xo + M * K2;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t j = 0; j < K2; ++j) {
+      xe[m * K2 + j] = xf[m * K + 2 * j];
+      xo[m * K2 + j] = xf[m * K + 2 * j + 1];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * (K / G); k < (g + 1) * (K / G); ++k) sum += xf[m * K + k];
+      X[m * G + g] = sum;
+    }
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  auto run = [&](auto* s, auto* z) {
+    over_weight_rows(N, [&](int64_t n0, int64_t n1) {
+      over_blocks(M, n0, n1, [&](auto mb, auto rb, int64_t m, int64_t n) {
+        int4_block<decltype(mb)::value, decltype(rb)::value>(xe + m * K2, xo + m * K2, K2, X + m * G, G, wp + n * ws, ws,
+                                                            s + n * ss, z + n * ss, ss, yp + m * N + n, N);
+      });
+    });
+  };
+  if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<bf16>(), zeros.data_ptr<bf16>());
+  else run(scales.data_ptr<float>(), zeros.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+}  // namespace sparq_cpu
+
+TORCH_LIBRARY_IMPL(sparq, CPU, m) {
+  m.impl("linear_int8_cpu", &sparq_cpu::linear_int8_cpu);
+  m.impl("linear_int4_cpu", &sparq_cpu::linear_int4_cpu);
+}
