@@ -351,14 +351,16 @@ def cmd_decode(args) -> int:
     model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
     starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps)
     kernels = kernels_for(args.kernel, "cpu", model_args)  # both policies share the kernel family and the linears
-    settings = {"dense": AttentionSettings("dense"),
-                "sparq": AttentionSettings("sparq", sparq_r=args.sparq_r, sparq_k=args.sparq_k,
-                                           sparq_local=args.sparq_local, sparq_mean_v=args.sparq_mean_v)}
+    r_values = cli.int_list(args.sparq_r, "--sparq-r")
+    settings = {"dense": AttentionSettings("dense")}
+    for r in r_values:  # one SparQ policy per r: "sparq", or "sparq-r16", "sparq-r32", ...
+        settings["sparq" if len(r_values) == 1 else f"sparq-r{r}"] = AttentionSettings(
+            "sparq", sparq_r=r, sparq_k=args.sparq_k, sparq_local=args.sparq_local, sparq_mean_v=args.sparq_mean_v)
     try:
         factories = {name: policy_factory(s, model_args, kernels) for name, s in settings.items()}
     except ValueError as e:
         raise UserError(str(e)) from None
-    config = factories["sparq"](0).config
+    config = factories[list(settings)[1]](0).config  # k, local, mean-V: shared by the SparQ policies
     # (label, first decode position of each row): every context at every batch size, then the ragged case
     cases = [(str(context), [starts[context]] * B) for context in contexts for B in batches]
     if args.ragged:
@@ -373,7 +375,7 @@ def cmd_decode(args) -> int:
     cache_length = longest + args.warmup + args.steps
 
     print(f"# decode, {args.checkpoint}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
-          f"{'compiled' if args.compile else 'eager'}, SparQ r={config.r} k={config.k} local={config.local} "
+          f"{'compiled' if args.compile else 'eager'}, SparQ r={','.join(map(str, r_values))} k={config.k} local={config.local} "
           f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}")
     print(_DECODE_HEADER, flush=True)
     rows = []
@@ -408,7 +410,7 @@ def cmd_decode(args) -> int:
                 rows.append({
                     "prompt_tokens": label if "/" in label else int(label), "live_length": max(live),
                     "batch_size": B, "dtype": dtype_name,
-                    "attention": name, "kernel": kernels.name, "compiled": args.compile,
+                    "attention": name, "sparq_r": settings[name].sparq_r, "kernel": kernels.name, "compiled": args.compile,
                     "threads": torch.get_num_threads(),
                     "decode_tokens_per_s": 1 / seconds[name], "total_tokens_per_s": B / seconds[name],
                     "weight_bytes": weights, "kv_bytes_read_per_step": kv[name],
@@ -417,7 +419,9 @@ def cmd_decode(args) -> int:
                     "theoretical_speedup": (weights + kv["dense"]) / (weights + kv[name]),
                     "theoretical_kv_speedup": kv["dense"] / kv[name],
                 })
-            progress.write(_decode_row_line(rows[-2], rows[-1]))
+            case_rows = rows[-len(policies):]  # dense first
+            for sparq in case_rows[1:]:
+                progress.write(_decode_row_line(case_rows[0], sparq))
     progress.close()
     _print_decode_table(rows, config, kernels.name, args.compile)
     if args.llamacpp:
@@ -453,7 +457,8 @@ def _beside_llamacpp(rows: list[dict], args, contexts: list[int], dtypes: list[s
     for dtype in dtypes:
         for context in contexts:
             them = theirs[(dtype, max(context, 1))]
-            dense, sparq = ours[(dtype, context, "dense")], ours[(dtype, context, "sparq")]
+            dense = ours[(dtype, context, "dense")]
+            sparq = next(r for (dt, c, name), r in ours.items() if (dt, c) == (dtype, context) and name != "dense")
             print(f"{dtype:9} {context:7d} {them['decode_tok_s']:10.1f} {dense['decode_tokens_per_s']:10.1f} "
                   f"{sparq['decode_tokens_per_s']:10.1f} {dense['decode_tokens_per_s'] / them['decode_tok_s']:10.2f}x "
                   f"{sparq['decode_tokens_per_s'] / them['decode_tok_s']:10.2f}x {them['prefill_tok_s'] or 0:13.0f}")
@@ -461,13 +466,13 @@ def _beside_llamacpp(rows: list[dict], args, contexts: list[int], dtypes: list[s
         print(note)
 
 
-_DECODE_HEADER = (f"{'dtype':9} {'context':>7} {'B':>3} {'dense tok/s':>11} {'SparQ tok/s':>11} {'speedup':>7} "
+_DECODE_HEADER = (f"{'dtype':9} {'context':>7} {'B':>3} {'r':>3} {'dense tok/s':>11} {'SparQ tok/s':>11} {'speedup':>7} "
                   f"{'theory':>6} {'KV theory':>9} {'dense GB/s':>10} {'SparQ GB/s':>10} {'dense KV GB/s':>13} "
                   f"{'SparQ KV GB/s':>13}")
 
 
 def _decode_row_line(dense: dict, sparq: dict) -> str:
-    return (f"{dense['dtype']:9} {str(dense['prompt_tokens']):>7} {dense['batch_size']:3d} "
+    return (f"{dense['dtype']:9} {str(dense['prompt_tokens']):>7} {dense['batch_size']:3d} {sparq['sparq_r']:3d} "
             f"{dense['decode_tokens_per_s']:11.2f} {sparq['decode_tokens_per_s']:11.2f} "
             f"{sparq['speedup_vs_dense']:6.2f}x {sparq['theoretical_speedup']:5.2f}x "
             f"{sparq['theoretical_kv_speedup']:8.2f}x {dense['gb_s']:10.2f} {sparq['gb_s']:10.2f} "
@@ -475,13 +480,13 @@ def _decode_row_line(dense: dict, sparq: dict) -> str:
 
 
 def _print_decode_table(rows: list[dict], config, kernel: str, compiled: bool) -> None:
-    print(f"\ndecode, SparQ r={config.r} k={config.k} local={config.local} mean_v={config.mean_v} "
+    print(f"\ndecode, SparQ k={config.k} local={config.local} mean_v={config.mean_v} "
           f"kernel={kernel}{' compiled' if compiled else ' eager'}; tok/s per sequence; "
           f"GB/s = (weights + KV bytes read) / step time")
     print(_DECODE_HEADER)
     by_key = {(r["dtype"], r["prompt_tokens"], r["batch_size"], r["attention"]): r for r in rows}
     for (dtype, context, B, attention), sparq in by_key.items():
-        if attention == "sparq":
+        if attention != "dense":
             print(_decode_row_line(by_key[(dtype, context, B, "dense")], sparq))
 
 
@@ -496,7 +501,8 @@ def _plot_decode(rows: list[dict], path: str) -> None:
     for ax, dtype in zip(axes[0], dtypes):
         uniform = [r for r in rows if isinstance(r["prompt_tokens"], int)]  # the ragged case is in the table only
         for B in sorted({r["batch_size"] for r in uniform}):
-            for attention, style in (("dense", "--"), ("sparq", "-")):
+            for attention in dict.fromkeys(r["attention"] for r in uniform):
+                style = "--" if attention == "dense" else "-"
                 pts = sorted((r["prompt_tokens"], r["total_tokens_per_s"]) for r in uniform
                              if r["dtype"] == dtype and r["batch_size"] == B and r["attention"] == attention)
                 if pts:
@@ -657,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "timed steps start early enough to end at it)")
     p.add_argument("--batch-size", default="1,4,8", help="comma list")
     p.add_argument("--dtype", default="float32", help=f"comma list of {', '.join(DTYPES)}")
-    p.add_argument("--sparq-r", type=int, default=16)
+    p.add_argument("--sparq-r", default="16", help="comma list: one SparQ policy per r, each beside dense")
     p.add_argument("--sparq-k", type=int, default=128)
     p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
     p.add_argument("--sparq-mean-v", choices=("auto", "on", "off"), default="auto")

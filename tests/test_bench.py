@@ -64,10 +64,11 @@ def test_decode_ragged_case_counts_every_row_at_its_length(tmp_path, smollm2_che
     out = tmp_path / "decode.json"
     code = bench.main(["decode", "--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "40",
                        "--batch-size", "1", "--ragged", "30,200", "--steps", "2", "--warmup", "0", "--sparq-k", "16",
-                       "--kernel", "torch", "--json", str(out)])
+                       "--sparq-r", "8,16", "--kernel", "torch", "--json", str(out)])
     assert code == 0
     rows = [r for r in json.loads(out.read_text())["rows"] if r["prompt_tokens"] == "30/200"]
-    assert {r["attention"] for r in rows} == {"dense", "sparq"} and all(r["batch_size"] == 2 for r in rows)
+    assert {r["attention"] for r in rows} == {"dense", "sparq-r8", "sparq-r16"}  # one SparQ policy per r
+    assert all(r["batch_size"] == 2 for r in rows)
     dense = next(r for r in rows if r["attention"] == "dense")
     # two rows at live lengths 32 and 202 (the median of two steps): 2 S d + 2 d per head, layer and row
     per_row = [(2 * S * 64 + 2 * 64) * 3 * 30 * 4 for S in (32, 202)]
