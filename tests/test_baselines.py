@@ -119,7 +119,7 @@ def test_registry_builds_every_policy_and_checks_flags():
 
     args = ModelArgs(vocab_size=10, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=8)
     for name in POLICIES:
-        settings = AttentionSettings(name, sparq_r=8 if name == "sparq" else None, sparq_k=32,
+        settings = AttentionSettings(name, sparq_r=8 if "sparq_r" in POLICIES[name].flags else None, sparq_k=32,
                                      kv_budget=40 if POLICIES[name].knob == "kv_budget" else None)
         make = policy_factory(settings, args)
         assert make(0) is not make(1)  # one instance per layer (H2O keeps per-layer state)

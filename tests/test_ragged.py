@@ -49,7 +49,7 @@ def test_every_row_equals_its_prompt_alone_tiny_model(policy):
     model = tiny_model()
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 70, 33)]
-    settings = AttentionSettings(policy, sparq_r=6 if policy == "sparq" else None, sparq_k=24,
+    settings = AttentionSettings(policy, sparq_r=6 if "sparq_r" in POLICIES[policy].flags else None, sparq_k=24,
                                  kv_budget=24 if POLICIES[policy].knob == "kv_budget" else None)
     batch = run_rows(model, rows, 14, settings)
     assert batch == alone(model, rows, 14, settings)
@@ -80,7 +80,7 @@ def test_smollm2_rows_of_20_700_3000_tokens_equal_each_prompt_alone(smollm2, pol
     model, tok = smollm2
     essay = data.essay_tokens(tok, 3100)
     rows = [essay[:20], essay[50:750], essay[100:3100]]
-    settings = AttentionSettings(policy, sparq_r=16 if policy == "sparq" else None, sparq_k=64)
+    settings = AttentionSettings(policy, sparq_r=16 if "sparq_r" in POLICIES[policy].flags else None, sparq_k=64)
     batch = run_rows(model, rows, 12, settings)
     assert batch == alone(model, rows, 12, settings)
 
@@ -106,7 +106,7 @@ def test_fused_kernels_run_ragged_rows(smollm2_checkpoint, smollm2):
     essay = data.essay_tokens(tok, 700)
     rows = [essay[:25], essay[100:700], essay[10:210]]
     for policy in ("dense", "sparq"):
-        settings = AttentionSettings(policy, sparq_r=16 if policy == "sparq" else None, sparq_k=64)
+        settings = AttentionSettings(policy, sparq_r=16 if "sparq_r" in POLICIES[policy].flags else None, sparq_k=64)
         assert run_rows(fused, rows, 10, settings) == run_rows(plain, rows, 10, settings)
 
 

@@ -118,7 +118,7 @@ def test_running_v_sum_tracks_live_positions():
     for pos in range(10, 20):
         cache.update(torch.tensor([pos]), torch.randn(B, n_kv, 1, d).bfloat16(), torch.randn(B, n_kv, 1, d).bfloat16())
         torch.testing.assert_close(cache.v_sum, cache.v[:, :, : pos + 1].float().sum(2))
-        assert int(cache.live_length) == pos + 1
+        assert cache.live_length.tolist() == [pos + 1] * B
     assert cache.v[:, :, 20:].abs().sum() == 0
     cache.reset()
     assert cache.v_sum.abs().sum() == 0
@@ -196,11 +196,11 @@ def test_cache_snapshot_restore_and_rewind():
     saved, v_sum = cache.snapshot(), cache.v_sum.clone()
     for pos in range(10, 14):
         cache.update(torch.tensor([pos]), torch.randn(B, n_kv, 1, d), torch.randn(B, n_kv, 1, d))
-    assert int(cache.live_length) == 14 and not torch.equal(cache.v_sum, v_sum)
+    assert cache.live_length[:B].tolist() == [14] * B and not torch.equal(cache.v_sum, v_sum)
     cache.restore(saved)
-    assert int(cache.live_length) == 10 and torch.equal(cache.v_sum, v_sum)
+    assert cache.live_length[:B].tolist() == [10] * B and torch.equal(cache.v_sum, v_sum)
     cache.rewind(12)
-    assert int(cache.live_length) == 12
+    assert cache.live_length[:B].tolist() == [12] * B
     torch.testing.assert_close(cache.v_sum, cache.v[:, :, :12].float().sum(2))
 
 
@@ -210,10 +210,11 @@ def test_cache_broadcast_row_and_read_length():
     for name in ("k", "k_t", "v", "v_sum"):
         buffer = getattr(cache, name)
         assert torch.equal(buffer[2], buffer[0]) and torch.equal(buffer[1], buffer[0])
-    assert cache.read_length(10) == 10 and cache.view(10).live_length is None
+    assert cache.read_length(10) == 10 and cache.view(10, 3).live_length is None
     bucketed = KVCache(1, 300, 1, 8, torch.float32, length_bucket=128)
     assert [bucketed.read_length(n) for n in (1, 128, 129, 290)] == [128, 128, 256, 300]
-    assert bucketed.view(128).live_length is bucketed.live_length
+    view = bucketed.view(128, 1).live_length
+    assert view.dim() == 0 and view.data_ptr() == bucketed.live_length.data_ptr()
 
 
 def test_window_cache_views_and_running_sum():
@@ -227,7 +228,7 @@ def test_window_cache_views_and_running_sum():
     for pos in range(7, 12):
         cache.update(torch.tensor([pos]), torch.randn(B, n_kv, 1, d, generator=gen),
                      torch.randn(B, n_kv, 1, d, generator=gen))
-        view = cache.view(pos + 1)
+        view = cache.view(pos + 1, B)
         assert view.start == pos + 1 - W and view.length == W
         assert torch.equal(view.k[:, :, :W], cache.k[:, :, pos + 1 - W:pos + 1])
         assert torch.equal(view.k_t[:, :, :, :W], cache.k_t[:, :, :, pos + 1 - W:pos + 1])
@@ -236,7 +237,7 @@ def test_window_cache_views_and_running_sum():
     torch.testing.assert_close(cache.v_sum, cache.v[:, :, 4:9].sum(2))
     short = KVCache(1, 8, 1, d, torch.float32, window=W)
     short.update(torch.arange(3), torch.randn(1, 1, 3, d), torch.randn(1, 1, 3, d))
-    assert short.view(3).start == 0 and short.visible_length(3) == 3
+    assert short.view(3, 1).start == 0 and short.visible_length(3) == 3
     with pytest.raises(ValueError, match="exact lengths"):
         KVCache(1, 8, 1, d, torch.float32, length_bucket=4, window=W)
 
