@@ -14,8 +14,10 @@ ARGS ?=
 run: setup model
 	$(PY) generate.py --checkpoint $(MODEL_DIR) --chat --prompt "$(PROMPT)" --max-new-tokens 128 $(ARGS)
 
+# Two workers (one thread each: tests/conftest.py), a test file per worker at a time.
+TEST_WORKERS ?= 2
 test: setup-test model
-	$(PY) -m pytest tests/ -q $(ARGS)
+	$(PY) -m pytest tests/ -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test

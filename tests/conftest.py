@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest workers on two cores: one thread each, set before torch starts its
+    # OpenMP pool (two 2-thread teams spinning against each other run ~10x slower). Subprocesses
+    # (generate.py, torchrun, kernel builds) inherit it.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 
 def skip_or_fail(reason: str) -> None:
     """Skip when data that `make` prepares is missing; under CI (CI=true) that is a failure instead."""

@@ -86,8 +86,8 @@ def test_fused_cpu_kernel_generates_the_same_tokens_as_the_torch_path(smollm2, m
     fused_kernels = cpu_kernels()
     model, tok = smollm2
     prompt = data.essay_tokens(tok, 1024)
-    torch_path = greedy(model, prompt, 64, lambda layer: make_policy(TORCH_KERNELS), batch_size=2)
-    fused = greedy(model, prompt, 64, lambda layer: make_policy(fused_kernels), batch_size=2)
+    torch_path = greedy(model, prompt, 32, lambda layer: make_policy(TORCH_KERNELS), batch_size=2)
+    fused = greedy(model, prompt, 32, lambda layer: make_policy(fused_kernels), batch_size=2)
     assert fused == torch_path
 
 
@@ -96,8 +96,8 @@ def test_fused_cpu_linears_generate_the_same_tokens_as_f_linear(smollm2, smollm2
     fused_model = load_model(smollm2_checkpoint, kernels=cpu_kernels())  # its linears run the fused GEMV
     prompt = data.essay_tokens(tok, 512)
     for batch_size in (1, 8):  # one decode row; eight rows (the GEMV's x blocks of 4)
-        reference = greedy(model, prompt, 48, lambda layer: DenseDecode(), batch_size=batch_size)
-        fused = greedy(fused_model, prompt, 48, lambda layer: DenseDecode(), batch_size=batch_size)
+        reference = greedy(model, prompt, 24, lambda layer: DenseDecode(), batch_size=batch_size)
+        fused = greedy(fused_model, prompt, 24, lambda layer: DenseDecode(), batch_size=batch_size)
         assert fused == reference
 
 
