@@ -299,27 +299,33 @@ def _plot(rows: list[dict], path: str, r: int, k: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _time_decode(step, model, starts: list[int], steps: int, warmup: int) -> float:
-    """Seconds per decode step (median, after warm-up) of len(starts) rows whose first decode step is
-    at position starts[b] (rows alike, or ragged: each row at its own live length)."""
+def _time_decode(step, model, policies: dict[str, list], starts: list[int], steps: int,
+                 warmup: int) -> dict[str, float]:
+    """Seconds per decode step (median, after warm-up) of each policy, for len(starts) rows whose first
+    decode step is at position starts[b] (rows alike, or ragged: each row at its own live length).
+
+    The policies take turns step by step (dense step i, SparQ step i, dense step i + 1, ...), each
+    from the same live positions, so a slow spell of the machine lands on all of them alike rather
+    than on whichever ran during it."""
     import torch
 
     B, top = len(starts), max(starts)
     token = torch.zeros(B, 1, dtype=torch.long)
     ragged = len(set(starts)) > 1
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in policies}
     with torch.no_grad():
-        for cache in model.caches:
-            cache.rewind(top)  # positions [0, top) live again, whatever the last timing wrote
-        if ragged:  # every row holds the same essay: row b's live prefix is its first starts[b] tokens
-            model.set_live_lengths(torch.tensor(starts))
-        positions = torch.tensor(starts).view(B, 1) if ragged else torch.tensor([top])
         for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            step(model, token, positions, top + i + 1)
-            times.append(time.perf_counter() - t0)
-            positions += 1
-    return statistics.median(times[warmup:])
+            for name, layers in policies.items():
+                for cache in model.caches:
+                    cache.rewind(top + i)  # positions [0, top + i) live, whatever the other policy wrote
+                if ragged:  # every row holds the same essay: row b's live prefix is its first starts[b] + i tokens
+                    model.set_live_lengths(torch.tensor(starts) + i)
+                positions = (torch.tensor(starts).view(B, 1) if ragged else torch.tensor([top])) + i
+                model.set_decode_attention(lambda layer, layers=layers: layers[layer])
+                t0 = time.perf_counter()
+                step(model, token, positions, top + i + 1)
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t[warmup:]) for name, t in times.items()}
 
 
 def _first_decode_positions(contexts: list[int], max_context: int, steps: int) -> dict[int, int]:
@@ -376,7 +382,7 @@ def cmd_decode(args) -> int:
 
     print(f"# decode, {args.checkpoint}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
           f"{'compiled' if args.compile else 'eager'}, SparQ r={','.join(map(str, r_values))} k={config.k} local={config.local} "
-          f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}")
+          f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}, policies taking turns step by step")
     print(_DECODE_HEADER, flush=True)
     rows = []
     progress = tqdm(total=len(dtypes) * len(cases) * len(settings), desc="decode bench", file=sys.stderr)
@@ -398,14 +404,14 @@ def cmd_decode(args) -> int:
             step = torch.compile(decode_step, dynamic=True, fullgraph=True)
         for label, row_starts in cases:
             B = len(row_starts)
-            seconds, kv = {}, {}
             live = [start + args.warmup + args.steps // 2 + 1 for start in row_starts]  # at the median step
+            progress.set_postfix_str(f"{dtype_name} context={label} B={B}")
+            seconds = _time_decode(step, model, policies, row_starts, args.steps, args.warmup)
+            kv = {}
             for name, layers in policies.items():
                 model.set_decode_attention(lambda i, layers=layers: layers[i])
-                progress.set_postfix_str(f"{dtype_name} context={label} B={B} {name}")
-                seconds[name] = _time_decode(step, model, row_starts, args.steps, args.warmup)
                 kv[name] = sum(model.decode_kv_bytes(S, 1) for S in live)  # every row at its own length
-                progress.update()
+            progress.update(len(policies))
             for name in policies:
                 rows.append({
                     "prompt_tokens": label if "/" in label else int(label), "live_length": max(live),
