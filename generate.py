@@ -458,14 +458,15 @@ def run(args: argparse.Namespace) -> int:
         return chat_loop(args, model, tokenizer, settings, length_bucket)
     world = tp.maybe_shard(model, args.device)  # under torchrun: this rank's KV heads (tp.py)
     try:
-        return generate_rows(args, model, tokenizer, settings, kernels, length_bucket, world)
+        return generate_rows(args, model, tokenizer, settings, kernels, length_bucket, world, config)
     finally:
         tp.shutdown()
 
 
 def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, settings: AttentionSettings,
-                  kernels: Kernels, length_bucket: int, world: Optional[int]) -> int:
-    """The prompts of the command line, generated as one batch; reported and written as asked."""
+                  kernels: Kernels, length_bucket: int, world: Optional[int], config: ModelArgs) -> int:
+    """The prompts of the command line, generated as one batch; reported and written as asked. `config` is the
+    whole model's shape (under torchrun, model.args is this rank's share)."""
     rows = prompt_ids(args, tokenizer)
     longest, ragged = max(map(len, rows)), len({len(r) for r in rows}) > 1
     if ragged and model.args.layer_types and "window" in model.args.layer_types:
@@ -483,15 +484,16 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
               f"and the longest prompt {longest}", file=sys.stderr)
 
     setup(model, args, settings, len(rows), max_seq_length, length_bucket)
-    print(f"model: {model.args.n_layer} layers, dim {model.args.dim}, {model.args.n_head} heads / "
-          f"{model.args.n_kv_head} KV heads, {args.dtype} on {args.device}; "
+    print(f"model: {config.n_layer} layers, dim {config.dim}, {config.n_head} heads / "
+          f"{config.n_kv_head} KV heads, {args.dtype} on {args.device}; "
           f"KV cache {model.kv_cache_bytes() / 2**20:.1f} MiB (layout {args.kv_layout}, "
           f"batch {len(rows)} x {max_seq_length} positions); kernels: {kernels.name} ({kernels.describe})",
           file=sys.stderr)
     print(f"attention: {describe_layers(model)}", file=sys.stderr)
     if world:
-        print(f"tensor parallel: {world} ranks, {model.args.n_kv_head} KV heads each ({torch.get_num_threads()} "
-              f"threads per rank); figures below are rank 0's, its KV bytes x {world} for the whole model",
+        print(f"tensor parallel: {world} ranks, rank 0 holds {model.args.n_kv_head} of {config.n_kv_head} KV heads "
+              f"({torch.get_num_threads()} threads per rank); the bytes below are rank 0's share (its weights and "
+              f"KV heads)",
               file=sys.stderr)
     generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
                           compile_decode=args.compile, compile_prefill=args.compile_prefill,
@@ -524,7 +526,7 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
         ratio = model_compression(model, longest + stats.steps)
         print(f"attention: {settings.policy}, KV transfers {ratio:.3f} of dense at the final length "
               f"(compression 1/{1 / ratio:.1f})", file=sys.stderr)
-    if args.json:
+    if args.json and tp.rank() == 0:  # one writer: every rank holds the same tokens
         write_json(args, settings, model, tokenizer, rows, samples, summary)
     return 0
 
