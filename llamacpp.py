@@ -380,12 +380,13 @@ def requantize(src_gguf: Path, fmt: str, cache_dir: Optional[Path] = None, build
 
 
 def bench_commands(bench_bin: Path, gguf: Path, contexts: Sequence[int], n_gen: int = 32, threads: int = 2,
-                   repetitions: int = 3) -> dict[str, list[str]]:
+                   repetitions: int = 3, prefill: bool = True) -> dict[str, list[str]]:
     """The two llama-bench command lines: 'prefill' (a prompt of N tokens, empty cache) and 'decode'
-    (n_gen tokens after a context of N tokens, via -d/--n-depth). Prefill is left out for N = 0."""
+    (n_gen tokens after a context of N tokens, via -d/--n-depth). Prefill is left out for N = 0, and
+    altogether when not asked for (-d still prefills each context, untimed)."""
     common = ["-t", str(threads), "-r", str(repetitions), "-o", "json", "--progress"]
     cmds = {}
-    prompts = [c for c in contexts if c > 0]
+    prompts = [c for c in contexts if c > 0] if prefill else []
     if prompts:
         cmds["prefill"] = [str(bench_bin), "-m", str(gguf), "-p", _join(prompts), "-n", "0", *common]
     cmds["decode"] = [str(bench_bin), "-m", str(gguf), "-p", "0", "-n", str(n_gen), "-d", _join(contexts), *common]
@@ -464,7 +465,7 @@ def run_bench(cmd: list[str], desc: str) -> list[dict]:
 
 def time_decode(gguf: Path, contexts: Sequence[int] = DEFAULT_CONTEXTS, n_gen: int = 32, threads: int = 2,
                 repetitions: int = 3, label: Optional[str] = None, cache_dir: Optional[Path] = None,
-                build_: Optional[Build] = None) -> list[dict]:
+                build_: Optional[Build] = None, prefill: bool = True) -> list[dict]:
     """llama.cpp's decode tokens/s after a context of N tokens, and its prefill tokens/s of N tokens, per N.
 
     Rows: {format, context, prefill_tok_s, decode_tok_s (and their std over repetitions), n_gen, threads,
@@ -476,7 +477,7 @@ def time_decode(gguf: Path, contexts: Sequence[int] = DEFAULT_CONTEXTS, n_gen: i
         raise UserError(f"GGUF file not found: {gguf}")
     b = build_ or build(cache_dir)
     label = label or gguf_format(gguf) or gguf.stem
-    cmds = bench_commands(b.tool("bench"), gguf, contexts, n_gen, threads, repetitions)
+    cmds = bench_commands(b.tool("bench"), gguf, contexts, n_gen, threads, repetitions, prefill)
     load = os.getloadavg()[0]
     prefill = run_bench(cmds["prefill"], f"{label} prefill") if "prefill" in cmds else []
     load = max(load, os.getloadavg()[0])
@@ -555,6 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-gen", type=cli.positive_int, default=32, help="tokens generated per decode measurement")
     p.add_argument("--threads", type=cli.positive_int, default=2)
     p.add_argument("--reps", type=cli.positive_int, default=3, help="llama-bench repetitions (-r) per test")
+    p.add_argument("--decode-only", action="store_true",
+                   help="time decode alone (a 32k prefill takes minutes; -d still prefills each context, untimed)")
     p.add_argument("--cache", type=Path, default=None, help=cache_help)
     p.add_argument("--json", type=Path, default=None, help="write the rows (with the llama-bench commands) as JSON")
     p.set_defaults(func=cmd_bench)
@@ -576,7 +579,8 @@ def cmd_bench(args) -> int:
     rows = []
     for fmt in formats:
         path = requantize(args.gguf, fmt, build_=b)
-        rows += time_decode(path, contexts, args.n_gen, args.threads, args.reps, label=fmt, build_=b)
+        rows += time_decode(path, contexts, args.n_gen, args.threads, args.reps, label=fmt, build_=b,
+                            prefill=not args.decode_only)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

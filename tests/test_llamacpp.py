@@ -323,6 +323,8 @@ def test_bench_commands():
     assert cmds["prefill"] == ["bin/llama-bench", "-m", "m.gguf", "-p", "16,1024", "-n", "0", *common]
     assert cmds["decode"] == ["bin/llama-bench", "-m", "m.gguf", "-p", "0", "-n", "32", "-d", "16,1024", *common]
     assert "prefill" not in llamacpp.bench_commands(Path("b"), Path("m"), [0])  # context 0: decode only
+    decode_only = llamacpp.bench_commands(Path("bin/llama-bench"), Path("m.gguf"), [16, 1024], prefill=False)
+    assert list(decode_only) == ["decode"] and "16,1024" in decode_only["decode"]  # --decode-only
 
 
 def test_parse_captured_llama_bench_output():
