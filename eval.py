@@ -11,7 +11,10 @@ keeps k = --sparq-k (local window k/4) and takes the r in 1..d whose transfers a
 LM-Infinite ("local"), FlexGen top-k ("topk") and the oracle take the budget k closest to the
 target (top-k cannot go below about 1/2). Compression 1 is dense for every method, the shared
 baseline column. The compression each row actually achieved (averaged over its decode steps) is
-recorded.
+recorded. Results are kept per task and size (--lengths, --squad-contexts), never pooled over sizes: a
+task run at several sizes also gets a table and a plot of score against prompt length at each
+compression (the paper's Figure 6: --task squad --squad-contexts 7,15,31,63 --attention
+dense,sparq-fixed-r,h2o,local --compression 1/4).
 
 Everything after the prompt goes through the model's decode path with the chosen policy, one token
 per step, exactly as generate.py and bench.py run it, with the same kernels (--kernel). The dense
@@ -34,7 +37,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -290,44 +293,62 @@ class Runner:
 # =============================================================================================
 
 
+class Cell(NamedTuple):
+    """One task at one size (prompt tokens, or SQuAD's confusion contexts): results never pool sizes."""
+    task: str
+    size: int
+
+    def label(self) -> str:
+        return f"{self.task} {self.size} {TASKS[self.task].size}"
+
+
 class Results:
     def __init__(self):
-        self.values: dict[tuple, list[float]] = defaultdict(list)  # (task, metric, method, target) -> per example
-        self.achieved: dict[tuple, list[float]] = defaultdict(list)  # (task, method, target) -> per batch
-        self.per_layer: dict[tuple, list[list[float]]] = defaultdict(list)  # (task, metric, method, target)
-        self.budgets: dict[tuple, Budget] = {}  # (task, method, target, seq_len)
+        self.values: dict[tuple, list[float]] = defaultdict(list)  # (cell, metric, method, target) -> per example
+        self.achieved: dict[tuple, list[float]] = defaultdict(list)  # (cell, method, target) -> per batch
+        self.per_layer: dict[tuple, list[list[float]]] = defaultdict(list)  # (cell, metric, method, target)
+        self.prompt_tokens: dict[Cell, list[int]] = defaultdict(list)  # per example
+        self.budgets: dict[tuple, Budget] = {}  # (task, method, target, size)
 
-    def add(self, task: str, config: Config, metric: str, values: list[float]) -> None:
-        self.values[(task, metric, config.method, config.budget.target)] += values
+    def add(self, cell: Cell, config: Config, metric: str, values: list[float]) -> None:
+        self.values[(cell, metric, config.method, config.budget.target)] += values
 
     def rows(self) -> list[dict]:
         out = []
-        for (task, metric, method, target), values in self.values.items():
+        for (cell, metric, method, target), values in self.values.items():
             score, stderr = mean_stderr(values)
-            achieved = self.achieved.get((task, method, target))
-            row = {"task": task, "metric": metric, "higher_is_better": dict(TASKS[task].metrics)[metric],
+            achieved = self.achieved.get((cell, method, target))
+            prompts = self.prompt_tokens.get(cell)
+            row = {"task": cell.task, "size": cell.size, "size_unit": TASKS[cell.task].size,
+                   "prompt_tokens": sum(prompts) / len(prompts) if prompts else None, "metric": metric,
+                   "higher_is_better": dict(TASKS[cell.task].metrics)[metric],
                    "attention": method, "compression": float(target), "compression_label": fraction_label(target),
                    "achieved_compression": sum(achieved) / len(achieved) if achieved else 1.0,
                    "score": score, "stderr": stderr, "n": len(values)}
-            dense = self.values.get((task, metric, "dense", DENSE))
+            dense = self.values.get((cell, metric, "dense", DENSE))
             if method != "dense" and dense is not None and len(dense) == len(values):
                 # Every example ran under every policy (same order): the paired difference is far
                 # tighter than the per-cell standard errors when examples differ a lot (bpc).
                 delta, delta_se = mean_stderr([v - d for v, d in zip(values, dense)])
                 row["delta_vs_dense"], row["delta_stderr"] = delta, delta_se
-            layers = self.per_layer.get((task, metric, method, target))
+            layers = self.per_layer.get((cell, metric, method, target))
             if layers:
                 row["per_layer"] = [sum(col) / len(col) for col in zip(*layers)]
             out.append(row)
         return out
 
 
-def evaluate_batch(task_name: str, runner: Runner, tokenizer, examples: list[Example], configs: list[Config],
+def row_cell(row: dict) -> Cell:
+    return Cell(row["task"], row["size"])
+
+
+def evaluate_batch(cell: Cell, runner: Runner, tokenizer, examples: list[Example], configs: list[Config],
                    results: Results, progress) -> None:
     """Every config on one batch: teacher-force the answers, generate greedily, score with the task."""
-    task = TASKS[task_name]
+    task = TASKS[cell.task]
+    results.prompt_tokens[cell] += [len(e.prompt) for e in examples]
     if task.score is None:
-        return diagnose_batch(task_name, runner, examples, configs, results, progress)
+        return diagnose_batch(cell, runner, examples, configs, results, progress)
     extra = max(max(len(e.answer), e.max_new) for e in examples) + 1
     runner.prefill([e.prompt for e in examples], configs, extra)
     for config in configs:
@@ -348,8 +369,8 @@ def evaluate_batch(task_name: str, runner: Runner, tokenizer, examples: list[Exa
                 outcome.text = tokenizer.decode(row)
         scores = [task.score(e, outcome) for e, outcome in zip(examples, outcomes)]
         for metric, _ in task.metrics:
-            results.add(task_name, config, metric, [s[metric] for s in scores])
-        results.achieved[(task_name, config.method, config.budget.target)].append(runner.achieved(config, steps))
+            results.add(cell, config, metric, [s[metric] for s in scores])
+        results.achieved[(cell, config.method, config.budget.target)].append(runner.achieved(config, steps))
         progress.update(1)
 
 
@@ -381,7 +402,7 @@ class Probe(DecodePolicy):
         return y
 
 
-def diagnose_batch(task_name: str, runner: Runner, examples: list[Example], configs: list[Config],
+def diagnose_batch(cell: Cell, runner: Runner, examples: list[Example], configs: list[Config],
                    results: Results, progress) -> None:
     model = runner.model
     runner.prefill([e.prompt for e in examples], configs, len(examples[0].answer) + 1)
@@ -402,20 +423,20 @@ def diagnose_batch(task_name: str, runner: Runner, examples: list[Example], conf
         _, argmax, steps = runner.teacher_force(config, [e.answer for e in examples])
         if dense_argmax is None:
             dense_argmax = argmax  # configs[0] is dense
-        results.add(task_name, config, "top1_agreement",
+        results.add(cell, config, "top1_agreement",
                     [sum(a == b for a, b in zip(row[1:], ref[1:])) / max(len(row) - 1, 1)
                      for row, ref in zip(argmax, dense_argmax)])
         rel = torch.stack([p.rel_l2[ci] for p in probes], dim=1)  # (B, n_layer)
-        results.add(task_name, config, "attn_rel_l2", rel.mean(dim=1).tolist())
-        results.per_layer[(task_name, "attn_rel_l2", config.method, config.budget.target)] += rel.tolist()
+        results.add(cell, config, "attn_rel_l2", rel.mean(dim=1).tolist())
+        results.per_layer[(cell, "attn_rel_l2", config.method, config.budget.target)] += rel.tolist()
         if config.method == "dense" or config.budget.r is not None:
             if config.method == "dense":
                 agree = torch.ones(len(examples), model.args.n_layer)
             else:
                 agree = torch.stack([p.agreement[ci] for p in probes], dim=1)
-            results.add(task_name, config, "topk_agreement", agree.mean(dim=1).tolist())
-            results.per_layer[(task_name, "topk_agreement", config.method, config.budget.target)] += agree.tolist()
-        results.achieved[(task_name, config.method, config.budget.target)].append(runner.achieved(config, steps))
+            results.add(cell, config, "topk_agreement", agree.mean(dim=1).tolist())
+            results.per_layer[(cell, "topk_agreement", config.method, config.budget.target)] += agree.tolist()
+        results.achieved[(cell, config.method, config.budget.target)].append(runner.achieved(config, steps))
         progress.update(1)
 
 
@@ -440,15 +461,27 @@ def format_cell(metric: str, score: float, stderr: float) -> str:
     return text if math.isnan(stderr) else f"{text}±{err}"
 
 
+def _index(rows: list[dict]) -> dict[tuple, dict]:
+    """(cell, metric, method, target) -> row."""
+    return {(row_cell(r), r["metric"], r["attention"], Fraction(r["compression"]).limit_denominator(1 << 16)): r
+            for r in rows}
+
+
+def _cell_heading(cell: Cell, rows: list[dict]) -> str:
+    if TASKS[cell.task].size == "tokens":
+        return cell.label()
+    return f"{cell.label()}, {_mean_tokens(rows, cell):.0f} prompt tokens on average"
+
+
 def table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
-    """One block per task: rows = methods; columns = metric x compression, dense in the "1" column."""
-    index = {(r["task"], r["metric"], r["attention"], Fraction(r["compression"]).limit_denominator(1 << 16)): r
-             for r in rows}
+    """One block per task and size: rows = methods; columns = metric x compression, dense in the "1" column."""
+    index = _index(rows)
     shown = [m for m in methods if m != "dense"] or ["dense"]
     sparse_targets = [t for t in targets if t != DENSE]
     lines = []
-    for task in dict.fromkeys(r["task"] for r in rows):
-        metrics = [(m, hib) for m, hib in TASKS[task].metrics if any(r["task"] == task and r["metric"] == m for r in rows)]
+    for cell in dict.fromkeys(map(row_cell, rows)):
+        metrics = [(m, hib) for m, hib in TASKS[cell.task].metrics
+                   if any(row_cell(r) == cell and r["metric"] == m for r in rows)]
         header = ["method"]
         columns = []
         for metric, hib in metrics:
@@ -461,37 +494,75 @@ def table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
         for method in shown:
             cells = [method]
             for metric, hib, t in columns:
-                r = index.get((task, metric, "dense" if t == DENSE else method, t))
-                cell = format_cell(metric, r["score"], r["stderr"]) if r else "-"
+                r = index.get((cell, metric, "dense" if t == DENSE else method, t))
+                text = format_cell(metric, r["score"], r["stderr"]) if r else "-"
                 if r and t != DENSE and len(shown) > 1:
-                    scores = [index[(task, metric, m, t)]["score"] for m in shown if (task, metric, m, t) in index]
+                    scores = [index[(cell, metric, m, t)]["score"] for m in shown if (cell, metric, m, t) in index]
                     if r["score"] == (max(scores) if hib else min(scores)):
-                        cell += "*"
-                cells.append(cell)
+                        text += "*"
+                cells.append(text)
             body.append(cells)
-        n = {r["n"] for r in rows if r["task"] == task}
+        n = {r["n"] for r in rows if row_cell(r) == cell}
         widths = [max(len(str(row[c])) for row in [header] + body) for c in range(len(header))]
-        lines.append(f"\n{task} (n = {', '.join(map(str, sorted(n)))} per cell; ± = standard error; * = best)")
+        lines.append(f"\n{_cell_heading(cell, rows)} (n = {', '.join(map(str, sorted(n)))} per cell; "
+                     f"± = standard error; * = best)")
         for row in [header] + body:
             lines.append("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths))))
     return "\n".join(lines)
 
 
+def sweeps(rows: list[dict]) -> dict[str, list[Cell]]:
+    """The tasks run at more than one size (a length sweep, the paper's Figure 6): task -> its cells by size."""
+    cells = sorted(set(map(row_cell, rows)), key=lambda c: c.size)
+    by_task = {task: [c for c in cells if c.task == task] for task in dict.fromkeys(r["task"] for r in rows)}
+    return {task: cs for task, cs in by_task.items() if len(cs) > 1}
+
+
+def sweep_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
+    """Score against size at each compression, one block per swept task and metric: rows = methods
+    (dense first), columns = sizes with their mean prompt tokens."""
+    index = _index(rows)
+    lines = []
+    for task, cells in sweeps(rows).items():
+        unit = TASKS[task].size
+        for metric, hib in TASKS[task].metrics:
+            if not any(r["task"] == task and r["metric"] == metric for r in rows):
+                continue
+            header = ["compression", "method"] + [
+                f"{c.size} {unit}" + ("" if unit == "tokens" else f" ({_mean_tokens(rows, c):.0f} tok)") for c in cells]
+            body = []
+            for t in targets:
+                for method in ["dense"] if t == DENSE else [m for m in methods if m != "dense"]:
+                    found = [index.get((c, metric, method, t)) for c in cells]
+                    if any(found):
+                        body.append([fraction_label(t), method] +
+                                    [format_cell(metric, r["score"], r["stderr"]) if r else "-" for r in found])
+            widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
+            pct = " (%)" if metric in PERCENT_METRICS else ""
+            lines.append(f"\n{task} {metric}{pct} against {unit} ({'higher' if hib else 'lower'} is better)")
+            for row in [header] + body:
+                lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def _mean_tokens(rows: list[dict], cell: Cell) -> float:
+    return next((r["prompt_tokens"] for r in rows if row_cell(r) == cell and r["prompt_tokens"]), float(cell.size))
+
+
 def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
-    """Paired differences from dense (same examples), per task, metric and compression."""
+    """Paired differences from dense (same examples), per task and size, metric and compression."""
     sparse_targets = [t for t in targets if t != DENSE]
     shown = [m for m in methods if m != "dense"]
     if not sparse_targets or not shown:
         return ""
-    index = {(r["task"], r["metric"], r["attention"], Fraction(r["compression"]).limit_denominator(1 << 16)): r
-             for r in rows}
+    index = _index(rows)
     header = ["task/metric", "method"] + [fraction_label(t) for t in sparse_targets]
     body = []
-    for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in rows):
+    for cell, metric in dict.fromkeys((row_cell(r), r["metric"]) for r in rows):
         for method in shown:
             cells = []
             for t in sparse_targets:
-                r = index.get((task, metric, method, t))
+                r = index.get((cell, metric, method, t))
                 if r is None or "delta_vs_dense" not in r:
                     cells.append("-")
                     continue
@@ -499,7 +570,7 @@ def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -
                 digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
                 d, se = scale * r["delta_vs_dense"], scale * r["delta_stderr"]
                 cells.append(f"{d:+.{digits}f}" + ("" if math.isnan(se) else f"±{se:.{digits}f}"))
-            body.append([f"{task}/{metric}", method] + cells)
+            body.append([f"{cell.label()}/{metric}", method] + cells)
     widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
     lines = ["\npaired difference from dense (same examples; exact_match and f1 in points)"]
     for row in [header] + body:
@@ -512,7 +583,8 @@ def achieved_table(rows: list[dict], methods: list[str], targets: list[Fraction]
     if not sparse_targets:
         return ""
     lines = ["\nachieved compression (KV transfers / dense, averaged over decode steps and tasks)"]
-    lines.append("method  " + "  ".join(f"{fraction_label(t):>7}" for t in sparse_targets))
+    width = max(len("method"), *(len(m) for m in methods))
+    lines.append(f"{'method':<{width}}  " + "  ".join(f"{fraction_label(t):>7}" for t in sparse_targets))
     for method in methods:
         if method == "dense":
             continue
@@ -521,7 +593,7 @@ def achieved_table(rows: list[dict], methods: list[str], targets: list[Fraction]
             vals = [r["achieved_compression"] for r in rows if r["attention"] == method
                     and abs(r["compression"] - float(t)) < 1e-12]
             cells.append(f"{sum(vals) / len(vals):7.3f}" if vals else "      -")
-        lines.append(f"{method:<6}  " + "  ".join(cells))
+        lines.append(f"{method:<{width}}  " + "  ".join(cells))
     return "\n".join(lines)
 
 
@@ -551,38 +623,33 @@ def write_json(path: Path, rows: list[dict], meta: dict) -> None:
 
 
 def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
+    """Score against compression per task and metric; for a task run at several sizes, score against
+    prompt tokens at each compression instead (the paper's Figure 6)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = list(dict.fromkeys((r["task"], r["metric"]) for r in rows))
+    swept = sweeps(rows)
+    panels = []
+    for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in rows):
+        if task in swept:
+            targets = sorted({r["compression"] for r in rows if r["task"] == task and r["compression"] < 1}, reverse=True)
+            panels += [(task, metric, t) for t in targets]
+        else:
+            panels.append((task, metric, None))
     cols = min(3, len(panels))
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
-    for ax, (task, metric) in zip(axes.flat, panels):
-        dense = [r for r in rows if r["task"] == task and r["metric"] == metric and r["attention"] == "dense"]
-        sparse = [m for m in methods if m != "dense"]
-        for i, method in enumerate(sparse):
-            pts = sorted(((r["achieved_compression"], r["score"], r["stderr"]) for r in rows
-                          if r["task"] == task and r["metric"] == metric and r["attention"] == method))
-            if dense:
-                pts.append((1.0, dense[0]["score"], dense[0]["stderr"]))
-            if not pts:
-                continue
-            x, y, e = zip(*pts)
-            shift = 2 ** (0.06 * (i - (len(sparse) - 1) / 2))  # side by side, so error bars stay readable
-            e = [0 if math.isnan(v) else v for v in e]
-            ax.errorbar([v * shift for v in x], y, yerr=e, marker="o", capsize=3, label=method)
-        if dense:
-            ax.axhline(dense[0]["score"], color="gray", linestyle="--", linewidth=1, label="dense")
-        ax.set_xscale("log", base=2)
-        ticks = [1, 1 / 2, 1 / 4, 1 / 8, 1 / 16]
-        ax.set_xticks(ticks, ["1", "1/2", "1/4", "1/8", "1/16"])
-        ax.set_xlim(1 / 12, 1.3)
-        ax.set_xlabel("compression (KV transfers / dense)")
+    for ax, (task, metric, target) in zip(axes.flat, panels):
+        mine = [r for r in rows if r["task"] == task and r["metric"] == metric]
+        if target is None:
+            _plot_against_compression(ax, mine, methods)
+        else:
+            _plot_against_length(ax, mine, methods, target)
         hib = dict(TASKS[task].metrics)[metric]
-        ax.set_title(f"{task}: {metric} ({'higher' if hib else 'lower'} is better)")
+        at = "" if target is None else f" at {fraction_label(Fraction(target).limit_denominator(1 << 16))}"
+        ax.set_title(f"{task}: {metric}{at} ({'higher' if hib else 'lower'} is better)", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
@@ -591,6 +658,50 @@ def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_against_compression(ax, rows: list[dict], methods: list[str]) -> None:
+    """rows: one task at one size, one metric."""
+    dense = [r for r in rows if r["attention"] == "dense"]
+    sparse = [m for m in methods if m != "dense"]
+    for i, method in enumerate(sparse):
+        pts = sorted((r["achieved_compression"], r["score"], r["stderr"]) for r in rows if r["attention"] == method)
+        if dense:
+            pts.append((1.0, dense[0]["score"], dense[0]["stderr"]))
+        if not pts:
+            continue
+        x, y, e = zip(*pts)
+        shift = 2 ** (0.06 * (i - (len(sparse) - 1) / 2))  # side by side, so error bars stay readable
+        e = [0 if math.isnan(v) else v for v in e]
+        ax.errorbar([v * shift for v in x], y, yerr=e, marker="o", capsize=3, label=method)
+    if dense:
+        ax.axhline(dense[0]["score"], color="gray", linestyle="--", linewidth=1, label="dense")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([1, 1 / 2, 1 / 4, 1 / 8, 1 / 16], ["1", "1/2", "1/4", "1/8", "1/16"])
+    ax.set_xlim(1 / 12, 1.3)
+    ax.set_xlabel("compression (KV transfers / dense)")
+
+
+def _plot_against_length(ax, rows: list[dict], methods: list[str], target: float) -> None:
+    """rows: one task at several sizes, one metric; the methods at compression `target`, dense beside them."""
+    shown = ["dense"] + [m for m in methods if m != "dense"]
+    ticks = set()
+    for i, method in enumerate(shown):
+        want = 1.0 if method == "dense" else target
+        pts = sorted((r["prompt_tokens"] or r["size"], r["score"], r["stderr"]) for r in rows
+                     if r["attention"] == method and abs(r["compression"] - want) < 1e-12)
+        if not pts:
+            continue
+        x, y, e = zip(*pts)
+        ticks.update(x)
+        shift = 2 ** (0.03 * (i - (len(shown) - 1) / 2))
+        e = [0 if math.isnan(v) else v for v in e]
+        style = dict(color="gray", linestyle="--") if method == "dense" else {}
+        ax.errorbar([v * shift for v in x], y, yerr=e, marker="o", capsize=3, label=method, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(ticks), [f"{t / 1000:.1f}k" if t >= 1000 else f"{t:.0f}" for t in sorted(ticks)])
+    ax.minorticks_off()
+    ax.set_xlabel("prompt tokens (mean)")
 
 
 # =============================================================================================
@@ -643,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads (default 1: on a shared 2-core machine two OpenMP threads spin at every "
                         "barrier and decode ~10x slower; use 2 on an idle machine)")
     p.add_argument("--json", type=Path, help="write the results as JSON")
-    p.add_argument("--plot", type=Path, help="write a PNG of score vs compression per task")
+    p.add_argument("--plot", type=Path, help="write a PNG of score vs compression per task (vs prompt length for a task at several sizes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -726,7 +837,7 @@ def run(args: argparse.Namespace) -> int:
             configs = runner.configs(methods, targets, seq_len)
             for c in configs:
                 results.budgets[(task, c.method, c.budget.target, length)] = c.budget
-            evaluate_batch(task, runner, tokenizer, batch, configs, results, progress)
+            evaluate_batch(Cell(task, length), runner, tokenizer, batch, configs, results, progress)
             if args.json:  # partial results after every batch
                 write_json(args.json, results.rows(), {**meta(), "complete": done == len(work),
                                                        "batches_done": done, "batches": len(work)})
@@ -738,6 +849,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.examples} examples per task and length; {elapsed / 60:.1f} min")
     print(budget_summary(results.budgets))
     print(table(rows, methods, targets))
+    if sweeps(rows):
+        print(sweep_table(rows, methods, targets))
     print(delta_table(rows, methods, targets))
     print(achieved_table(rows, methods, targets))
     if args.plot:

@@ -292,12 +292,13 @@ def test_results_rows_tables_and_plot(tmp_path):
     dense = ev.Config(budget("dense", Fraction(1), 2048), [])
     sparq = ev.Config(budget("sparq", Fraction(1, 8), 2048, r=8, k=128, achieved=0.126), [])
     local = ev.Config(budget("local", Fraction(1, 8), 2048, k=255, achieved=0.125), [])
-    results.add("bpc", dense, "bpc", [0.9, 1.3, 1.1])
-    results.add("bpc", sparq, "bpc", [0.91, 1.31, 1.12])
-    results.add("bpc", local, "bpc", [1.0, 1.4, 1.2])
-    results.add("needle", dense, "exact_match", [1.0, 1.0, 0.0, 1.0])
-    results.add("needle", local, "exact_match", [0.0, 1.0, 0.0, 0.0])
-    results.achieved[("bpc", "sparq", Fraction(1, 8))] += [0.126]
+    bpc, needle = ev.Cell("bpc", 2048), ev.Cell("needle", 2048)
+    results.add(bpc, dense, "bpc", [0.9, 1.3, 1.1])
+    results.add(bpc, sparq, "bpc", [0.91, 1.31, 1.12])
+    results.add(bpc, local, "bpc", [1.0, 1.4, 1.2])
+    results.add(needle, dense, "exact_match", [1.0, 1.0, 0.0, 1.0])
+    results.add(needle, local, "exact_match", [0.0, 1.0, 0.0, 0.0])
+    results.achieved[(bpc, "sparq", Fraction(1, 8))] += [0.126]
     rows = {(r["task"], r["attention"]): r for r in results.rows()}
     assert rows[("bpc", "sparq")]["score"] == pytest.approx(1.113333, abs=1e-5)
     assert rows[("bpc", "sparq")]["delta_vs_dense"] == pytest.approx(0.013333, abs=1e-5)
@@ -316,6 +317,34 @@ def test_results_rows_tables_and_plot(tmp_path):
     assert "+0.100±0.000" in deltas and "-50.0±28.9" in deltas  # needle diffs -1, 0, 0, -1
     ev.plot(all_rows, tmp_path / "p.png", ["dense", "sparq", "local"])
     assert (tmp_path / "p.png").stat().st_size > 5000
+    assert not ev.sweeps(all_rows) and "against" not in ev.sweep_table(all_rows, ["sparq"], [Fraction(1, 8)])
+
+
+def test_a_length_sweep_keeps_each_size_apart(tmp_path):
+    """SQuAD at 7 and 15 contexts: one cell per size (never pooled), a sweep table of score against size
+    with the mean prompt tokens, and a plot of score against prompt tokens."""
+    results = ev.Results()
+    short, long = ev.Cell("squad", 7), ev.Cell("squad", 15)
+    for cell, tokens, dense_em, sparq_em in ((short, [1500, 1700], [1.0, 1.0], [1.0, 0.0]),
+                                              (long, [3100, 3300], [1.0, 0.0], [0.0, 0.0])):
+        results.prompt_tokens[cell] += tokens
+        results.add(cell, ev.Config(budget("dense", Fraction(1), 1600), []), "exact_match", dense_em)
+        results.add(cell, ev.Config(budget("sparq-fixed-r", Fraction(1, 4), 1600, r=16, k=100), []), "exact_match",
+                    sparq_em)
+    rows = results.rows()
+    by = {(r["size"], r["attention"]): r for r in rows}
+    assert by[(7, "dense")]["score"] == 1.0 and by[(15, "dense")]["score"] == 0.5  # not pooled (would be 0.75)
+    assert by[(7, "sparq-fixed-r")]["delta_vs_dense"] == -0.5 and by[(15, "sparq-fixed-r")]["prompt_tokens"] == 3200
+    assert ev.sweeps(rows) == {"squad": [short, long]}
+    sweep = ev.sweep_table(rows, ["dense", "sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
+    assert "7 contexts (1600 tok)" in sweep and "15 contexts (3200 tok)" in sweep
+    line = next(x for x in sweep.splitlines() if "sparq-fixed-r" in x)
+    assert line.split()[0] == "1/4" and "50.0±50.0" in line and line.rstrip().endswith("0.0±0.0")
+    text = ev.table(rows, ["dense", "sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
+    assert "squad 7 contexts, 1600 prompt tokens on average" in text and "squad 15 contexts" in text
+    assert "squad 15 contexts/exact_match" in ev.delta_table(rows, ["sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
+    ev.plot(rows, tmp_path / "sweep.png", ["dense", "sparq-fixed-r"])
+    assert (tmp_path / "sweep.png").stat().st_size > 5000
 
 
 # ---------------------------------------------------------------------------------------------
