@@ -456,18 +456,20 @@ def _beside_llamacpp(rows: list[dict], args, contexts: list[int], dtypes: list[s
         for row in llamacpp.time_decode(gguf, [max(c, 1) for c in contexts], args.steps, args.threads or 2,
                                         label=fmt, build_=build):
             theirs[(dtype, row["context"])] = row
-    ours = {(r["dtype"], r["prompt_tokens"], r["attention"]): r for r in rows if r["batch_size"] == 1}
+    ours = {(r["dtype"], r["prompt_tokens"], r["sparq_r"]): r for r in rows if r["batch_size"] == 1}  # r None: dense
+    rs = sorted({r for (_, _, r) in ours if r is not None})
     print(f"\nbeside llama.cpp ({build.version}; its decode after N tokens, llama-bench), B = 1, tok/s")
-    print(f"{'dtype':9} {'context':>7} {'llama.cpp':>10} {'ours dense':>10} {'ours SparQ':>10} {'dense/llama':>11} "
-          f"{'SparQ/llama':>11} {'llama prefill':>13}")
+    print(f"{'dtype':9} {'context':>7} {'llama.cpp':>10} {'ours dense':>10} "
+          + "".join(f"{f'SparQ r={r}':>11}" for r in rs) + f" {'dense/llama':>11}"
+          + "".join(f"{f'r={r}/llama':>11}" for r in rs) + f" {'llama prefill':>13}")
     for dtype in dtypes:
         for context in contexts:
-            them = theirs[(dtype, max(context, 1))]
-            dense = ours[(dtype, context, "dense")]
-            sparq = next(r for (dt, c, name), r in ours.items() if (dt, c) == (dtype, context) and name != "dense")
-            print(f"{dtype:9} {context:7d} {them['decode_tok_s']:10.1f} {dense['decode_tokens_per_s']:10.1f} "
-                  f"{sparq['decode_tokens_per_s']:10.1f} {dense['decode_tokens_per_s'] / them['decode_tok_s']:10.2f}x "
-                  f"{sparq['decode_tokens_per_s'] / them['decode_tok_s']:10.2f}x {them['prefill_tok_s'] or 0:13.0f}")
+            them = theirs[(dtype, max(context, 1))]["decode_tok_s"]
+            dense = ours[(dtype, context, None)]["decode_tokens_per_s"]
+            sparq = [ours[(dtype, context, r)]["decode_tokens_per_s"] for r in rs]
+            print(f"{dtype:9} {context:7d} {them:10.1f} {dense:10.1f} " + "".join(f"{t:11.1f}" for t in sparq)
+                  + f" {dense / them:10.2f}x" + "".join(f"{t / them:10.2f}x" for t in sparq)
+                  + f" {theirs[(dtype, max(context, 1))]['prefill_tok_s'] or 0:13.0f}")
     if note := llamacpp.busy_note(list(theirs.values())):
         print(note)
 

@@ -73,3 +73,24 @@ def test_decode_ragged_case_counts_every_row_at_its_length(tmp_path, smollm2_che
     # two rows at live lengths 32 and 202 (the median of two steps): 2 S d + 2 d per head, layer and row
     per_row = [(2 * S * 64 + 2 * 64) * 3 * 30 * 4 for S in (32, 202)]
     assert dense["kv_bytes_read_per_step"] == sum(per_row)
+
+
+def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys):
+    """Our B = 1 rows (dense and one SparQ per r) beside llama.cpp's decode at each context (llama.cpp faked:
+    its build and timing are llamacpp.py's own tests)."""
+    import argparse
+    from types import SimpleNamespace
+
+    import llamacpp
+
+    monkeypatch.setattr(llamacpp, "build", lambda *a, **k: SimpleNamespace(version="llama.cpp test"))
+    monkeypatch.setattr(llamacpp, "requantize", lambda gguf, fmt, build_: gguf)
+    monkeypatch.setattr(llamacpp, "time_decode", lambda gguf, contexts, *a, **k: [
+        {"context": c, "decode_tok_s": 10.0, "prefill_tok_s": 100.0, "load_avg": 0.0} for c in contexts])
+    rows = [{"dtype": "bfloat16", "prompt_tokens": 4096, "batch_size": b, "sparq_r": r, "decode_tokens_per_s": t}
+            for b in (1, 4) for r, t in ((None, 5.0), (16, 8.0), (32, 7.0))]
+    bench._beside_llamacpp(rows, argparse.Namespace(llamacpp="m.gguf", steps=4, threads=2), [4096], ["bfloat16"])
+    out = capsys.readouterr().out
+    assert "SparQ r=16" in out and "SparQ r=32" in out and "r=32/llama" in out
+    line = next(x for x in out.splitlines() if x.startswith("bfloat16"))
+    assert line.split()[2:8] == ["10.0", "5.0", "8.0", "7.0", "0.50x", "0.80x"]
