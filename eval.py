@@ -795,7 +795,8 @@ def run(args: argparse.Namespace) -> int:
     for task, task_lengths in lengths.items():
         for length in task_lengths:
             if TASKS[task].size == "tokens" and length + 300 > model.args.max_context:
-                raise UserError(f"--lengths {length} does not fit the model's context of {model.args.max_context} tokens")
+                raise UserError(f"--lengths {length} does not fit the model's context of {model.args.max_context} tokens "
+                                f"with room for the question and answer: use at most {model.args.max_context - 300}")
 
     runner = Runner(model, AttentionSettings(sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v),
                     args.kv_layout)

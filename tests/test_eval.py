@@ -358,6 +358,7 @@ def test_a_length_sweep_keeps_each_size_apart(tmp_path):
     (["--compression", "1/0"], "--compression"),
     (["--compression", "abc"], "--compression"),
     (["--lengths", "two"], "--lengths"),
+    (["--task", "needle", "--lengths", "8k"], "use at most 7892"),  # SmolLM2's 8192 less room for the answer
     (["--checkpoint", "/nonexistent/model.pth"], "checkpoint not found"),
 ])
 def test_bad_input_is_one_line_error(argv, message, capsys):
