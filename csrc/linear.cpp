@@ -91,9 +91,7 @@ static inline void dot_block(const float* x, int64_t K, const WT* w, int64_t ws,
   for (; k + 16 <= K; k += 16) {
     V wv[RB];
     for (int r = 0; r < RB; ++r) wv[r] = load(w + r * ws + k);
-    if constexpr (SPARQ_LPF > 0 && sizeof(WT) == 4)  // a 64-byte line per 16 fp32 weights
-      for (int r = 0; r < RB; ++r) prefetch_l2(w + (r + SPARQ_LPF) * ws + k);
-    else if (SPARQ_LPF > 0 && k % 32 == 0)  // 16-bit weights: a line per 32
+    if (SPARQ_LPF > 0 && (sizeof(WT) == 4 || k % 32 == 0))  // a 64-byte line: 16 fp32 or 32 16-bit weights
       for (int r = 0; r < RB; ++r) prefetch_l2(w + (r + SPARQ_LPF) * ws + k);
     for (int m = 0; m < MB; ++m) {
       const V xv = load(x + m * K + k);
