@@ -464,12 +464,13 @@ def _beside_llamacpp(rows: list[dict], args, contexts: list[int], dtypes: list[s
           + "".join(f"{f'r={r}/llama':>11}" for r in rs) + f" {'llama prefill':>13}")
     for dtype in dtypes:
         for context in contexts:
-            them = theirs[(dtype, max(context, 1))]["decode_tok_s"]
+            their_row = theirs[(dtype, max(context, 1))]
+            them = their_row["decode_tok_s"]
             dense = ours[(dtype, context, None)]["decode_tokens_per_s"]
             sparq = [ours[(dtype, context, r)]["decode_tokens_per_s"] for r in rs]
             print(f"{dtype:9} {context:7d} {them:10.1f} {dense:10.1f} " + "".join(f"{t:11.1f}" for t in sparq)
                   + f" {dense / them:10.2f}x" + "".join(f"{t / them:10.2f}x" for t in sparq)
-                  + f" {theirs[(dtype, max(context, 1))]['prefill_tok_s'] or 0:13.0f}")
+                  + f" {their_row['prefill_tok_s'] or 0:13.0f}")
     if note := llamacpp.busy_note(list(theirs.values())):
         print(note)
 
