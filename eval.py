@@ -30,6 +30,7 @@ import argparse
 import copy
 import json
 import math
+import random
 import re
 import sys
 import time
@@ -709,6 +710,16 @@ def _plot_against_length(ax, rows: list[dict], methods: list[str], target: float
 # =============================================================================================
 
 
+def length_batches(examples: list[Example], batch_size: int, seed: int) -> list[list[Example]]:
+    """Batches of prompts of similar length (a ragged prefill pads every row to the longest, and a
+    batch's budgets are set at its mean length), in a seeded random order so that a run cut short
+    has covered the whole range of lengths."""
+    by_length = sorted(examples, key=lambda e: len(e.prompt))
+    batches = [by_length[i:i + batch_size] for i in range(0, len(by_length), batch_size)]
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
 def parse_lengths(text: str) -> list[int]:
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
@@ -814,8 +825,7 @@ def run(args: argparse.Namespace) -> int:
             if longest + 1 > model.args.max_context:
                 raise UserError(f"{task} at size {length}: prompts of up to {longest} tokens do not fit the model's "
                                 f"context of {model.args.max_context} (fewer --squad-contexts?)")
-            queues.append([(task, length, examples[i:i + args.batch_size])
-                           for i in range(0, len(examples), args.batch_size)])
+            queues.append([(task, length, batch) for batch in length_batches(examples, args.batch_size, args.seed)])
     work = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
     n_configs = 1 + sum(1 for m in methods if m != "dense") * sum(1 for t in targets if t != DENSE)
 

@@ -377,7 +377,7 @@ class H2ODecode(DecodePolicy):
         g = H // n_kv
         offset = S - T  # position of the first query
         received = torch.zeros(B, n_kv, S, dtype=torch.float32, device=q.device)  # attention each key received
-        qf = q.float().reshape(B, n_kv, g, T, d)  # query heads grouped by their KV head
+        qf = q.float().reshape(B, n_kv, g, T, d) / math.sqrt(d)  # query heads grouped by their KV head, pre-scaled
         kf = k.float()
         future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # (row, key) above the diagonal
         for start in range(0, T, chunk):
@@ -385,14 +385,19 @@ class H2ODecode(DecodePolicy):
             n = end - start
             # The group's rows stacked into one GEMM per (batch row, KV head): (B, n_kv, g * n, offset + end).
             qc = qf[:, :, :, start:end].reshape(B, n_kv, g * n, d)
-            logits = torch.matmul(qc, kf[:, :, :offset + end].transpose(-1, -2)).view(B, n_kv, g, n, offset + end)
-            logits = softcap(logits / math.sqrt(d), cap)
-            logits[..., offset + start:offset + end].masked_fill_(future[:n, :n], float("-inf"))  # causal: diagonal block
-            probs = torch.softmax(logits, dim=-1)  # (B, n_kv, g, n, offset + end)
+            logits = torch.matmul(qc, kf[:, :, :offset + end].transpose(-1, -2))
+            if cap is not None:
+                logits = softcap(logits, cap)
+            logits.view(B, n_kv, g, n, offset + end)[..., offset + start:offset + end].masked_fill_(
+                future[:n, :n], float("-inf"))  # causal: the diagonal block
+            # softmax rows summed into columns without materialising the probabilities: each row's
+            # exp(logits - max) weighted by 1 / (its sum * g), and by 0 for a padding query.
+            logits = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # (B, n_kv, g * n, offset + end)
+            weight = 1.0 / (logits.sum(dim=-1) * g)  # (B, n_kv, g * n)
             if lengths is not None:  # padding queries give nothing
                 real = torch.arange(offset + start, offset + end, device=q.device) < lengths[:, None]  # (B, n)
-                probs = probs * real[:, None, None, :, None]
-            received[..., :offset + end] += probs.sum(3).mean(2)
+                weight = weight * real[:, None, None, :].expand(B, 1, g, n).reshape(B, 1, g * n)
+            received[..., :offset + end] += torch.matmul(weight.unsqueeze(2), logits).squeeze(2)
         return received
 
     def start_from_prefill(self, received: Tensor, lengths: Optional[Tensor] = None) -> None:

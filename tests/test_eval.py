@@ -257,20 +257,30 @@ def test_shared_prefill_and_rewind_equal_fresh_runs():
     assert len({str(tokens) for tokens in shared.values()}) > 2  # the budgets bite
 
 
-def test_shared_h2o_prefill_scores_match_a_naive_reference():
+@pytest.mark.parametrize("cap, offset, ragged", [(None, 0, False), (None, 40, False), (5.0, 0, True), (5.0, 40, True)])
+def test_shared_h2o_prefill_scores_match_a_naive_reference(cap, offset, ragged):
     """FanOut computes H2O's prefill scores once for every budget: they must be the column sums of the
-    causal softmax, averaged over each KV head's query heads (chunk boundaries included)."""
+    causal softmax, averaged over each KV head's query heads (chunk boundaries included), also for a
+    later prefill chunk (queries after `offset` earlier keys), soft-capped logits and padding queries."""
     from sparq import H2ODecode
 
     torch.manual_seed(3)
     B, H, n_kv, T, d = 2, 6, 2, 300, 16
+    S = offset + T
     q = (2 * torch.randn(B, T, H, d)).transpose(1, 2)  # non-contiguous, as in the model
-    k = 2 * torch.randn(B, n_kv, T, d)
-    logits = q @ k.repeat_interleave(H // n_kv, dim=1).transpose(-1, -2) / math.sqrt(d)  # (B, H, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    k = 2 * torch.randn(B, n_kv, S, d)
+    lengths = torch.tensor([S, S - 77]) if ragged else None
+    logits = q @ k.repeat_interleave(H // n_kv, dim=1).transpose(-1, -2) / math.sqrt(d)  # (B, H, T, S)
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    causal = torch.ones(T, S, dtype=torch.bool).tril(offset)
     probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-    expected = probs.sum(2).view(B, n_kv, H // n_kv, T).mean(2)
-    torch.testing.assert_close(H2ODecode.prefill_received(q, k, chunk=128), expected, atol=1e-5, rtol=1e-5)
+    if ragged:
+        real = (torch.arange(offset, S) < lengths[:, None]).float()  # (B, T): padding queries give nothing
+        probs = probs * real[:, None, :, None]
+    expected = probs.sum(2).view(B, n_kv, H // n_kv, S).mean(2)
+    got = H2ODecode.prefill_received(q, k, chunk=128, cap=cap, lengths=lengths)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_teacher_forcing_handles_ragged_targets():
@@ -448,3 +458,17 @@ def test_squad_tasks_run_ragged_batches_through_every_method(tmp_path, monkeypat
     assert fixed and all(b["r"] == 16 and b["k"] > 16 for b in fixed)  # r fixed, k solved for 1/2
     assert "squad-diagnostics" in {r["task"] for r in rows}
     assert "f1 %" in capsys.readouterr().out
+
+
+def test_length_batches_group_similar_prompts_and_keep_every_example():
+    from tasks import Example
+
+    rng = torch.Generator().manual_seed(0)
+    examples = [Example(prompt=[0] * int(n)) for n in torch.randint(1, 500, (37,), generator=rng)]
+    batches = ev.length_batches(examples, 8, seed=1)
+    assert sorted(map(id, (e for b in batches for e in b))) == sorted(map(id, examples))  # each once
+    assert [len(b) for b in batches].count(8) == 4
+    spans = sorted((min(len(e.prompt) for e in b), max(len(e.prompt) for e in b)) for b in batches)
+    assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:]))  # batches do not overlap in length
+    assert ev.length_batches(examples, 8, seed=1) == batches  # seeded
+    assert [b[0].prompt for b in batches] != [b[0].prompt for b in sorted(batches, key=lambda b: len(b[0].prompt))]
