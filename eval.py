@@ -825,7 +825,11 @@ def run(args: argparse.Namespace) -> int:
             if longest + 1 > model.args.max_context:
                 raise UserError(f"{task} at size {length}: prompts of up to {longest} tokens do not fit the model's "
                                 f"context of {model.args.max_context} (fewer --squad-contexts?)")
-            queues.append([(task, length, batch) for batch in length_batches(examples, args.batch_size, args.seed)])
+            batches = length_batches(examples, args.batch_size, args.seed)
+            if model.args.has_window_layers and any(len({len(e.prompt) for e in b}) > 1 for b in batches):
+                raise UserError(f"{task} at size {length}: this model has sliding-window layers, whose caches "
+                                f"cannot batch prompts of different lengths: use --batch-size 1")
+            queues.append([(task, length, batch) for batch in batches])
     work = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
     n_configs = 1 + sum(1 for m in methods if m != "dense") * sum(1 for t in targets if t != DENSE)
 

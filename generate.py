@@ -469,7 +469,7 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
     whole model's shape (under torchrun, model.args is this rank's share)."""
     rows = prompt_ids(args, tokenizer)
     longest, ragged = max(map(len, rows)), len({len(r) for r in rows}) > 1
-    if ragged and model.args.layer_types and "window" in model.args.layer_types:
+    if ragged and model.args.has_window_layers:
         raise UserError("prompts of different lengths in one batch need every layer global; this model has "
                         "sliding-window layers: run the prompts one at a time")
     max_context = model.args.max_context

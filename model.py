@@ -99,6 +99,11 @@ class ModelArgs:
         """Positions layer `layer` attends to (None: all of them)."""
         return self.sliding_window if self.layer_kind(layer) == "window" else None
 
+    @property
+    def has_window_layers(self) -> bool:
+        """Some layers attend to a sliding window (their caches cannot hold ragged rows)."""
+        return self.layer_types is not None and "window" in self.layer_types
+
     @classmethod
     def from_json(cls, path: Path | str) -> "ModelArgs":
         try:

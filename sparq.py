@@ -554,7 +554,7 @@ def describe_layers(model) -> str:
         key = (layer.attention.decode_attention.name, model.args.layer_kind(i))
         groups[key] = groups.get(key, 0) + 1
     parts = [f"{name} on {n} {kind} layer{'s' if n > 1 else ''}" for (name, kind), n in groups.items()]
-    window = f" (window {model.args.sliding_window})" if model.args.layer_types and "window" in model.args.layer_types else ""
+    window = f" (window {model.args.sliding_window})" if model.args.has_window_layers else ""
     return ", ".join(parts) + window
 
 

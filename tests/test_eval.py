@@ -472,3 +472,24 @@ def test_length_batches_group_similar_prompts_and_keep_every_example():
     assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:]))  # batches do not overlap in length
     assert ev.length_batches(examples, 8, seed=1) == batches  # seeded
     assert [b[0].prompt for b in batches] != [b[0].prompt for b in sorted(batches, key=lambda b: len(b[0].prompt))]
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
+def test_ragged_batches_on_a_sliding_window_model_are_refused_up_front(tmp_path, capsys):
+    """SQuAD prompts differ in length and window layers' caches cannot be ragged: a one-line error
+    before any work (the prompts run one at a time with --batch-size 1)."""
+    import shutil
+
+    args = ModelArgs(vocab_size=49152, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=128,
+                     max_context=4096, sliding_window=64, layer_types=["window", "global"])
+    torch.manual_seed(0)
+    torch.save(Transformer(args).state_dict(), tmp_path / "model.pth")
+    args.to_json(tmp_path / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(CHECKPOINT / name, tmp_path / name)
+    argv = ["--checkpoint", str(tmp_path), "--task", "squad", "--attention", "sparq", "--compression", "1/4",
+            "--examples", "2", "--json", str(tmp_path / "out.json"), "--quiet"]
+    assert_one_line_error((ev.main(argv + ["--batch-size", "2"]), capsys.readouterr().err), "--batch-size 1")
+    assert not (tmp_path / "out.json").exists()
+    assert ev.main(argv + ["--batch-size", "1"]) == 0
+    assert json.loads((tmp_path / "out.json").read_text())["meta"]["complete"]
