@@ -625,7 +625,8 @@ def write_json(path: Path, rows: list[dict], meta: dict) -> None:
 
 def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
     """Score against compression per task and metric; for a task run at several sizes, score against
-    prompt tokens at each compression instead (the paper's Figure 6)."""
+    prompt tokens at each compression instead (the paper's Figure 6); for a metric kept per layer
+    (the diagnostics' top-k agreement and attention error), also its value at each layer (Figure 4e)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -639,6 +640,8 @@ def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
             panels += [(task, metric, t) for t in targets]
         else:
             panels.append((task, metric, None))
+            if any(r.get("per_layer") for r in rows if r["task"] == task and r["metric"] == metric):
+                panels.append((task, metric, "layers"))
     cols = min(3, len(panels))
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
@@ -646,10 +649,13 @@ def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
         mine = [r for r in rows if r["task"] == task and r["metric"] == metric]
         if target is None:
             _plot_against_compression(ax, mine, methods)
+        elif target == "layers":
+            _plot_per_layer(ax, mine)
         else:
             _plot_against_length(ax, mine, methods, target)
         hib = dict(TASKS[task].metrics)[metric]
-        at = "" if target is None else f" at {fraction_label(Fraction(target).limit_denominator(1 << 16))}"
+        at = ("" if target is None else " per layer" if target == "layers"
+              else f" at {fraction_label(Fraction(target).limit_denominator(1 << 16))}")
         ax.set_title(f"{task}: {metric}{at} ({'higher' if hib else 'lower'} is better)", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -681,6 +687,14 @@ def _plot_against_compression(ax, rows: list[dict], methods: list[str]) -> None:
     ax.set_xticks([1, 1 / 2, 1 / 4, 1 / 8, 1 / 16], ["1", "1/2", "1/4", "1/8", "1/16"])
     ax.set_xlim(1 / 12, 1.3)
     ax.set_xlabel("compression (KV transfers / dense)")
+
+
+def _plot_per_layer(ax, rows: list[dict]) -> None:
+    """rows: one task at one size, one metric kept per layer; a line per method and compression."""
+    for r in sorted((r for r in rows if r.get("per_layer") and r["attention"] != "dense"),
+                    key=lambda r: (r["attention"], -r["compression"])):
+        ax.plot(range(len(r["per_layer"])), r["per_layer"], marker=".", label=f"{r['attention']} {r['compression_label']}")
+    ax.set_xlabel("layer")
 
 
 def _plot_against_length(ax, rows: list[dict], methods: list[str], target: float) -> None:

@@ -395,7 +395,7 @@ def test_smoke_every_task_on_the_embedded_model(tmp_path, capsys):
     for argv in (["--task", "needle,retrieval", "--lengths", "1024", "--examples", "2", "--compression", "1/8",
                   "--plot", str(png)],
                  ["--task", "bpc,diagnostics", "--lengths", "512", "--examples", "2", "--compression", "1/2",
-                  "--bpc-tokens", "24"],
+                  "--bpc-tokens", "24", "--plot", str(tmp_path / "diagnostics.png")],  # with per-layer panels
                  # repetition needs >= 6000 characters of context: 2048 tokens of Shakespeare
                  ["--task", "repetition", "--lengths", "2048", "--examples", "1", "--compression", "1/8",
                   "--repetition-chars", "96"]):
@@ -412,6 +412,9 @@ def test_smoke_every_task_on_the_embedded_model(tmp_path, capsys):
     assert got[("diagnostics", "top1_agreement", "dense")]["score"] == 1.0
     assert got[("diagnostics", "attn_rel_l2", "dense")]["score"] == pytest.approx(0, abs=1e-6)
     assert 0.5 < got[("diagnostics", "topk_agreement", "sparq")]["score"] <= 1.0  # r = 32 of 64
+    per_layer = got[("diagnostics", "topk_agreement", "sparq")]["per_layer"]
+    assert len(per_layer) == 30 and sum(per_layer) / 30 == pytest.approx(got[("diagnostics", "topk_agreement", "sparq")]["score"])
+    assert (tmp_path / "diagnostics.png").stat().st_size > 5000
     assert got[("diagnostics", "attn_rel_l2", "sparq")]["score"] < 0.5
     for method in ("sparq", "h2o", "local"):
         # Budgets are solved at the prompt length (512); 24 teacher-forced tokens later the live length
