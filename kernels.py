@@ -225,7 +225,9 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
     the memory bandwidth (bench.py linear): the weights are most of the bytes of a decode step.
     """
     rows = x.numel() // x.shape[-1]
-    if not linear_cpu_pays(rows, weight.dtype):
+    # The C++ op has no backward: where autograd would need one (fine-tuning a fork), F.linear.
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if needs_grad or not linear_cpu_pays(rows, weight.dtype):
         return F.linear(x, weight, bias)
     y = torch.ops.sparq.linear_cpu.default(x.reshape(rows, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias

@@ -472,13 +472,30 @@ def test_fused_linear_in_the_model_matches_f_linear():
     with torch.no_grad():
         layer.weight.copy_(torch.randn(40, 96, generator=gen))
         layer.bias.copy_(torch.randn(40, generator=gen))
-    for shape in ((2, 1, 96), (1, 33, 96)):  # a decode step of 2 rows; a 33-token prefill
-        x = torch.randn(*shape, generator=gen)
-        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
-        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
-    compiled = torch.compile(layer, fullgraph=True)
-    x = torch.randn(3, 1, 96, generator=gen)
-    torch.testing.assert_close(compiled(x), layer(x), atol=0, rtol=0)
+    with torch.no_grad():  # as every decode path runs
+        for shape in ((2, 1, 96), (1, 33, 96)):  # a decode step of 2 rows; a 33-token prefill
+            x = torch.randn(*shape, generator=gen)
+            expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+        compiled = torch.compile(layer, fullgraph=True)
+        x = torch.randn(3, 1, 96, generator=gen)
+        torch.testing.assert_close(compiled(x), layer(x), atol=0, rtol=0)
+
+
+def test_fused_linear_leaves_gradients_to_f_linear():
+    """The C++ GEMV has no backward: with autograd on, model.Linear must give F.linear's gradients."""
+    import model
+
+    gen = torch.Generator().manual_seed(0)
+    layer = model.Linear(96, 40, kernels=kernels.CPU_KERNELS)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 96, generator=gen))
+    x = torch.randn(2, 1, 96, generator=gen, requires_grad=True)  # decode-sized: the GEMV's shape
+    layer(x).square().sum().backward()
+    expected_w, expected_x = torch.autograd.grad(
+        torch.nn.functional.linear(x, layer.weight).square().sum(), (layer.weight, x))
+    torch.testing.assert_close(layer.weight.grad, expected_w)
+    torch.testing.assert_close(x.grad, expected_x)
 
 
 # ---------------------------------------------------------------------------------------------
