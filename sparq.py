@@ -611,20 +611,37 @@ def _closest(ratio: Callable[[int], float], lo: int, hi: int, target: float) -> 
     return best
 
 
+def layer_transfers(make_policy: Callable[[int], DecodePolicy], args: ModelArgs, seq_len: int) -> int:
+    """KV elements one decode step moves per KV head, summed over the layers of `args`, with layer i
+    running make_policy(i) over the positions it sees (min(S, window) on a window layer): the
+    element count behind Transformer.decode_kv_bytes, from the args alone."""
+    total = 0
+    for layer in range(args.n_layer):
+        window = args.window(layer)
+        visible = seq_len if window is None else min(seq_len, window)
+        total += make_policy(layer).transfer_elements(visible, args.head_dim)
+    return total
+
+
 def settings_for_compression(settings: AttentionSettings, target: float, seq_len: int,
                              args: ModelArgs) -> tuple[AttentionSettings, float]:
-    """The settings of `settings.policy` whose transfers at seq_len are closest to target x dense,
-    and the compression they achieve. Its registry knob is solved (SparQ: r at fixed k, or k at
-    fixed r; the baselines: their budget k); target 1, or a policy without a knob, is dense."""
+    """The settings of `settings.policy` whose model-wide transfers at seq_len are closest to target x
+    dense, and the compression they achieve. Its registry knob is solved (SparQ: r at fixed k, or k at
+    fixed r; the baselines: their budget k); target 1, or a policy without a knob, is dense.
+
+    The ratio is over every layer as policy_factory installs them: a sliding-window layer reads only
+    min(S, window) positions, and stays dense where the policy would not save there, so on a model
+    with window layers (Gemma 3) the global layers' budget is not the model's compression."""
     entry = POLICIES[settings.policy]
     if entry.knob is None or target >= 1:
         return AttentionSettings("dense"), 1.0
+    dense = layer_transfers(lambda layer: DenseDecode(), args, seq_len)
 
     def with_knob(x: int) -> AttentionSettings:
         return replace(settings, **{entry.knob: x})
 
     def ratio(x: int) -> float:
-        return compression_ratio(entry.build(with_knob(x), args, TORCH_KERNELS), seq_len, args.head_dim)
+        return layer_transfers(policy_factory(with_knob(x), args), args, seq_len) / dense
 
     hi = args.head_dim if entry.knob == "sparq_r" else max(seq_len - 1, entry.knob_min)
     best = with_knob(_closest(ratio, entry.knob_min, hi, target))

@@ -135,3 +135,32 @@ def test_registry_builds_every_policy_and_checks_flags():
                               (AttentionSettings("nope"), "unknown attention policy")]:
         with pytest.raises(ValueError, match=message):
             policy_factory(settings, args)
+
+
+def test_budgets_count_window_layers_as_the_model_reads_them():
+    """On a model with sliding-window layers (Gemma 3: 5 of 6), the solved budget's compression is the
+    whole model's, as the installed policies read it (model_compression), and it meets the target where
+    the policy can: a window layer reads only min(S, window) positions, so the global layers' ratio is
+    not the model's."""
+    import pytest
+
+    from model import ModelArgs, Transformer
+    from dataclasses import replace
+
+    from sparq import AttentionSettings, model_compression, policy_factory, settings_for_compression
+
+    args = ModelArgs(vocab_size=10, dim=64, n_layer=6, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=8,
+                     max_context=4096, sliding_window=256, layer_types=["window"] * 5 + ["global"])
+    model = Transformer(args)
+    model.setup_caches(1, 4096)
+    S = 2048
+    for settings, target in [(AttentionSettings("local"), 0.25), (AttentionSettings("h2o"), 0.5),
+                             (AttentionSettings("sparq", sparq_k=32), 0.25)]:
+        solved, achieved = settings_for_compression(settings, target, S, args)
+        model.set_decode_attention(policy_factory(solved, args))
+        assert achieved == pytest.approx(model_compression(model, S))
+        assert achieved == pytest.approx(target, abs=0.03)
+        if settings.policy != "sparq":  # a budget k solved over global layers alone (as the solver once did)
+            as_if_global, _ = settings_for_compression(settings, target, S, replace(args, layer_types=None))
+            model.set_decode_attention(policy_factory(as_if_global, args))  # k > window: windows stay whole
+            assert model_compression(model, S) > target + 0.1
