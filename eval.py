@@ -144,10 +144,10 @@ class FanOut(DecodePolicy):
         self._policies = policies  # a plain list: not submodules
 
     def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
-                        lengths: Optional[Tensor] = None) -> None:
+                        lengths: Optional[Tensor] = None, window: Optional[int] = None) -> None:
         memo = {} if memo is None else memo
         for policy in self._policies:
-            policy.observe_prefill(q, k, memo, lengths)
+            policy.observe_prefill(q, k, memo, lengths, window)
 
     def forward(self, q, cache, length):  # pragma: no cover - prefill only
         raise RuntimeError("FanOut is installed only for the prefill")
@@ -814,38 +814,41 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    kernels = kernels_for(args.kernel, "cpu", model_args(args.checkpoint))
-    model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels)
+    model_config = model_args(args.checkpoint)
     tokenizer = load_tokenizer(args.checkpoint)
     for task, task_lengths in lengths.items():
         for length in task_lengths:
-            if TASKS[task].size == "tokens" and length + 300 > model.args.max_context:
-                raise UserError(f"--lengths {length} does not fit the model's context of {model.args.max_context} tokens "
-                                f"with room for the question and answer: use at most {model.args.max_context - 300}")
-
-    runner = Runner(model, AttentionSettings(sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v),
-                    args.kv_layout)
+            if TASKS[task].size == "tokens" and length + 300 > model_config.max_context:
+                raise UserError(f"--lengths {length} does not fit the model's context of {model_config.max_context} "
+                                f"tokens with room for the question and answer: use at most "
+                                f"{model_config.max_context - 300}")
     options = TaskOptions(args.bpc_tokens, args.repetition_chars, args.repetition_passage, args.retrieval_keys)
-    results = Results()
-    start = time.perf_counter()
 
-    # Build every example first (fast), so the progress bar knows the total. Batches are interleaved
-    # across tasks and lengths, so a run cut short still has results for all of them.
+    # Build every example first (fast), so that a prompt that cannot run is an error before the model
+    # loads and the progress bar knows the total. Batches are interleaved across tasks and lengths, so a
+    # run cut short still has results for all of them.
     queues = []
     for task in tasks:
         for length in lengths[task]:
             examples = TASKS[task].build(tokenizer, length, args.examples, args.seed, options)
             longest = max(len(e.prompt) + max(len(e.answer), e.max_new) for e in examples)
-            if longest + 1 > model.args.max_context:
+            if longest + 1 > model_config.max_context:
                 raise UserError(f"{task} at size {length}: prompts of up to {longest} tokens do not fit the model's "
-                                f"context of {model.args.max_context} (fewer --squad-contexts?)")
+                                f"context of {model_config.max_context} (fewer --squad-contexts?)")
             batches = length_batches(examples, args.batch_size, args.seed)
-            if model.args.has_window_layers and any(len({len(e.prompt) for e in b}) > 1 for b in batches):
+            if model_config.has_window_layers and any(len({len(e.prompt) for e in b}) > 1 for b in batches):
                 raise UserError(f"{task} at size {length}: this model has sliding-window layers, whose caches "
                                 f"cannot batch prompts of different lengths: use --batch-size 1")
             queues.append([(task, length, batch) for batch in batches])
     work = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
     n_configs = 1 + sum(1 for m in methods if m != "dense") * sum(1 for t in targets if t != DENSE)
+
+    kernels = kernels_for(args.kernel, "cpu", model_config)
+    model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels)
+    runner = Runner(model, AttentionSettings(sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v),
+                    args.kv_layout)
+    results = Results()
+    start = time.perf_counter()
 
     def meta() -> dict:
         return {"checkpoint": str(args.checkpoint), "tasks": tasks, "attention": methods,

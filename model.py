@@ -360,11 +360,12 @@ class DecodePolicy(nn.Module):
     name = "policy"
 
     def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
-                        lengths: Optional[Tensor] = None) -> None:
+                        lengths: Optional[Tensor] = None, window: Optional[int] = None) -> None:
         """Called after each prefill chunk with its queries q (B, H, T, d) at the last T positions and
         every key so far k (B, n_kv, S, d); stateful policies (H2O) use it. memo: shared by policies
         observing the same prefill (eval.py), for work that does not depend on their settings.
-        lengths (B,): a right-padded batch of prompts of these lengths (queries past them are padding)."""
+        lengths (B,): a right-padded batch of prompts of these lengths (queries past them are padding).
+        window: the layer's sliding window (a query at p sees keys (p - window, p]), None on a global layer."""
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Elements of K/V moved per KV head per decode step over seq_len visible positions."""
@@ -518,7 +519,8 @@ class Attention(nn.Module):
             k_start = 0 if self.window is None else max(0, length - T - self.window + 1)
             keys, values = self.kv_cache.k[:B, :, k_start:length], self.kv_cache.v[:B, :, k_start:length]
             y = prefill_attention(q, keys, values, length - T, self.window, self.cap)  # (B, H, T, d)
-            self.decode_attention.observe_prefill(q, self.kv_cache.k[:B, :, :length], lengths=lengths)
+            self.decode_attention.observe_prefill(q, self.kv_cache.k[:B, :, :length], lengths=lengths,
+                                                   window=self.window)
         else:
             q = q.view(B, n_kv, H // n_kv, d)  # query heads grouped by the KV head they share
             y = self.decode_attention(q, self.kv_cache, length).view(B, H, 1, d)

@@ -335,6 +335,9 @@ class H2ODecode(DecodePolicy):
     query and averaged over the query heads of a GQA group. An evicted position never returns.
     State per (batch row, KV head): the kept positions and their cumulative scores; a slot with
     position -1 is empty (before the budget fills).
+
+    On a sliding-window layer the evicting cache lives inside the window: prefill queries score only
+    the keys they see, and a position that slides out of the window is evicted first (never attended).
     """
 
     name = "h2o"
@@ -351,27 +354,29 @@ class H2ODecode(DecodePolicy):
         self.score: Optional[Tensor] = None  # (B, n_kv, k) fp32 cumulative attention
 
     def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
-                        lengths: Optional[Tensor] = None) -> None:
+                        lengths: Optional[Tensor] = None, window: Optional[int] = None) -> None:
         """Add the attention a prefill chunk's queries give every key so far; keep the budget's best.
-        lengths (B,): right-padded prompts; padding queries give nothing and padding keys are never kept."""
+        lengths (B,): right-padded prompts; padding queries give nothing and padding keys are never kept.
+        window: a sliding-window layer's (queries see the last `window` keys; older ones are never kept)."""
         S = k.shape[2]
-        key = ("h2o received", self.prefill_chunk, self.cap, S)  # independent of the budget: shared via the memo
+        key = ("h2o received", self.prefill_chunk, self.cap, S, window)  # budget-independent: shared via the memo
         memo = {} if memo is None else memo
         if key not in memo:
-            memo[key] = self.prefill_received(q, k, self.prefill_chunk, self.cap, lengths)
+            memo[key] = self.prefill_received(q, k, self.prefill_chunk, self.cap, lengths, window)
         if q.shape[2] == S:  # the first chunk of a prefill: its queries are at every position
             self.received = memo[key].clone()
         else:
             self.received = F.pad(self.received, (0, S - self.received.shape[2])) + memo[key]
-        self.start_from_prefill(self.received, lengths)
+        self.start_from_prefill(self.received, lengths, window)
 
     @staticmethod
     def prefill_received(q: Tensor, k: Tensor, chunk: int = 256, cap: Optional[float] = None,
-                         lengths: Optional[Tensor] = None) -> Tensor:
+                         lengths: Optional[Tensor] = None, window: Optional[int] = None) -> Tensor:
         """(B, n_kv, S) fp32: attention each key received from the T queries at the last T of its S
-        positions (causal), summed over the queries and averaged over the group; with lengths (B,),
-        queries at positions >= lengths[b] (padding) give nothing. Independent of the budget, so
-        several H2O budgets can share it (observe_prefill's memo)."""
+        positions (causal; with a window, the query at p sees keys (p - window, p]), summed over the
+        queries and averaged over the group; with lengths (B,), queries at positions >= lengths[b]
+        (padding) give nothing. Independent of the budget, so several H2O budgets can share it
+        (observe_prefill's memo)."""
         B, H, T, d = q.shape
         n_kv, S = k.shape[1], k.shape[2]
         g = H // n_kv
@@ -381,15 +386,19 @@ class H2ODecode(DecodePolicy):
         kf = k.float()
         future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # (row, key) above the diagonal
         for start in range(0, T, chunk):
-            end = min(start + chunk, T)  # rows [start, end) see only keys [0, offset + end)
+            end = min(start + chunk, T)  # rows [start, end) see only keys [lo, offset + end)
             n = end - start
-            # The group's rows stacked into one GEMM per (batch row, KV head): (B, n_kv, g * n, offset + end).
+            lo = 0 if window is None else max(0, offset + start - window + 1)
+            # The group's rows stacked into one GEMM per (batch row, KV head): (B, n_kv, g * n, offset + end - lo).
             qc = qf[:, :, :, start:end].reshape(B, n_kv, g * n, d)
-            logits = torch.matmul(qc, kf[:, :, :offset + end].transpose(-1, -2))
+            logits = torch.matmul(qc, kf[:, :, lo:offset + end].transpose(-1, -2))
             if cap is not None:
                 logits = softcap(logits, cap)
-            logits.view(B, n_kv, g, n, offset + end)[..., offset + start:offset + end].masked_fill_(
-                future[:n, :n], float("-inf"))  # causal: the diagonal block
+            grid = logits.view(B, n_kv, g, n, offset + end - lo)
+            grid[..., offset + start - lo:].masked_fill_(future[:n, :n], float("-inf"))  # causal: the diagonal block
+            if window is not None:  # and the window's far edge: key position <= query position - window
+                q_pos = torch.arange(offset + start, offset + end, device=q.device)[:, None]
+                grid.masked_fill_(torch.arange(lo, offset + end, device=q.device) <= q_pos - window, float("-inf"))
             # softmax rows summed into columns without materialising the probabilities: each row's
             # exp(logits - max) weighted by 1 / (its sum * g), and by 0 for a padding query.
             logits = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # (B, n_kv, g * n, offset + end)
@@ -397,16 +406,18 @@ class H2ODecode(DecodePolicy):
             if lengths is not None:  # padding queries give nothing
                 real = torch.arange(offset + start, offset + end, device=q.device) < lengths[:, None]  # (B, n)
                 weight = weight * real[:, None, None, :].expand(B, 1, g, n).reshape(B, 1, g * n)
-            received[..., :offset + end] += torch.matmul(weight.unsqueeze(2), logits).squeeze(2)
+            received[..., lo:offset + end] += torch.matmul(weight.unsqueeze(2), logits).squeeze(2)
         return received
 
-    def start_from_prefill(self, received: Tensor, lengths: Optional[Tensor] = None) -> None:
+    def start_from_prefill(self, received: Tensor, lengths: Optional[Tensor] = None,
+                           window: Optional[int] = None) -> None:
         """Keep the budget's positions of a prefill from prefill_received's scores (row b's prompt:
-        lengths[b] positions, or all of them)."""
+        lengths[b] positions, or all of them; on a window layer, only its last `window`)."""
         B, n_kv, T = received.shape
         device = received.device
         length = T if lengths is None else lengths.view(B, 1, 1)
-        key = self._keep_priority(received, torch.arange(T, device=device), length)
+        first = 0 if window is None else length - window  # positions before it have left the window
+        key = self._keep_priority(received, torch.arange(T, device=device), length, first)
         count = min(self.k, T)
         top = torch.topk(key, count, dim=-1)  # (B, n_kv, count); a short row's extra picks are padding
         self.kept = torch.full((B, n_kv, self.k), -1, dtype=torch.long, device=device)
@@ -414,22 +425,25 @@ class H2ODecode(DecodePolicy):
         self.kept[..., :count] = torch.where(top.values > float("-inf"), top.indices, -1)
         self.score[..., :count] = torch.gather(received, 2, top.indices)
 
-    def _keep_priority(self, score: Tensor, positions: Tensor, length: int | Tensor) -> Tensor:
+    def _keep_priority(self, score: Tensor, positions: Tensor, length: int | Tensor,
+                       first: int | Tensor = 0) -> Tensor:
         """Higher = kept longer: recent positions first, then cumulative score; empty slots (and
-        positions at or past the row's length: padding) last. length: an int, or (B, 1, 1) per row."""
+        positions at or past the row's length: padding, or before `first`: out of a window) last.
+        length, first: ints, or (B, 1, 1) per row."""
         recent = positions >= length - self.local
         priority = torch.where(recent, float("inf"), score)
-        return torch.where((positions < 0) | (positions >= length), float("-inf"), priority)
+        gone = (positions < 0) | (positions < first) | (positions >= length)
+        return torch.where(gone, float("-inf"), priority)
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B, n_kv, g, d = q.shape
-        view = cache.view(length, B)  # H2O runs on global layers only: view.start = 0, positions are absolute
+        view = cache.view(length, B)  # positions [view.start, length): view.start > 0 on a window layer
         ragged = view.live_length is not None and view.live_length.dim() == 1
         now = view.live_length.view(B, 1, 1) if ragged else length  # each row's live length
         current = (now - 1 if ragged else torch.full((B, 1, 1), length - 1, device=q.device)).expand(B, n_kv, 1)
-        candidates = torch.cat([self.kept, current], dim=-1)  # (B, n_kv, k + 1)
-        valid = candidates >= 0
-        index = candidates.clamp(min=0)[..., None].expand(-1, -1, -1, d)
+        candidates = torch.cat([self.kept, current], dim=-1)  # (B, n_kv, k + 1) absolute positions
+        valid = candidates >= view.start  # empty slots (-1) and positions that left the window are out
+        index = (candidates - view.start).clamp(min=0)[..., None].expand(-1, -1, -1, d)
         k_sel = torch.gather(view.k[:B], 2, index).float()  # (B, n_kv, k + 1, d)
         v_sel = torch.gather(view.v[:B], 2, index).float()
         logits = softcap((q.float() @ k_sel.transpose(-1, -2)) / math.sqrt(d), self.cap)  # (B, n_kv, g, k + 1)
@@ -437,8 +451,8 @@ class H2ODecode(DecodePolicy):
         y = probs @ v_sel
 
         score = torch.cat([self.score, torch.zeros_like(current, dtype=torch.float32)], dim=-1) + probs.mean(2)
-        keep = torch.topk(self._keep_priority(score, candidates, now), self.k, dim=-1).indices  # evict one
-        self.kept = torch.gather(candidates, 2, keep)
+        keep = torch.topk(self._keep_priority(score, candidates, now, view.start), self.k, dim=-1).indices  # evict
+        self.kept = torch.gather(torch.where(valid, candidates, -1), 2, keep)
         self.score = torch.gather(score, 2, keep)
         return y.to(q.dtype)
 
@@ -494,7 +508,6 @@ class Policy:
     knob: Optional[str] = None  # the setting a target compression solves for (sparq_r, sparq_k, kv_budget)
     knob_min: int = 1  # smallest value of the knob (LM-Infinite needs more than its sink tokens)
     reads_buckets: bool = False  # honours bucketed reads (CacheView.live_length): CUDA graphs per bucket
-    windows: bool = True  # can run on a sliding-window layer's view (stateless in positions); H2O cannot
 
 
 POLICIES: dict[str, Policy] = {
@@ -511,7 +524,7 @@ POLICIES: dict[str, Policy] = {
                                                            args.attn_softcap),
                      "exact top-k at no transfer cost (upper bound)", ("kv_budget",), knob="kv_budget"),
     "h2o": Policy(lambda s, args, kernels: H2ODecode(s.budget, s.sparq_local, cap=args.attn_softcap),
-                  "H2O: evicting heavy hitters + recent window", ("kv_budget",), knob="kv_budget", windows=False),
+                  "H2O: evicting heavy hitters + recent window", ("kv_budget",), knob="kv_budget"),
     "local": Policy(lambda s, args, kernels: LocalDecode(s.budget, cap=args.attn_softcap),
                     "LM-Infinite: 16 sinks + recent window", ("kv_budget",), knob="kv_budget",
                     knob_min=LocalDecode.SINKS + 1),
@@ -524,8 +537,7 @@ def policy_factory(settings: AttentionSettings, args: ModelArgs,
     per-layer state). Checks the settings once: ValueError in one line.
 
     Sliding-window layers read min(S, window) positions: the policy replaces dense attention there
-    only when it moves fewer elements than dense over a full window (and can run on a window);
-    elsewhere they stay dense. Global layers always get the policy."""
+    only when it moves fewer elements than dense over a full window; elsewhere they stay dense. Global layers always get the policy."""
     if settings.policy not in POLICIES:
         raise ValueError(f"unknown attention policy {settings.policy!r} (choose from {', '.join(POLICIES)})")
     entry = POLICIES[settings.policy]
@@ -535,7 +547,7 @@ def policy_factory(settings: AttentionSettings, args: ModelArgs,
             raise ValueError(f"--{flag.replace('_', '-')} applies to --attention {users}, not {settings.policy}")
     policy = entry.build(settings, args, kernels)  # validate now, not in the middle of a run
     W = args.sliding_window
-    on_windows = W is not None and entry.windows and (
+    on_windows = W is not None and (
         policy.transfer_elements(W, args.head_dim) < DenseDecode().transfer_elements(W, args.head_dim))
 
     def make(layer: int) -> DecodePolicy:

@@ -103,6 +103,51 @@ def test_h2o_with_full_budget_equals_dense_over_steps():
                                    atol=2e-6, rtol=1e-5)
 
 
+def window_cache_with(k, v, window):
+    B, n_kv, S, d = k.shape
+    cache = KVCache(B, S, n_kv, d, k.dtype, window=window)
+    cache.update(torch.arange(S), k, v)
+    return cache
+
+
+def test_h2o_on_a_window_layer_with_the_whole_window_equals_dense_windowed_attention():
+    """A budget of the whole window keeps every visible position: exact windowed attention, step after step."""
+    torch.manual_seed(2)
+    B, n_kv, g, d, T, steps, W = 2, 2, 3, 16, 40, 6, 12
+    k, v = torch.randn(B, n_kv, T + steps, d), torch.randn(B, n_kv, T + steps, d)
+    cache = window_cache_with(k, v, W)
+    policy = H2ODecode(k=W)
+    policy.observe_prefill(torch.randn(B, n_kv * g, T, d), k[:, :, :T], window=W)
+    for length in range(T + 1, T + steps + 1):
+        q = torch.randn(B, n_kv, g, d)
+        expected = dense_attention(q, k[:, :, length - W:length], v[:, :, length - W:length])
+        torch.testing.assert_close(policy(q, cache, length), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_h2o_on_a_window_layer_never_keeps_a_position_that_left_the_window():
+    """A small budget on a window layer: after the prefill and every step, each kept position is inside
+    the window the next step sees, and each step's output is attention over exactly its kept positions
+    and the current one."""
+    torch.manual_seed(4)
+    B, n_kv, g, d, T, steps, W, budget = 1, 2, 2, 8, 30, 12, 10, 6
+    k, v = 3 * torch.randn(B, n_kv, T + steps, d), torch.randn(B, n_kv, T + steps, d)
+    cache = window_cache_with(k, v, W)
+    policy = H2ODecode(k=budget, local=2)
+    policy.observe_prefill(torch.randn(B, n_kv * g, T, d), k[:, :, :T], window=W)
+    assert ((policy.kept >= T - W) & (policy.kept < T)).all()  # the prefill's last query sees [T - W, T)
+    for length in range(T + 1, T + steps + 1):
+        kept = policy.kept.clone()
+        q = torch.randn(B, n_kv, g, d)
+        out = policy(q, cache, length)
+        for h in range(n_kv):
+            seen = [p for p in kept[0, h].tolist() if p >= length - W] + [length - 1]
+            torch.testing.assert_close(out[0, h], dense_attention(q[:, h:h + 1], k[:, h:h + 1, seen],
+                                                                  v[:, h:h + 1, seen])[0, 0], atol=2e-6, rtol=1e-5)
+        live = policy.kept[policy.kept >= 0]
+        assert (live >= length + 1 - W).all() or (live >= length - W).all()
+        assert len(set(policy.kept[0, 0].tolist())) == budget  # the budget stays full
+
+
 def test_compression_ratios_follow_appendix_g():
     S, d, k = 4096, 128, 128
     assert compression_ratio(H2ODecode(k), S, d) == (2 * k * d + 2 * d + 2 * S) / (2 * S * d + 2 * d)

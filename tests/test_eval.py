@@ -257,11 +257,14 @@ def test_shared_prefill_and_rewind_equal_fresh_runs():
     assert len({str(tokens) for tokens in shared.values()}) > 2  # the budgets bite
 
 
-@pytest.mark.parametrize("cap, offset, ragged", [(None, 0, False), (None, 40, False), (5.0, 0, True), (5.0, 40, True)])
-def test_shared_h2o_prefill_scores_match_a_naive_reference(cap, offset, ragged):
+@pytest.mark.parametrize("cap, offset, ragged, window", [(None, 0, False, None), (None, 40, False, None),
+                                                         (5.0, 0, True, None), (5.0, 40, True, None),
+                                                         (None, 0, False, 50), (5.0, 40, True, 200)])
+def test_shared_h2o_prefill_scores_match_a_naive_reference(cap, offset, ragged, window):
     """FanOut computes H2O's prefill scores once for every budget: they must be the column sums of the
     causal softmax, averaged over each KV head's query heads (chunk boundaries included), also for a
-    later prefill chunk (queries after `offset` earlier keys), soft-capped logits and padding queries."""
+    later prefill chunk (queries after `offset` earlier keys), soft-capped logits, padding queries and
+    a sliding-window layer (the query at p sees keys (p - window, p])."""
     from sparq import H2ODecode
 
     torch.manual_seed(3)
@@ -273,13 +276,15 @@ def test_shared_h2o_prefill_scores_match_a_naive_reference(cap, offset, ragged):
     logits = q @ k.repeat_interleave(H // n_kv, dim=1).transpose(-1, -2) / math.sqrt(d)  # (B, H, T, S)
     if cap is not None:
         logits = cap * torch.tanh(logits / cap)
-    causal = torch.ones(T, S, dtype=torch.bool).tril(offset)
-    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    seen = torch.ones(T, S, dtype=torch.bool).tril(offset)
+    if window is not None:
+        seen &= ~torch.ones(T, S, dtype=torch.bool).tril(offset - window)
+    probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
     if ragged:
         real = (torch.arange(offset, S) < lengths[:, None]).float()  # (B, T): padding queries give nothing
         probs = probs * real[:, None, :, None]
     expected = probs.sum(2).view(B, n_kv, H // n_kv, S).mean(2)
-    got = H2ODecode.prefill_received(q, k, chunk=128, cap=cap, lengths=lengths)
+    got = H2ODecode.prefill_received(q, k, chunk=128, cap=cap, lengths=lengths, window=window)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

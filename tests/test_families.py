@@ -167,6 +167,27 @@ def test_sparq_with_full_r_and_k_generates_dense_tokens(converted):
     assert rows["sparq"] == rows["dense"]
 
 
+def test_h2o_holding_every_visible_position_generates_dense_tokens(converted):
+    """H2O with a budget of each layer's whole view (the window on a window layer, the prompt and its
+    continuation on a global one) keeps every position it may see: dense's tokens. The window layers'
+    H2O scores only the keys in the window during the chunked prefill (model.py passes the window)."""
+    from sparq import H2ODecode
+
+    _, _, _, out_dir = converted
+    ours = model.load_model(out_dir)
+    prompt = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
+    rows = {}
+    for policy in ("dense", "h2o"):
+        ours.setup_caches(2, 24 + 16)
+        if policy == "dense":
+            ours.set_decode_attention(policy_factory(AttentionSettings("dense"), ours.args))
+        else:
+            ours.set_decode_attention(lambda i: H2ODecode(ours.args.window(i) or 64, local=0, prefill_chunk=8,
+                                                          cap=ours.args.attn_softcap))
+        rows[policy], _ = Generator(ours).generate(prompt, 16)
+    assert rows["h2o"] == rows["dense"]
+
+
 def test_compiled_decode_matches_eager(converted):
     _, _, _, out_dir = converted
     ours = model.load_model(out_dir)
