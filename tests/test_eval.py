@@ -314,6 +314,10 @@ def test_results_rows_tables_and_plot(tmp_path):
     results.add(needle, dense, "exact_match", [1.0, 1.0, 0.0, 1.0])
     results.add(needle, local, "exact_match", [0.0, 1.0, 0.0, 0.0])
     results.achieved[(bpc, "sparq", Fraction(1, 8))] += [0.126]
+    results.achieved[(bpc, "local", Fraction(1, 8))] += [0.125]
+    topk = ev.Config(budget("topk", Fraction(1, 8), 2048, k=1, achieved=0.501), [])  # cannot go below 1/2
+    results.add(bpc, topk, "bpc", [0.5, 0.6, 0.7])  # "better" than sparq, at four times its transfers
+    results.achieved[(bpc, "topk", Fraction(1, 8))] += [0.501]
     rows = {(r["task"], r["attention"]): r for r in results.rows()}
     assert rows[("bpc", "sparq")]["score"] == pytest.approx(1.113333, abs=1e-5)
     assert rows[("bpc", "sparq")]["delta_vs_dense"] == pytest.approx(0.013333, abs=1e-5)
@@ -323,10 +327,12 @@ def test_results_rows_tables_and_plot(tmp_path):
     assert rows[("needle", "dense")]["higher_is_better"] and not rows[("bpc", "dense")]["higher_is_better"]
     assert "delta_vs_dense" not in rows[("needle", "dense")]
     all_rows = results.rows()
-    text = ev.table(all_rows, ["dense", "sparq", "local"], [Fraction(1), Fraction(1, 8)])
+    text = ev.table(all_rows, ["dense", "sparq", "local", "topk"], [Fraction(1), Fraction(1, 8)])
     assert "bpc↓ 1/8" in text and "exact_match %↑ 1" in text
     sparq_line = next(line for line in text.splitlines() if line.startswith("sparq") and "1.113" in line)
     assert "1.100±" in sparq_line and "1.113±" in sparq_line and "*" in sparq_line  # dense column, best marked
+    topk_line = next(line for line in text.splitlines() if line.startswith("topk"))
+    assert "0.600±0.058†" in topk_line and "*" not in topk_line and "† = compression achieved" in text
     assert "75.0±25.0" in text  # needle dense, in percent
     deltas = ev.delta_table(all_rows, ["sparq", "local"], [Fraction(1), Fraction(1, 8)])
     assert "+0.100±0.000" in deltas and "-50.0±28.9" in deltas  # needle diffs -1, 0, 0, -1
