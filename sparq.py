@@ -401,7 +401,7 @@ class H2ODecode(DecodePolicy):
                 grid.masked_fill_(torch.arange(lo, offset + end, device=q.device) <= q_pos - window, float("-inf"))
             # softmax rows summed into columns without materialising the probabilities: each row's
             # exp(logits - max) weighted by 1 / (its sum * g), and by 0 for a padding query.
-            logits = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # (B, n_kv, g * n, offset + end)
+            logits = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # (B, n_kv, g * n, offset + end - lo)
             weight = 1.0 / (logits.sum(dim=-1) * g)  # (B, n_kv, g * n)
             if lengths is not None:  # padding queries give nothing
                 real = torch.arange(offset + start, offset + end, device=q.device) < lengths[:, None]  # (B, n)
