@@ -537,7 +537,8 @@ def policy_factory(settings: AttentionSettings, args: ModelArgs,
     per-layer state). Checks the settings once: ValueError in one line.
 
     Sliding-window layers read min(S, window) positions: the policy replaces dense attention there
-    only when it moves fewer elements than dense over a full window; elsewhere they stay dense. Global layers always get the policy."""
+    only when it moves fewer elements than dense over a full window; elsewhere they stay dense.
+    Global layers always get the policy."""
     if settings.policy not in POLICIES:
         raise ValueError(f"unknown attention policy {settings.policy!r} (choose from {', '.join(POLICIES)})")
     entry = POLICIES[settings.policy]
