@@ -337,12 +337,31 @@ def _first_decode_positions(contexts: list[int], max_context: int, steps: int) -
     return starts
 
 
+def _time_prefills(model, prompt, contexts: list[int], progress) -> dict[int, float]:
+    """Our prefill tokens/s of a prompt of N tokens into an empty cache (llama-bench's pp N), for
+    each context N > 0: the first N tokens of `prompt`, one timed prefill each after a warm-up one
+    (generate.py's chunked prefill, dense, B = 1)."""
+    import torch
+
+    from generate import prefill
+
+    tok_s = {}
+    with torch.no_grad():
+        prefill(model, prompt[:, :64])  # warm-up: thread pools, allocator, kernel loading
+        for n in sorted(c for c in set(contexts) if c > 0):
+            progress.set_postfix_str(f"timing prefill of {n} tokens")
+            start = time.perf_counter()
+            prefill(model, prompt[:, :n])
+            tok_s[n] = n / (time.perf_counter() - start)
+    return tok_s
+
+
 def cmd_decode(args) -> int:
     import torch
     from tqdm import tqdm
 
     import data
-    from generate import decode_step, kernels_for, load_checkpoint, load_tokenizer, prefill
+    from generate import compiled_decode_step, decode_step, kernels_for, load_checkpoint, load_tokenizer, prefill
     from model import ModelArgs, checkpoint_paths
     from sparq import AttentionSettings, policy_factory
 
@@ -390,6 +409,7 @@ def cmd_decode(args) -> int:
         model = load_checkpoint(args.checkpoint, "cpu", _dtype(dtype_name), kernels)
         policies = {name: [make(i) for i in range(model_args.n_layer)] for name, make in factories.items()}
         model.setup_caches(max_rows, cache_length)
+        prefill_tok_s = _time_prefills(model, prompt, contexts, progress) if args.prefill else {}
         with torch.no_grad():  # one dense prefill of the longest prompt serves every shorter context (causal)
             progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}")
             prefill(model, prompt, progress=True)
@@ -401,7 +421,7 @@ def cmd_decode(args) -> int:
             # one graph per (policy, batch size, dtype) plus the length-1 specialisation: more than
             # dynamo's default of 8 recompiles in one process
             torch._dynamo.config.recompile_limit = 64
-            step = torch.compile(decode_step, dynamic=True, fullgraph=True)
+            step = compiled_decode_step(decode_step, "cpu")
         for label, row_starts in cases:
             B = len(row_starts)
             live = [start + args.warmup + args.steps // 2 + 1 for start in row_starts]  # at the median step
@@ -418,6 +438,7 @@ def cmd_decode(args) -> int:
                     "batch_size": B, "dtype": dtype_name,
                     "attention": name, "sparq_r": settings[name].sparq_r, "kernel": kernels.name, "compiled": args.compile,
                     "threads": torch.get_num_threads(),
+                    "prefill_tokens_per_s": prefill_tok_s.get(label if "/" in label else int(label)),
                     "decode_tokens_per_s": 1 / seconds[name], "total_tokens_per_s": B / seconds[name],
                     "weight_bytes": weights, "kv_bytes_read_per_step": kv[name],
                     "kv_gb_s": kv[name] / seconds[name] / 1e9, "gb_s": (weights + kv[name]) / seconds[name] / 1e9,
@@ -461,7 +482,8 @@ def _beside_llamacpp(rows: list[dict], args, contexts: list[int], dtypes: list[s
     print(f"\nbeside llama.cpp ({build.version}; its decode after N tokens, llama-bench), B = 1, tok/s")
     print(f"{'dtype':9} {'context':>7} {'llama.cpp':>10} {'ours dense':>10} "
           + "".join(f"{f'SparQ r={r}':>11}" for r in rs) + f" {'dense/llama':>11}"
-          + "".join(f"{f'r={r}/llama':>11}" for r in rs) + f" {'llama prefill':>13}")
+          + "".join(f"{f'r={r}/llama':>11}" for r in rs) + f" {'llama prefill':>13}"
+          + (f" {'ours prefill':>12} {'ours/llama':>10}" if args.prefill else ""))
     for dtype in dtypes:
         for context in contexts:
             their_row = theirs[(dtype, max(context, 1))]
@@ -470,9 +492,17 @@ def _beside_llamacpp(rows: list[dict], args, contexts: list[int], dtypes: list[s
             sparq = [ours[(dtype, context, r)]["decode_tokens_per_s"] for r in rs]
             print(f"{dtype:9} {context:7d} {them:10.1f} {dense:10.1f} " + "".join(f"{t:11.1f}" for t in sparq)
                   + f" {dense / them:10.2f}x" + "".join(f"{t / them:10.2f}x" for t in sparq)
-                  + f" {their_row['prefill_tok_s'] or 0:13.0f}")
+                  + f" {their_row['prefill_tok_s'] or 0:13.0f}" + _prefill_cells(ours[(dtype, context, None)], their_row))
     if note := llamacpp.busy_note(list(theirs.values())):
         print(note)
+
+
+def _prefill_cells(ours: dict, theirs: dict) -> str:
+    """Our prefill tok/s beside llama.cpp's, and their ratio (empty without --prefill or for N = 0)."""
+    if ours.get("prefill_tokens_per_s") is None:
+        return ""
+    ratio = f"{ours['prefill_tokens_per_s'] / theirs['prefill_tok_s']:9.2f}x" if theirs["prefill_tok_s"] else f"{'-':>10}"
+    return f" {ours['prefill_tokens_per_s']:12.0f} {ratio}"
 
 
 _DECODE_HEADER = (f"{'dtype':9} {'context':>7} {'B':>3} {'r':>3} {'dense tok/s':>11} {'SparQ tok/s':>11} {'speedup':>7} "
@@ -497,6 +527,11 @@ def _print_decode_table(rows: list[dict], config, kernel: str, compiled: bool) -
     for (dtype, context, B, attention), sparq in by_key.items():
         if attention != "dense":
             print(_decode_row_line(by_key[(dtype, context, B, "dense")], sparq))
+    prefills = {(r["dtype"], r["prompt_tokens"]): r["prefill_tokens_per_s"] for r in rows
+                if r.get("prefill_tokens_per_s") is not None}
+    for dtype in dict.fromkeys(d for d, _ in prefills):
+        print(f"prefill, {dtype}, B = 1, tok/s of N tokens into an empty cache: "
+              + ", ".join(f"N={n}: {t:.0f}" for (d, n), t in prefills.items() if d == dtype))
 
 
 def _plot_decode(rows: list[dict], path: str) -> None:
@@ -683,6 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ragged", default=None,
                    help="also time one batch of rows at these different contexts (comma list), e.g. 1024,4096,8192")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (dynamic shapes)")
+    p.add_argument("--prefill", action="store_true",
+                   help="also time our prefill of each context (N tokens into an empty cache, B = 1), printed "
+                        "with the rows and beside llama.cpp's prefill with --llamacpp")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per configuration (median)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")

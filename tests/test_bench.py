@@ -12,7 +12,7 @@ from conftest import assert_one_line_error
 def test_decode_json_rows(tmp_path, smollm2_checkpoint, capsys):
     out = tmp_path / "decode.json"
     code = bench.main(["decode", "--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "0,40",
-                       "--batch-size", "1,2", "--steps", "2", "--warmup", "0", "--sparq-k", "16",
+                       "--batch-size", "1,2", "--steps", "2", "--warmup", "0", "--sparq-k", "16", "--prefill",
                        "--json", str(out), "--plot", str(tmp_path / "decode.png")])
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
@@ -23,10 +23,13 @@ def test_decode_json_rows(tmp_path, smollm2_checkpoint, capsys):
         assert row["live_length"] == row["prompt_tokens"] + 2  # the median of two steps at context + 1, + 2
         if row["attention"] == "dense":
             assert row["speedup_vs_dense"] == 1.0 and row["theoretical_speedup"] == 1.0
+        # --prefill: our prefill of the context's N tokens, timed for N > 0 only
+        assert (row["prefill_tokens_per_s"] > 0) if row["prompt_tokens"] else row["prefill_tokens_per_s"] is None
     sparq_40 = [r for r in rows if r["attention"] == "sparq" and r["prompt_tokens"] == 40]
     assert all(r["theoretical_kv_speedup"] > 1 for r in sparq_40)  # S = 42 > k = 16: SparQ reads less
     assert (tmp_path / "decode.png").stat().st_size > 0
-    assert "dense tok/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "dense tok/s" in printed and "prefill, float32, B = 1" in printed and "N=40: " in printed
 
 
 def test_decode_near_the_model_context_ends_there(smollm2_checkpoint):

@@ -20,7 +20,7 @@ import torch
 
 import convert_hf_checkpoint
 import model
-from generate import Generator, decode_step
+from generate import Generator, compiled_decode_step, decode_step
 from sparq import AttentionSettings, policy_factory
 
 transformers = pytest.importorskip("transformers")
@@ -196,6 +196,6 @@ def test_compiled_decode_matches_eager(converted):
     ours.setup_caches(2, 15 + 6)
     eager = _ours(ours, prompt, tokens, chunk=15)
     torch._dynamo.reset()
-    compiled = _ours(ours, prompt, tokens, chunk=15, step=torch.compile(decode_step, fullgraph=True, dynamic=True))
+    compiled = _ours(ours, prompt, tokens, chunk=15, step=compiled_decode_step(decode_step, "cpu"))
     for a, e in zip(compiled[1:], eager[1:]):
         assert (a - e).abs().max().item() < 1e-4

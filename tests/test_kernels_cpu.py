@@ -448,7 +448,8 @@ def test_ragged_torch_compile_fullgraph():
 @pytest.mark.parametrize("M,N,K,x_dtype,w_dtype,n_threads", [
     (1, 576, 576, "float32", "float32", 2), (1, 1000, 17, "float32", "float32", 1),
     (3, 5, 1536, "float32", "bfloat16", 2), (16, 961, 576, "bfloat16", "bfloat16", 2),
-    (2, 4099, 64, "bfloat16", "float32", 2), (1, 3, 1, "float32", "float16", 1)])
+    (2, 4099, 64, "bfloat16", "float32", 2), (1, 3, 1, "float32", "float16", 1),
+    (5, 200, 96, "float16", "bfloat16", 2)])
 def test_fused_linear_matches_fp64(M, N, K, x_dtype, w_dtype, n_threads, threads):
     """The fused GEMV (sparq::linear_cpu) against an fp64 matmul of the same values; N and K off every block size."""
     threads(n_threads)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import convert_hf_checkpoint
+import generate
 import model
 
 transformers = pytest.importorskip("transformers")
@@ -171,10 +172,7 @@ def test_compiled_decode_matches_eager(tmp_path: Path):
     m.setup_caches(max_batch_size=B, max_seq_length=T + steps + 2)
     prompt = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(2))
 
-    def decode_step(model_, token, input_pos, length):
-        return model_(token, input_pos, length)
-
-    compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
+    compiled = generate.compiled_decode_step(generate.decode_step, "cpu")
 
     def run(step_fn):
         m.reset_caches()
@@ -187,7 +185,7 @@ def test_compiled_decode_matches_eager(tmp_path: Path):
                 out.append(logits)
         return torch.stack(out)
 
-    eager = run(decode_step)
+    eager = run(generate.decode_step)
     torch._dynamo.reset()
     result = run(compiled)
     assert (result - eager).abs().max().item() < 1e-4

@@ -15,7 +15,7 @@ import dataclasses
 import model as M
 import quantize as Q
 from conftest import REPO, assert_one_line_error
-from generate import decode_step
+from generate import compiled_decode_step, decode_step
 from kernels import TORCH_KERNELS
 
 # The packed quantized kernels alone (the linears' float path stays F.linear); TORCH_KERNELS is the
@@ -315,11 +315,11 @@ def test_weights_survive_the_dtype_cast(tmp_path):
 
 
 def test_decode_step_compiles_fullgraph(tmp_path):
-    """torch.compile(fullgraph=True, dynamic=True) of the decode step, as generate.py --compile does."""
+    """The decode step compiled as generate.py --compile compiles it (compiled_decode_step)."""
     path = quantize_file(tiny_checkpoint(tmp_path, True), "int4", 32)  # int4 body + int8 (int4x2) head
     model = load(path)
     model.setup_caches(2, 16)
-    compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
+    compiled = compiled_decode_step(decode_step, "cpu")
     prompt = torch.tensor([[5, 6, 7], [8, 9, 10]])
     with torch.no_grad():
         first = model(prompt, torch.arange(3), 3).argmax(-1).view(2, 1)
