@@ -9,6 +9,8 @@
 `decode`: the whole model's decode step on a checkpoint, dense and SparQ from the same prefilled
 cache in one process; tokens/s, KV GB/s (bytes by the transfer formulas), measured speedup and the
 theoretical one: (weights + dense KV bytes) / (weights + SparQ KV bytes) per step.
+--prefill also times our prefill of each context (N tokens into an empty cache), and --llamacpp
+GGUF times llama.cpp (llamacpp.py) after the same contexts in the same format: one run, side by side.
 
 `attention`: one layer's decode-attention op (one query token per batch row), dense against every
 SparQ variant, side by side in one process. Each configuration rotates among enough copies of
