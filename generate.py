@@ -104,8 +104,9 @@ def decode_step(model: Transformer, token: Tensor, input_pos: Tensor, length: in
 
 
 def compiled_decode_step(step: Callable, device_type: str) -> Callable:
-    """torch.compile of a decode step (fullgraph, dynamic lengths), the one place its settings live
-    (generate.py, bench.py and gpu_check.py compile this way).
+    """torch.compile of a decode step (fullgraph, dynamic lengths), the one place its settings live:
+    generate.py, bench.py and the tests compile this way (gpu_check.py repeats the CUDA line, as it
+    imports nothing of generate.py's tokenizer stack on the bare GPU machine).
 
     CUDA: gpt-fast's settings, CUDA graphs per shape (mode="reduce-overhead") and tuned GEMVs. CPU:
     inductor's C++ wrapper, which calls the graph's kernels and ops from C++ rather than from a
