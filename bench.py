@@ -481,11 +481,12 @@ def _beside_llamacpp(rows: list[dict], args, contexts: list[int], dtypes: list[s
             theirs[(dtype, row["context"])] = row
     ours = {(r["dtype"], r["prompt_tokens"], r["sparq_r"]): r for r in rows if r["batch_size"] == 1}  # r None: dense
     rs = sorted({r for (_, _, r) in ours if r is not None})
+    with_prefill = any(r.get("prefill_tokens_per_s") is not None for r in ours.values())  # bench --prefill
     print(f"\nbeside llama.cpp ({build.version}; its decode after N tokens, llama-bench), B = 1, tok/s")
     print(f"{'dtype':9} {'context':>7} {'llama.cpp':>10} {'ours dense':>10} "
           + "".join(f"{f'SparQ r={r}':>11}" for r in rs) + f" {'dense/llama':>11}"
           + "".join(f"{f'r={r}/llama':>11}" for r in rs) + f" {'llama prefill':>13}"
-          + (f" {'ours prefill':>12} {'ours/llama':>10}" if args.prefill else ""))
+          + (f" {'ours prefill':>12} {'ours/llama':>10}" if with_prefill else ""))
     for dtype in dtypes:
         for context in contexts:
             their_row = theirs[(dtype, max(context, 1))]

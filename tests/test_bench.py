@@ -97,3 +97,11 @@ def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys):
     assert "SparQ r=16" in out and "SparQ r=32" in out and "r=32/llama" in out
     line = next(x for x in out.splitlines() if x.startswith("bfloat16"))
     assert line.split()[2:8] == ["10.0", "5.0", "8.0", "7.0", "0.50x", "0.80x"]
+    assert "ours prefill" not in out  # no --prefill: no prefill columns
+
+    for row in rows:  # with --prefill: our prefill beside llama.cpp's, and the ratio
+        row["prefill_tokens_per_s"] = 150.0
+    bench._beside_llamacpp(rows, argparse.Namespace(llamacpp="m.gguf", steps=4, threads=2), [4096], ["bfloat16"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("bfloat16"))
+    assert "ours prefill" in out and line.split()[-3:] == ["100", "150", "1.50x"]
