@@ -412,9 +412,12 @@ def cmd_decode(args) -> int:
         policies = {name: [make(i) for i in range(model_args.n_layer)] for name, make in factories.items()}
         model.setup_caches(max_rows, cache_length)
         prefill_tok_s = _time_prefills(model, prompt, contexts, progress) if args.prefill else {}
-        with torch.no_grad():  # one dense prefill of the longest prompt serves every shorter context (causal)
-            progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}")
-            prefill(model, prompt, progress=True)
+        # one dense prefill of the longest prompt serves every shorter context (causal); --prefill's
+        # timed prefill of that whole prompt, when it was one of the contexts, already wrote it
+        if prompt.shape[1] not in prefill_tok_s:
+            with torch.no_grad():
+                progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}")
+                prefill(model, prompt, progress=True)
         for cache in model.caches:
             cache.broadcast_row(max_rows)
         weights = model.weight_bytes()
