@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "attend.h"
@@ -41,94 +42,178 @@ struct DenseProblem {
   int64_t chunks(int64_t bh) const { return unit0[bh + 1] - unit0[bh]; }
 };
 
-// Register-blocked dense pieces for d = 16 * NV: blocks of 64 positions (in L1 after the first
-// head), four independent dot products at a time, output accumulators in registers.
+// Register-blocked dense pieces for d = 16 * NV. The logits go 16 positions at a time: each K row
+// is loaded (widened) once for the g heads, each (position, head) dot product leaves one vector in
+// T (g x 16 x 16 floats, L1), and hsum16 turns 16 of them into 16 logits (a reduction per logit
+// would cost more than the dot product itself at d = 64).
 template <int NV, typename KT>
-static void dense_logits_nv(const float* qf, int64_t g, const KT* kb, int64_t ks, int64_t p0, int64_t n, float* L,
-                            int64_t ldL) {
+static void dense_logits_nv(const float* qf, int64_t g, const KT* kb, int64_t ks, int64_t p0, int64_t n, float scale,
+                            float* T, float* L, int64_t ldL) {
   constexpr int64_t d = 16 * NV;
-  for (int64_t s0 = 0; s0 < n; s0 += 64) {
-    const int64_t s1 = std::min(n, s0 + 64);
-    for (int64_t hh = 0; hh < g; ++hh) {
-      V qv[NV];
-      for (int c = 0; c < NV; ++c) qv[c] = load(qf + hh * d + 16 * c);
-      float* l = L + hh * ldL;
-      int64_t s = s0;
-      for (; s + 4 <= s1; s += 4) {
-        const KT* r0 = kb + (p0 + s) * ks;
-        V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  const V vscale = vset(scale);
+  for (int64_t s0 = 0; s0 < n; s0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, n - s0);
+    for (int64_t r = 0; r < nb; ++r) {
+      const KT* row = kb + (p0 + s0 + r) * ks;
+      V kv[NV];
 #pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) {
-          a0 = vfma(qv[c], load(r0 + 16 * c), a0);
-          a1 = vfma(qv[c], load(r0 + ks + 16 * c), a1);
-          a2 = vfma(qv[c], load(r0 + 2 * ks + 16 * c), a2);
-          a3 = vfma(qv[c], load(r0 + 3 * ks + 16 * c), a3);
-        }
-        l[s] = hsum(a0);
-        l[s + 1] = hsum(a1);
-        l[s + 2] = hsum(a2);
-        l[s + 3] = hsum(a3);
-      }
-      for (; s < s1; ++s) {
-        const KT* r0 = kb + (p0 + s) * ks;
-        V a0 = vzero();
-        for (int c = 0; c < NV; ++c) a0 = vfma(qv[c], load(r0 + 16 * c), a0);
-        l[s] = hsum(a0);
+      for (int c = 0; c < NV; ++c) kv[c] = load(row + 16 * c);
+      for (int64_t hh = 0; hh < g; ++hh) {
+        const float* qh = qf + hh * d;
+        V a = vmul(load(qh), kv[0]);
+#pragma GCC unroll 16
+        for (int c = 1; c < NV; ++c) a = vfma(load(qh + 16 * c), kv[c], a);
+        store(T + (hh * 16 + r) * 16, a);
       }
     }
+    for (int64_t hh = 0; hh < g; ++hh)  // lanes >= nb sum stale vectors of T: never stored
+      store(L + hh * ldL + s0, vmul(hsum16(reinterpret_cast<const V*>(T + hh * 256)), vscale), tail_mask(nb));
+  }
+}
+
+#ifdef SPARQ_AVX512_BF16
+// The same for a bf16 cache with vdpbf16ps: K rows go into the dot products as loaded (32 per
+// instruction, no widening), q as NT bf16 planes (q itself when it is bf16: exact products; else
+// hi = bf16(q), lo = bf16(q - hi), |q - hi - lo| <= 2^-17 |q|). qh: NT planes of g x d.
+template <int NV, int NT>
+static void dense_logits_bf16(const bf16* qh, int64_t g, const bf16* kb, int64_t ks, int64_t p0, int64_t n,
+                              float scale, float* T, float* L, int64_t ldL) {
+  static_assert(NV % 2 == 0, "32 bf16 per vector");
+  constexpr int64_t d = 16 * NV, NW = NV / 2;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t s0 = 0; s0 < n; s0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, n - s0);
+    for (int64_t r = 0; r < nb; ++r) {
+      const bf16* row = kb + (p0 + s0 + r) * ks;
+      __m512bh kv[NW];
+#pragma GCC unroll 8
+      for (int c = 0; c < NW; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
+      for (int64_t hh = 0; hh < g; ++hh) {
+        __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t)
+          for (int c = 0; c < NW; ++c)
+            a = _mm512_dpbf16_ps(a, kv[c], (__m512bh)_mm512_loadu_si512(qh + (t * g + hh) * d + 32 * c));
+        _mm512_storeu_ps(T + (hh * 16 + r) * 16, a);
+      }
+    }
+    for (int64_t hh = 0; hh < g; ++hh)
+      _mm512_mask_storeu_ps(L + hh * ldL + s0, tail_mask(nb),
+                            _mm512_mul_ps(hsum16(reinterpret_cast<const V*>(T + hh * 256)).x, vscale));
+  }
+}
+#endif
+
+// y (g x d) = e @ V for heads [h0, h0 + HB): each V row is widened once for the HB heads, whose
+// HB x DB output vectors stay in registers; the dims go DB vectors at a time.
+template <int NV, int HB, typename KT>
+static void dense_pv_heads(const float* L, int64_t ldL, int64_t h0, const KT* vb, int64_t vs, int64_t p0, int64_t n,
+                           float* y) {
+  constexpr int64_t d = 16 * NV;
+  constexpr int DB = HB <= 2 ? 8 : 4;
+  for (int c0 = 0; c0 < NV; c0 += DB) {
+    V acc[HB][DB];
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < DB; ++c) acc[h][c] = vzero();
+    for (int64_t s = 0; s < n; ++s) {
+      const KT* row = vb + (p0 + s) * vs + 16 * c0;
+      V es[HB];
+      for (int h = 0; h < HB; ++h) es[h] = vset(L[(h0 + h) * ldL + s]);
+#pragma GCC unroll 8
+      for (int c = 0; c < DB; ++c) {
+        if (c0 + c >= NV) break;
+        const V vr = load(row + 16 * c);
+        for (int h = 0; h < HB; ++h) acc[h][c] = vfma(es[h], vr, acc[h][c]);
+      }
+    }
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < DB && c0 + c < NV; ++c) store(y + (h0 + h) * d + 16 * (c0 + c), acc[h][c]);
   }
 }
 
 template <int NV, typename KT>
 static void dense_pv_nv(const float* L, int64_t ldL, int64_t g, const KT* vb, int64_t vs, int64_t p0, int64_t n,
                         float* y) {
-  constexpr int64_t d = 16 * NV;
-  std::fill(y, y + g * d, 0.f);
-  for (int64_t s0 = 0; s0 < n; s0 += 64) {
-    const int64_t s1 = std::min(n, s0 + 64);
-    for (int64_t hh = 0; hh < g; ++hh) {
-      V acc[NV];
-      for (int c = 0; c < NV; ++c) acc[c] = load(y + hh * d + 16 * c);
-      const float* e = L + hh * ldL;
-      for (int64_t s = s0; s < s1; ++s) {
-        const KT* row = vb + (p0 + s) * vs;
-        const V es = vset(e[s]);
-#pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) acc[c] = vfma(es, load(row + 16 * c), acc[c]);
-      }
-      for (int c = 0; c < NV; ++c) store(y + hh * d + 16 * c, acc[c]);
+  for (int64_t h0 = 0; h0 < g;) {
+    switch (std::min<int64_t>(4, g - h0)) {
+      case 1: dense_pv_heads<NV, 1, KT>(L, ldL, h0, vb, vs, p0, n, y); h0 += 1; break;
+      case 2: dense_pv_heads<NV, 2, KT>(L, ldL, h0, vb, vs, p0, n, y); h0 += 2; break;
+      case 3: dense_pv_heads<NV, 3, KT>(L, ldL, h0, vb, vs, p0, n, y); h0 += 3; break;
+      default: dense_pv_heads<NV, 4, KT>(L, ldL, h0, vb, vs, p0, n, y); h0 += 4; break;
     }
   }
+}
+
+// Per-thread scratch of one unit: q in fp32 (g x d), q's bf16 planes (2 x g x d), T (g x 256).
+struct DenseScratch {
+  float* qf;
+  bf16* qh;
+  float* T;
+  static int64_t floats(int64_t g, int64_t d) { return round_up(g * d, 16) * 2 + g * 256; }
+  DenseScratch(float* base, int64_t g, int64_t d)
+      : qf(base), qh(reinterpret_cast<bf16*>(base + round_up(g * d, 16))), T(base + 2 * round_up(g * d, 16)) {}
+};
+
+// The logits of positions [p0, p0 + n) for the g heads into L (g x ldL): true when a blocked path
+// took them, false for the caller's unblocked loop.
+template <typename KT, typename QT>
+static bool blocked_logits(const DenseScratch& w, int64_t g, int64_t d, const KT* kb, int64_t ks, int64_t p0,
+                           int64_t n, float scale, float* L, int64_t ldL) {
+  if (d % 16) return false;
+#ifdef SPARQ_AVX512_BF16
+  if constexpr (std::is_same_v<KT, bf16>) {
+    constexpr int NT = std::is_same_v<QT, bf16> ? 1 : 2;
+    switch (d / 16) {
+#define SPARQ_DLB(n_) case n_: dense_logits_bf16<n_, NT>(w.qh, g, kb, ks, p0, n, scale, w.T, L, ldL); return true;
+      SPARQ_DLB(2) SPARQ_DLB(4) SPARQ_DLB(6) SPARQ_DLB(8) SPARQ_DLB(16)
+#undef SPARQ_DLB
+    }
+  }
+#endif
+  switch (d / 16) {
+#define SPARQ_DL(n_) case n_: dense_logits_nv<n_, KT>(w.qf, g, kb, ks, p0, n, scale, w.T, L, ldL); return true;
+    SPARQ_DL(2) SPARQ_DL(3) SPARQ_DL(4) SPARQ_DL(5) SPARQ_DL(6) SPARQ_DL(7) SPARQ_DL(8) SPARQ_DL(16)
+#undef SPARQ_DL
+  }
+  return false;
+}
+
+template <typename KT>
+static bool blocked_pv(const float* L, int64_t ldL, int64_t g, int64_t d, const KT* vb, int64_t vs, int64_t p0,
+                       int64_t n, float* y) {
+  if (d % 16) return false;
+  switch (d / 16) {
+#define SPARQ_DPV(n_) case n_: dense_pv_nv<n_, KT>(L, ldL, g, vb, vs, p0, n, y); return true;
+    SPARQ_DPV(2) SPARQ_DPV(3) SPARQ_DPV(4) SPARQ_DPV(5) SPARQ_DPV(6) SPARQ_DPV(7) SPARQ_DPV(8) SPARQ_DPV(16)
+#undef SPARQ_DPV
+  }
+  return false;
 }
 
 // One unit: positions [p0, p1) of bh. Writes y (g x d, unnormalised) and mz = [m(g), Z(g)].
 template <typename KT, typename QT>
 static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT* v, int64_t bh, int64_t p0,
-                       int64_t p1, float* qf, float* L, int64_t ldL, float* y, float* mz) {
+                       int64_t p1, const DenseScratch& w, float* L, int64_t ldL, float* y, float* mz) {
   const int64_t g = P.g, d = P.d, b = bh / P.H, h = bh % P.H;
-  const int64_t nfull = d / 16, rem = d % 16;
   const float scale = 1.0f / std::sqrt((float)d);
   const QT* qb = q + b * P.qs0 + h * P.qs1;
   for (int64_t hh = 0; hh < g; ++hh)
-    for (int64_t j = 0; j < d; ++j) qf[hh * d + j] = to_f(qb[hh * P.qs2 + j * P.qs3]) * scale;
+    for (int64_t j = 0; j < d; ++j) {
+      const float x = to_f(qb[hh * P.qs2 + j * P.qs3]);
+      const bf16 hi(x);
+      w.qf[hh * d + j] = x;
+      w.qh[hh * d + j] = hi;
+      w.qh[(g + hh) * d + j] = bf16(x - static_cast<float>(hi));
+    }
   const KT* kb = k + b * P.ks0 + h * P.ks1;
   const KT* vb = v + b * P.vs0 + h * P.vs1;
   const int64_t n = p1 - p0;
-  bool blocked = rem == 0;
-#define SPARQ_NV_CASES(X) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(16)
-  if (blocked) {
-    switch (nfull) {
-#define SPARQ_DL(n_) case n_: dense_logits_nv<n_, KT>(qf, g, kb, P.ks2, p0, n, L, ldL); break;
-      SPARQ_NV_CASES(SPARQ_DL)
-#undef SPARQ_DL
-      default: blocked = false;
-    }
-  }
   // logits
-  for (int64_t s = 0; s < n && !blocked; ++s) {
-    const KT* row = kb + (p0 + s) * P.ks2;
-    for (int64_t hh = 0; hh < g; ++hh) L[hh * ldL + s] = dot_d(qf + hh * d, row, d);
-  }
+  if (!blocked_logits<KT, QT>(w, g, d, kb, P.ks2, p0, n, scale, L, ldL))
+    for (int64_t s = 0; s < n; ++s) {
+      const KT* row = kb + (p0 + s) * P.ks2;
+      for (int64_t hh = 0; hh < g; ++hh) L[hh * ldL + s] = dot_d(w.qf + hh * d, row, d) * scale;
+    }
   // softmax numerators
   for (int64_t hh = 0; hh < g; ++hh) {
     const auto [m, sum] = exp_shifted(L + hh * ldL, n);
@@ -136,15 +221,7 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
     mz[g + hh] = sum;
   }
   // y = e @ V
-  if (blocked) {
-    switch (nfull) {
-#define SPARQ_DPV(n_) case n_: dense_pv_nv<n_, KT>(L, ldL, g, vb, P.vs2, p0, n, y); break;
-      SPARQ_NV_CASES(SPARQ_DPV)
-#undef SPARQ_DPV
-    }
-    return;
-  }
-#undef SPARQ_NV_CASES
+  if (blocked_pv<KT>(L, ldL, g, d, vb, P.vs2, p0, n, y)) return;
   std::fill(y, y + g * d, 0.f);
   for (int64_t s = 0; s < n; ++s) add_weighted_row(L + s, ldL, g, vb + (p0 + s) * P.vs2, d, y);
 }
@@ -155,22 +232,23 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
   const bool single = units == BH;  // one chunk per bh: write the output directly
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));
   const int64_t ldL = round_up(P.cs, 16);
-  const int64_t slot_floats = round_up(g * d, 16) + g * ldL + round_up(g * d, 16) + round_up(2 * g, 16);
+  const int64_t scratch_floats = DenseScratch::floats(g, d);
+  const int64_t slot_floats = scratch_floats + g * ldL + round_up(g * d, 16) + round_up(2 * g, 16);
   const int64_t unit_floats = single ? 0 : round_up(g * d + 2 * g, 16);  // y (g x d), m (g), Z (g)
   Workspace& ws = workspace();
   std::lock_guard<std::mutex> lock(ws.mu);
   float* base = ws.get(nt * slot_floats + units * unit_floats + 64);
   float* ubase = base + nt * slot_floats;
   auto fn = [&](int phase, int64_t u, int slot) {
-    float* qf = base + slot * slot_floats;
-    float* L = qf + round_up(g * d, 16);
+    const DenseScratch w(base + slot * slot_floats, g, d);
+    float* L = base + slot * slot_floats + scratch_floats;
     float* y = L + g * ldL;
     float* mz = y + round_up(g * d, 16);
     if (phase == 0) {
       const int64_t bh = P.unit_bh[u], c = u - P.unit0[bh];
       const int64_t p0 = c * P.cs, p1 = std::min(P.len[bh / P.H], p0 + P.cs);
       if (single) {
-        dense_unit<KT, QT>(P, q, k, v, bh, p0, p1, qf, L, ldL, y, mz);
+        dense_unit<KT, QT>(P, q, k, v, bh, p0, p1, w, L, ldL, y, mz);
         QT* o = out + bh * g * d;
         for (int64_t hh = 0; hh < g; ++hh) {
           const float inv = 1.0f / mz[g + hh];
@@ -179,7 +257,7 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
         return;
       }
       float* U = ubase + u * unit_floats;
-      dense_unit<KT, QT>(P, q, k, v, bh, p0, p1, qf, L, ldL, U, U + g * d);
+      dense_unit<KT, QT>(P, q, k, v, bh, p0, p1, w, L, ldL, U, U + g * d);
       return;
     }
     const int64_t bh = u;  // phase 1: combine the chunks of bh

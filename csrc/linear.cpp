@@ -38,9 +38,6 @@
 #define SPARQ_AVX2 1
 #include <immintrin.h>
 #endif
-#if defined(SPARQ_AVX512) && defined(__AVX512BF16__)
-#define SPARQ_AVX512_BF16 1
-#endif
 
 // Software prefetch distance, in weight rows: while a block of rows streams, the rows SPARQ_LPF ahead
 // (the next block) are prefetched into L2 line by line, so a new block does not start cold (0: off).

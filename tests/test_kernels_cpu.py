@@ -337,6 +337,23 @@ def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
     assert torch.equal(kernels.dense_attention_cpu(q, k2, v2, S), out)
 
 
+
+@pytest.mark.parametrize("q_dtype,d,g", [("float32", 64, 3), ("float16", 128, 8), ("float32", 96, 2), ("float32", 80, 5)])
+def test_fused_dense_bf16_cache_with_wider_query(q_dtype, d, g, threads):
+    """A bf16 cache with an fp32 / fp16 q (quantized models, a bf16 cache asked for): q keeps its
+    precision (on the bf16 dot-product path as hi + lo bf16 planes), so the kernel matches the fp32
+    reference on the cache's values to fp32 accuracy; d = 96 has an odd number of 16-lane vectors
+    and d = 80 is off the bf16 path's 32-wide vectors."""
+    from model import dense_attention_torch
+
+    threads(2)
+    B, n_kv, S = 2, 2, 1500
+    gen = torch.Generator().manual_seed(d + g)
+    q = (torch.randn(B, n_kv, g, d, generator=gen) * 3).to(getattr(torch, q_dtype))
+    k, _, v, _ = _cache(gen, B, n_kv, S, d, S, torch.bfloat16, "once")
+    ref = dense_attention_torch(q.double(), k.double(), v.double(), S).to(q.dtype)
+    _check(kernels.dense_attention_cpu(q, k, v, S), ref, *((1e-5, 1e-4) if q_dtype == "float32" else (1e-3, 1e-3)))
+
 # Ragged batches: per-row live lengths (B,). (kind, d, layout, dtype, threads, lengths): both
 # kernels, head dims 64 / 128 / 256 (Gemma), both layouts, fp32 / bf16, one and two threads; rows
 # shorter than k, than the local window, of one position, and long enough to be split into chunks.
@@ -558,7 +575,7 @@ def test_gemv_isa_matches_the_cpu():
         assert isa == "avx2"
 
 
-# A variant build of the GEMV sources alone with some CPU features turned off, checked against
+# A variant build of the GEMV and dense attention sources alone with some CPU features turned off, checked against
 # fp64 in a subprocess (a second build of the same ops cannot load beside the main one).
 _VARIANT_CHECK = textwrap.dedent("""
     import math, sys
@@ -597,12 +614,21 @@ _VARIANT_CHECK = textwrap.dedent("""
         out = torch.ops.sparq.linear_int4_cpu(x, q[:, 0::2] | (q[:, 1::2] << 4), s, z)
         torch.testing.assert_close(out.double(), x.double() @ w.T, atol=1e-4 * float(w.abs().max()) * math.sqrt(K),
                                    rtol=1e-5)
+    for B, H, g, d, S, qd, kd in [(1, 2, 3, 64, 1000, "bfloat16", "bfloat16"), (2, 1, 4, 128, 300, "float32", "bfloat16"),
+                                  (1, 1, 2, 256, 70, "float32", "float32"), (1, 2, 5, 80, 33, "float16", "float16")]:
+        g_ = torch.Generator().manual_seed(S + d)
+        q = torch.randn(B, H, g, d, generator=g_).to(getattr(torch, qd))
+        k, v = (torch.randn(B, H, S, d, generator=g_).to(getattr(torch, kd)) for _ in range(2))
+        p = torch.softmax(q.double() @ k.double().transpose(2, 3) / math.sqrt(d), dim=-1)
+        tol = 1e-5 if q.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(torch.ops.sparq.dense_cpu(q, k, v, S).double(), (p @ v.double()).to(q.dtype).double(),
+                                   atol=tol, rtol=tol)
     print("OK")
 """)
 
 
-def test_gemv_variants_without_cpu_features_match_fp64():
-    """The GEMV sources built with features turned off (AVX-512 without its bf16 dot products;
+def test_kernel_variants_without_cpu_features_match_fp64():
+    """The GEMV and dense attention sources built with features turned off (AVX-512 without its bf16 dot products;
     AVX2 only, x86-64-v3; SSE2 only, the portable vectors), each checked against fp64: the paths
     other CPUs take stay correct. Each variant is cached in torch's extension dir like the main build."""
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -614,13 +640,13 @@ def test_gemv_variants_without_cpu_features_match_fp64():
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
         variants.append((["-march=native", "-mno-avx512bf16"], "avx512"))
     csrc = Path(kernels.__file__).resolve().parent / "csrc"
-    sources = [str(csrc / "linear.cpp"), str(csrc / "linear_quant.cpp")]
+    sources = [str(csrc / "linear.cpp"), str(csrc / "linear_quant.cpp"), str(csrc / "dense_decode.cpp")]
     tag = hashlib.sha1(torch.__version__.encode())
     for path in sorted(csrc.iterdir()):
         tag.update(path.name.encode() + path.read_bytes())
     procs = []
     for flags, isa in variants:  # built in parallel, one subprocess each
-        name = "sparq_gemv_" + "_".join(f.strip("-").replace("=", "").replace("-", "") for f in flags)
+        name = "sparq_variant_" + "_".join(f.strip("-").replace("=", "").replace("-", "") for f in flags)
         name += "_" + tag.hexdigest()[:10]
         script = _VARIANT_CHECK.format(repo=str(csrc.parent), name=name, sources=sources, flags=flags)
         procs.append((flags, isa, subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
