@@ -188,8 +188,16 @@ def test_h2o_holding_every_visible_position_generates_dense_tokens(converted):
     assert rows["h2o"] == rows["dense"]
 
 
+# Compiled decode, on the cases whose features differ (a cold compile with inductor's C++ wrapper
+# takes 25-200 s a case): soft-capping and sandwich norms, q/k norms and two RoPEs with a window
+# pattern, partial RoPE with a parallel residual and biases, tied embeddings with qkv biases.
+COMPILED_CASES = ("gemma2", "gemma3", "gpt-neox-parallel", "qwen2-gqa")
+
+
 def test_compiled_decode_matches_eager(converted):
-    _, _, _, out_dir = converted
+    case, _, _, out_dir = converted
+    if case not in COMPILED_CASES:
+        pytest.skip(f"compiled on {', '.join(COMPILED_CASES)} only (their features cover {case}'s)")
     ours = model.load_model(out_dir)
     prompt = torch.randint(3, VOCAB, (2, 15), generator=torch.Generator().manual_seed(5))
     tokens = torch.randint(3, VOCAB, (2, 4), generator=torch.Generator().manual_seed(6))

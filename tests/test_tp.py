@@ -1,5 +1,5 @@
 """Tensor parallel decode (tp.py) on gloo with 2 processes: greedy tokens equal one process's, for dense,
-SparQ and H2O, eager and compiled; sharded shapes per rank; generate.py under torchrun; the errors."""
+SparQ and H2O eager, dense and SparQ compiled; sharded shapes per rank; generate.py under torchrun; the errors."""
 from __future__ import annotations
 
 import json
@@ -22,8 +22,10 @@ def test_two_ranks_generate_what_one_process_does(tmp_path, compiled):
     result = torchrun("tests/tp_worker.py", out, *(["--compile"] if compiled else []))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert sorted(report) == (["3"] if compiled else ["3", "4"])
     for n_kv, run in report.items():
-        for policy in ("dense", "sparq", "h2o"):
+        assert sorted(run["single"]) == (["dense", "sparq"] if compiled else ["dense", "h2o", "sparq"])
+        for policy in run["single"]:
             assert run["sharded"][policy] == run["single"][policy], (n_kv, policy)
         # q/k/v rows: (own query heads + 2 x own KV heads) x d; MLP up rows and down columns: a share each
         heads = [2, 2] if n_kv == "4" else [2, 1]  # 3 KV heads split 2 + 1

@@ -2,7 +2,8 @@
 
 Every rank builds the same tiny random model (MHA-free GQA, 4 KV heads; 3 KV heads for the uneven
 split), greedy-decodes it unsharded (the single-process reference), then shards it (tp.shard) and
-decodes again with dense, SparQ and H2O; rank 0 writes both token lists and the per-rank shapes.
+decodes again with dense, SparQ and H2O (with --compile: the uneven split, dense and SparQ); rank 0
+writes both token lists and the per-rank shapes.
 """
 from __future__ import annotations
 
@@ -47,11 +48,14 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 64  # a graph per model, policy and split: more than the default 8
     tp.init("cpu")
     result = {}
-    for n_kv in (4, 3):  # even and uneven splits over 2 ranks
+    # eager: even and uneven splits over 2 ranks, every policy; compiled (a cold compile per model and
+    # policy, about 20 s each): the uneven split, dense and SparQ (the collectives trace the same way)
+    splits, policies = ((3,), ("dense", "sparq")) if compile_decode else ((4, 3), tuple(POLICIES))
+    for n_kv in splits:
         prompts = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(n_kv))
-        single = {name: greedy(tiny(n_kv), prompts, s, compile_decode) for name, s in POLICIES.items()}
+        single = {name: greedy(tiny(n_kv), prompts, POLICIES[name], compile_decode) for name in policies}
         model = tp.shard(tiny(n_kv), tp.rank(), tp.world_size())
-        sharded = {name: greedy(model, prompts, s, compile_decode) for name, s in POLICIES.items()}
+        sharded = {name: greedy(model, prompts, POLICIES[name], compile_decode) for name in policies}
         shapes = [None] * tp.world_size()
         torch.distributed.all_gather_object(shapes, {
             "wqkv": list(model.layers[0].attention.wqkv.weight.shape),
