@@ -42,6 +42,13 @@ struct DenseProblem {
   int64_t chunks(int64_t bh) const { return unit0[bh + 1] - unit0[bh]; }
 };
 
+// L[hh][s0, s0 + nb) = scale x the lane sums of head hh's 16 vectors in T (lanes >= nb sum stale
+// vectors: never stored)
+static inline void store_logits(const float* T, int64_t g, int64_t s0, int64_t nb, V scale, float* L, int64_t ldL) {
+  for (int64_t hh = 0; hh < g; ++hh)
+    store(L + hh * ldL + s0, vmul(hsum16(reinterpret_cast<const V*>(T + hh * 256)), scale), tail_mask(nb));
+}
+
 // Register-blocked dense pieces for d = 16 * NV. The logits go 16 positions at a time: each K row
 // is loaded (widened) once for the g heads, each (position, head) dot product leaves one vector in
 // T (g x 16 x 16 floats, L1), and hsum16 turns 16 of them into 16 logits (a reduction per logit
@@ -66,8 +73,7 @@ static void dense_logits_nv(const float* qf, int64_t g, const KT* kb, int64_t ks
         store(T + (hh * 16 + r) * 16, a);
       }
     }
-    for (int64_t hh = 0; hh < g; ++hh)  // lanes >= nb sum stale vectors of T: never stored
-      store(L + hh * ldL + s0, vmul(hsum16(reinterpret_cast<const V*>(T + hh * 256)), vscale), tail_mask(nb));
+    store_logits(T, g, s0, nb, vscale, L, ldL);
   }
 }
 
@@ -80,7 +86,7 @@ static void dense_logits_bf16(const bf16* qh, int64_t g, const bf16* kb, int64_t
                               float scale, float* T, float* L, int64_t ldL) {
   static_assert(NV % 2 == 0, "32 bf16 per vector");
   constexpr int64_t d = 16 * NV, NW = NV / 2;
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const V vscale = vset(scale);
   for (int64_t s0 = 0; s0 < n; s0 += 16) {
     const int64_t nb = std::min<int64_t>(16, n - s0);
     for (int64_t r = 0; r < nb; ++r) {
@@ -97,9 +103,7 @@ static void dense_logits_bf16(const bf16* qh, int64_t g, const bf16* kb, int64_t
         _mm512_storeu_ps(T + (hh * 16 + r) * 16, a);
       }
     }
-    for (int64_t hh = 0; hh < g; ++hh)
-      _mm512_mask_storeu_ps(L + hh * ldL + s0, tail_mask(nb),
-                            _mm512_mul_ps(hsum16(reinterpret_cast<const V*>(T + hh * 256)).x, vscale));
+    store_logits(T, g, s0, nb, vscale, L, ldL);
   }
 }
 #endif
