@@ -7,8 +7,9 @@
 `linear`: the GEMVs of one SmolLM2 decode step, torch's F.linear against the fused CPU kernel.
 
 `decode`: the whole model's decode step on a checkpoint, dense and SparQ from the same prefilled
-cache in one process; tokens/s, KV GB/s (bytes by the transfer formulas), measured speedup and the
-theoretical one: (weights + dense KV bytes) / (weights + SparQ KV bytes) per step.
+cache in one process, every context and batch size taking turns step by step; tokens/s, KV GB/s
+(bytes by the transfer formulas), measured speedup and the theoretical one: (weights + dense KV
+bytes) / (weights + SparQ KV bytes) per step.
 --prefill also times our prefill of each context (N tokens into an empty cache), and --llamacpp
 GGUF times llama.cpp (llamacpp.py) after the same contexts in the same format: one run, side by side.
 
@@ -301,33 +302,38 @@ def _plot(rows: list[dict], path: str, r: int, k: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _time_decode(step, model, policies: dict[str, list], starts: list[int], steps: int,
-                 warmup: int) -> dict[str, float]:
-    """Seconds per decode step (median, after warm-up) of each policy, for len(starts) rows whose first
-    decode step is at position starts[b] (rows alike, or ragged: each row at its own live length).
+def _time_decode(step, model, policies: dict[str, list], cases: list[list[int]], steps: int, warmup: int,
+                 progress=None) -> list[dict[str, float]]:
+    """Seconds per decode step (median, after warm-up) of each policy in each case; a case is the
+    first decode position of each of its rows (rows alike, or ragged: each row at its own live length).
 
-    The policies take turns step by step (dense step i, SparQ step i, dense step i + 1, ...), each
-    from the same live positions, so a slow spell of the machine lands on all of them alike rather
-    than on whichever ran during it."""
+    Cases and policies take turns step by step (case 1 dense step i, case 1 SparQ step i, case 2 dense
+    step i, ..., then step i + 1), each policy from the same live positions, so a slow spell of the
+    machine (here its speed drifts by up to 2x within an hour) lands on every row of the table alike
+    rather than on whichever ran during it. One prefill of the longest prompt serves every case: a
+    step rewinds the caches to its own live positions first."""
     import torch
 
-    B, top = len(starts), max(starts)
-    token = torch.zeros(B, 1, dtype=torch.long)
-    ragged = len(set(starts)) > 1
-    times: dict[str, list[float]] = {name: [] for name in policies}
+    times = [{name: [] for name in policies} for _ in cases]
     with torch.no_grad():
         for i in range(warmup + steps):
-            for name, layers in policies.items():
-                for cache in model.caches:
-                    cache.rewind(top + i)  # positions [0, top + i) live, whatever the other policy wrote
-                if ragged:  # every row holds the same essay: row b's live prefix is its first starts[b] + i tokens
-                    model.set_live_lengths(torch.tensor(starts) + i)
-                positions = (torch.tensor(starts).view(B, 1) if ragged else torch.tensor([top])) + i
-                model.set_decode_attention(lambda layer, layers=layers: layers[layer])
-                t0 = time.perf_counter()
-                step(model, token, positions, top + i + 1)
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t[warmup:]) for name, t in times.items()}
+            for starts, case_times in zip(cases, times):
+                B, top = len(starts), max(starts)
+                token = torch.zeros(B, 1, dtype=torch.long)
+                ragged = len(set(starts)) > 1
+                for name, layers in policies.items():
+                    for cache in model.caches:
+                        cache.rewind(top + i)  # positions [0, top + i) live, whatever the last step wrote
+                    if ragged:  # every row holds the same essay: row b's live prefix is its first starts[b] + i tokens
+                        model.set_live_lengths(torch.tensor(starts) + i)
+                    positions = (torch.tensor(starts).view(B, 1) if ragged else torch.tensor([top])) + i
+                    model.set_decode_attention(lambda layer, layers=layers: layers[layer])
+                    t0 = time.perf_counter()
+                    step(model, token, positions, top + i + 1)
+                    case_times[name].append(time.perf_counter() - t0)
+            if progress is not None:
+                progress.update(1)
+    return [{name: statistics.median(t[warmup:]) for name, t in case_times.items()} for case_times in times]
 
 
 def _first_decode_positions(contexts: list[int], max_context: int, steps: int) -> dict[int, int]:
@@ -403,10 +409,10 @@ def cmd_decode(args) -> int:
 
     print(f"# decode, {args.checkpoint}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
           f"{'compiled' if args.compile else 'eager'}, SparQ r={','.join(map(str, r_values))} k={config.k} local={config.local} "
-          f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}, policies taking turns step by step")
+          f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}, cases and policies taking turns step by step")
     print(_DECODE_HEADER, flush=True)
     rows = []
-    progress = tqdm(total=len(dtypes) * len(cases) * len(settings), desc="decode bench", file=sys.stderr)
+    progress = tqdm(total=len(dtypes) * (args.warmup + args.steps), desc="decode bench", unit="step", file=sys.stderr)
     for dtype_name in dtypes:
         model = load_checkpoint(args.checkpoint, "cpu", _dtype(dtype_name), kernels)
         policies = {name: [make(i) for i in range(model_args.n_layer)] for name, make in factories.items()}
@@ -427,16 +433,16 @@ def cmd_decode(args) -> int:
             # dynamo's default of 8 recompiles in one process
             torch._dynamo.config.recompile_limit = 64
             step = compiled_decode_step(decode_step, "cpu")
-        for label, row_starts in cases:
+        progress.set_postfix_str(f"{dtype_name}: {len(cases)} cases x {len(policies)} policies taking turns")
+        case_seconds = _time_decode(step, model, policies, [starts_ for _, starts_ in cases], args.steps, args.warmup,
+                                    progress)
+        for (label, row_starts), seconds in zip(cases, case_seconds):
             B = len(row_starts)
             live = [start + args.warmup + args.steps // 2 + 1 for start in row_starts]  # at the median step
-            progress.set_postfix_str(f"{dtype_name} context={label} B={B}")
-            seconds = _time_decode(step, model, policies, row_starts, args.steps, args.warmup)
             kv = {}
             for name, layers in policies.items():
                 model.set_decode_attention(lambda i, layers=layers: layers[i])
                 kv[name] = sum(model.decode_kv_bytes(S, 1) for S in live)  # every row at its own length
-            progress.update(len(policies))
             for name in policies:
                 rows.append({
                     "prompt_tokens": label if "/" in label else int(label), "live_length": max(live),
