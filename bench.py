@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -302,9 +303,20 @@ def _plot(rows: list[dict], path: str, r: int, k: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _time_decode(step, model, policies: dict[str, list], cases: list[list[int]], steps: int, warmup: int,
-                 progress=None) -> list[dict[str, float]]:
-    """Seconds per decode step (median, after warm-up) of each policy in each case; a case is the
+def _own_decode_step(name: str) -> Callable:
+    """generate.decode_step under a code object of its own. Dynamo keeps compiled graphs per code
+    object and checks a call against them in turn: with one shared step, a policy's step would first
+    evaluate (and fail) the other policy's guards, a cost generate.py, with one policy, never pays."""
+    from generate import decode_step
+
+    code = decode_step.__code__.replace(co_name=f"decode_step_{name.replace('-', '_')}")
+    return types.FunctionType(code, decode_step.__globals__, code.co_name)
+
+
+def _time_decode(step: dict[str, Callable], model, policies: dict[str, list], cases: list[list[int]], steps: int,
+                 warmup: int, progress=None) -> list[dict[str, float]]:
+    """Seconds per decode step (median, after warm-up, step[policy] the step function) of each policy
+    in each case; a case is the
     first decode position of each of its rows (rows alike, or ragged: each row at its own live length).
 
     Cases and policies take turns step by step (case 1 dense step i, case 1 SparQ step i, case 2 dense
@@ -329,7 +341,7 @@ def _time_decode(step, model, policies: dict[str, list], cases: list[list[int]],
                     positions = (torch.tensor(starts).view(B, 1) if ragged else torch.tensor([top])) + i
                     model.set_decode_attention(lambda layer, layers=layers: layers[layer])
                     t0 = time.perf_counter()
-                    step(model, token, positions, top + i + 1)
+                    step[name](model, token, positions, top + i + 1)
                     case_times[name].append(time.perf_counter() - t0)
             if progress is not None:
                 progress.update(1)
@@ -427,14 +439,14 @@ def cmd_decode(args) -> int:
         for cache in model.caches:
             cache.broadcast_row(max_rows)
         weights = model.weight_bytes()
-        step = decode_step
+        step_fns = {name: decode_step for name in policies}
         if args.compile:
             # one graph per (policy, batch size, dtype) plus the length-1 specialisation: more than
             # dynamo's default of 8 recompiles in one process
             torch._dynamo.config.recompile_limit = 64
-            step = compiled_decode_step(decode_step, "cpu")
+            step_fns = {name: compiled_decode_step(_own_decode_step(name), "cpu") for name in policies}
         progress.set_postfix_str(f"{dtype_name}: {len(cases)} cases x {len(policies)} policies taking turns")
-        case_seconds = _time_decode(step, model, policies, [starts_ for _, starts_ in cases], args.steps, args.warmup,
+        case_seconds = _time_decode(step_fns, model, policies, [starts_ for _, starts_ in cases], args.steps, args.warmup,
                                     progress)
         for (label, row_starts), seconds in zip(cases, case_seconds):
             B = len(row_starts)

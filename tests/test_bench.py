@@ -136,7 +136,8 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
         calls.append(("step", token.shape[0], positions.flatten().tolist(), length))
 
     cases = [[10], [20, 20], [5, 30]]
-    seconds = bench._time_decode(step, Model(), {"dense": ["dense"], "sparq": ["sparq"]}, cases, steps=2, warmup=1)
+    seconds = bench._time_decode({"dense": step, "sparq": step}, Model(), {"dense": ["dense"], "sparq": ["sparq"]},
+                                 cases, steps=2, warmup=1)
     expected = []
     for i in range(3):
         for starts in cases:
