@@ -315,9 +315,9 @@ def _own_decode_step(name: str) -> Callable:
 
 def _time_decode(step: dict[str, Callable], model, policies: dict[str, list], cases: list[list[int]], steps: int,
                  warmup: int, progress=None) -> list[dict[str, float]]:
-    """Seconds per decode step (median, after warm-up, step[policy] the step function) of each policy
-    in each case; a case is the
-    first decode position of each of its rows (rows alike, or ragged: each row at its own live length).
+    """Seconds per decode step (median, after warm-up) of each policy in each case, step[policy] its
+    step function; a case is the first decode position of each of its rows (rows alike, or ragged:
+    each row at its own live length).
 
     Cases and policies take turns step by step (case 1 dense step i, case 1 SparQ step i, case 2 dense
     step i, ..., then step i + 1), each policy from the same live positions, so a slow spell of the
