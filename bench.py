@@ -313,8 +313,31 @@ def _own_decode_step(name: str) -> Callable:
     return types.FunctionType(code, decode_step.__globals__, code.co_name)
 
 
+def _last_level_cache_bytes() -> int:
+    """The CPU's last-level cache (Linux sysfs), or 64 MiB where it cannot be read."""
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    sizes = []
+    for index in root.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return max(sizes, default=64 << 20)
+
+
+def _cache_evictor() -> Callable[[], None]:
+    """A call that writes twice the last-level cache's size: whatever an untimed step before it left
+    in the CPU's caches (a cache rewind reads the whole live V) is gone when the timed step starts,
+    as it is in generation, where every layer's weights and KV pass through between two reads."""
+    import torch
+
+    scratch = torch.zeros(2 * _last_level_cache_bytes() // 4, dtype=torch.float32)
+    return lambda: scratch.add_(1.0)
+
+
 def _time_decode(step: dict[str, Callable], model, policies: dict[str, list], cases: list[list[int]], steps: int,
-                 warmup: int, progress=None) -> list[dict[str, float]]:
+                 warmup: int, progress=None, evict: Optional[Callable[[], None]] = None) -> list[dict[str, float]]:
     """Seconds per decode step (median, after warm-up) of each policy in each case, step[policy] its
     step function; a case is the first decode position of each of its rows (rows alike, or ragged:
     each row at its own live length).
@@ -323,7 +346,8 @@ def _time_decode(step: dict[str, Callable], model, policies: dict[str, list], ca
     step i, ..., then step i + 1), each policy from the same live positions, so a slow spell of the
     machine (here its speed drifts by up to 2x within an hour) lands on every row of the table alike
     rather than on whichever ran during it. One prefill of the longest prompt serves every case: a
-    step rewinds the caches to its own live positions first."""
+    step rewinds the caches to its own live positions first, then evict() (if given) clears the CPU's
+    caches of what the rewind read."""
     import torch
 
     times = [{name: [] for name in policies} for _ in cases]
@@ -340,6 +364,8 @@ def _time_decode(step: dict[str, Callable], model, policies: dict[str, list], ca
                         model.set_live_lengths(torch.tensor(starts) + i)
                     positions = (torch.tensor(starts).view(B, 1) if ragged else torch.tensor([top])) + i
                     model.set_decode_attention(lambda layer, layers=layers: layers[layer])
+                    if evict is not None:
+                        evict()
                     t0 = time.perf_counter()
                     step[name](model, token, positions, top + i + 1)
                     case_times[name].append(time.perf_counter() - t0)
@@ -447,7 +473,7 @@ def cmd_decode(args) -> int:
             step_fns = {name: compiled_decode_step(_own_decode_step(name), "cpu") for name in policies}
         progress.set_postfix_str(f"{dtype_name}: {len(cases)} cases x {len(policies)} policies taking turns")
         case_seconds = _time_decode(step_fns, model, policies, [starts_ for _, starts_ in cases], args.steps, args.warmup,
-                                    progress)
+                                    progress, evict=_cache_evictor())
         for (label, row_starts), seconds in zip(cases, case_seconds):
             B = len(row_starts)
             live = [start + args.warmup + args.steps // 2 + 1 for start in row_starts]  # at the median step

@@ -109,7 +109,8 @@ def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys):
 
 def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
     """_time_decode: step i of every case and policy runs before step i + 1 of any, each from its own
-    live positions (the caches rewound to them, ragged rows made ragged), and each case's medians
+    live positions (the caches rewound to them, ragged rows made ragged, then the CPU's caches
+    cleared), and each case's medians
     come from its own steps after the warm-up (a fake clock: a step of B rows at step i takes
     B (dense) or 2B (SparQ) seconds plus i / 10)."""
     import types
@@ -132,12 +133,12 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
 
     def step(model, token, positions, length):
         i = sum(c[0] == "step" for c in calls) // 6  # 3 cases x 2 policies a round
-        clock[0] += token.shape[0] * (2 if calls[-1] == ("policy", "sparq") else 1) + i / 10
+        clock[0] += token.shape[0] * (2 if calls[-2] == ("policy", "sparq") else 1) + i / 10
         calls.append(("step", token.shape[0], positions.flatten().tolist(), length))
 
     cases = [[10], [20, 20], [5, 30]]
     seconds = bench._time_decode({"dense": step, "sparq": step}, Model(), {"dense": ["dense"], "sparq": ["sparq"]},
-                                 cases, steps=2, warmup=1)
+                                 cases, steps=2, warmup=1, evict=lambda: calls.append(("evict",)))
     expected = []
     for i in range(3):
         for starts in cases:
@@ -145,7 +146,8 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
             positions = [s + i for s in starts] if len(set(starts)) > 1 else [top + i]
             expected += [("step", len(starts), positions, top + i + 1)] * 2
     assert [c for c in calls if c[0] == "step"] == expected
-    assert calls[:4] == [("rewind", 10), ("policy", "dense"), ("step", 1, [10], 11), ("rewind", 10)]
+    assert calls[:5] == [("rewind", 10), ("policy", "dense"), ("evict",), ("step", 1, [10], 11), ("rewind", 10)]
+    assert all(calls[j - 1] == ("evict",) for j, c in enumerate(calls) if c[0] == "step")  # caches cleared last
     assert ("live", [5 + 2, 30 + 2]) in calls and ("live", [20, 20]) not in calls
     for s, starts in zip(seconds, cases):  # the median of steps 1 and 2: + 0.15
         B = len(starts)
