@@ -42,39 +42,40 @@ struct DenseProblem {
   int64_t chunks(int64_t bh) const { return unit0[bh + 1] - unit0[bh]; }
 };
 
-// L[hh][s0, s0 + nb) = scale x the lane sums of head hh's 16 vectors in T (lanes >= nb sum stale
-// vectors: never stored)
-static inline void store_logits(const float* T, int64_t g, int64_t s0, int64_t nb, V scale, float* L, int64_t ldL) {
-  for (int64_t hh = 0; hh < g; ++hh)
-    store(L + hh * ldL + s0, vmul(hsum16(reinterpret_cast<const V*>(T + hh * 256)), scale), tail_mask(nb));
+// The logits of n positions for the g heads, 16 positions at a time: row_dots(s, out) leaves position
+// s's dot product with head hh as one vector at out + hh * 256 (T: g x 16 x 16 floats, L1), and hsum16
+// turns a head's 16 vectors into its 16 logits, scaled (lanes >= nb sum stale vectors: never
+// stored). A reduction per logit would cost more than the dot product itself at d = 64.
+template <typename RowDots>
+static inline void logits_by_16(int64_t g, int64_t n, float scale, float* T, float* L, int64_t ldL,
+                                RowDots row_dots) {
+  const V vscale = vset(scale);
+  for (int64_t s0 = 0; s0 < n; s0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, n - s0);
+    for (int64_t r = 0; r < nb; ++r) row_dots(s0 + r, T + r * 16);
+    for (int64_t hh = 0; hh < g; ++hh)
+      store(L + hh * ldL + s0, vmul(hsum16(reinterpret_cast<const V*>(T + hh * 256)), vscale), tail_mask(nb));
+  }
 }
 
-// Register-blocked dense pieces for d = 16 * NV. The logits go 16 positions at a time: each K row
-// is loaded (widened) once for the g heads, each (position, head) dot product leaves one vector in
-// T (g x 16 x 16 floats, L1), and hsum16 turns 16 of them into 16 logits (a reduction per logit
-// would cost more than the dot product itself at d = 64).
+// Register-blocked dense logits for d = 16 * NV: each K row is loaded (widened) once for the g heads.
 template <int NV, typename KT>
 static void dense_logits_nv(const float* qf, int64_t g, const KT* kb, int64_t ks, int64_t p0, int64_t n, float scale,
                             float* T, float* L, int64_t ldL) {
   constexpr int64_t d = 16 * NV;
-  const V vscale = vset(scale);
-  for (int64_t s0 = 0; s0 < n; s0 += 16) {
-    const int64_t nb = std::min<int64_t>(16, n - s0);
-    for (int64_t r = 0; r < nb; ++r) {
-      const KT* row = kb + (p0 + s0 + r) * ks;
-      V kv[NV];
+  logits_by_16(g, n, scale, T, L, ldL, [&](int64_t s, float* out) {
+    const KT* row = kb + (p0 + s) * ks;
+    V kv[NV];
 #pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c) kv[c] = load(row + 16 * c);
-      for (int64_t hh = 0; hh < g; ++hh) {
-        const float* qh = qf + hh * d;
-        V a = vmul(load(qh), kv[0]);
+    for (int c = 0; c < NV; ++c) kv[c] = load(row + 16 * c);
+    for (int64_t hh = 0; hh < g; ++hh) {
+      const float* qh = qf + hh * d;
+      V a = vmul(load(qh), kv[0]);
 #pragma GCC unroll 16
-        for (int c = 1; c < NV; ++c) a = vfma(load(qh + 16 * c), kv[c], a);
-        store(T + (hh * 16 + r) * 16, a);
-      }
+      for (int c = 1; c < NV; ++c) a = vfma(load(qh + 16 * c), kv[c], a);
+      store(out + hh * 256, a);
     }
-    store_logits(T, g, s0, nb, vscale, L, ldL);
-  }
+  });
 }
 
 #ifdef SPARQ_AVX512_BF16
@@ -86,25 +87,20 @@ static void dense_logits_bf16(const bf16* qh, int64_t g, const bf16* kb, int64_t
                               float scale, float* T, float* L, int64_t ldL) {
   static_assert(NV % 2 == 0, "32 bf16 per vector");
   constexpr int64_t d = 16 * NV, NW = NV / 2;
-  const V vscale = vset(scale);
-  for (int64_t s0 = 0; s0 < n; s0 += 16) {
-    const int64_t nb = std::min<int64_t>(16, n - s0);
-    for (int64_t r = 0; r < nb; ++r) {
-      const bf16* row = kb + (p0 + s0 + r) * ks;
-      __m512bh kv[NW];
+  logits_by_16(g, n, scale, T, L, ldL, [&](int64_t s, float* out) {
+    const bf16* row = kb + (p0 + s) * ks;
+    __m512bh kv[NW];
 #pragma GCC unroll 8
-      for (int c = 0; c < NW; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
-      for (int64_t hh = 0; hh < g; ++hh) {
-        __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < NW; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
+    for (int64_t hh = 0; hh < g; ++hh) {
+      __m512 a = _mm512_setzero_ps();
 #pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t)
-          for (int c = 0; c < NW; ++c)
-            a = _mm512_dpbf16_ps(a, kv[c], (__m512bh)_mm512_loadu_si512(qh + (t * g + hh) * d + 32 * c));
-        _mm512_storeu_ps(T + (hh * 16 + r) * 16, a);
-      }
+      for (int t = 0; t < NT; ++t)
+        for (int c = 0; c < NW; ++c)
+          a = _mm512_dpbf16_ps(a, kv[c], (__m512bh)_mm512_loadu_si512(qh + (t * g + hh) * d + 32 * c));
+      _mm512_storeu_ps(out + hh * 256, a);
     }
-    store_logits(T, g, s0, nb, vscale, L, ldL);
-  }
+  });
 }
 #endif
 
