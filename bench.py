@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -305,11 +306,14 @@ def _plot(rows: list[dict], path: str, r: int, k: int) -> None:
 
 def _own_decode_step(name: str) -> Callable:
     """generate.decode_step under a code object of its own. Dynamo keeps compiled graphs per code
-    object and checks a call against them in turn: with one shared step, a policy's step would first
-    evaluate (and fail) the other policy's guards, a cost generate.py, with one policy, never pays."""
+    object and checks a call against them in turn, the one that last ran first: with one step shared
+    by two policies, or by two contexts on either side of a specialisation (SparQ runs dense while a
+    layer sees at most k positions: one graph below k, one above), each call would first evaluate,
+    and fail, the other graph's guards, a cost generate.py, with one policy at one growing length,
+    pays at most once."""
     from generate import decode_step
 
-    code = decode_step.__code__.replace(co_name=f"decode_step_{name.replace('-', '_')}")
+    code = decode_step.__code__.replace(co_name=f"decode_step_{re.sub(r'[^0-9a-zA-Z_]', '_', name)}")
     return types.FunctionType(code, decode_step.__globals__, code.co_name)
 
 
@@ -336,10 +340,10 @@ def _cache_evictor() -> Callable[[], None]:
     return lambda: scratch.add_(1.0)
 
 
-def _time_decode(step: dict[str, Callable], model, policies: dict[str, list], cases: list[list[int]], steps: int,
+def _time_decode(step: dict[tuple[int, str], Callable], model, policies: dict[str, list], cases: list[list[int]], steps: int,
                  warmup: int, progress=None, evict: Optional[Callable[[], None]] = None) -> list[dict[str, float]]:
-    """Seconds per decode step (median, after warm-up) of each policy in each case, step[policy] its
-    step function; a case is the first decode position of each of its rows (rows alike, or ragged:
+    """Seconds per decode step (median, after warm-up) of each policy in each case, step[case index,
+    policy] its step function; a case is the first decode position of each of its rows (rows alike, or ragged:
     each row at its own live length).
 
     Cases and policies take turns step by step (case 1 dense step i, case 1 SparQ step i, case 2 dense
@@ -353,7 +357,7 @@ def _time_decode(step: dict[str, Callable], model, policies: dict[str, list], ca
     times = [{name: [] for name in policies} for _ in cases]
     with torch.no_grad():
         for i in range(warmup + steps):
-            for starts, case_times in zip(cases, times):
+            for c, (starts, case_times) in enumerate(zip(cases, times)):
                 B, top = len(starts), max(starts)
                 token = torch.zeros(B, 1, dtype=torch.long)
                 ragged = len(set(starts)) > 1
@@ -367,7 +371,7 @@ def _time_decode(step: dict[str, Callable], model, policies: dict[str, list], ca
                     if evict is not None:
                         evict()
                     t0 = time.perf_counter()
-                    step[name](model, token, positions, top + i + 1)
+                    step[c, name](model, token, positions, top + i + 1)
                     case_times[name].append(time.perf_counter() - t0)
             if progress is not None:
                 progress.update(1)
@@ -449,8 +453,14 @@ def cmd_decode(args) -> int:
           f"{'compiled' if args.compile else 'eager'}, SparQ r={','.join(map(str, r_values))} k={config.k} local={config.local} "
           f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}, cases and policies taking turns step by step")
     print(_DECODE_HEADER, flush=True)
-    rows = []
-    progress = tqdm(total=len(dtypes) * (args.warmup + args.steps), desc="decode bench", unit="step", file=sys.stderr)
+    if args.rounds < 1:
+        raise UserError("--rounds must be at least 1")
+    if args.llamacpp_format and not args.llamacpp:
+        raise UserError("--llamacpp-format needs --llamacpp GGUF")
+    llama = _LlamaCpp(args, contexts) if args.llamacpp else None  # built and requantized before any timing
+    rows, theirs = [], {}
+    progress = tqdm(total=len(dtypes) * args.rounds * (args.warmup + args.steps), desc="decode bench", unit="step",
+                    file=sys.stderr)
     for dtype_name in dtypes:
         model = load_checkpoint(args.checkpoint, "cpu", _dtype(dtype_name), kernels)
         policies = {name: [make(i) for i in range(model_args.n_layer)] for name, make in factories.items()}
@@ -465,15 +475,27 @@ def cmd_decode(args) -> int:
         for cache in model.caches:
             cache.broadcast_row(max_rows)
         weights = model.weight_bytes()
-        step_fns = {name: decode_step for name in policies}
+        step_fns = {(c, name): decode_step for c in range(len(cases)) for name in policies}
         if args.compile:
-            # one graph per (policy, batch size, dtype) plus the length-1 specialisation: more than
-            # dynamo's default of 8 recompiles in one process
+            # each (case, policy) its own step (_own_decode_step): a graph per step and dtype, more
+            # than dynamo's default of 8 recompiles in one process
             torch._dynamo.config.recompile_limit = 64
-            step_fns = {name: compiled_decode_step(_own_decode_step(name), "cpu") for name in policies}
+            step_fns = {(c, name): compiled_decode_step(_own_decode_step(f"{name}_{c}"), "cpu")
+                        for c in range(len(cases)) for name in policies}
         progress.set_postfix_str(f"{dtype_name}: {len(cases)} cases x {len(policies)} policies taking turns")
-        case_seconds = _time_decode(step_fns, model, policies, [starts_ for _, starts_ in cases], args.steps, args.warmup,
-                                    progress, evict=_cache_evictor())
+        # rounds: ours (every case and policy in turns), then llama.cpp, then ours again, ...: a slow
+        # spell of the machine lands on both; each cell is the median over the rounds
+        evict, per_round, their_rounds = _cache_evictor(), [], []
+        for round_ in range(args.rounds):
+            per_round.append(_time_decode(step_fns, model, policies, [starts_ for _, starts_ in cases], args.steps,
+                                          args.warmup, progress, evict=evict))
+            if llama is not None:
+                progress.clear()
+                their_rounds.append(llama.time(dtype_name, prefill=round_ == 0))
+        case_seconds = [{name: statistics.median(r[c][name] for r in per_round) for name in policies}
+                        for c in range(len(cases))]
+        if llama is not None:
+            theirs.update(_median_rounds(their_rounds, dtype_name))
         for (label, row_starts), seconds in zip(cases, case_seconds):
             B = len(row_starts)
             live = [start + args.warmup + args.steps // 2 + 1 for start in row_starts]  # at the median step
@@ -500,11 +522,11 @@ def cmd_decode(args) -> int:
                 progress.write(_decode_row_line(case_rows[0], sparq))
     progress.close()
     _print_decode_table(rows, config, kernels.name, args.compile)
-    if args.llamacpp:
-        _beside_llamacpp(rows, args, contexts, dtypes)
+    if llama is not None:
+        _beside_llamacpp(rows, theirs, llama, contexts, dtypes)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=2)
+            json.dump({"rows": rows, "llamacpp": list(theirs.values())}, f, indent=2)
     if args.plot:
         _plot_decode(rows, args.plot)
     return 0
@@ -513,24 +535,59 @@ def cmd_decode(args) -> int:
 LLAMACPP_FORMATS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # our dtype -> llama.cpp's format
 
 
-def _beside_llamacpp(rows: list[dict], args, contexts: list[int], dtypes: list[str]) -> None:
-    """llama.cpp (llamacpp.py: built from llama-cpp-python's sdist, an optional extra) timed after the
-    same contexts on the same GGUF, in the same format as each of our dtypes, printed beside our B=1 rows."""
+class _LlamaCpp:
+    """llama.cpp (llamacpp.py: built from llama-cpp-python's sdist, an optional extra) on the GGUF of
+    --llamacpp, requantized into each dtype's format (--llamacpp-format: one format for every dtype,
+    e.g. q8_0 beside an int8 checkpoint), timed after the same contexts as ours."""
+
+    def __init__(self, args, contexts: list[int]):
+        import llamacpp
+
+        if args.llamacpp_format and args.llamacpp_format not in llamacpp.FORMATS:
+            raise UserError(f"unknown --llamacpp-format {args.llamacpp_format!r} (choose from {', '.join(llamacpp.FORMATS)})")
+        if not Path(args.llamacpp).is_file():
+            raise UserError(f"GGUF file not found: {args.llamacpp}")
+        self.build = llamacpp.build()
+        self.args, self.contexts = args, [max(c, 1) for c in contexts]
+        self.ggufs: dict[str, Path] = {}
+
+    def format(self, dtype: str) -> str:
+        return self.args.llamacpp_format or LLAMACPP_FORMATS[dtype]
+
+    def time(self, dtype: str, prefill: bool) -> list[dict]:
+        """One llama-bench round in the dtype's format: decode after each context (and prefill)."""
+        import llamacpp
+
+        fmt = self.format(dtype)
+        if fmt not in self.ggufs:
+            self.ggufs[fmt] = llamacpp.requantize(Path(self.args.llamacpp), fmt, build_=self.build)
+        return llamacpp.time_decode(self.ggufs[fmt], self.contexts, self.args.steps, self.args.threads or 2,
+                                    label=fmt, build_=self.build, prefill=prefill)
+
+
+def _median_rounds(rounds: list[list[dict]], dtype: str) -> dict[tuple[str, int], dict]:
+    """(dtype, context) -> llama.cpp's row of the first round, its decode tok/s the median over the
+    rounds (each round's value kept in decode_tok_s_rounds); prefill is timed in the first round only."""
+    merged = {}
+    for i, row in enumerate(rounds[0]):
+        values = [r[i]["decode_tok_s"] for r in rounds]
+        merged[(dtype, row["context"])] = {**row, "decode_tok_s": statistics.median(values),
+                                           "decode_tok_s_rounds": values}
+    return merged
+
+
+def _beside_llamacpp(rows: list[dict], theirs: dict, llama: _LlamaCpp, contexts: list[int],
+                     dtypes: list[str]) -> None:
+    """llama.cpp's rows (_LlamaCpp, timed in rounds between ours) printed beside our B = 1 rows."""
     import llamacpp
 
-    build = llamacpp.build()
-    theirs = {}
-    for dtype in dtypes:
-        fmt = LLAMACPP_FORMATS[dtype]
-        gguf = llamacpp.requantize(Path(args.llamacpp), fmt, build_=build)
-        for row in llamacpp.time_decode(gguf, [max(c, 1) for c in contexts], args.steps, args.threads or 2,
-                                        label=fmt, build_=build):
-            theirs[(dtype, row["context"])] = row
     ours = {(r["dtype"], r["prompt_tokens"], r["sparq_r"]): r for r in rows if r["batch_size"] == 1}  # r None: dense
     rs = sorted({r for (_, _, r) in ours if r is not None})
     with_prefill = any(r.get("prefill_tokens_per_s") is not None for r in ours.values())  # bench --prefill
-    print(f"\nbeside llama.cpp ({build.version}; its decode after N tokens, llama-bench), B = 1, tok/s")
-    print(f"{'dtype':9} {'context':>7} {'llama.cpp':>10} {'ours dense':>10} "
+    rounds = len(next(iter(theirs.values()))["decode_tok_s_rounds"])
+    print(f"\nbeside llama.cpp ({llama.build.version}; its decode after N tokens, llama-bench), B = 1, tok/s"
+          + (f", medians of {rounds} rounds taking turns with ours" if rounds > 1 else ""))
+    print(f"{'dtype':9} {'format':>6} {'context':>7} {'llama.cpp':>10} {'ours dense':>10} "
           + "".join(f"{f'SparQ r={r}':>11}" for r in rs) + f" {'dense/llama':>11}"
           + "".join(f"{f'r={r}/llama':>11}" for r in rs) + f" {'llama prefill':>13}"
           + (f" {'ours prefill':>12} {'ours/llama':>10}" if with_prefill else ""))
@@ -540,7 +597,7 @@ def _beside_llamacpp(rows: list[dict], args, contexts: list[int], dtypes: list[s
             them = their_row["decode_tok_s"]
             dense = ours[(dtype, context, None)]["decode_tokens_per_s"]
             sparq = [ours[(dtype, context, r)]["decode_tokens_per_s"] for r in rs]
-            print(f"{dtype:9} {context:7d} {them:10.1f} {dense:10.1f} " + "".join(f"{t:11.1f}" for t in sparq)
+            print(f"{dtype:9} {llama.format(dtype):>6} {context:7d} {them:10.1f} {dense:10.1f} " + "".join(f"{t:11.1f}" for t in sparq)
                   + f" {dense / them:10.2f}x" + "".join(f"{t / them:10.2f}x" for t in sparq)
                   + f" {their_row['prefill_tok_s'] or 0:13.0f}" + _prefill_cells(ours[(dtype, context, None)], their_row))
     if note := llamacpp.busy_note(list(theirs.values())):
@@ -765,6 +822,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llamacpp", default=None, metavar="GGUF",
                    help="also time llama.cpp (llamacpp.py, built on first use) after the same contexts on this GGUF "
                         "(the checkpoint's source), in each --dtype's format, and print it beside our rows")
+    p.add_argument("--llamacpp-format", default=None,
+                   help="llama.cpp's format for every --dtype (llamacpp.py's formats; default: the dtype's own), "
+                        "e.g. q8_0 beside an int8 checkpoint")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the timing this many times, ours and llama.cpp taking turns; cells are medians")
     p.add_argument("--ragged", default=None,
                    help="also time one batch of rows at these different contexts (comma list), e.g. 1024,4096,8192")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (dynamic shapes)")

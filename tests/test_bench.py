@@ -78,33 +78,49 @@ def test_decode_ragged_case_counts_every_row_at_its_length(tmp_path, smollm2_che
     assert dense["kv_bytes_read_per_step"] == sum(per_row)
 
 
-def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys):
-    """Our B = 1 rows (dense and one SparQ per r) beside llama.cpp's decode at each context (llama.cpp faked:
-    its build and timing are llamacpp.py's own tests)."""
+def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys, tmp_path):
+    """Our B = 1 rows (dense and one SparQ per r) beside llama.cpp's decode at each context: the median
+    of its rounds, in the dtype's format or the one --llamacpp-format names (llama.cpp faked: its build
+    and timing are llamacpp.py's own tests)."""
     import argparse
     from types import SimpleNamespace
 
     import llamacpp
 
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    requantized, per_round = [], iter([10.0, 30.0, 20.0] * 2)
     monkeypatch.setattr(llamacpp, "build", lambda *a, **k: SimpleNamespace(version="llama.cpp test"))
-    monkeypatch.setattr(llamacpp, "requantize", lambda gguf, fmt, build_: gguf)
-    monkeypatch.setattr(llamacpp, "time_decode", lambda gguf, contexts, *a, **k: [
-        {"context": c, "decode_tok_s": 10.0, "prefill_tok_s": 100.0, "load_avg": 0.0} for c in contexts])
+    monkeypatch.setattr(llamacpp, "requantize", lambda g, fmt, build_: requantized.append(fmt) or g)
+    monkeypatch.setattr(llamacpp, "time_decode", lambda g, contexts, *a, **k: [
+        {"context": c, "decode_tok_s": next(per_round), "prefill_tok_s": 100.0, "load_avg": 0.0} for c in contexts])
+
+    def llama_rows(fmt=None):
+        args = argparse.Namespace(llamacpp=str(gguf), llamacpp_format=fmt, steps=4, threads=2)
+        llama = bench._LlamaCpp(args, [4096])
+        return llama, bench._median_rounds([llama.time("bfloat16", prefill=i == 0) for i in range(3)], "bfloat16")
+
     rows = [{"dtype": "bfloat16", "prompt_tokens": 4096, "batch_size": b, "sparq_r": r, "decode_tokens_per_s": t}
             for b in (1, 4) for r, t in ((None, 5.0), (16, 8.0), (32, 7.0))]
-    bench._beside_llamacpp(rows, argparse.Namespace(llamacpp="m.gguf", steps=4, threads=2), [4096], ["bfloat16"])
+    llama, theirs = llama_rows()
+    assert theirs[("bfloat16", 4096)]["decode_tok_s_rounds"] == [10.0, 30.0, 20.0] and requantized == ["bf16"]
+    bench._beside_llamacpp(rows, theirs, llama, [4096], ["bfloat16"])
     out = capsys.readouterr().out
-    assert "SparQ r=16" in out and "SparQ r=32" in out and "r=32/llama" in out
+    assert "SparQ r=16" in out and "SparQ r=32" in out and "r=32/llama" in out and "medians of 3 rounds" in out
     line = next(x for x in out.splitlines() if x.startswith("bfloat16"))
-    assert line.split()[2:8] == ["10.0", "5.0", "8.0", "7.0", "0.50x", "0.80x"]
+    assert line.split()[1:9] == ["bf16", "4096", "20.0", "5.0", "8.0", "7.0", "0.25x", "0.40x"]
     assert "ours prefill" not in out  # no --prefill: no prefill columns
 
     for row in rows:  # with --prefill: our prefill beside llama.cpp's, and the ratio
         row["prefill_tokens_per_s"] = 150.0
-    bench._beside_llamacpp(rows, argparse.Namespace(llamacpp="m.gguf", steps=4, threads=2), [4096], ["bfloat16"])
+    llama, theirs = llama_rows("q8_0")  # an int8 checkpoint beside Q8_0
+    bench._beside_llamacpp(rows, theirs, llama, [4096], ["bfloat16"])
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("bfloat16"))
-    assert "ours prefill" in out and line.split()[-3:] == ["100", "150", "1.50x"]
+    assert "ours prefill" in out and line.split()[-3:] == ["100", "150", "1.50x"] and line.split()[1] == "q8_0"
+    assert requantized[-1] == "q8_0"
+    with pytest.raises(bench.UserError, match="unknown --llamacpp-format 'q3'"):
+        llama_rows("q3")
 
 
 def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
@@ -131,22 +147,26 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
         def set_decode_attention(self, make):
             calls.append(("policy", make(0)))
 
-    def step(model, token, positions, length):
-        i = sum(c[0] == "step" for c in calls) // 6  # 3 cases x 2 policies a round
-        clock[0] += token.shape[0] * (2 if calls[-2] == ("policy", "sparq") else 1) + i / 10
-        calls.append(("step", token.shape[0], positions.flatten().tolist(), length))
+    def step_of(case, name):  # each (case, policy) its own step function
+        def step(model, token, positions, length):
+            i = sum(c[0] == "step" for c in calls) // 6  # 3 cases x 2 policies a round
+            clock[0] += token.shape[0] * (2 if calls[-2] == ("policy", "sparq") else 1) + i / 10
+            calls.append(("step", token.shape[0], positions.flatten().tolist(), length, (case, name)))
+        return step
 
     cases = [[10], [20, 20], [5, 30]]
-    seconds = bench._time_decode({"dense": step, "sparq": step}, Model(), {"dense": ["dense"], "sparq": ["sparq"]},
+    steps = {(c, name): step_of(c, name) for c in range(3) for name in ("dense", "sparq")}
+    seconds = bench._time_decode(steps, Model(), {"dense": ["dense"], "sparq": ["sparq"]},
                                  cases, steps=2, warmup=1, evict=lambda: calls.append(("evict",)))
     expected = []
     for i in range(3):
-        for starts in cases:
+        for c, starts in enumerate(cases):
             top = max(starts)
             positions = [s + i for s in starts] if len(set(starts)) > 1 else [top + i]
-            expected += [("step", len(starts), positions, top + i + 1)] * 2
+            expected += [("step", len(starts), positions, top + i + 1, (c, name)) for name in ("dense", "sparq")]
     assert [c for c in calls if c[0] == "step"] == expected
-    assert calls[:5] == [("rewind", 10), ("policy", "dense"), ("evict",), ("step", 1, [10], 11), ("rewind", 10)]
+    assert calls[:5] == [("rewind", 10), ("policy", "dense"), ("evict",), ("step", 1, [10], 11, (0, "dense")),
+                         ("rewind", 10)]
     assert all(calls[j - 1] == ("evict",) for j, c in enumerate(calls) if c[0] == "step")  # caches cleared last
     assert ("live", [5 + 2, 30 + 2]) in calls and ("live", [20, 20]) not in calls
     for s, starts in zip(seconds, cases):  # the median of steps 1 and 2: + 0.15
