@@ -491,7 +491,7 @@ def cmd_decode(args) -> int:
                                           args.warmup, progress, evict=evict))
             if llama is not None:
                 progress.clear()
-                their_rounds.append(llama.time(dtype_name, prefill=round_ == 0))
+                their_rounds.append(llama.time(dtype_name, prefill=args.prefill and round_ == 0))
         case_seconds = [{name: statistics.median(r[c][name] for r in per_round) for name in policies}
                         for c in range(len(cases))]
         if llama is not None:
@@ -589,8 +589,8 @@ def _beside_llamacpp(rows: list[dict], theirs: dict, llama: _LlamaCpp, contexts:
           + (f", medians of {rounds} rounds taking turns with ours" if rounds > 1 else ""))
     print(f"{'dtype':9} {'format':>6} {'context':>7} {'llama.cpp':>10} {'ours dense':>10} "
           + "".join(f"{f'SparQ r={r}':>11}" for r in rs) + f" {'dense/llama':>11}"
-          + "".join(f"{f'r={r}/llama':>11}" for r in rs) + f" {'llama prefill':>13}"
-          + (f" {'ours prefill':>12} {'ours/llama':>10}" if with_prefill else ""))
+          + "".join(f"{f'r={r}/llama':>11}" for r in rs)
+          + (f" {'llama prefill':>13} {'ours prefill':>12} {'ours/llama':>10}" if with_prefill else ""))
     for dtype in dtypes:
         for context in contexts:
             their_row = theirs[(dtype, max(context, 1))]
@@ -599,17 +599,16 @@ def _beside_llamacpp(rows: list[dict], theirs: dict, llama: _LlamaCpp, contexts:
             sparq = [ours[(dtype, context, r)]["decode_tokens_per_s"] for r in rs]
             print(f"{dtype:9} {llama.format(dtype):>6} {context:7d} {them:10.1f} {dense:10.1f} " + "".join(f"{t:11.1f}" for t in sparq)
                   + f" {dense / them:10.2f}x" + "".join(f"{t / them:10.2f}x" for t in sparq)
-                  + f" {their_row['prefill_tok_s'] or 0:13.0f}" + _prefill_cells(ours[(dtype, context, None)], their_row))
+                  + (_prefill_cells(ours[(dtype, context, None)], their_row) if with_prefill else ""))
     if note := llamacpp.busy_note(list(theirs.values())):
         print(note)
 
 
 def _prefill_cells(ours: dict, theirs: dict) -> str:
-    """Our prefill tok/s beside llama.cpp's, and their ratio (empty without --prefill or for N = 0)."""
-    if ours.get("prefill_tokens_per_s") is None:
-        return ""
-    ratio = f"{ours['prefill_tokens_per_s'] / theirs['prefill_tok_s']:9.2f}x" if theirs["prefill_tok_s"] else f"{'-':>10}"
-    return f" {ours['prefill_tokens_per_s']:12.0f} {ratio}"
+    """llama.cpp's prefill tok/s, ours and their ratio ("-" where one was not timed, e.g. N = 0)."""
+    them, us = theirs.get("prefill_tok_s"), ours.get("prefill_tokens_per_s")
+    ratio = f"{us / them:9.2f}x" if them and us else f"{'-':>10}"
+    return (f" {them:13.0f}" if them else f" {'-':>13}") + (f" {us:12.0f}" if us else f" {'-':>12}") + f" {ratio}"
 
 
 _DECODE_HEADER = (f"{'dtype':9} {'context':>7} {'B':>3} {'r':>3} {'dense tok/s':>11} {'SparQ tok/s':>11} {'speedup':>7} "
