@@ -420,6 +420,10 @@ def cmd_decode(args) -> int:
     dtypes = cli.name_list(args.dtype, "dtype", DTYPES)
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
+    if args.rounds < 1:
+        raise UserError("--rounds must be at least 1")
+    if args.llamacpp_format and not args.llamacpp:
+        raise UserError("--llamacpp-format needs --llamacpp GGUF")
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.checkpoint)
@@ -449,15 +453,11 @@ def cmd_decode(args) -> int:
     prompt = torch.tensor([data.essay_tokens(tok, max(1, longest))])
     cache_length = longest + args.warmup + args.steps
 
+    llama = _LlamaCpp(args, contexts) if args.llamacpp else None  # checked and built before any output
     print(f"# decode, {args.checkpoint}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
           f"{'compiled' if args.compile else 'eager'}, SparQ r={','.join(map(str, r_values))} k={config.k} local={config.local} "
           f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}, cases and policies taking turns step by step")
     print(_DECODE_HEADER, flush=True)
-    if args.rounds < 1:
-        raise UserError("--rounds must be at least 1")
-    if args.llamacpp_format and not args.llamacpp:
-        raise UserError("--llamacpp-format needs --llamacpp GGUF")
-    llama = _LlamaCpp(args, contexts) if args.llamacpp else None  # built and requantized before any timing
     rows, theirs = [], {}
     progress = tqdm(total=len(dtypes) * args.rounds * (args.warmup + args.steps), desc="decode bench", unit="step",
                     file=sys.stderr)
