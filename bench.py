@@ -11,7 +11,8 @@ cache in one process, every context and batch size taking turns step by step; to
 (bytes by the transfer formulas), measured speedup and the theoretical one: (weights + dense KV
 bytes) / (weights + SparQ KV bytes) per step.
 --prefill also times our prefill of each context (N tokens into an empty cache), and --llamacpp
-GGUF times llama.cpp (llamacpp.py) after the same contexts in the same format: one run, side by side.
+GGUF times llama.cpp (llamacpp.py) after the same contexts in the same format (or --llamacpp-format's):
+one run, side by side; with --rounds N, ours and llama.cpp take turns N times and cells are medians.
 
 `attention`: one layer's decode-attention op (one query token per batch row), dense against every
 SparQ variant, side by side in one process. Each configuration rotates among enough copies of
