@@ -419,7 +419,14 @@ def decode_run(model, B: int, context: int, steps: int, compile_mode: str, warmu
         return model(token, input_pos, length)
 
     if compile_mode == "inductor":
-        step = torch.compile(step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=True)
+        import torch._dynamo.config as dynamo_config
+
+        compiled = torch.compile(step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=True)
+
+        def step(model, token, input_pos, length):  # floats compiled in as constants, as generate.compiled_decode_step
+            with dynamo_config.patch(specialize_float=True):
+                return compiled(model, token, input_pos, length)
+
     graphs: dict[int, tuple] = {}
 
     def forward(length: int):

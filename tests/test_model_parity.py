@@ -190,6 +190,15 @@ def test_compiled_decode_matches_eager(tmp_path: Path):
     result = run(compiled)
     assert (result - eager).abs().max().item() < 1e-4
 
+    # The norms' eps compile in as constants, guarded by value: a changed eps recompiles, never reuses
+    # the old constant.
+    for module in m.modules():
+        if isinstance(module, model.RMSNorm):
+            module.eps = 0.5
+    eager_changed = run(generate.decode_step)
+    assert (eager_changed - eager).abs().max().item() > 1e-2
+    assert (run(compiled) - eager_changed).abs().max().item() < 1e-4
+
 
 def test_smollm2_greedy_matches_transformers(smollm2_checkpoint: Path, smollm2_gguf: Path):
     """The embedded GGUF, converted by us, generates what transformers' GGUF loader generates."""
