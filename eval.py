@@ -23,6 +23,10 @@ policy decodes from it: the cache positions past the prompt are never read befor
 rewritten, so restoring the cache's snapshot (KVCache.snapshot) and a copy of each policy's
 post-prefill state is an exact rewind (tests/test_eval.py checks it against generate.py's
 Generator run from scratch).
+
+Long runs (a SQuAD length sweep is hours on a 2-core CPU): with --json, every finished batch's raw
+results go to a journal beside it (FILE.journal.jsonl); the same command with --resume replays those
+batches and runs only the rest, and the tables come out as from one uninterrupted run.
 """
 from __future__ import annotations
 
@@ -314,6 +318,26 @@ class Results:
     def add(self, cell: Cell, config: Config, metric: str, values: list[float]) -> None:
         self.values[(cell, metric, config.method, config.budget.target)] += values
 
+    def record(self) -> dict:
+        """The raw values as JSON (one batch's, for the journal)."""
+        label = fraction_label
+        return {"values": [[c.task, c.size, metric, method, label(t), v] for (c, metric, method, t), v in self.values.items()],
+                "achieved": [[c.task, c.size, method, label(t), v] for (c, method, t), v in self.achieved.items()],
+                "per_layer": [[c.task, c.size, metric, method, label(t), v]
+                              for (c, metric, method, t), v in self.per_layer.items()],
+                "prompt_tokens": [[c.task, c.size, v] for c, v in self.prompt_tokens.items()]}
+
+    def add_record(self, record: dict) -> None:
+        """Append a record's values (record() of a batch run earlier) after those already held."""
+        for task, size, metric, method, t, v in record["values"]:
+            self.values[(Cell(task, size), metric, method, Fraction(t))] += v
+        for task, size, method, t, v in record["achieved"]:
+            self.achieved[(Cell(task, size), method, Fraction(t))] += v
+        for task, size, metric, method, t, v in record["per_layer"]:
+            self.per_layer[(Cell(task, size), metric, method, Fraction(t))] += v
+        for task, size, v in record["prompt_tokens"]:
+            self.prompt_tokens[Cell(task, size)] += v
+
     def rows(self) -> list[dict]:
         out = []
         for (cell, metric, method, target), values in self.values.items():
@@ -439,6 +463,75 @@ def diagnose_batch(cell: Cell, runner: Runner, examples: list[Example], configs:
             results.per_layer[(cell, "topk_agreement", config.method, config.budget.target)] += agree.tolist()
         results.achieved[(cell, config.method, config.budget.target)].append(runner.achieved(config, steps))
         progress.update(1)
+
+
+# =============================================================================================
+# The journal: a run of hours continues where it stopped (--resume)
+# =============================================================================================
+
+
+def journal_path(json_path: Path) -> Path:
+    return json_path.with_name(json_path.name + ".journal.jsonl")
+
+
+class Journal:
+    """Each finished batch's raw results (Results.record), one JSON line per batch after a header line
+    naming the run, kept beside --json. With --resume the batches it holds are replayed and only the
+    rest run; a line cut short by a kill is dropped, so at most the batch in flight is lost."""
+
+    def __init__(self, path: Path, run: dict, resume: bool):
+        self.path = path
+        self.done: dict[int, dict] = {}  # batch number (1-based, in run order) -> its line
+        if resume:
+            self._read(run)
+        elif self._same_run_with_batches(run):
+            raise UserError(f"{path} already holds batches of this run: add --resume to continue it, or delete "
+                            f"it to start over")
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"run": run}) + "\n")
+
+    def _header(self) -> Optional[dict]:
+        try:
+            return json.loads(self.path.read_text().split("\n", 1)[0])["run"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _same_run_with_batches(self, run: dict) -> bool:
+        return self._header() == run and len(self.path.read_text().strip().splitlines()) > 1
+
+    def _read(self, run: dict) -> None:
+        if not self.path.is_file():
+            raise UserError(f"--resume: no journal at {self.path} (a run with --json writes one there)")
+        header = self._header()
+        if header is None:
+            raise UserError(f"--resume: {self.path} is not an eval.py journal")
+        changed = [key for key in sorted(set(run) | set(header)) if run.get(key) != header.get(key)]
+        if changed:
+            raise UserError(f"--resume: {self.path} holds a different run ({', '.join(changed)} differ): "
+                            f"rerun with its settings, or without --resume to start over")
+        lines = self.path.read_text().split("\n")
+        kept = [lines[0]]
+        for line in lines[1:]:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                break  # the last line, cut short by a kill: that batch runs again
+            self.done[entry["batch"]] = entry
+            kept.append(line)
+        self.path.write_text("\n".join(kept) + "\n")  # without the cut line
+
+    def check(self, number: int, task: str, size: int, examples: int) -> Optional[dict]:
+        """The journal's line for batch `number` if it holds it (checked to be the same batch)."""
+        entry = self.done.get(number)
+        if entry is not None and (entry["task"], entry["size"], entry["examples"]) != (task, size, examples):
+            raise UserError(f"--resume: batch {number} of {self.path} is not this run's batch {number}")
+        return entry
+
+    def append(self, number: int, task: str, size: int, examples: int, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"batch": number, "task": task, "size": size, "examples": examples,
+                                "record": record}) + "\n")
 
 
 # =============================================================================================
@@ -796,10 +889,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared 2-core machine two OpenMP threads spin at every "
                         "barrier and decode ~10x slower; use 2 on an idle machine)")
-    p.add_argument("--json", type=Path, help="write the results as JSON")
+    p.add_argument("--json", type=Path, help="write the results as JSON (after every batch), and a journal of the "
+                                              "batches done beside it (FILE.journal.jsonl)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run whose journal is beside --json: its batches are replayed, the rest run")
     p.add_argument("--plot", type=Path, help="write a PNG of score vs compression per task (vs prompt length for a task at several sizes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def run_identity(args: argparse.Namespace, tasks: list[str], methods: list[str], targets: list[Fraction],
+                 lengths: dict[str, list[int]]) -> dict:
+    """What decides a run's batches and results: a resumed run must match its journal in all of it."""
+    run = {"checkpoint": str(args.checkpoint), "tasks": tasks, "attention": methods,
+           "compression": [fraction_label(t) for t in targets], "lengths": lengths}
+    for flag in ("examples", "batch_size", "seed", "dtype", "kernel", "kv_layout", "sparq_r", "sparq_k", "sparq_mean_v",
+                 "bpc_tokens", "repetition_chars", "repetition_passage", "retrieval_keys"):
+        run[flag] = getattr(args, flag)
+    return json.loads(json.dumps(run))  # as the journal's header reads back
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -861,11 +968,17 @@ def run(args: argparse.Namespace) -> int:
     work = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
     n_configs = 1 + sum(1 for m in methods if m != "dense") * sum(1 for t in targets if t != DENSE)
 
+    if args.resume and not args.json:
+        raise UserError("--resume continues the run whose journal is beside --json: give that --json")
+    journal = Journal(journal_path(args.json), run_identity(args, tasks, methods, targets, lengths),
+                      args.resume) if args.json else None
+
     kernels = kernels_for(args.kernel, "cpu", model_config)
     model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels)
     runner = Runner(model, AttentionSettings(sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v),
                     args.kv_layout)
     results = Results()
+    replayed = 0
     start = time.perf_counter()
 
     def meta() -> dict:
@@ -874,6 +987,7 @@ def run(args: argparse.Namespace) -> int:
                 "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
                 "kernels": kernels.name, "kv_layout": args.kv_layout, "sparq_k": args.sparq_k,
                 "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,
+                "batches_from_journal": replayed,
                 "budgets": [{"task": task, "attention": m, "compression": fraction_label(t), "seq_len": s,
                              "r": b.r, "k": b.k, "achieved": b.achieved}
                             for (task, m, t, s), b in results.budgets.items()]}
@@ -887,8 +1001,18 @@ def run(args: argparse.Namespace) -> int:
             configs = runner.configs(methods, targets, seq_len)
             for c in configs:
                 results.budgets[(task, c.method, c.budget.target, length)] = c.budget
-            evaluate_batch(Cell(task, length), runner, tokenizer, batch, configs, results, progress)
-            if args.json:  # partial results after every batch
+            entry = journal.check(done, task, length, len(batch)) if journal else None
+            if entry is not None:  # run before this --resume
+                results.add_record(entry["record"])
+                replayed += 1
+                progress.update(len(configs))
+                continue
+            batch_results = Results()
+            evaluate_batch(Cell(task, length), runner, tokenizer, batch, configs, batch_results, progress)
+            record = batch_results.record()
+            results.add_record(record)
+            if args.json:  # the batch's raw results, then the results so far
+                journal.append(done, task, length, len(batch), record)
                 write_json(args.json, results.rows(), {**meta(), "complete": done == len(work),
                                                        "batches_done": done, "batches": len(work)})
     elapsed = time.perf_counter() - start
@@ -896,7 +1020,8 @@ def run(args: argparse.Namespace) -> int:
     rows = results.rows()
     print(f"model {args.checkpoint}: {model.args.n_layer} layers, head dim {model.args.head_dim}, "
           f"{model.args.n_head} heads / {model.args.n_kv_head} KV heads, {args.dtype}, kernels {kernels.name}; "
-          f"{args.examples} examples per task and length; {elapsed / 60:.1f} min")
+          f"{args.examples} examples per task and length; {elapsed / 60:.1f} min"
+          + (f" ({replayed} of {len(work)} batches from the journal)" if replayed else ""))
     print(budget_summary(results.budgets))
     print(table(rows, methods, targets))
     if sweeps(rows):

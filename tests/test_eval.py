@@ -475,6 +475,44 @@ def test_squad_tasks_run_ragged_batches_through_every_method(tmp_path, monkeypat
     assert "f1 %" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
+def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch, capsys):
+    """A run stopped mid-way (its journal holds batch 1 and a line cut by the kill) and resumed runs
+    batch 2 alone and reports exactly what the uninterrupted run reported; a journal of another run,
+    or none, is a one-line error, and so is a rerun that would start this run's journal over."""
+    fake_squad(tmp_path / "cache")
+    monkeypatch.setenv("SPARQ_FAST_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "squad.json"
+    argv = ["--task", "squad", "--squad-contexts", "3", "--examples", "4", "--batch-size", "2",
+            "--attention", "dense,sparq,h2o", "--compression", "1/2", "--sparq-k", "16", "--sparq-r", "16",
+            "--kernel", "torch", "--json", str(out), "--quiet"]
+    assert ev.main(argv) == 0
+    whole = json.loads(out.read_text())
+    journal = ev.journal_path(out)
+    header, first, second = journal.read_text().splitlines()
+    assert json.loads(first)["batch"] == 1 and json.loads(second)["batch"] == 2
+
+    journal.write_text(f"{header}\n{first}\n{second[:len(second) // 2]}")  # killed while writing batch 2
+    out.unlink()
+    ran = []
+    evaluate = ev.evaluate_batch
+    monkeypatch.setattr(ev, "evaluate_batch", lambda cell, runner, tok, batch, *a: ran.append(batch) or
+                        evaluate(cell, runner, tok, batch, *a))
+    assert ev.main(argv + ["--resume"]) == 0
+    assert len(ran) == 1  # batch 2 only
+    resumed = json.loads(out.read_text())
+    assert resumed["results"] == whole["results"] and resumed["meta"]["batches_from_journal"] == 1
+    assert [json.loads(line)["batch"] for line in journal.read_text().splitlines()[1:]] == [1, 2]
+
+    capsys.readouterr()
+    for extra, message in ((["--seed", "1", "--resume"], "seed differ"),
+                           (["--resume", "--json", str(tmp_path / "other.json")], "no journal at"),
+                           ([], "add --resume to continue it")):  # never overwritten by a rerun without --resume
+        assert_one_line_error((ev.main(argv + extra), capsys.readouterr().err), message)
+    no_json = [a for a in argv if a not in ("--json", str(out))]
+    assert_one_line_error((ev.main(no_json + ["--resume"]), capsys.readouterr().err), "--resume")
+
+
 def test_length_batches_group_similar_prompts_and_keep_every_example():
     from tasks import Example
 
