@@ -111,7 +111,19 @@ def _methods(device: str, kernels_wanted: list[str], cfg, S: int) -> list[Method
     if "cpu" in kernels_wanted or "triton" in kernels_wanted:
         methods.append(sparq_method("sparq-fused", fused, "twice"))
         methods.append(sparq_method("sparq-fused-1xk", fused, "once"))
+        floor = _floor_config(cfg)
+        methods.append(Method("sparq-floor", "floor", lambda c: fused(c["q"], c["k"], c["k_t"], c["v"], c["v_sum"], S, None,
+                                                                      floor.r, floor.k, floor.local, floor.mean_v)))
     return methods
+
+
+def _floor_config(cfg):
+    """SparQ at r = 1, k = 8: it reads almost nothing (one row of K^T, eight of K and V), so its time is the
+    fused op's work that does not scale with what it reads: step 1's softmax over S, the selection,
+    the phases. Beside r, k's time it says whether a cell is bound by that work or by the bytes."""
+    from sparq import SparQConfig
+
+    return SparQConfig(r=1, k=min(8, cfg.k), local=1, mean_v=False)
 
 
 def _time_call(fn, copy, device: str) -> float:
@@ -223,14 +235,19 @@ def cmd_attention(args) -> int:
         fastest = {name: min(ts) for name, ts in times.items()}
         dense_names = [m.name for m in methods if m.kind == "dense"]
         best_dense = min(dense_names, key=lambda n: median[n])
+        floor_bytes = SparQDecode(_floor_config(cfg)).transfer_elements(S, d) * B * n_kv * es
         for m in methods:
-            nbytes = dense_bytes if m.kind == "dense" else sparq_bytes
-            rows.append(dict(shape=shape, dtype=dt_name, batch_size=B, seq_len=S, method=m.name,
-                             time_ms=median[m.name] * 1e3, time_ms_min=fastest[m.name] * 1e3,
-                             gb_s=nbytes / median[m.name] / 1e9,
-                             speedup_vs_dense=median[best_dense] / median[m.name],
-                             theoretical_speedup=dense_bytes / nbytes, dense_baseline=best_dense,
-                             iterations=len(times[m.name]), copies=n_copies))
+            nbytes = {"dense": dense_bytes, "sparq": sparq_bytes, "floor": floor_bytes}[m.kind]
+            row = dict(shape=shape, dtype=dt_name, batch_size=B, seq_len=S, method=m.name,
+                       time_ms=median[m.name] * 1e3, time_ms_min=fastest[m.name] * 1e3,
+                       gb_s=nbytes / median[m.name] / 1e9,
+                       speedup_vs_dense=median[best_dense] / median[m.name],
+                       theoretical_speedup=dense_bytes / nbytes, dense_baseline=best_dense,
+                       iterations=len(times[m.name]), copies=n_copies)
+            row["of_theory"] = row["speedup_vs_dense"] / row["theoretical_speedup"]
+            if m.name == "sparq-fused" and "sparq-floor" in median:
+                row["floor_share"] = median["sparq-floor"] / median[m.name]
+            rows.append(row)
     bar.close()
     _print_table(rows)
     for note in notes:
@@ -248,7 +265,7 @@ def cmd_attention(args) -> int:
 
 def _print_table(rows: list[dict]) -> None:
     header = (f"{'shape':<10} {'dtype':<9} {'B':>3} {'S':>6}  {'method':<16} {'time ms':>9} {'min ms':>9} {'GB/s':>6} "
-              f"{'speedup':>8} {'theory':>7}")
+              f"{'speedup':>8} {'theory':>7} {'of theory':>9} {'floor':>6}")
     print(header)
     print("-" * len(header))
     last = None
@@ -260,9 +277,12 @@ def _print_table(rows: list[dict]) -> None:
         mark = "*" if row["method"] == row["dense_baseline"] else " "
         print(f"{row['shape']:<10} {row['dtype']:<9} {row['batch_size']:>3} {row['seq_len']:>6}  "
               f"{row['method'] + mark:<16} {row['time_ms']:>9.3f} {row['time_ms_min']:>9.3f} {row['gb_s']:>6.1f} "
-              f"{row['speedup_vs_dense']:>7.2f}x {row['theoretical_speedup']:>6.2f}x")
+              f"{row['speedup_vs_dense']:>7.2f}x {row['theoretical_speedup']:>6.2f}x {row['of_theory']:>8.0%} "
+              + (f"{row['floor_share']:>6.0%}" if "floor_share" in row else f"{'':>6}"))
     print("(time = median, min = fastest call; * = the dense baseline, the fastest dense method by median;"
-          " speedup = its median / the method's; GB/s = transfer bytes / median; theory = dense bytes / method bytes)")
+          " speedup = its median / the method's; GB/s = transfer bytes / median; theory = dense bytes / method bytes;"
+          " of theory = speedup / theory; floor = sparq-floor's time (r = 1, k = 8: almost no bytes) / sparq-fused's:"
+          " near 100%, the op is bound by its fixed and per-position work, not by what it reads)")
 
 
 def _plot(rows: list[dict], path: str, r: int, k: int) -> None:

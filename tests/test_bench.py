@@ -47,10 +47,16 @@ def test_attention_json_rows(tmp_path, capsys):
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     methods = {r["method"] for r in rows}
-    assert {"sparq-torch", "sparq-fused", "sparq-fused-1xk"} <= methods
+    assert {"sparq-torch", "sparq-fused", "sparq-fused-1xk", "sparq-floor"} <= methods
     assert any(m.startswith("dense") for m in methods)
     for row in rows:
         assert row["time_ms"] > 0 and row["theoretical_speedup"] > 0
+        assert row["of_theory"] == pytest.approx(row["speedup_vs_dense"] / row["theoretical_speedup"])
+    by = {r["method"]: r for r in rows}
+    # the floor reads one row of K^T and 8 of K and V: far fewer bytes than r = 16, k = 128 (here k >= S)
+    assert by["sparq-floor"]["theoretical_speedup"] > 2 * by["sparq-fused"]["theoretical_speedup"]
+    assert by["sparq-fused"]["floor_share"] == pytest.approx(by["sparq-floor"]["time_ms"] / by["sparq-fused"]["time_ms"])
+    assert "floor" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, fragment", [
