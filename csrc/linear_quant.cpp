@@ -346,12 +346,17 @@ at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& w, const at::T
   TORCH_CHECK(K % G == 0 && (K / G) % 32 == 0, op, ": groups must split K into multiples of 32");
   const int64_t ss = scales.stride(0), ws = w.stride(0);
   const std::vector<float> xf = x_f32(x);
-  std::vector<float> xeo(2 * std::max<int64_t>(M * K2, 1) + M * G);  // even columns, odd ones, group sums
+#ifdef SPARQ_AVX512_BF16
+  const int64_t half = 0;  // that path reads x as bf16 planes (x4_planes)
+#else
+  const int64_t half = M * K2;
+#endif
+  std::vector<float> xeo(2 * half + M * G);  // even columns, odd ones, group sums
   float* xe = xeo.data();
-  float* xo = xe + M * K2;
-  float* X = xo + M * K2;
+  float* xo = xe + half;
+  float* X = xo + half;
   for (int64_t m = 0; m < M; ++m) {
-#ifndef SPARQ_AVX512_BF16  // that path reads x as bf16 planes (x4_planes)
+#ifndef SPARQ_AVX512_BF16
     for (int64_t j = 0; j < K2; ++j) {
       xe[m * K2 + j] = xf[m * K + 2 * j];
       xo[m * K2 + j] = xf[m * K + 2 * j + 1];
