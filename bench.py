@@ -120,7 +120,8 @@ def _methods(device: str, kernels_wanted: list[str], cfg, S: int) -> list[Method
 def _floor_config(cfg):
     """SparQ at r = 1, k = 8: it reads almost nothing (one row of K^T, eight of K and V), so its time is the
     fused op's work that does not scale with what it reads: step 1's softmax over S, the selection,
-    the phases. Beside r, k's time it says whether a cell is bound by that work or by the bytes."""
+    the phases. Set beside the time at the chosen r and k, it says whether a cell is bound by that
+    work or by its bytes."""
     from sparq import SparQConfig
 
     return SparQConfig(r=1, k=min(8, cfg.k), local=1, mean_v=False)
