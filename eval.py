@@ -482,35 +482,33 @@ class Journal:
     def __init__(self, path: Path, run: dict, resume: bool):
         self.path = path
         self.done: dict[int, dict] = {}  # batch number (1-based, in run order) -> its line
+        lines = path.read_text().split("\n") if path.is_file() else []
+        header = self._header(lines)
         if resume:
-            self._read(run)
-        elif self._same_run_with_batches(run):
+            self._read(run, lines, header)
+        elif header == run and any(line.strip() for line in lines[1:]):
             raise UserError(f"{path} already holds batches of this run: add --resume to continue it, or delete "
                             f"it to start over")
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"run": run}) + "\n")
 
-    def _header(self) -> Optional[dict]:
+    @staticmethod
+    def _header(lines: list[str]) -> Optional[dict]:
         try:
-            return json.loads(self.path.read_text().split("\n", 1)[0])["run"]
-        except (OSError, ValueError, KeyError, TypeError):
+            return json.loads(lines[0])["run"]
+        except (IndexError, ValueError, KeyError, TypeError):
             return None
 
-    def _same_run_with_batches(self, run: dict) -> bool:
-        return self._header() == run and len(self.path.read_text().strip().splitlines()) > 1
-
-    def _read(self, run: dict) -> None:
-        if not self.path.is_file():
+    def _read(self, run: dict, lines: list[str], header: Optional[dict]) -> None:
+        if not lines:
             raise UserError(f"--resume: no journal at {self.path} (a run with --json writes one there)")
-        header = self._header()
         if header is None:
             raise UserError(f"--resume: {self.path} is not an eval.py journal")
         changed = [key for key in sorted(set(run) | set(header)) if run.get(key) != header.get(key)]
         if changed:
             raise UserError(f"--resume: {self.path} holds a different run ({', '.join(changed)} differ): "
                             f"rerun with its settings, or without --resume to start over")
-        lines = self.path.read_text().split("\n")
         kept = [lines[0]]
         for line in lines[1:]:
             try:
