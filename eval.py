@@ -1004,13 +1004,14 @@ def run(args: argparse.Namespace) -> int:
                 results.add_record(entry["record"])
                 replayed += 1
                 progress.update(len(configs))
-                continue
-            batch_results = Results()
-            evaluate_batch(Cell(task, length), runner, tokenizer, batch, configs, batch_results, progress)
-            record = batch_results.record()
-            results.add_record(record)
-            if args.json:  # the batch's raw results, then the results so far
-                journal.append(done, task, length, len(batch), record)
+            else:
+                batch_results = Results()
+                evaluate_batch(Cell(task, length), runner, tokenizer, batch, configs, batch_results, progress)
+                record = batch_results.record()
+                results.add_record(record)
+                if journal:  # the batch's raw results
+                    journal.append(done, task, length, len(batch), record)
+            if args.json and (entry is None or done == len(work)):  # the results so far (and at the end, always)
                 write_json(args.json, results.rows(), {**meta(), "complete": done == len(work),
                                                        "batches_done": done, "batches": len(work)})
     elapsed = time.perf_counter() - start

@@ -503,6 +503,9 @@ def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch
     resumed = json.loads(out.read_text())
     assert resumed["results"] == whole["results"] and resumed["meta"]["batches_from_journal"] == 1
     assert [json.loads(line)["batch"] for line in journal.read_text().splitlines()[1:]] == [1, 2]
+    out.unlink()  # a resume with nothing left to run still writes the results
+    assert ev.main(argv + ["--resume"]) == 0 and len(ran) == 1
+    assert json.loads(out.read_text())["results"] == whole["results"]
 
     capsys.readouterr()
     for extra, message in ((["--seed", "1", "--resume"], "seed differ"),
