@@ -27,6 +27,7 @@ Generator run from scratch).
 Long runs (a SQuAD length sweep is hours on a 2-core CPU): with --json, every finished batch's raw
 results go to a journal beside it (FILE.journal.jsonl); the same command with --resume replays those
 batches and runs only the rest, and the tables come out as from one uninterrupted run.
+`--report FILE.json` prints the tables (and --plot) of the results so far, while the run goes on.
 """
 from __future__ import annotations
 
@@ -893,6 +894,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run whose journal is beside --json: its batches are replayed, the rest run")
     p.add_argument("--plot", type=Path, help="write a PNG of score vs compression per task (vs prompt length for a task at several sizes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--report", type=Path, metavar="JSON",
+                   help="print the tables (and --plot) of an earlier run's --json, also of one still going; "
+                        "nothing runs")
     return p
 
 
@@ -918,6 +922,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        return report(args.report, args.plot)
     tasks = cli.name_list(args.task, "--task", list(TASKS))
     methods = cli.name_list(args.attention, "--attention", list(POLICIES))
     targets = list(dict.fromkeys([DENSE] + [parse_compression(c) for c in args.compression.split(",") if c.strip()]))
@@ -1016,19 +1022,44 @@ def run(args: argparse.Namespace) -> int:
                                                        "batches_done": done, "batches": len(work)})
     elapsed = time.perf_counter() - start
 
-    rows = results.rows()
     print(f"model {args.checkpoint}: {model.args.n_layer} layers, head dim {model.args.head_dim}, "
           f"{model.args.n_head} heads / {model.args.n_kv_head} KV heads, {args.dtype}, kernels {kernels.name}; "
           f"{args.examples} examples per task and length; {elapsed / 60:.1f} min"
           + (f" ({replayed} of {len(work)} batches from the journal)" if replayed else ""))
     print(budget_summary(results.budgets))
+    print_results(results.rows(), methods, targets, args.plot)
+    return 0
+
+
+def print_results(rows: list[dict], methods: list[str], targets: list[Fraction], plot_path: Optional[Path]) -> None:
+    """The tables (and the plot) of a run's result rows: at its end, or from its --json by --report."""
     print(table(rows, methods, targets))
     if sweeps(rows):
         print(sweep_table(rows, methods, targets))
     print(delta_table(rows, methods, targets))
     print(achieved_table(rows, methods, targets))
-    if args.plot:
-        plot(rows, args.plot, methods)
+    if plot_path:
+        plot(rows, plot_path, methods)
+
+
+def report(path: Path, plot_path: Optional[Path]) -> int:
+    """--report: the tables of a --json results file, also of a run still going (it is rewritten after
+    every batch), without loading a model."""
+    try:
+        saved = json.loads(path.read_text())
+        rows, meta = saved["results"], saved["meta"]
+        methods, targets = meta["attention"], [parse_compression(c) for c in meta["compression"]]
+    except FileNotFoundError:
+        raise UserError(f"--report {path}: no such file") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--report {path}: not an eval.py --json results file ({type(e).__name__}: {e})") from None
+    if not rows:
+        raise UserError(f"--report {path}: no results yet (no batch has finished)")
+    done = ("complete" if meta.get("complete", True) else
+            f"in progress: {meta['batches_done']} of {meta['batches']} batches")
+    print(f"{path}: model {meta['checkpoint']}, {meta['dtype']}, kernels {meta['kernels']}; "
+          f"{meta['examples']} examples per task and length; {done}; {meta['elapsed_s'] / 60:.1f} min")
+    print_results(rows, methods, targets, plot_path)
     return 0
 
 

@@ -516,6 +516,45 @@ def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch
     assert_one_line_error((ev.main(no_json + ["--resume"]), capsys.readouterr().err), "--resume")
 
 
+def test_report_prints_the_tables_of_a_finished_or_running_run(tmp_path, monkeypatch, capsys):
+    """--report on a run's --json prints the tables the run printed at its end (no model is loaded);
+    on the file as it stood after the first batch, that batch's tables, marked as in progress."""
+    fake_squad(tmp_path / "cache")
+    monkeypatch.setenv("SPARQ_FAST_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "squad.json"
+    argv = ["--task", "squad", "--squad-contexts", "3", "--examples", "4", "--batch-size", "2",
+            "--attention", "dense,sparq,h2o", "--compression", "1/2", "--sparq-k", "16", "--sparq-r", "16",
+            "--kernel", "torch", "--json", str(out), "--quiet"]
+    snapshots = []
+    write = ev.write_json
+    monkeypatch.setattr(ev, "write_json", lambda path, rows, meta: write(path, rows, meta) or
+                        snapshots.append(path.read_text()))
+    capsys.readouterr()
+    assert ev.main(argv) == 0
+    printed = capsys.readouterr().out
+    tables = printed[printed.index("\nsquad 3 contexts"):]  # after the model line and the budgets
+    assert len(snapshots) == 2
+
+    monkeypatch.setattr(ev, "load_checkpoint", None)  # --report must not load a model
+    plot = tmp_path / "report.png"
+    assert ev.main(["--report", str(out), "--plot", str(plot)]) == 0
+    reported = capsys.readouterr().out
+    assert "; complete;" in reported.splitlines()[0] and reported.endswith(tables) and plot.stat().st_size > 0
+
+    first = tmp_path / "first.json"
+    first.write_text(snapshots[0])
+    assert ev.main(["--report", str(first)]) == 0
+    reported = capsys.readouterr().out
+    assert "in progress: 1 of 2 batches" in reported and "(n = 2 per cell" in reported and "(n = 4" not in reported
+
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"results": [], "meta": json.loads(snapshots[0])["meta"]}))
+    for path, message in ((tmp_path / "missing.json", "no such file"),
+                          (ev.journal_path(out), "not an eval.py --json results file"),
+                          (empty, "no results yet")):
+        assert_one_line_error((ev.main(["--report", str(path)]), capsys.readouterr().err), message)
+
+
 def test_length_batches_group_similar_prompts_and_keep_every_example():
     from tasks import Example
 
