@@ -476,16 +476,22 @@ def test_squad_tasks_run_ragged_batches_through_every_method(tmp_path, monkeypat
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
-def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch, capsys):
-    """A run stopped mid-way (its journal holds batch 1 and a line cut by the kill) and resumed runs
-    batch 2 alone and reports exactly what the uninterrupted run reported; a journal of another run,
-    or none, is a one-line error, and so is a rerun that would start this run's journal over."""
+def small_squad_run(tmp_path, monkeypatch) -> tuple[Path, list[str]]:
+    """A two-batch SQuAD run on the embedded model over a hand-made SQuAD (seconds): its --json and argv."""
     fake_squad(tmp_path / "cache")
     monkeypatch.setenv("SPARQ_FAST_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "squad.json"
     argv = ["--task", "squad", "--squad-contexts", "3", "--examples", "4", "--batch-size", "2",
             "--attention", "dense,sparq,h2o", "--compression", "1/2", "--sparq-k", "16", "--sparq-r", "16",
             "--kernel", "torch", "--json", str(out), "--quiet"]
+    return out, argv
+
+
+def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch, capsys):
+    """A run stopped mid-way (its journal holds batch 1 and a line cut by the kill) and resumed runs
+    batch 2 alone and reports exactly what the uninterrupted run reported; a journal of another run,
+    or none, is a one-line error, and so is a rerun that would start this run's journal over."""
+    out, argv = small_squad_run(tmp_path, monkeypatch)
     assert ev.main(argv) == 0
     whole = json.loads(out.read_text())
     journal = ev.journal_path(out)
@@ -519,12 +525,7 @@ def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch
 def test_report_prints_the_tables_of_a_finished_or_running_run(tmp_path, monkeypatch, capsys):
     """--report on a run's --json prints the tables the run printed at its end (no model is loaded);
     on the file as it stood after the first batch, that batch's tables, marked as in progress."""
-    fake_squad(tmp_path / "cache")
-    monkeypatch.setenv("SPARQ_FAST_CACHE", str(tmp_path / "cache"))
-    out = tmp_path / "squad.json"
-    argv = ["--task", "squad", "--squad-contexts", "3", "--examples", "4", "--batch-size", "2",
-            "--attention", "dense,sparq,h2o", "--compression", "1/2", "--sparq-k", "16", "--sparq-r", "16",
-            "--kernel", "torch", "--json", str(out), "--quiet"]
+    out, argv = small_squad_run(tmp_path, monkeypatch)
     snapshots = []
     write = ev.write_json
     monkeypatch.setattr(ev, "write_json", lambda path, rows, meta: write(path, rows, meta) or
