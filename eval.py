@@ -369,12 +369,13 @@ def row_cell(row: dict) -> Cell:
 
 
 def evaluate_batch(cell: Cell, runner: Runner, tokenizer, examples: list[Example], configs: list[Config],
-                   results: Results, progress) -> None:
-    """Every config on one batch: teacher-force the answers, generate greedily, score with the task."""
+                   results: Results, advance: Callable[[], None]) -> None:
+    """Every config on one batch: teacher-force the answers, generate greedily, score with the task.
+    advance() after each config (the progress bar)."""
     task = TASKS[cell.task]
     results.prompt_tokens[cell] += [len(e.prompt) for e in examples]
     if task.score is None:
-        return diagnose_batch(cell, runner, examples, configs, results, progress)
+        return diagnose_batch(cell, runner, examples, configs, results, advance)
     extra = max(max(len(e.answer), e.max_new) for e in examples) + 1
     runner.prefill([e.prompt for e in examples], configs, extra)
     for config in configs:
@@ -397,7 +398,7 @@ def evaluate_batch(cell: Cell, runner: Runner, tokenizer, examples: list[Example
         for metric, _ in task.metrics:
             results.add(cell, config, metric, [s[metric] for s in scores])
         results.achieved[(cell, config.method, config.budget.target)].append(runner.achieved(config, steps))
-        progress.update(1)
+        advance()
 
 
 class Probe(DecodePolicy):
@@ -429,7 +430,7 @@ class Probe(DecodePolicy):
 
 
 def diagnose_batch(cell: Cell, runner: Runner, examples: list[Example], configs: list[Config],
-                   results: Results, progress) -> None:
+                   results: Results, advance: Callable[[], None]) -> None:
     model = runner.model
     runner.prefill([e.prompt for e in examples], configs, len(examples[0].answer) + 1)
     # One probed decode step on the first continuation token, dense activations throughout.
@@ -463,7 +464,7 @@ def diagnose_batch(cell: Cell, runner: Runner, examples: list[Example], configs:
             results.add(cell, config, "topk_agreement", agree.mean(dim=1).tolist())
             results.per_layer[(cell, "topk_agreement", config.method, config.budget.target)] += agree.tolist()
         results.achieved[(cell, config.method, config.budget.target)].append(runner.achieved(config, steps))
-        progress.update(1)
+        advance()
 
 
 # =============================================================================================
@@ -844,6 +845,12 @@ def length_batches(examples: list[Example], batch_size: int, seed: int) -> list[
     return batches
 
 
+def prefill_tokens(batch: list[Example]) -> int:
+    """The tokens a batch's prefill runs (rows padded to the longest): the progress bar's measure of
+    work, since the prefill is most of a batch's time and SQuAD's sizes differ by 8x."""
+    return len(batch) * max(len(e.prompt) for e in batch)
+
+
 def parse_lengths(text: str) -> list[int]:
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
@@ -970,7 +977,6 @@ def run(args: argparse.Namespace) -> int:
                                 f"cannot batch prompts of different lengths: use --batch-size 1")
             queues.append([(task, length, batch) for batch in batches])
     work = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
-    n_configs = 1 + sum(1 for m in methods if m != "dense") * sum(1 for t in targets if t != DENSE)
 
     if args.resume and not args.json:
         raise UserError("--resume continues the run whose journal is beside --json: give that --json")
@@ -996,8 +1002,14 @@ def run(args: argparse.Namespace) -> int:
                              "r": b.r, "k": b.k, "achieved": b.achieved}
                             for (task, m, t, s), b in results.budgets.items()]}
 
-    with tqdm(total=len(work) * n_configs, disable=args.quiet, unit="policy-batch", file=sys.stderr) as progress:
-        for done, (task, length, batch) in enumerate(work, 1):
+    from_journal = [journal.check(done, task, length, len(batch)) if journal else None
+                    for done, (task, length, batch) in enumerate(work, 1)]
+    # The bar counts prompt tokens, those from the journal as done before it starts; its rate is the
+    # average since the start (smoothing=0), which the batches' interleaved sizes make a steady ETA.
+    with tqdm(total=sum(prefill_tokens(batch) for _, _, batch in work), disable=args.quiet, unit="tok",
+              unit_scale=True, smoothing=0, file=sys.stderr,
+              initial=sum(prefill_tokens(batch) for (_, _, batch), e in zip(work, from_journal) if e)) as progress:
+        for done, ((task, length, batch), entry) in enumerate(zip(work, from_journal), 1):
             progress.set_description(f"{task} {'S' if TASKS[task].size == 'tokens' else 'contexts'}={length} "
                                      f"B={len(batch)}")
             # budgets at the batch's prompt length (SQuAD's vary: their mean)
@@ -1005,14 +1017,14 @@ def run(args: argparse.Namespace) -> int:
             configs = runner.configs(methods, targets, seq_len)
             for c in configs:
                 results.budgets[(task, c.method, c.budget.target, length)] = c.budget
-            entry = journal.check(done, task, length, len(batch)) if journal else None
             if entry is not None:  # run before this --resume
                 results.add_record(entry["record"])
                 replayed += 1
-                progress.update(len(configs))
             else:
                 batch_results = Results()
-                evaluate_batch(Cell(task, length), runner, tokenizer, batch, configs, batch_results, progress)
+                share = prefill_tokens(batch) / len(configs)
+                evaluate_batch(Cell(task, length), runner, tokenizer, batch, configs, batch_results,
+                               lambda: progress.update(share))
                 record = batch_results.record()
                 results.add_record(record)
                 if journal:  # the batch's raw results

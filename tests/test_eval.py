@@ -522,6 +522,38 @@ def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch
     assert_one_line_error((ev.main(no_json + ["--resume"]), capsys.readouterr().err), "--resume")
 
 
+def test_progress_counts_prefill_tokens_and_starts_a_resume_at_the_journal(tmp_path, monkeypatch):
+    """The bar's total is every batch's padded prompt tokens (from the journal's records); a run adds
+    them all, and a resumed run starts at the batches its journal holds and adds only the rest."""
+    import tqdm
+
+    out, argv = small_squad_run(tmp_path, monkeypatch)
+    bars = []
+
+    class Recording(tqdm.tqdm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.added, self.start_at, self.of = 0, kw.get("initial"), kw.get("total")  # (tqdm keeps none when disabled)
+            if self.start_at is not None:  # eval's bar (not prefill's)
+                bars.append(self)
+
+        def update(self, n=1):
+            self.added += n
+            return super().update(n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Recording)
+    assert ev.main(argv) == 0
+    header, *lines = ev.journal_path(out).read_text().splitlines()
+    padded = [len(lengths) * max(lengths) for line in lines for _, _, lengths in json.loads(line)["record"]["prompt_tokens"]]
+    assert len(padded) == 2 and bars[0].of == sum(padded)
+    assert bars[0].start_at == 0 and bars[0].added == pytest.approx(sum(padded))
+
+    ev.journal_path(out).write_text(f"{header}\n{lines[0]}\n")
+    assert ev.main(argv + ["--resume"]) == 0
+    assert bars[1].of == sum(padded) and bars[1].start_at == padded[0]
+    assert bars[1].added == pytest.approx(padded[1])
+
+
 def test_report_prints_the_tables_of_a_finished_or_running_run(tmp_path, monkeypatch, capsys):
     """--report on a run's --json prints the tables the run printed at its end (no model is loaded);
     on the file as it stood after the first batch, that batch's tables, marked as in progress."""
