@@ -734,10 +734,11 @@ def write_json(path: Path, rows: list[dict], meta: dict) -> None:
     tmp.replace(path)
 
 
-def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
+def plot(rows: list[dict], path: Path, methods: list[str], model: str = "") -> None:
     """Score against compression per task and metric; for a task run at several sizes, score against
     prompt tokens at each compression instead (the paper's Figure 6); for a metric kept per layer
-    (the diagnostics' top-k agreement and attention error), also its value at each layer (Figure 4e)."""
+    (the diagnostics' top-k agreement and attention error), also its value at each layer (Figure 4e).
+    Titled with the model and the examples per point."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -772,6 +773,8 @@ def plot(rows: list[dict], path: Path, methods: list[str]) -> None:
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
+    n = sorted({r["n"] for r in rows})
+    fig.suptitle(f"{model}{', ' if model else ''}n = {n[0] if len(n) == 1 else f'{n[0]}-{n[-1]}'} per point", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -1039,19 +1042,21 @@ def run(args: argparse.Namespace) -> int:
           f"{args.examples} examples per task and length; {elapsed / 60:.1f} min"
           + (f" ({replayed} of {len(work)} batches from the journal)" if replayed else ""))
     print(budget_summary(results.budgets))
-    print_results(results.rows(), methods, targets, args.plot)
+    print_results(results.rows(), methods, targets, args.plot, f"{args.checkpoint.name} ({args.dtype})")
     return 0
 
 
-def print_results(rows: list[dict], methods: list[str], targets: list[Fraction], plot_path: Optional[Path]) -> None:
-    """The tables (and the plot) of a run's result rows: at its end, or from its --json by --report."""
+def print_results(rows: list[dict], methods: list[str], targets: list[Fraction], plot_path: Optional[Path],
+                  model: str) -> None:
+    """The tables (and the plot) of a run's result rows: at its end, or from its --json by --report.
+    model: how the plot's title names the run."""
     print(table(rows, methods, targets))
     if sweeps(rows):
         print(sweep_table(rows, methods, targets))
     print(delta_table(rows, methods, targets))
     print(achieved_table(rows, methods, targets))
     if plot_path:
-        plot(rows, plot_path, methods)
+        plot(rows, plot_path, methods, model)
 
 
 def report(path: Path, plot_path: Optional[Path]) -> int:
@@ -1071,7 +1076,7 @@ def report(path: Path, plot_path: Optional[Path]) -> int:
             f"in progress: {meta['batches_done']} of {meta['batches']} batches")
     print(f"{path}: model {meta['checkpoint']}, {meta['dtype']}, kernels {meta['kernels']}; "
           f"{meta['examples']} examples per task and length; {done}; {meta['elapsed_s'] / 60:.1f} min")
-    print_results(rows, methods, targets, plot_path)
+    print_results(rows, methods, targets, plot_path, f"{Path(meta['checkpoint']).name} ({meta['dtype']})")
     return 0
 
 
