@@ -985,6 +985,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--resume continues the run whose journal is beside --json: give that --json")
     journal = Journal(journal_path(args.json), run_identity(args, tasks, methods, targets, lengths),
                       args.resume) if args.json else None
+    from_journal = [journal.check(done, task, length, len(batch)) if journal else None  # before the model loads
+                    for done, (task, length, batch) in enumerate(work, 1)]
 
     kernels = kernels_for(args.kernel, "cpu", model_config)
     model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels)
@@ -1005,8 +1007,6 @@ def run(args: argparse.Namespace) -> int:
                              "r": b.r, "k": b.k, "achieved": b.achieved}
                             for (task, m, t, s), b in results.budgets.items()]}
 
-    from_journal = [journal.check(done, task, length, len(batch)) if journal else None
-                    for done, (task, length, batch) in enumerate(work, 1)]
     # The bar counts prompt tokens, those from the journal as done before it starts; its rate is the
     # average since the start (smoothing=0), which the batches' interleaved sizes make a steady ETA.
     with tqdm(total=sum(prefill_tokens(batch) for _, _, batch in work), disable=args.quiet, unit="tok",
