@@ -1042,7 +1042,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.examples} examples per task and length; {elapsed / 60:.1f} min"
           + (f" ({replayed} of {len(work)} batches from the journal)" if replayed else ""))
     print(budget_summary(results.budgets))
-    print_results(results.rows(), methods, targets, args.plot, f"{args.checkpoint.name} ({args.dtype})")
+    print_results(results.rows(), methods, targets, args.plot, plot_title(args.checkpoint, args.dtype))
     return 0
 
 
@@ -1062,22 +1062,29 @@ def print_results(rows: list[dict], methods: list[str], targets: list[Fraction],
 def report(path: Path, plot_path: Optional[Path]) -> int:
     """--report: the tables of a --json results file, also of a run still going (it is rewritten after
     every batch), without loading a model."""
-    try:
+    try:  # everything read from the file, so that a file of another shape is one line, not a traceback
         saved = json.loads(path.read_text())
         rows, meta = saved["results"], saved["meta"]
         methods, targets = meta["attention"], [parse_compression(c) for c in meta["compression"]]
+        done = ("complete" if meta.get("complete", True) else
+                f"in progress: {meta['batches_done']} of {meta['batches']} batches")
+        heading = (f"{path}: model {meta['checkpoint']}, {meta['dtype']}, kernels {meta['kernels']}; "
+                   f"{meta['examples']} examples per task and length; {done}; {meta['elapsed_s'] / 60:.1f} min")
+        title = plot_title(Path(meta["checkpoint"]), meta["dtype"])
     except FileNotFoundError:
         raise UserError(f"--report {path}: no such file") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"--report {path}: not an eval.py --json results file ({type(e).__name__}: {e})") from None
     if not rows:
         raise UserError(f"--report {path}: no results yet (no batch has finished)")
-    done = ("complete" if meta.get("complete", True) else
-            f"in progress: {meta['batches_done']} of {meta['batches']} batches")
-    print(f"{path}: model {meta['checkpoint']}, {meta['dtype']}, kernels {meta['kernels']}; "
-          f"{meta['examples']} examples per task and length; {done}; {meta['elapsed_s'] / 60:.1f} min")
-    print_results(rows, methods, targets, plot_path, f"{Path(meta['checkpoint']).name} ({meta['dtype']})")
+    print(heading)
+    print_results(rows, methods, targets, plot_path, title)
     return 0
+
+
+def plot_title(checkpoint: Path, dtype: str) -> str:
+    """How a plot names its run (a run's end and --report alike)."""
+    return f"{checkpoint.name} ({dtype})"
 
 
 if __name__ == "__main__":

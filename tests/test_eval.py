@@ -582,8 +582,12 @@ def test_report_prints_the_tables_of_a_finished_or_running_run(tmp_path, monkeyp
 
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"results": [], "meta": json.loads(snapshots[0])["meta"]}))
+    partial = tmp_path / "partial.json"  # a results file without the run's description
+    partial.write_text(json.dumps({"results": json.loads(snapshots[0])["results"],
+                                   "meta": {"attention": ["dense"], "compression": ["1"]}}))
     for path, message in ((tmp_path / "missing.json", "no such file"),
                           (ev.journal_path(out), "not an eval.py --json results file"),
+                          (partial, "not an eval.py --json results file"),
                           (empty, "no results yet")):
         assert_one_line_error((ev.main(["--report", str(path)]), capsys.readouterr().err), message)
 
