@@ -475,7 +475,6 @@ def test_squad_tasks_run_ragged_batches_through_every_method(tmp_path, monkeypat
     assert "f1 %" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
 def small_squad_run(tmp_path, monkeypatch) -> tuple[Path, list[str]]:
     """A two-batch SQuAD run on the embedded model over a hand-made SQuAD (seconds): its --json and argv."""
     fake_squad(tmp_path / "cache")
@@ -487,6 +486,7 @@ def small_squad_run(tmp_path, monkeypatch) -> tuple[Path, list[str]]:
     return out, argv
 
 
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
 def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch, capsys):
     """A run stopped mid-way (its journal holds batch 1 and a line cut by the kill) and resumed runs
     batch 2 alone and reports exactly what the uninterrupted run reported; a journal of another run,
@@ -522,6 +522,7 @@ def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch
     assert_one_line_error((ev.main(no_json + ["--resume"]), capsys.readouterr().err), "--resume")
 
 
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
 def test_progress_counts_prefill_tokens_and_starts_a_resume_at_the_journal(tmp_path, monkeypatch):
     """The bar's total is every batch's padded prompt tokens (from the journal's records); a run adds
     them all, and a resumed run starts at the batches its journal holds and adds only the rest."""
@@ -554,6 +555,7 @@ def test_progress_counts_prefill_tokens_and_starts_a_resume_at_the_journal(tmp_p
     assert bars[1].added == pytest.approx(padded[1])
 
 
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
 def test_report_prints_the_tables_of_a_finished_or_running_run(tmp_path, monkeypatch, capsys):
     """--report on a run's --json prints the tables the run printed at its end (no model is loaded);
     on the file as it stood after the first batch, that batch's tables, marked as in progress."""
