@@ -576,8 +576,27 @@ def off_target(row: dict) -> bool:
     return abs(row["achieved_compression"] / row["compression"] - 1) > OFF_TARGET
 
 
-def table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
-    """One block per task and size: rows = methods; columns = metric x compression, dense in the "1" column."""
+def budget_records(budgets: dict[tuple, Budget]) -> list[dict]:
+    """Results.budgets as JSON (the --json's meta, read back by --report)."""
+    return [{"task": task, "attention": method, "compression": fraction_label(target), "seq_len": size,
+             "r": b.r, "k": b.k, "achieved": b.achieved} for (task, method, target, size), b in budgets.items()]
+
+
+def no_selection(budgets: list[dict]) -> set[tuple]:
+    """(task, size, method, compression label) whose budget (the last batch's of that size) leaves k = 1:
+    the transfers went to reading (SparQ's step 1 with r fixed, top-k's all of K) and none are left to
+    select with, so the cell scores attention to one position. On target, so ranked, but not a
+    comparison of how well a method selects."""
+    return {(b["task"], b["seq_len"], b["attention"], b["compression"]) for b in budgets
+            if b["attention"] != "dense" and b["k"] is not None and b["k"] <= 1}
+
+
+NO_SELECTION = "‡ = its budget leaves k = 1 (nothing left to select: see the budgets)"
+
+
+def table(rows: list[dict], methods: list[str], targets: list[Fraction], empty: set[tuple] = frozenset()) -> str:
+    """One block per task and size: rows = methods; columns = metric x compression, dense in the "1" column.
+    empty (no_selection): the cells marked ‡."""
     index = _index(rows)
     shown = [m for m in methods if m != "dense"] or ["dense"]
     sparse_targets = [t for t in targets if t != DENSE]
@@ -594,12 +613,15 @@ def table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
                 header.append(f"{metric}{unit}{arrow} {fraction_label(t)}")
                 columns.append((metric, hib, t))
         body = []
-        missed = False
+        missed = starved = False
         for method in shown:
             cells = [method]
             for metric, hib, t in columns:
                 r = index.get((cell, metric, "dense" if t == DENSE else method, t))
                 text = format_cell(metric, r["score"], r["stderr"]) if r else "-"
+                if r and t != DENSE and (cell.task, cell.size, method, fraction_label(t)) in empty:
+                    text += "‡"
+                    starved = True
                 if r and t != DENSE and off_target(r):
                     text += "†"
                     missed = True
@@ -615,7 +637,7 @@ def table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
         dagger = (f"; † = compression achieved more than {OFF_TARGET:.0%} from its target (the policy cannot "
                   f"reach it here: see the achieved table), not ranked") if missed else ""
         lines.append(f"\n{_cell_heading(cell, rows)} (n = {', '.join(map(str, sorted(n)))} per cell; "
-                     f"± = standard error; * = best{dagger})")
+                     f"± = standard error; * = best{dagger}{'; ' + NO_SELECTION if starved else ''})")
         for row in [header] + body:
             lines.append("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths))))
     return "\n".join(lines)
@@ -628,9 +650,10 @@ def sweeps(rows: list[dict]) -> dict[str, list[Cell]]:
     return {task: cs for task, cs in by_task.items() if len(cs) > 1}
 
 
-def sweep_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
+def sweep_table(rows: list[dict], methods: list[str], targets: list[Fraction],
+                empty: set[tuple] = frozenset()) -> str:
     """Score against size at each compression, one block per swept task and metric: rows = methods
-    (dense first), columns = sizes with their mean prompt tokens."""
+    (dense first), columns = sizes with their mean prompt tokens; empty: as for table()."""
     index = _index(rows)
     lines = []
     for task, cells in sweeps(rows).items():
@@ -647,11 +670,13 @@ def sweep_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -
                     if any(found):
                         body.append([fraction_label(t), method] +
                                     [format_cell(metric, r["score"], r["stderr"]) + ("†" if off_target(r) else "")
-                                     if r else "-" for r in found])
+                                     + ("‡" if (task, c.size, method, fraction_label(t)) in empty else "")
+                                     if r else "-" for c, r in zip(cells, found)])
             widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
             pct = " (%)" if metric in PERCENT_METRICS else ""
+            starved = any("‡" in x for row in body for x in row)
             lines.append(f"\n{task} {metric}{pct} against {unit} ({'higher' if hib else 'lower'} is better; "
-                         f"† = off its target compression)")
+                         f"† = off its target compression{'; ' + NO_SELECTION if starved else ''})")
             for row in [header] + body:
                 lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
     return "\n".join(lines)
@@ -1002,10 +1027,7 @@ def run(args: argparse.Namespace) -> int:
                 "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
                 "kernels": kernels.name, "kv_layout": args.kv_layout, "sparq_k": args.sparq_k,
                 "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,
-                "batches_from_journal": replayed,
-                "budgets": [{"task": task, "attention": m, "compression": fraction_label(t), "seq_len": s,
-                             "r": b.r, "k": b.k, "achieved": b.achieved}
-                            for (task, m, t, s), b in results.budgets.items()]}
+                "batches_from_journal": replayed, "budgets": budget_records(results.budgets)}
 
     # The bar counts prompt tokens, those from the journal as done before it starts; its rate is the
     # average since the start (smoothing=0), which the batches' interleaved sizes make a steady ETA.
@@ -1042,17 +1064,18 @@ def run(args: argparse.Namespace) -> int:
           f"{args.examples} examples per task and length; {elapsed / 60:.1f} min"
           + (f" ({replayed} of {len(work)} batches from the journal)" if replayed else ""))
     print(budget_summary(results.budgets))
-    print_results(results.rows(), methods, targets, args.plot, plot_title(args.checkpoint, args.dtype))
+    print_results(results.rows(), methods, targets, args.plot, plot_title(args.checkpoint, args.dtype),
+                  no_selection(budget_records(results.budgets)))
     return 0
 
 
 def print_results(rows: list[dict], methods: list[str], targets: list[Fraction], plot_path: Optional[Path],
-                  model: str) -> None:
+                  model: str, empty: set[tuple]) -> None:
     """The tables (and the plot) of a run's result rows: at its end, or from its --json by --report.
-    model: how the plot's title names the run."""
-    print(table(rows, methods, targets))
+    model: how the plot's title names the run; empty: the cells with no selection (no_selection)."""
+    print(table(rows, methods, targets, empty))
     if sweeps(rows):
-        print(sweep_table(rows, methods, targets))
+        print(sweep_table(rows, methods, targets, empty))
     print(delta_table(rows, methods, targets))
     print(achieved_table(rows, methods, targets))
     if plot_path:
@@ -1071,6 +1094,7 @@ def report(path: Path, plot_path: Optional[Path]) -> int:
         heading = (f"{path}: model {meta['checkpoint']}, {meta['dtype']}, kernels {meta['kernels']}; "
                    f"{meta['examples']} examples per task and length; {done}; {meta['elapsed_s'] / 60:.1f} min")
         title = plot_title(Path(meta["checkpoint"]), meta["dtype"])
+        empty = no_selection(meta["budgets"])
     except FileNotFoundError:
         raise UserError(f"--report {path}: no such file") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -1078,7 +1102,7 @@ def report(path: Path, plot_path: Optional[Path]) -> int:
     if not rows:
         raise UserError(f"--report {path}: no results yet (no batch has finished)")
     print(heading)
-    print_results(rows, methods, targets, plot_path, title)
+    print_results(rows, methods, targets, plot_path, title, empty)
     return 0
 
 

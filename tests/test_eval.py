@@ -333,6 +333,13 @@ def test_results_rows_tables_and_plot(tmp_path):
     assert "1.100±" in sparq_line and "1.113±" in sparq_line and "*" in sparq_line  # dense column, best marked
     topk_line = next(line for line in text.splitlines() if line.startswith("topk"))
     assert "0.600±0.058†" in topk_line and "*" not in topk_line and "† = compression achieved" in text
+    assert "‡" not in text  # no budgets given: nothing marked
+    budgets = {("bpc", c.method, c.budget.target, 2048): c.budget for c in (dense, sparq, local, topk)}
+    assert ev.no_selection(ev.budget_records(budgets)) == {("bpc", 2048, "topk", "1/8")}
+    marked = ev.table(all_rows, ["dense", "sparq", "local", "topk"], [Fraction(1), Fraction(1, 8)],
+                      ev.no_selection(ev.budget_records(budgets)))
+    assert "0.600±0.058‡†" in marked and marked.count("‡") == 2  # the cell and the bpc block's legend
+    assert ev.NO_SELECTION in marked.split("needle")[0] and ev.NO_SELECTION not in marked.split("needle")[1]
     assert "75.0±25.0" in text  # needle dense, in percent
     deltas = ev.delta_table(all_rows, ["sparq", "local"], [Fraction(1), Fraction(1, 8)])
     assert "+0.100±0.000" in deltas and "-50.0±28.9" in deltas  # needle diffs -1, 0, 0, -1
@@ -362,6 +369,11 @@ def test_a_length_sweep_keeps_each_size_apart(tmp_path):
     assert "7 contexts (1600 tok)" in sweep and "15 contexts (3200 tok)" in sweep
     line = next(x for x in sweep.splitlines() if "sparq-fixed-r" in x)
     assert line.split()[0] == "1/4" and "50.0±50.0" in line and line.rstrip().endswith("0.0±0.0")
+    assert "‡" not in sweep
+    starved = {("squad", 15, "sparq-fixed-r", "1/4")}  # k = 1 at 15 contexts only
+    line = next(x for x in ev.sweep_table(rows, ["dense", "sparq-fixed-r"], [Fraction(1), Fraction(1, 4)],
+                                          starved).splitlines() if "sparq-fixed-r" in x)
+    assert line.split()[2:] == ["50.0±50.0", "0.0±0.0‡"]
     text = ev.table(rows, ["dense", "sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
     assert "squad 7 contexts, 1600 prompt tokens on average" in text and "squad 15 contexts" in text
     assert "squad 15 contexts/exact_match" in ev.delta_table(rows, ["sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
