@@ -57,7 +57,7 @@ from kernels import KERNEL_CHOICES
 from model import DecodePolicy, ModelArgs, Transformer
 from sparq import (POLICIES, AttentionSettings, model_compression, policy_factory, selection_agreement,
                    settings_for_compression)
-from tasks import TASKS, Example, Outcome, TaskOptions
+from tasks import TASKS, Example, Outcome, Task, TaskOptions
 
 DEFAULT_LENGTH = 2048
 # 2048 tokens everywhere: it keeps the default run near 20 minutes on a shared 2-core CPU (a 4k batch
@@ -378,27 +378,39 @@ def evaluate_batch(cell: Cell, runner: Runner, tokenizer, examples: list[Example
         return diagnose_batch(cell, runner, examples, configs, results, advance)
     extra = max(max(len(e.answer), e.max_new) for e in examples) + 1
     runner.prefill([e.prompt for e in examples], configs, extra)
+    # A config whose settings equal an earlier one's (FlexGen top-k at k = 1 for every target) would
+    # decode exactly as that one did: it takes that one's scores and steps.
+    decoded: dict[AttentionSettings, tuple[list[dict], int]] = {}
     for config in configs:
-        steps = 0
-        outcomes = [Outcome() for _ in examples]
-        if examples[0].answer:
-            logprobs, _, steps = runner.teacher_force(config, [e.answer for e in examples])
-            for outcome, lp in zip(outcomes, logprobs):
-                outcome.logprobs = lp
-        if examples[0].max_new:
-            def finished(b: int, tokens: list[int]) -> bool:
-                return task.finished(examples[b], tokenizer.decode(tokens))
-
-            tokens, greedy_steps = runner.greedy(config, max(e.max_new for e in examples), set(tokenizer.stop_ids),
-                                                 finished)
-            steps = max(steps, greedy_steps)
-            for outcome, row in zip(outcomes, tokens):
-                outcome.text = tokenizer.decode(row)
-        scores = [task.score(e, outcome) for e, outcome in zip(examples, outcomes)]
+        if config.budget.settings not in decoded:
+            decoded[config.budget.settings] = decode_and_score(task, runner, tokenizer, examples, config)
+        scores, steps = decoded[config.budget.settings]
         for metric, _ in task.metrics:
             results.add(cell, config, metric, [s[metric] for s in scores])
         results.achieved[(cell, config.method, config.budget.target)].append(runner.achieved(config, steps))
         advance()
+
+
+def decode_and_score(task: Task, runner: Runner, tokenizer, examples: list[Example],
+                     config: Config) -> tuple[list[dict], int]:
+    """One config from the batch's prefill: teacher-force the answers, generate greedily, and score.
+    Returns (the task's metrics per example, decode steps run)."""
+    steps = 0
+    outcomes = [Outcome() for _ in examples]
+    if examples[0].answer:
+        logprobs, _, steps = runner.teacher_force(config, [e.answer for e in examples])
+        for outcome, lp in zip(outcomes, logprobs):
+            outcome.logprobs = lp
+    if examples[0].max_new:
+        def finished(b: int, tokens: list[int]) -> bool:
+            return task.finished(examples[b], tokenizer.decode(tokens))
+
+        tokens, greedy_steps = runner.greedy(config, max(e.max_new for e in examples), set(tokenizer.stop_ids),
+                                             finished)
+        steps = max(steps, greedy_steps)
+        for outcome, row in zip(outcomes, tokens):
+            outcome.text = tokenizer.decode(row)
+    return [task.score(e, outcome) for e, outcome in zip(examples, outcomes)], steps
 
 
 class Probe(DecodePolicy):

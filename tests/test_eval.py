@@ -487,6 +487,30 @@ def test_squad_tasks_run_ragged_batches_through_every_method(tmp_path, monkeypat
     assert "f1 %" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
+def test_configs_with_equal_settings_decode_once(tmp_path, monkeypatch):
+    """Top-k at 1/2 and 1/4 is k = 1 both times (reading K is 1/2 already): the batch decodes it once,
+    and both cells equal a run of top-k at 1/4 alone."""
+    fake_squad(tmp_path / "cache")
+    monkeypatch.setenv("SPARQ_FAST_CACHE", str(tmp_path / "cache"))
+    argv = ["--task", "squad", "--squad-contexts", "3", "--examples", "3", "--batch-size", "3", "--kernel", "torch",
+            "--sparq-k", "16", "--quiet"]
+    decoded = []
+    decode = ev.decode_and_score
+    monkeypatch.setattr(ev, "decode_and_score", lambda task, runner, tok, batch, config:
+                        decoded.append(config.budget.target) or decode(task, runner, tok, batch, config))
+    both, alone = tmp_path / "both.json", tmp_path / "alone.json"
+    assert ev.main(argv + ["--attention", "dense,topk", "--compression", "1/2,1/4", "--json", str(both)]) == 0
+    assert decoded == [Fraction(1), Fraction(1, 2)]  # dense, then top-k once
+    budgets = json.loads(both.read_text())["meta"]["budgets"]
+    assert [b["k"] for b in budgets if b["attention"] == "topk"] == [1, 1]
+    assert ev.main(argv + ["--attention", "dense,topk", "--compression", "1/4", "--json", str(alone)]) == 0
+    topk = lambda path, t: {r["metric"]: (r["score"], r["achieved_compression"])
+                            for r in json.loads(path.read_text())["results"]
+                            if r["attention"] == "topk" and r["compression_label"] == t}
+    assert topk(both, "1/2") == topk(both, "1/4") == topk(alone, "1/4") and topk(alone, "1/4")
+
+
 def small_squad_run(tmp_path, monkeypatch) -> tuple[Path, list[str]]:
     """A two-batch SQuAD run on the embedded model over a hand-made SQuAD (seconds): its --json and argv."""
     fake_squad(tmp_path / "cache")
