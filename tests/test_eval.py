@@ -338,7 +338,7 @@ def test_results_rows_tables_and_plot(tmp_path):
     assert ev.no_selection(ev.budget_records(budgets)) == {("bpc", 2048, "topk", "1/8")}
     marked = ev.table(all_rows, ["dense", "sparq", "local", "topk"], [Fraction(1), Fraction(1, 8)],
                       ev.no_selection(ev.budget_records(budgets)))
-    assert "0.600±0.058‡†" in marked and marked.count("‡") == 2  # the cell and the bpc block's legend
+    assert "0.600±0.058†‡" in marked and marked.count("‡") == 2  # the cell and the bpc block's legend
     assert ev.NO_SELECTION in marked.split("needle")[0] and ev.NO_SELECTION not in marked.split("needle")[1]
     assert "75.0±25.0" in text  # needle dense, in percent
     deltas = ev.delta_table(all_rows, ["sparq", "local"], [Fraction(1), Fraction(1, 8)])
