@@ -342,7 +342,9 @@ class H2ODecode(DecodePolicy):
 
     name = "h2o"
 
-    def __init__(self, k: int, local: Optional[int] = None, prefill_chunk: int = 256, cap: Optional[float] = None):
+    # Query rows per step of prefill_received: 32 keeps a step's fp32 logits (g * 32 rows by S keys)
+    # near cache-sized, about 2x faster than 256 at 10k tokens on 2 CPU cores.
+    def __init__(self, k: int, local: Optional[int] = None, prefill_chunk: int = 32, cap: Optional[float] = None):
         super().__init__()
         self.k = k
         self.local = k // 4 if local is None else local
@@ -370,7 +372,7 @@ class H2ODecode(DecodePolicy):
         self.start_from_prefill(self.received, lengths, window)
 
     @staticmethod
-    def prefill_received(q: Tensor, k: Tensor, chunk: int = 256, cap: Optional[float] = None,
+    def prefill_received(q: Tensor, k: Tensor, chunk: int = 32, cap: Optional[float] = None,
                          lengths: Optional[Tensor] = None, window: Optional[int] = None) -> Tensor:
         """(B, n_kv, S) fp32: attention each key received from the T queries at the last T of its S
         positions (causal; with a window, the query at p sees keys (p - window, p]), summed over the
@@ -382,6 +384,15 @@ class H2ODecode(DecodePolicy):
         g = H // n_kv
         offset = S - T  # position of the first query
         received = torch.zeros(B, n_kv, S, dtype=torch.float32, device=q.device)  # attention each key received
+        if B > 1 or lengths is not None:
+            # A row at a time, without its padding queries (keys after them receive nothing): each
+            # step's logits stay cache-sized (about 2x faster than all rows at once at 10k tokens).
+            for b in range(B):
+                real = T if lengths is None else max(0, min(T, int(lengths[b]) - offset))  # row b's real queries
+                if real:
+                    received[b:b + 1, :, :offset + real] = H2ODecode.prefill_received(
+                        q[b:b + 1, :, :real], k[b:b + 1, :, :offset + real], chunk, cap, None, window)
+            return received
         qf = q.float().reshape(B, n_kv, g, T, d) / math.sqrt(d)  # query heads grouped by their KV head, pre-scaled
         kf = k.float()
         future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # (row, key) above the diagonal
@@ -400,12 +411,9 @@ class H2ODecode(DecodePolicy):
                 q_pos = torch.arange(offset + start, offset + end, device=q.device)[:, None]
                 grid.masked_fill_(torch.arange(lo, offset + end, device=q.device) <= q_pos - window, float("-inf"))
             # softmax rows summed into columns without materialising the probabilities: each row's
-            # exp(logits - max) weighted by 1 / (its sum * g), and by 0 for a padding query.
+            # exp(logits - max) weighted by 1 / (its sum * g).
             logits = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # (B, n_kv, g * n, offset + end - lo)
             weight = 1.0 / (logits.sum(dim=-1) * g)  # (B, n_kv, g * n)
-            if lengths is not None:  # padding queries give nothing
-                real = torch.arange(offset + start, offset + end, device=q.device) < lengths[:, None]  # (B, n)
-                weight = weight * real[:, None, None, :].expand(B, 1, g, n).reshape(B, 1, g * n)
             received[..., lo:offset + end] += torch.matmul(weight.unsqueeze(2), logits).squeeze(2)
         return received
 
