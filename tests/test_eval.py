@@ -257,14 +257,15 @@ def test_shared_prefill_and_rewind_equal_fresh_runs():
     assert len({str(tokens) for tokens in shared.values()}) > 2  # the budgets bite
 
 
-@pytest.mark.parametrize("cap, offset, ragged, window", [(None, 0, False, None), (None, 40, False, None),
-                                                         (5.0, 0, True, None), (5.0, 40, True, None),
-                                                         (None, 0, False, 50), (5.0, 40, True, 200)])
-def test_shared_h2o_prefill_scores_match_a_naive_reference(cap, offset, ragged, window):
+@pytest.mark.parametrize("cap, offset, short, window", [(None, 0, 0, None), (None, 40, 0, None),
+                                                        (5.0, 0, 77, None), (5.0, 40, 77, None),
+                                                        (None, 0, 0, 50), (5.0, 40, 77, 200), (None, 40, 320, None)])
+def test_shared_h2o_prefill_scores_match_a_naive_reference(cap, offset, short, window):
     """FanOut computes H2O's prefill scores once for every budget: they must be the column sums of the
     causal softmax, averaged over each KV head's query heads (chunk boundaries included), also for a
-    later prefill chunk (queries after `offset` earlier keys), soft-capped logits, padding queries and
-    a sliding-window layer (the query at p sees keys (p - window, p])."""
+    later prefill chunk (queries after `offset` earlier keys), soft-capped logits, padding queries (the
+    second row `short` positions shorter; by 320 it ended before this chunk's queries) and a
+    sliding-window layer (the query at p sees keys (p - window, p])."""
     from sparq import H2ODecode
 
     torch.manual_seed(3)
@@ -272,7 +273,8 @@ def test_shared_h2o_prefill_scores_match_a_naive_reference(cap, offset, ragged, 
     S = offset + T
     q = (2 * torch.randn(B, T, H, d)).transpose(1, 2)  # non-contiguous, as in the model
     k = 2 * torch.randn(B, n_kv, S, d)
-    lengths = torch.tensor([S, S - 77]) if ragged else None
+    ragged = short > 0
+    lengths = torch.tensor([S, S - short]) if ragged else None
     logits = q @ k.repeat_interleave(H // n_kv, dim=1).transpose(-1, -2) / math.sqrt(d)  # (B, H, T, S)
     if cap is not None:
         logits = cap * torch.tanh(logits / cap)
