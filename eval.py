@@ -631,14 +631,15 @@ def table(rows: list[dict], methods: list[str], targets: list[Fraction], empty: 
             for metric, hib, t in columns:
                 r = index.get((cell, metric, "dense" if t == DENSE else method, t))
                 text = format_cell(metric, r["score"], r["stderr"]) if r else "-"
-                off = bool(r) and t != DENSE and off_target(r)
+                compressed = bool(r) and t != DENSE
+                off = compressed and off_target(r)
                 if off:
                     text += "†"
                     missed = True
-                if r and t != DENSE and (cell.task, cell.size, method, fraction_label(t)) in empty:
+                if compressed and (cell.task, cell.size, method, fraction_label(t)) in empty:
                     text += "‡"
                     starved = True
-                if r and t != DENSE and not off and len(shown) > 1:  # best among the methods that met the target
+                if compressed and not off and len(shown) > 1:  # best among the methods that met the target
                     scores = [index[(cell, metric, m, t)]["score"] for m in shown
                               if (cell, metric, m, t) in index and not off_target(index[(cell, metric, m, t)])]
                     if r["score"] == (max(scores) if hib else min(scores)):
