@@ -34,10 +34,6 @@
 #include "parallel.h"
 #include "simd.h"
 
-#if !defined(SPARQ_AVX512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define SPARQ_AVX2 1
-#include <immintrin.h>
-#endif
 
 // Software prefetch distance, in weight rows: while a block of rows streams, the rows SPARQ_LPF ahead
 // (the next block) are prefetched into L2 line by line, so a new block does not start cold (0: off).
@@ -132,12 +128,6 @@ static inline __m256 load8(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 static inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-static inline float hsum8(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 template <int MB, int RB, class WT>
 static inline void dot_block_avx2(const float* x, int64_t K, const WT* w, int64_t ws, float* y, int64_t N) {

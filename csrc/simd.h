@@ -1,7 +1,10 @@
 // The 16-lane float vector layer of the CPU kernels: AVX-512 intrinsics where the build targets
-// AVX-512 (F, BW, VL, DQ), else a portable fallback the compiler can vectorise. Loads widen bf16 /
-// f16 to fp32; vexp, compress_store, lane ids, prefetch; the bf16/f16 aliases and to_f/from_f.
-// Everything here is static inline: every kernel source includes it.
+// AVX-512 (F, BW, VL, DQ), two 8-lane AVX2 halves where it targets AVX2 + FMA + F16C (x86-64-v3),
+// else a portable fallback. Loads widen bf16 / f16 to fp32; vexp, compress_store, lane ids,
+// prefetch; the bf16/f16 aliases and to_f/from_f. Everything here is static inline: every kernel
+// source includes it. The portable fallback is correct everywhere but slow, and slow to build: gcc
+// spends minutes at -O3 on its 16-iteration lane loops (sparq_decode.cpp alone took over 9 min on a
+// Zen 3 core), so the AVX2 layer is what CPUs without AVX-512 run.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -18,6 +21,10 @@
 // AVX512_BF16 (vdpbf16ps: bf16 pairs dotted straight into fp32 lanes), where the build targets it
 #if defined(SPARQ_AVX512) && defined(__AVX512BF16__)
 #define SPARQ_AVX512_BF16 1
+#endif
+#if !defined(SPARQ_AVX512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPARQ_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace sparq_cpu {
@@ -133,6 +140,164 @@ static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
 }
 static inline void prefetch(const void* p) { __asm__ __volatile__("prefetcht0 (%0)" : : "r"(p)); }
 static inline void prefetch_l2(const void* p) { __asm__ __volatile__("prefetcht1 (%0)" : : "r"(p)); }
+
+#elif defined(SPARQ_AVX2)  // two 8-lane halves: lanes 0-7 in lo, 8-15 in hi
+
+struct V { __m256 lo, hi; };
+using M = uint32_t;  // bit l: lane l (16 bits used)
+static inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V vset(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+static inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline V vsub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+// the lanes of m as all-ones / all-zeros 8-lane masks
+static inline __m256 half_mask(M m) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(m & 0xFF)), bits), bits));
+}
+static inline V vselect(M m, V a, V b) {  // m ? a : b
+  return {_mm256_blendv_ps(b.lo, a.lo, half_mask(m)), _mm256_blendv_ps(b.hi, a.hi, half_mask(m >> 8))};
+}
+static inline V vmax_masked(V acc, M m, V b) { return vselect(m, vmax(acc, b), acc); }
+static inline V vmin_masked(V acc, M m, V b) {
+  return vselect(m, V{_mm256_min_ps(acc.lo, b.lo), _mm256_min_ps(acc.hi, b.hi)}, acc);
+}
+static inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline float hsum(V a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+static inline float hmax(V a) {
+  __m256 m = _mm256_max_ps(a.lo, a.hi);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline float hmin(V a) {
+  __m256 m = _mm256_min_ps(a.lo, a.hi);
+  __m128 s = _mm_min_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_min_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline V vabs(V a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return {_mm256_andnot_ps(sign, a.lo), _mm256_andnot_ps(sign, a.hi)};
+}
+// lane i of the result = the sum of the 16 lanes of a[i]
+static inline V hsum16(const V* a) {
+  alignas(32) float r[16];
+  for (int i = 0; i < 16; ++i) r[i] = hsum(a[i]);
+  return {_mm256_load_ps(r), _mm256_load_ps(r + 8)};
+}
+template <int CMP> static inline M cmp_mask(V a, V b) {
+  return (M)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, CMP)) | ((M)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, CMP)) << 8);
+}
+static inline M cmp_ge(V a, V b) { return cmp_mask<_CMP_GE_OQ>(a, b); }
+static inline M cmp_gt(V a, V b) { return cmp_mask<_CMP_GT_OQ>(a, b); }
+static inline M cmp_eq(V a, V b) { return cmp_mask<_CMP_EQ_OQ>(a, b); }
+static inline bool cmp_gt_any(V a, V b) { return cmp_gt(a, b) != 0; }
+static inline M tail_mask(int64_t n) { return n >= 16 ? (M)0xFFFF : (M)((1u << n) - 1u); }
+static inline void store(float* p, V a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+static inline V vlane(V a, int i) {  // lane i everywhere
+  alignas(32) float t[16];
+  _mm256_store_ps(t, a.lo);
+  _mm256_store_ps(t + 8, a.hi);
+  return vset(t[i]);
+}
+
+static inline __m256 widen_bf16(__m128i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(w), 16)); }
+static inline V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline V load(const bf16* p) {
+  const __m128i* q = reinterpret_cast<const __m128i*>(p);
+  return {widen_bf16(_mm_loadu_si128(q)), widen_bf16(_mm_loadu_si128(q + 1))};
+}
+static inline V load(const f16* p) {
+  const __m128i* q = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
+}
+static inline V load(const float* p, M m) {  // vmaskmov never touches the lanes outside m
+  return {_mm256_maskload_ps(p, _mm256_castps_si256(half_mask(m))), _mm256_maskload_ps(p + 8, _mm256_castps_si256(half_mask(m >> 8)))};
+}
+// 16-bit lanes have no masked load in AVX2: the lanes of m go through a zeroed buffer (tails only)
+template <typename T> static inline V load_masked16(const T* p, M m) {
+  alignas(32) T t[16] = {};
+  for (int l = 0; l < 16; ++l)
+    if ((m >> l) & 1) t[l] = p[l];
+  return load(static_cast<const T*>(t));
+}
+static inline V load(const bf16* p, M m) { return load_masked16(p, m); }
+static inline V load(const f16* p, M m) { return load_masked16(p, m); }
+static inline void store(float* p, V a, M m) {
+  _mm256_maskstore_ps(p, _mm256_castps_si256(half_mask(m)), a.lo);
+  _mm256_maskstore_ps(p + 8, _mm256_castps_si256(half_mask(m >> 8)), a.hi);
+}
+
+// exp as the AVX-512 layer computes it (Cephes polynomial), 2^n applied in two halves so that
+// arguments down to -104 underflow to 0 smoothly instead of wrapping the exponent field
+static inline __m256 pow2i(__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); }
+static inline __m256 vexp8(__m256 v) {
+  __m256 x = _mm256_max_ps(_mm256_set1_ps(-104.0f), v);  // NaN (second operand) propagates
+  x = _mm256_min_ps(_mm256_set1_ps(88.7f), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i ni = _mm256_cvtps_epi32(n);  // in [-150, 128]
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2i(half)), pow2i(_mm256_sub_epi32(ni, half)));
+}
+static inline V vexp(V v) { return {vexp8(v.lo), vexp8(v.hi)}; }
+
+struct Lanes { int32_t x[16]; };
+static inline Lanes lane_ids(int32_t start) { Lanes r; for (int l = 0; l < 16; ++l) r.x[l] = start + l; return r; }
+static inline Lanes load_ids(const int32_t* p, M m) { Lanes r; for (int l = 0; l < 16; ++l) r.x[l] = ((m >> l) & 1) ? p[l] : 0; return r; }
+// Append the lanes of (a, idx) selected by m at dst_s/dst_i; returns the count (no compress in AVX2)
+static inline int compress_store(float* dst_s, int32_t* dst_i, M m, V a, Lanes idx) {
+  alignas(32) float t[16];
+  store(t, a);
+  int c = 0;
+  for (M rest = m & 0xFFFF; rest; rest &= rest - 1) {
+    const int l = __builtin_ctz(rest);
+    dst_s[c] = t[l];
+    dst_i[c++] = idx.x[l];
+  }
+  return c;
+}
+static inline V load_i8(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+static inline V load_i8(const int8_t* p, M m) {
+  alignas(16) int8_t t[16] = {};
+  for (int l = 0; l < 16; ++l)
+    if ((m >> l) & 1) t[l] = p[l];
+  return load_i8(static_cast<const int8_t*>(t));
+}
+// 16 bytes of 4-bit values -> (low nibbles, high nibbles) - 8 as fp32
+static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  const __m256i f = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+  lo->lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b0, f), eight));
+  lo->hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b1, f), eight));
+  hi->lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b0, 4), eight));
+  hi->hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b1, 4), eight));
+}
+static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+static inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #else  // portable fallback
 
