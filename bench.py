@@ -23,7 +23,6 @@ reports the median over the iterations after warm-up. Bytes are the paper's tran
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -254,9 +253,8 @@ def cmd_attention(args) -> int:
     for note in notes:
         print("note: " + note)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "threads": torch.get_num_threads(), "r": r, "k": k_top,
-                       "mean_v": args.mean_v, "notes": notes, "rows": rows}, f, indent=1)
+        cli.write_json(args.json, {"device": device, "threads": torch.get_num_threads(), "r": r, "k": k_top,
+                                   "mean_v": args.mean_v, "notes": notes, "rows": rows})
         print(f"wrote {args.json}")
     if args.plot:
         _plot(rows, args.plot, r, k_top)
@@ -547,8 +545,7 @@ def cmd_decode(args) -> int:
     if llama is not None:
         _beside_llamacpp(rows, theirs, llama, contexts, dtypes)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "llamacpp": list(theirs.values())}, f, indent=2)
+        cli.write_json(args.json, {"rows": rows, "llamacpp": list(theirs.values())})
     if args.plot:
         _plot_decode(rows, args.plot)
     return 0
@@ -790,9 +787,8 @@ def cmd_linear(args) -> int:
                 print(f"{label:8} {dt_name:9} {M:4d} {'a step':7} {'':6} {'':5} {step['torch']:9.2f} {step['fused']:9.2f} "
                       f"{'':10} {'':10} {step['torch'] / step['fused']:6.2f}x  (all linears of one decode step)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "isa": torch.ops.sparq.linear_cpu_isa(), "rows": results},
-                      f, indent=2)
+        cli.write_json(args.json, {"threads": torch.get_num_threads(), "isa": torch.ops.sparq.linear_cpu_isa(),
+                                   "rows": results})
     return 0
 
 

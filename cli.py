@@ -1,4 +1,4 @@
-"""Command-line plumbing shared by every tool: one-line user errors, one exit code, comma lists.
+"""Command-line plumbing shared by every tool: one-line user errors, one exit code, comma lists, JSON files.
 
 Every mistake a user can make (a bad flag, a missing checkpoint, a corrupt file, data that `make`
 has not fetched) raises UserError or a subclass of it; `main` prints it as one line on stderr and
@@ -7,8 +7,11 @@ exits with USER_ERROR. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
-from typing import Callable, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
 USER_ERROR = 2  # exit status of every tool for a user mistake (argparse's own convention)
 
@@ -67,3 +70,33 @@ def name_list(text: str, flag: str, allowed: Sequence[str]) -> list[str]:
         raise UserError(f"unknown {flag} value {', '.join(map(repr, bad)) or repr(text)} "
                         f"(choose from {', '.join(allowed)})")
     return names
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with every NaN or infinite float replaced by None: strict JSON parsers (jq, JavaScript)
+    reject Python's NaN / Infinity, and "nothing measured" reads as null in every tool's output."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def json_text(value: Any, indent: Optional[int] = 2, default: Optional[Callable] = None) -> str:
+    """Strict JSON text (no NaN or Infinity, see finite_json) of `value`."""
+    return json.dumps(finite_json(value), indent=indent, allow_nan=False, default=default)
+
+
+def write_json(path: Path, value: Any, flag: str = "--json", default: Optional[Callable] = None) -> None:
+    """Write `value` as strict JSON to `path` whole or not at all (a temporary file renamed over it);
+    an unwritable path is a UserError naming `flag`."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json_text(value, default=default) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        raise UserError(f"cannot write {flag} {path}: {e.strerror}") from None

@@ -66,11 +66,12 @@ DEFAULT_LENGTH = 2048
 DENSE = Fraction(1)
 
 
-def mean_stderr(values: list[float]) -> tuple[float, float]:
+def mean_stderr(values: list[float]) -> tuple[float, Optional[float]]:
+    """Mean and standard error; the error is None (null in the JSON) for a single value."""
     n = len(values)
     mean = sum(values) / n
     if n < 2:
-        return mean, float("nan")
+        return mean, None
     var = sum((v - mean) ** 2 for v in values) / (n - 1)
     return mean, math.sqrt(var / n)
 
@@ -505,7 +506,7 @@ class Journal:
                             f"it to start over")
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"run": run}) + "\n")
+            path.write_text(cli.json_text({"run": run}, indent=None) + "\n")
 
     @staticmethod
     def _header(lines: list[str]) -> Optional[dict]:
@@ -542,8 +543,8 @@ class Journal:
 
     def append(self, number: int, task: str, size: int, examples: int, record: dict) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps({"batch": number, "task": task, "size": size, "examples": examples,
-                                "record": record}) + "\n")
+            f.write(cli.json_text({"batch": number, "task": task, "size": size, "examples": examples,
+                                   "record": record}, indent=None) + "\n")
 
 
 # =============================================================================================
@@ -554,7 +555,9 @@ class Journal:
 PERCENT_METRICS = ("exact_match", "f1")  # fractions in the rows, shown in percent
 
 
-def format_cell(metric: str, score: float, stderr: float) -> str:
+def format_cell(metric: str, score: float, stderr: Optional[float]) -> str:
+    if stderr is None:
+        stderr = math.nan
     if metric in PERCENT_METRICS:
         score, stderr = 100 * score, 100 * stderr
     if metric == "chars":
@@ -719,8 +722,8 @@ def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -
                     continue
                 scale = 100 if metric in PERCENT_METRICS else 1
                 digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
-                d, se = scale * r["delta_vs_dense"], scale * r["delta_stderr"]
-                cells.append(f"{d:+.{digits}f}" + ("" if math.isnan(se) else f"±{se:.{digits}f}"))
+                d, se = scale * r["delta_vs_dense"], r["delta_stderr"]
+                cells.append(f"{d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}"))
             body.append([f"{cell.label()}/{metric}", method] + cells)
     widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
     lines = ["\npaired difference from dense (same examples; exact_match and f1 in points)"]
@@ -767,10 +770,7 @@ def budget_summary(budgets: dict[tuple, Budget]) -> str:
 
 
 def write_json(path: Path, rows: list[dict], meta: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"results": rows, "meta": meta}, indent=2) + "\n")
-    tmp.replace(path)
+    cli.write_json(path, {"results": rows, "meta": meta})
 
 
 def plot(rows: list[dict], path: Path, methods: list[str], model: str = "") -> None:
@@ -825,14 +825,15 @@ def _plot_against_compression(ax, rows: list[dict], methods: list[str]) -> None:
     dense = [r for r in rows if r["attention"] == "dense"]
     sparse = [m for m in methods if m != "dense"]
     for i, method in enumerate(sparse):
-        pts = sorted((r["achieved_compression"], r["score"], r["stderr"]) for r in rows if r["attention"] == method)
+        pts = sorted(((r["achieved_compression"], r["score"], r["stderr"]) for r in rows if r["attention"] == method),
+                     key=lambda p: p[:2])
         if dense:
             pts.append((1.0, dense[0]["score"], dense[0]["stderr"]))
         if not pts:
             continue
         x, y, e = zip(*pts)
         shift = 2 ** (0.06 * (i - (len(sparse) - 1) / 2))  # side by side, so error bars stay readable
-        e = [0 if math.isnan(v) else v for v in e]
+        e = [v or 0 for v in e]  # no error bar for a single example
         ax.errorbar([v * shift for v in x], y, yerr=e, marker="o", capsize=3, label=method)
     if dense:
         ax.axhline(dense[0]["score"], color="gray", linestyle="--", linewidth=1, label="dense")
@@ -856,14 +857,14 @@ def _plot_against_length(ax, rows: list[dict], methods: list[str], target: float
     ticks = set()
     for i, method in enumerate(shown):
         want = 1.0 if method == "dense" else target
-        pts = sorted((r["prompt_tokens"] or r["size"], r["score"], r["stderr"]) for r in rows
-                     if r["attention"] == method and abs(r["compression"] - want) < 1e-12)
+        pts = sorted(((r["prompt_tokens"] or r["size"], r["score"], r["stderr"]) for r in rows
+                      if r["attention"] == method and abs(r["compression"] - want) < 1e-12), key=lambda p: p[:2])
         if not pts:
             continue
         x, y, e = zip(*pts)
         ticks.update(x)
         shift = 2 ** (0.03 * (i - (len(shown) - 1) / 2))
-        e = [0 if math.isnan(v) else v for v in e]
+        e = [v or 0 for v in e]  # no error bar for a single example
         style = dict(color="gray", linestyle="--") if method == "dense" else {}
         ax.errorbar([v * shift for v in x], y, yerr=e, marker="o", capsize=3, label=method, **style)
     ax.set_xscale("log", base=2)
@@ -993,6 +994,10 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     model_config = model_args(args.checkpoint)
+    ragged = [t for t in tasks if not TASKS[t].equal_lengths]
+    if model_config.has_window_layers and args.batch_size > 1 and ragged:  # before any data is looked for
+        raise UserError(f"{ragged[0]}'s prompts differ in length and this model has sliding-window layers, whose "
+                        f"caches cannot batch prompts of different lengths: use --batch-size 1")
     tokenizer = load_tokenizer(args.checkpoint)
     for task, task_lengths in lengths.items():
         for length in task_lengths:

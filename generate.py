@@ -622,13 +622,7 @@ def write_json(args, settings, model, tokenizer, rows, samples, summary) -> None
         out["sparq"] = {"r": c.r, "k": c.k, "local": c.local, "mean_v": c.mean_v}
         final_len = max(len(ids) for ids in rows) + summary["decode_steps"]
         out["compression_ratio"] = model_compression(model, final_len)
-    try:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(out, indent=2) + "\n")
-        tmp.replace(args.json)
-    except OSError as e:
-        raise UserError(f"cannot write --json {args.json}: {e.strerror}") from None
+    cli.write_json(args.json, out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ runs the CPU-side parts: arguments, theory, formatting, and a tiny smoke of the 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -847,9 +846,8 @@ def environment(device: str) -> str:
 def write_json(path: Optional[Path], report: Report) -> None:
     if path is None:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(sections=report.sections, goals=[asdict(g) for g in report.goals],
-                                    skipped=report.skipped), indent=2, default=str) + "\n")
+    cli.write_json(path, dict(sections=report.sections, goals=[asdict(g) for g in report.goals],
+                              skipped=report.skipped), default=str)
 
 
 if __name__ == "__main__":

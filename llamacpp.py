@@ -170,7 +170,7 @@ def build(cache_dir: Optional[Path] = None, version: str = LLAMA_CPP_PYTHON, job
         if missing:
             raise BuildError(f"build finished but {', '.join(missing)} missing; log: {log}")
         stamp = {**asdict(result), "root": str(root), "bin_dir": str(result.bin_dir), "built": time.strftime("%F %T")}
-        (build_dir / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        (build_dir / STAMP).write_text(cli.json_text(stamp) + "\n")
         print(f"llama.cpp built in {result.build_seconds:.0f} s: {result.bin_dir}", file=sys.stderr)
         return result
 
@@ -582,8 +582,7 @@ def cmd_bench(args) -> int:
         rows += time_decode(path, contexts, args.n_gen, args.threads, args.reps, label=fmt, build_=b,
                             prefill=not args.decode_only)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        cli.write_json(args.json, rows)
     cpu = rows[0]["cpu"] if rows else cpu_model()
     print(f"{b.version}, {cpu}, {args.threads} threads, decode of {args.n_gen} tokens, "
           f"{args.reps} repetitions (llama-bench)")

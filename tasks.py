@@ -330,6 +330,11 @@ class Task:
     size: str = "tokens"  # what `size` means: the prompt length in tokens, or "contexts" (SQuAD's paragraphs)
     default_sizes: tuple[int, ...] = (2048,)
 
+    @property
+    def equal_lengths(self) -> bool:
+        """Every prompt of one size has the same length (a task sized in tokens); SQuAD's vary."""
+        return self.size == "tokens"
+
 
 def _answers_question(example: Example, text: str) -> bool:
     """Needle and retrieval answers are one short sentence: done at the key, a newline or a full stop."""

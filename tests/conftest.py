@@ -55,3 +55,19 @@ def assert_one_line_error(result, *fragments: str) -> None:
     assert "error: " in lines[0], lines[0]
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON: strict parsers (jq, JavaScript) reject it")
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as jq and JavaScript do: every tool's --json must pass."""
+    import json
+
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def read_json(path: Path):
+    """A tool's --json file, parsed strictly (strict_json)."""
+    return strict_json(Path(path).read_text())

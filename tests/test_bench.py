@@ -1,12 +1,11 @@
 """bench.py runs end to end and reports what it promises (shapes of the report, not speed)."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
 import bench
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, read_json
 
 
 def test_decode_json_rows(tmp_path, smollm2_checkpoint, capsys):
@@ -15,7 +14,7 @@ def test_decode_json_rows(tmp_path, smollm2_checkpoint, capsys):
                        "--batch-size", "1,2", "--steps", "2", "--warmup", "0", "--sparq-k", "16", "--prefill",
                        "--json", str(out), "--plot", str(tmp_path / "decode.png")])
     assert code == 0
-    rows = json.loads(out.read_text())["rows"]
+    rows = read_json(out)["rows"]
     assert len(rows) == 2 * 2 * 2  # contexts x batches x {dense, sparq}
     assert {r["attention"] for r in rows} == {"dense", "sparq"}
     for row in rows:
@@ -45,7 +44,7 @@ def test_attention_json_rows(tmp_path, capsys):
     code = bench.main(["attention", "--shape", "smollm2", "--batch-size", "1", "--seq-len", "300",
                        "--iters", "2", "--warmup", "0", "--max-copies", "2", "--json", str(out)])
     assert code == 0
-    rows = json.loads(out.read_text())["rows"]
+    rows = read_json(out)["rows"]
     methods = {r["method"] for r in rows}
     assert {"sparq-torch", "sparq-fused", "sparq-fused-1xk", "sparq-floor"} <= methods
     assert any(m.startswith("dense") for m in methods)
@@ -75,7 +74,7 @@ def test_decode_ragged_case_counts_every_row_at_its_length(tmp_path, smollm2_che
                        "--batch-size", "1", "--ragged", "30,200", "--steps", "2", "--warmup", "0", "--sparq-k", "16",
                        "--sparq-r", "8,16", "--kernel", "torch", "--json", str(out)])
     assert code == 0
-    rows = [r for r in json.loads(out.read_text())["rows"] if r["prompt_tokens"] == "30/200"]
+    rows = [r for r in read_json(out)["rows"] if r["prompt_tokens"] == "30/200"]
     assert {r["attention"] for r in rows} == {"dense", "sparq-r8", "sparq-r16"}  # one SparQ policy per r
     assert all(r["batch_size"] == 2 for r in rows)
     dense = next(r for r in rows if r["attention"] == "dense")

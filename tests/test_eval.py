@@ -13,7 +13,7 @@ import data
 import eval as ev
 import tasks
 from cli import UserError
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, read_json, strict_json
 from generate import Generator
 from model import ModelArgs, Transformer
 from sparq import AttentionSettings, policy_factory
@@ -69,7 +69,7 @@ def test_bpc_of_uniform_distribution():
 def test_mean_and_standard_error():
     mean, se = ev.mean_stderr([1.0, 0.0, 1.0, 0.0])
     assert mean == 0.5 and se == pytest.approx(math.sqrt(1 / 3 / 4))
-    assert math.isnan(ev.mean_stderr([2.0])[1])
+    assert ev.mean_stderr([2.0])[1] is None  # null in the JSON, no error shown
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,7 +426,7 @@ def test_smoke_every_task_on_the_embedded_model(tmp_path, capsys):
                  ["--task", "repetition", "--lengths", "2048", "--examples", "1", "--compression", "1/8",
                   "--repetition-chars", "96"]):
         assert ev.main(argv + common) == 0
-        rows += json.loads(out.read_text())["results"]
+        rows += read_json(out)["results"]
     got = {(r["task"], r["metric"], r["attention"]): r for r in rows}
     for r in rows:
         assert set(r) >= {"task", "metric", "higher_is_better", "attention", "compression", "score", "stderr", "n"}
@@ -479,11 +479,11 @@ def test_squad_tasks_run_ragged_batches_through_every_method(tmp_path, monkeypat
             "--attention", "dense,sparq,sparq-fixed-r,h2o,local,topk,oracle", "--compression", "1/2",
             "--sparq-k", "16", "--sparq-r", "16", "--json", str(out), "--quiet"]
     assert ev.main(argv) == 0
-    rows = json.loads(out.read_text())["results"]
+    rows = read_json(out)["results"]
     squad_rows = [r for r in rows if r["task"] == "squad"]
     assert {r["attention"] for r in squad_rows} == {"dense", "sparq", "sparq-fixed-r", "h2o", "local", "topk", "oracle"}
     assert all(0 <= r["score"] <= 1 and r["n"] == 3 for r in squad_rows)
-    fixed = [b for b in json.loads(out.read_text())["meta"]["budgets"] if b["attention"] == "sparq-fixed-r"]
+    fixed = [b for b in read_json(out)["meta"]["budgets"] if b["attention"] == "sparq-fixed-r"]
     assert fixed and all(b["r"] == 16 and b["k"] > 16 for b in fixed)  # r fixed, k solved for 1/2
     assert "squad-diagnostics" in {r["task"] for r in rows}
     assert "f1 %" in capsys.readouterr().out
@@ -504,11 +504,11 @@ def test_configs_with_equal_settings_decode_once(tmp_path, monkeypatch):
     both, alone = tmp_path / "both.json", tmp_path / "alone.json"
     assert ev.main(argv + ["--attention", "dense,topk", "--compression", "1/2,1/4", "--json", str(both)]) == 0
     assert decoded == [Fraction(1), Fraction(1, 2)]  # dense, then top-k once
-    budgets = json.loads(both.read_text())["meta"]["budgets"]
+    budgets = read_json(both)["meta"]["budgets"]
     assert [b["k"] for b in budgets if b["attention"] == "topk"] == [1, 1]
     assert ev.main(argv + ["--attention", "dense,topk", "--compression", "1/4", "--json", str(alone)]) == 0
     topk = lambda path, t: {r["metric"]: (r["score"], r["achieved_compression"])
-                            for r in json.loads(path.read_text())["results"]
+                            for r in read_json(path)["results"]
                             if r["attention"] == "topk" and r["compression_label"] == t}
     assert topk(both, "1/2") == topk(both, "1/4") == topk(alone, "1/4") and topk(alone, "1/4")
 
@@ -531,10 +531,10 @@ def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch
     or none, is a one-line error, and so is a rerun that would start this run's journal over."""
     out, argv = small_squad_run(tmp_path, monkeypatch)
     assert ev.main(argv) == 0
-    whole = json.loads(out.read_text())
+    whole = read_json(out)
     journal = ev.journal_path(out)
     header, first, second = journal.read_text().splitlines()
-    assert json.loads(first)["batch"] == 1 and json.loads(second)["batch"] == 2
+    assert strict_json(first)["batch"] == 1 and strict_json(second)["batch"] == 2
 
     journal.write_text(f"{header}\n{first}\n{second[:len(second) // 2]}")  # killed while writing batch 2
     out.unlink()
@@ -544,12 +544,12 @@ def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch
                         evaluate(cell, runner, tok, batch, *a))
     assert ev.main(argv + ["--resume"]) == 0
     assert len(ran) == 1  # batch 2 only
-    resumed = json.loads(out.read_text())
+    resumed = read_json(out)
     assert resumed["results"] == whole["results"] and resumed["meta"]["batches_from_journal"] == 1
-    assert [json.loads(line)["batch"] for line in journal.read_text().splitlines()[1:]] == [1, 2]
+    assert [strict_json(line)["batch"] for line in journal.read_text().splitlines()[1:]] == [1, 2]
     out.unlink()  # a resume with nothing left to run still writes the results
     assert ev.main(argv + ["--resume"]) == 0 and len(ran) == 1
-    assert json.loads(out.read_text())["results"] == whole["results"]
+    assert read_json(out)["results"] == whole["results"]
 
     capsys.readouterr()
     for extra, message in ((["--seed", "1", "--resume"], "seed differ"),
@@ -583,7 +583,7 @@ def test_progress_counts_prefill_tokens_and_starts_a_resume_at_the_journal(tmp_p
     monkeypatch.setattr(tqdm, "tqdm", Recording)
     assert ev.main(argv) == 0
     header, *lines = ev.journal_path(out).read_text().splitlines()
-    padded = [len(lengths) * max(lengths) for line in lines for _, _, lengths in json.loads(line)["record"]["prompt_tokens"]]
+    padded = [len(lengths) * max(lengths) for line in lines for _, _, lengths in strict_json(line)["record"]["prompt_tokens"]]
     assert len(padded) == 2 and bars[0].of == sum(padded)
     assert bars[0].start_at == 0 and bars[0].added == pytest.approx(sum(padded))
 
@@ -647,10 +647,12 @@ def test_length_batches_group_similar_prompts_and_keep_every_example():
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
-def test_ragged_batches_on_a_sliding_window_model_are_refused_up_front(tmp_path, capsys):
+def test_ragged_batches_on_a_sliding_window_model_are_refused_up_front(tmp_path, monkeypatch, capsys):
     """SQuAD prompts differ in length and window layers' caches cannot be ragged: a one-line error
-    before any work (the prompts run one at a time with --batch-size 1)."""
+    before any work, SQuAD fetched or not (the prompts run one at a time with --batch-size 1)."""
     import shutil
+
+    monkeypatch.setenv("SPARQ_FAST_CACHE", str(tmp_path / "cache"))  # empty: no SQuAD
 
     args = ModelArgs(vocab_size=49152, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=128,
                      max_context=4096, sliding_window=64, layer_types=["window", "global"])
@@ -663,5 +665,6 @@ def test_ragged_batches_on_a_sliding_window_model_are_refused_up_front(tmp_path,
             "--examples", "2", "--json", str(tmp_path / "out.json"), "--quiet"]
     assert_one_line_error((ev.main(argv + ["--batch-size", "2"]), capsys.readouterr().err), "--batch-size 1")
     assert not (tmp_path / "out.json").exists()
+    fake_squad(tmp_path / "cache")
     assert ev.main(argv + ["--batch-size", "1"]) == 0
-    assert json.loads((tmp_path / "out.json").read_text())["meta"]["complete"]
+    assert read_json(tmp_path / "out.json")["meta"]["complete"]

@@ -1,5 +1,4 @@
 """generate.py end to end on the embedded model, SparQ against dense, and one-line errors for bad input."""
-import json
 import subprocess
 import sys
 
@@ -7,7 +6,7 @@ import pytest
 import torch
 
 import data
-from conftest import REPO, assert_one_line_error
+from conftest import REPO, assert_one_line_error, read_json
 import kernels
 from generate import Generator
 from kernels import TORCH_KERNELS
@@ -106,7 +105,7 @@ def test_generate_cli_json_with_sparq(tmp_path, smollm2_checkpoint):
     result = run_generate("--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "300", "--max-new-tokens", "8",
                           "--sparq-r", "16", "--sparq-k", "64", "--batch-size", "2", "--json", str(out))
     assert result.returncode == 0, result.stderr
-    report = json.loads(out.read_text())
+    report = read_json(out)
     assert report["prompt_tokens"] == 300 and report["batch_size"] == 2 and len(report["samples"]) == 2
     assert report["attention"] == "sparq"
     assert report["sparq"] == {"r": 16, "k": 64, "local": 16, "mean_v": False}  # GQA: mean-V off by default
@@ -119,6 +118,20 @@ def test_generate_cli_json_with_sparq(tmp_path, smollm2_checkpoint):
     for key in ("prefill_s", "decode_tokens_per_s", "total_tokens_per_s", "bandwidth_gb_s", "weight_bytes"):
         assert report[key] > 0
     assert report["total_tokens_per_s"] == pytest.approx(2 * report["decode_tokens_per_s"])
+
+
+def test_a_run_that_decodes_nothing_writes_null_speeds(tmp_path, smollm2_checkpoint):
+    """One new token comes from the prefill, so no decode step runs: the speeds are null in the JSON
+    (NaN is not JSON), and the printed line says nothing was decoded."""
+    out = tmp_path / "out.json"
+    result = run_generate("--checkpoint", str(smollm2_checkpoint), "--prompt", "Write a short story about a lighthouse.",
+                          "--max-new-tokens", "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "nothing was decoded" in result.stderr
+    report = read_json(out)
+    assert report["decode_steps"] == 0 and len(report["samples"][0]["tokens"]) == 1
+    assert report["decode_tokens_per_s"] is None and report["total_tokens_per_s"] is None
+    assert report["bandwidth_gb_s"] is None and report["prefill_tokens_per_s"] > 0
 
 
 def test_generate_chat_answers_sensibly(smollm2_checkpoint):

@@ -3,7 +3,6 @@ formatting, the import chain of a bare GPU machine, and a tiny CPU smoke of the 
 the Triton kernels in the interpreter). The GPU parts skip here with a reason."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpu_check  # noqa: E402
-from conftest import assert_one_line_error  # noqa: E402
+from conftest import assert_one_line_error, read_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 ON_GPU = torch.cuda.is_available()
@@ -40,7 +39,7 @@ def test_without_a_gpu_every_section_is_skipped(tmp_path, capsys):
     out = tmp_path / "report.json"
     assert gpu_check.main(["--json", str(out)]) == 0
     assert "no CUDA device" in capsys.readouterr().out
-    report = json.loads(out.read_text())
+    report = read_json(out)
     assert set(report["skipped"]) == set(gpu_check.SECTIONS) and report["goals"] == []
 
 
@@ -102,7 +101,7 @@ def test_cpu_smoke_of_the_whole_harness(tmp_path):
     proc = subprocess.run([sys.executable, "gpu_check.py", "--device", "cpu", "--compile", "eager", "--steps", "2",
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads(out.read_text())
+    report = read_json(out)
     checks = report["sections"]["tests"]["builtin"]
     assert checks and all(c["passed"] for c in checks), checks
     attention = report["sections"]["attention"]

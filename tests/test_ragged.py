@@ -13,7 +13,7 @@ import torch
 
 import data
 import kernels
-from conftest import REPO, assert_one_line_error
+from conftest import REPO, assert_one_line_error, read_json
 from generate import Generator
 from kernels import TORCH_KERNELS
 from model import ModelArgs, Transformer, load_model
@@ -124,7 +124,7 @@ def test_prompt_file_jsonl_keeps_input_order(tmp_path, smollm2_checkpoint):
                              str(path), "--max-new-tokens", "12", "--json", str(out), "--kernel", "torch"],
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    report = json.loads(out.read_text())
+    report = read_json(out)
     assert report["batch_size"] == 3 and len(report["samples"]) == 3
     lengths = [s["prompt_tokens"] for s in report["samples"]]
     assert len(set(lengths)) > 1  # a ragged batch
@@ -132,7 +132,7 @@ def test_prompt_file_jsonl_keeps_input_order(tmp_path, smollm2_checkpoint):
                              "--prompt", prompts[1], "--max-new-tokens", "12", "--json", str(tmp_path / "one.json"),
                              "--kernel", "torch"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr
-    assert json.loads((tmp_path / "one.json").read_text())["samples"][0]["tokens"] == report["samples"][1]["tokens"]
+    assert read_json(tmp_path / "one.json")["samples"][0]["tokens"] == report["samples"][1]["tokens"]
 
 
 @pytest.mark.parametrize("content, fragment", [
