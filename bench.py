@@ -432,7 +432,7 @@ def cmd_decode(args) -> int:
 
     import data
     from generate import compiled_decode_step, decode_step, kernels_for, load_checkpoint, load_tokenizer, prefill
-    from model import ModelArgs, checkpoint_paths
+    from model import ModelArgs, checkpoint_paths, random_model
     from sparq import AttentionSettings, policy_factory
 
     contexts = cli.int_list(args.prompt_tokens, "--prompt-tokens", minimum=0)
@@ -444,10 +444,15 @@ def cmd_decode(args) -> int:
         raise UserError("--rounds must be at least 1")
     if args.llamacpp_format and not args.llamacpp:
         raise UserError("--llamacpp-format needs --llamacpp GGUF")
+    if args.llamacpp and args.random_weights:
+        raise UserError("--llamacpp times the checkpoint's GGUF: not with --random-weights")
     if args.threads:
         torch.set_num_threads(args.threads)
-    tok = load_tokenizer(args.checkpoint)
-    model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
+    if args.random_weights:
+        model_args = ModelArgs.from_shape(args.random_weights)
+    else:
+        tok = load_tokenizer(args.checkpoint)
+        model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
     starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps)
     kernels = kernels_for(args.kernel, "cpu", model_args)  # both policies share the kernel family and the linears
     r_values = cli.int_list(args.sparq_r, "--sparq-r")
@@ -470,11 +475,15 @@ def cmd_decode(args) -> int:
         cases.append(("/".join(map(str, ragged)), ragged))
     longest = max(max(rows_) for _, rows_ in cases)
     max_rows = max(len(rows_) for _, rows_ in cases)
-    prompt = torch.tensor([data.essay_tokens(tok, max(1, longest))])
+    if args.random_weights:
+        prompt = torch.randint(model_args.vocab_size, (1, max(1, longest)), generator=torch.Generator().manual_seed(0))
+    else:
+        prompt = torch.tensor([data.essay_tokens(tok, max(1, longest))])
     cache_length = longest + args.warmup + args.steps
 
     llama = _LlamaCpp(args, contexts) if args.llamacpp else None  # checked and built before any output
-    print(f"# decode, {args.checkpoint}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
+    source = f"random weights of the {args.random_weights} shape" if args.random_weights else args.checkpoint
+    print(f"# decode, {source}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
           f"{'compiled' if args.compile else 'eager'}, SparQ r={','.join(map(str, r_values))} k={config.k} local={config.local} "
           f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}, cases and policies taking turns step by step")
     print(_DECODE_HEADER, flush=True)
@@ -482,7 +491,8 @@ def cmd_decode(args) -> int:
     progress = tqdm(total=len(dtypes) * args.rounds * (args.warmup + args.steps), desc="decode bench", unit="step",
                     file=sys.stderr)
     for dtype_name in dtypes:
-        model = load_checkpoint(args.checkpoint, "cpu", _dtype(dtype_name), kernels)
+        model = (random_model(model_args, "cpu", _dtype(dtype_name), kernels) if args.random_weights
+                 else load_checkpoint(args.checkpoint, "cpu", _dtype(dtype_name), kernels))
         policies = {name: [make(i) for i in range(model_args.n_layer)] for name, make in factories.items()}
         model.setup_caches(max_rows, cache_length)
         prefill_tok_s = _time_prefills(model, prompt, contexts, progress) if args.prefill else {}
@@ -825,7 +835,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_attention)
 
     p = sub.add_parser("decode", help="end-to-end decode on a checkpoint: dense vs SparQ")
-    p.add_argument("--checkpoint", default="checkpoints/SmolLM2-135M-Instruct", help="model.pth or its directory")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--checkpoint", default="checkpoints/SmolLM2-135M-Instruct", help="model.pth or its directory")
+    model.add_argument("--random-weights", metavar="SHAPE",
+                       help="no checkpoint: random weights of a published shape (model.SHAPES: llama-2-7b, "
+                            "smollm2, ...), a random prompt, no tokenizer")
     p.add_argument("--prompt-tokens", default="1024,4096,8192",
                    help="comma list of context lengths (0 = the first token; near the model's context the "
                         "timed steps start early enough to end at it)")

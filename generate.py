@@ -4,6 +4,7 @@
     python generate.py --checkpoint checkpoints/SmolLM2-135M-Instruct --prompt-tokens 4096 --sparq-r 32
     python generate.py --prompt-file prompts.jsonl --sparq-r 16 --json out.json   # a batch of different prompts
     python generate.py --interactive                                               # chat at the terminal
+    python generate.py --random-weights llama-2-7b --prompt-tokens 16384 --sparq-r 32 --compile  # a GPU, no checkpoint
 
 "Bandwidth achieved" counts the weight bytes plus the KV-cache bytes each decode step reads
 (by the transfer formulas of the attention policy in use), not the weights alone.
@@ -12,6 +13,13 @@ A prompt file ending in .jsonl holds one prompt per line, {"prompt": "...", "cha
 optional, default --chat); they run as one batch of rows of different lengths, each at its own
 positions (no left padding), and the JSON output keeps one sample per prompt, in input order.
 Any other prompt file is one prompt: its whole text.
+
+--random-weights SHAPE builds a published shape (model.SHAPES) with random weights and loads no
+checkpoint and no tokenizer (a GPU machine that carries no files): --prompt-tokens N is then N random
+token ids, and the output is token ids.
+
+Defaults follow the device: CUDA when one is available, in bfloat16 there (gpt-fast's), else the CPU
+in float32.
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ import tokenizer as tokenizer_module
 import tp
 from cli import UserError
 from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
-from model import ModelArgs, Transformer, checkpoint_paths, load_model
+from model import SHAPES, ModelArgs, Transformer, checkpoint_paths, load_model, random_model
 from sparq import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
                    model_compression, policy_factory)
 
@@ -47,7 +55,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def sample(logits: Tensor, temperature: float, top_k: Optional[int]) -> Tensor:
-    """logits (B, vocab) fp32 -> next tokens (B,). temperature 0 is greedy."""
+    """logits (B, vocab) fp32 -> next tokens (B,). temperature 0 is greedy.
+
+    A draw from softmax(logits / temperature) as the argmax of p / E with E ~ Exp(1) per token (the
+    exponential race: P(argmax = i) = p_i), which stays on the device where torch.multinomial
+    syncs with the host (gpt-fast samples this way)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature
@@ -55,7 +67,7 @@ def sample(logits: Tensor, temperature: float, top_k: Optional[int]) -> Tensor:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = torch.where(logits < kth, float("-inf"), logits)
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1).squeeze(-1)
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
 
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill step: memory stays bounded at any prompt length
@@ -74,14 +86,11 @@ def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step
     cache the chunks before it wrote) -> logits (B, vocab) of the last position. lengths (B,): a
     right-padded batch of prompts of those lengths, whose logits are each row's at its last real
     token (the padding is written to the cache, and set_live_lengths makes it dead). progress: a
-    bar on stderr for long prompts."""
-    from tqdm import tqdm
-
+    bar on stderr for long prompts (tqdm, when it is installed)."""
     T = prompt.shape[1]
     ends = range(start + T, start, -chunk)[::-1]  # chunk ends; the first chunk may be short
     logits = None
-    with tqdm(total=T, desc="prefill", unit="tok", file=sys.stderr, disable=not progress or len(ends) < 2,
-              leave=False) as bar:
+    with progress_bar(T, "prefill", "tok", enabled=progress and len(ends) > 1) as bar:
         for end in ends:
             begin = max(start, end - chunk)
             tokens = prompt[:, begin - start:end - start]
@@ -97,18 +106,40 @@ def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step
     return logits
 
 
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, unit: str, enabled: bool = True):
+    """A tqdm bar on stderr (transient), or one that shows nothing when tqdm is not installed (the bare
+    GPU machine's rehearsal has only torch) or `enabled` is False."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not enabled, leave=False)
+
+
 def decode_step(model: Transformer, token: Tensor, input_pos: Tensor, length: int) -> Tensor:
     """token (B, 1) at positions input_pos ((1,) for every row, or (B, 1) per row); length = the
     positions decode attention reads -> logits (B, vocab)."""
     return model(token, input_pos, length)
 
 
-def compiled_decode_step(step: Callable, device_type: str) -> Callable:
+def compiled_decode_step(step: Callable, device_type: str, backend: str = "inductor") -> Callable:
     """torch.compile of a decode step (fullgraph, dynamic lengths), the one place its settings live:
-    generate.py, bench.py and the tests compile this way (gpu_check.py repeats the CUDA line, as it
-    imports nothing of generate.py's tokenizer stack on the bare GPU machine).
+    generate.py, bench.py, gpu_check.py and the tests compile this way.
 
-    CUDA: gpt-fast's settings, CUDA graphs per shape (mode="reduce-overhead") and tuned GEMVs. CPU:
+    CUDA: gpt-fast's settings, CUDA graphs per shape (mode="reduce-overhead") and tuned GEMVs;
+    backend="cudagraphs" captures the eager ops into CUDA graphs without inductor (quick to build:
+    gpu_check's fallback when inductor fails). CPU:
     inductor's C++ wrapper, which calls the graph's kernels and ops from C++ rather than from a
     Python wrapper: at batch 1 a small model's step is ~150 GEMV calls and ~200 small fused
     kernels, and the Python calls between them were a tenth of the step (SmolLM2-135M, bf16, 2
@@ -123,7 +154,9 @@ def compiled_decode_step(step: Callable, device_type: str) -> Callable:
     """
     import torch._dynamo.config as dynamo_config
 
-    if device_type == "cuda":
+    if backend == "cudagraphs":
+        compiled = torch.compile(step, backend="cudagraphs", fullgraph=True, dynamic=True)
+    elif device_type == "cuda":
         import torch._inductor.config as inductor_config
 
         inductor_config.coordinate_descent_tuning = True
@@ -158,6 +191,7 @@ class TextStream:
         self.tokenizer, self.out = tokenizer, out
         self.tokens: list[int] = []
         self.printed = 0
+        self.stopped = False  # the row's stop token came: what follows is not printed
 
     def add(self, token: int) -> None:
         self.tokens.append(token)
@@ -179,27 +213,72 @@ class Generator:
 
     Rows of different lengths (a batch of different prompts) each decode at their own positions;
     a row that has stopped keeps computing (its tokens are dropped) until every row has stopped.
-    No host sync per step: positions live on the device and advance in place, and stop tokens are
-    checked on the host every `check_every` steps (every step when streaming)."""
+    No host sync per step on a GPU: positions live on the device and advance in place, sampling
+    stays there (`sample`), and the host looks at the tokens (stop tokens, streamed text) every
+    `check_every` steps; on the CPU, where a look costs nothing, a streamed row is printed every
+    step. The KV bytes read are counted after the timed loop, from the lengths."""
 
     model: Transformer
     stop_ids: set[int] = field(default_factory=set)
     temperature: float = 0.0
     top_k: Optional[int] = None
     compile_decode: bool = False
+    compile_backend: str = "inductor"  # or "cudagraphs" (compiled_decode_step)
     compile_prefill: bool = False
     prefill_chunk: int = PREFILL_CHUNK
     progress: bool = False  # a progress bar over long prefills
-    check_every: int = 16
+    check_every: int = 16  # steps between the host's looks at the tokens (a sync on a GPU)
 
     def __post_init__(self):
         self._prefill_chunk = prefill_chunk
         self._decode = decode_step
         if self.compile_decode:
-            self._decode = compiled_decode_step(decode_step, self.model.device.type)
+            self._decode = compiled_decode_step(decode_step, self.model.device.type, self.compile_backend)
         if self.compile_prefill:
             self._prefill_chunk = torch.compile(prefill_chunk, fullgraph=True, dynamic=True)
         self._stop_tensor = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=self.model.device)
+
+    @torch.no_grad()
+    def warm_up(self, prompts: Tensor | list[list[int]], max_new_tokens: int) -> float:
+        """Compile (and on a GPU capture) every variant of the decode step a generation of these
+        prompts will use, before the timed runs; returns the seconds it took. A short generation
+        compiles the prefill and the first read lengths, then warm_up_reads the rest. The next
+        generate() resets the caches."""
+        start = time.perf_counter()
+        rows = prompts.tolist() if isinstance(prompts, Tensor) else [list(p) for p in prompts]
+        self.generate(rows, min(max_new_tokens, 3))
+        self.warm_up_reads([len(p) for p in rows], max_new_tokens)
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def warm_up_decode(self, lengths: list[int], max_new_tokens: int) -> float:
+        """warm_up for decode() from filled caches (benchmarks): the caches are as before afterwards."""
+        start = time.perf_counter()
+        saved = [cache.snapshot() for cache in self.model.caches]
+        token = torch.zeros(len(lengths), dtype=torch.long, device=self.model.device)
+        self.decode(token, lengths, min(max_new_tokens, 3))
+        self.warm_up_reads(lengths, max_new_tokens)
+        for cache, snapshot in zip(self.model.caches, saved):
+            cache.restore(snapshot)
+        return time.perf_counter() - start
+
+    def warm_up_reads(self, lengths: list[int], max_new_tokens: int) -> None:
+        """One decode step at every read length a decode from rows of these lengths reaches beyond the
+        first two (which a short decode compiled): each length bucket (a CUDA graph each, and a
+        Triton plan per power of two), or on the CPU, where lengths are exact and compile as one
+        dynamic graph, the last one (SparQ's step branches once its layers see more than k
+        positions). A step writes position length - 1, which the real run rewrites before reading."""
+        B, T, device = len(lengths), max(lengths), self.model.device
+        ragged = len(set(lengths)) > 1
+        done = {self.model.read_length(T + 1), self.model.read_length(T + 2)}
+        reads = sorted({self.model.read_length(T + 1 + step) for step in range(max_new_tokens - 1)} - done)
+        if self.model.caches[0].length_bucket == 1:
+            reads = reads[-1:]
+        token = torch.zeros((B, 1), dtype=torch.long, device=device)
+        for length in reads:
+            position = torch.full((B, 1) if ragged else (1,), length - 1, device=device)
+            self._decode(self.model, token, position, length)
+        synchronize(device)
 
     @torch.no_grad()
     def generate(self, prompts: Tensor | list[list[int]], max_new_tokens: int,
@@ -238,36 +317,42 @@ class Generator:
         # Positions on the device, advanced in place: (1,) shared, or (B, 1) per row.
         input_pos = torch.tensor(lengths, device=device).view(B, 1) if ragged else torch.tensor([T], device=device)
         generated, done = [next_token], self._is_stop(next_token)
-        kv_bytes, print_s, steps = 0, 0.0, 0
-        print_s += self._stream(stream, next_token)
+        look_every = 1 if stream is not None and device.type == "cpu" else self.check_every
+        print_s, steps, printed = 0.0, 0, 0
         start = time.perf_counter()
         for step in range(max_new_tokens - 1):
-            if (stream is not None or step % self.check_every == 0) and bool(done.all()):
-                break
-            live = [n + step + 1 for n in lengths]  # each row's live length after this step
-            logits = self._decode(self.model, next_token.view(B, 1), input_pos, self.model.read_length(max(live)))
+            if step % look_every == 0:  # the host looks at the tokens: a sync on a GPU
+                print_s, printed = print_s + self._stream(stream, generated[printed:]), len(generated)
+                if self.stop_ids and bool(done.all()):
+                    break
+            logits = self._decode(self.model, next_token.view(B, 1), input_pos, self.model.read_length(T + step + 1))
             input_pos += 1
             next_token = sample(logits, self.temperature, self.top_k)
             generated.append(next_token)
-            done |= self._is_stop(next_token)
-            kv_bytes += sum(self.model.decode_kv_bytes(n, 1) for n in live) if ragged else \
-                self.model.decode_kv_bytes(live[0], B)
+            if self.stop_ids:
+                done |= self._is_stop(next_token)
             steps += 1
-            print_s += self._stream(stream, next_token)
+        print_s += self._stream(stream, generated[printed:])
         synchronize(device)
         decode_s = time.perf_counter() - start - print_s
 
         tokens = torch.stack(generated, dim=1).tolist()  # (B, n)
+        # the KV bytes of each step, every row at its own live length: counted outside the timed loop
+        kv_bytes = sum(sum(self.model.decode_kv_bytes(n + step + 1, 1) for n in lengths) if ragged else
+                       self.model.decode_kv_bytes(T + step + 1, B) for step in range(steps))
         stats = DecodeStats(0, 0.0, decode_s, steps, kv_bytes, print_s)
         return [self._cut_at_stop(row) for row in tokens], stats
 
-    def _stream(self, stream: Optional[TextStream], token: Tensor) -> float:
-        """Print row 0's new token; returns the seconds it took (kept out of the decode timing)."""
-        if stream is None:
+    def _stream(self, stream: Optional[TextStream], tokens: list[Tensor]) -> float:
+        """Print row 0's new tokens (up to its stop token); returns the seconds it took (kept out of
+        the decode timing)."""
+        if stream is None or not tokens:
             return 0.0
         start = time.perf_counter()
-        value = int(token[0])
-        if value not in self.stop_ids:
+        for value in torch.stack(tokens)[:, 0].tolist():
+            if value in self.stop_ids or stream.stopped:
+                stream.stopped = True
+                continue
             stream.add(value)
         return time.perf_counter() - start
 
@@ -354,15 +439,20 @@ def check_cache_fits(args: ModelArgs, batch: int, seq_len: int, layout: str, dty
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="generate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=data.DEFAULT_CHECKPOINT,
-                   help="model.pth or its directory (default: the embedded SmolLM2-135M-Instruct)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--checkpoint", type=Path, default=None,
+                       help="model.pth or its directory (default: the embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--random-weights", choices=list(SHAPES), metavar="SHAPE",
+                       help=f"no checkpoint: random weights of a published shape ({', '.join(SHAPES)}); "
+                            f"no tokenizer either: give --prompt-tokens N, the output is token ids")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default="Hello, my name is", help="prompt text")
+    prompt.add_argument("--prompt", default=None, help=f"prompt text (default {DEFAULT_PROMPT!r})")
     prompt.add_argument("--prompt-file", type=Path,
                         help="a .jsonl file of prompts (one batch of rows of different lengths), or any other "
                              "file whose whole text is the prompt")
     prompt.add_argument("--prompt-tokens", type=cli.positive_int,
-                        help="a synthetic prompt of exactly N tokens cut from the Paul Graham essays")
+                        help="a synthetic prompt of exactly N tokens cut from the Paul Graham essays (with "
+                             "--random-weights: N random token ids)")
     prompt.add_argument("--interactive", action="store_true",
                         help="chat at the terminal (the chat template; the conversation stays in the cache)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -374,8 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=cli.positive_int, default=None)
     p.add_argument("--max-seq-length", type=cli.positive_int, default=None,
                    help="KV cache length (default: prompt + new tokens, capped at the model's context)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when a CUDA device is available, else cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="weights, activations and KV cache (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (a warm-up generation compiles it before the timed ones)")
     p.add_argument("--compile-prefill", action="store_true", help="torch.compile the prefill")
@@ -394,18 +486,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+DEFAULT_PROMPT = "Hello, my name is"
+
+
 @dataclass
 class Prompt:
     text: str
     chat: bool
 
 
+class TokenIds:
+    """The stand-in tokenizer of a --random-weights run: no vocabulary, no stop token; what is printed
+    of a row is its token ids."""
+
+    stop_ids: set[int] = set()
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
 def read_prompts(args: argparse.Namespace) -> list[Prompt]:
     """The prompts of the command line (--prompt, a .jsonl or text --prompt-file); one-line errors."""
     if args.prompt_file is None:
-        if not args.prompt.strip():
+        text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+        if not text.strip():
             raise UserError("the prompt is empty")
-        return [Prompt(args.prompt, args.chat)]
+        return [Prompt(text, args.chat)]
     try:
         text = args.prompt_file.read_text(encoding="utf-8")
     except OSError as e:
@@ -434,7 +541,10 @@ def read_prompts(args: argparse.Namespace) -> list[Prompt]:
 
 def prompt_ids(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     """The token ids of every row of the batch."""
-    if args.prompt_tokens is not None:
+    if isinstance(tokenizer, TokenIds):  # random weights: random ids, seeded
+        generator = torch.Generator().manual_seed(args.seed)
+        rows = [torch.randint(args.vocab_size, (args.prompt_tokens,), generator=generator).tolist()]
+    elif args.prompt_tokens is not None:
         rows = [data.essay_tokens(tokenizer, args.prompt_tokens)]
     else:
         try:
@@ -449,10 +559,22 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[list[int]]:
 
 
 def check_flags(args: argparse.Namespace) -> None:
+    """The refusals that depend on the flags alone (before any file is read), and the device defaults."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if args.random_weights:
+        text = [flag for flag, given in (("--prompt", args.prompt is not None), ("--prompt-file", args.prompt_file),
+                                         ("--interactive", args.interactive), ("--chat", args.chat)) if given]
+        if text:
+            raise UserError(f"--random-weights loads no tokenizer, so {text[0]} has no meaning: give --prompt-tokens N "
+                            f"(N random token ids)")
+        if args.prompt_tokens is None:
+            raise UserError("--random-weights loads no tokenizer: give --prompt-tokens N (N random token ids)")
+    args.checkpoint = args.checkpoint or (None if args.random_weights else data.DEFAULT_CHECKPOINT)
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -468,19 +590,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 def run(args: argparse.Namespace) -> int:
     check_flags(args)
     settings = attention_settings(args)
-    length_bucket = args.length_bucket or (256 if args.device == "cuda" else 1)
-    if args.device == "cuda" and args.compile and length_bucket == 1:
-        raise UserError("--length-bucket 1 with --compile on CUDA would capture a new CUDA graph every step: "
-                        "use the default (256) or a larger bucket")
-    if length_bucket > 1 and not POLICIES[settings.policy].reads_buckets:
-        raise UserError(f"--length-bucket applies to dense and sparq attention, not {settings.policy}")
+    config = ModelArgs.from_shape(args.random_weights) if args.random_weights else model_args(args.checkpoint)
+    args.vocab_size = config.vocab_size
+    length_bucket = length_bucket_for(args, config, settings)
     torch.manual_seed(args.seed)
-    config = model_args(args.checkpoint)
     if args.top_k is not None and args.top_k > config.vocab_size:
         raise UserError(f"--top-k {args.top_k} exceeds the vocabulary of {config.vocab_size} tokens")
     kernels = kernels_for(args.kernel, args.device, config, length_bucket)
-    model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels)
-    tokenizer = load_tokenizer(args.checkpoint)
+    if args.random_weights:
+        model, tokenizer = random_model(config, args.device, DTYPES[args.dtype], kernels), TokenIds()
+    else:
+        model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels)
+        tokenizer = load_tokenizer(args.checkpoint)
     if args.interactive:
         if tp.world_size() > 1:
             raise UserError("--interactive runs in one process, not under torchrun")
@@ -490,6 +611,22 @@ def run(args: argparse.Namespace) -> int:
         return generate_rows(args, model, tokenizer, settings, kernels, length_bucket, world, config)
     finally:
         tp.shutdown()
+
+
+def length_bucket_for(args: argparse.Namespace, config: ModelArgs, settings: AttentionSettings) -> int:
+    """The caches' length bucket (KVCache): --length-bucket, else 256 on CUDA (one CUDA graph per bucket)
+    and 1 (exact reads) on the CPU and for sliding-window layers, which read exact lengths."""
+    window = config.has_window_layers
+    if args.device == "cuda" and args.compile and window:
+        raise UserError("this model has sliding-window layers, which read exact lengths, and --compile on CUDA "
+                        "captures a CUDA graph per length bucket: run it without --compile")
+    length_bucket = args.length_bucket or (256 if args.device == "cuda" and not window else 1)
+    if args.device == "cuda" and args.compile and length_bucket == 1:
+        raise UserError("--length-bucket 1 with --compile on CUDA would capture a new CUDA graph every step: "
+                        "use the default (256) or a larger bucket")
+    if length_bucket > 1 and not POLICIES[settings.policy].reads_buckets:
+        raise UserError(f"--length-bucket applies to dense and sparq attention, not {settings.policy}")
+    return length_bucket
 
 
 def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, settings: AttentionSettings,
@@ -513,7 +650,8 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
               f"and the longest prompt {longest}", file=sys.stderr)
 
     setup(model, args, settings, len(rows), max_seq_length, length_bucket)
-    print(f"model: {config.n_layer} layers, dim {config.dim}, {config.n_head} heads / "
+    source = f"random weights of the {args.random_weights} shape" if args.random_weights else str(args.checkpoint)
+    print(f"model: {source}, {config.n_layer} layers, dim {config.dim}, {config.n_head} heads / "
           f"{config.n_kv_head} KV heads, {args.dtype} on {args.device}; "
           f"KV cache {model.kv_cache_bytes() / 2**20:.1f} MiB (layout {args.kv_layout}, "
           f"batch {len(rows)} x {max_seq_length} positions); kernels: {kernels.name} ({kernels.describe})",
@@ -524,13 +662,17 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
               f"({torch.get_num_threads()} threads per rank); the bytes below are rank 0's share (its weights and "
               f"KV heads)",
               file=sys.stderr)
+    if args.device == "cuda" and quantize.has_int8(model) and not args.compile:
+        print("note: int8 weights on CUDA are dequantized whole at every step unless --compile fuses the "
+              "dequantization into the GEMV: without --compile int8 is no speed option here", file=sys.stderr)
     generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
                           compile_decode=args.compile, compile_prefill=args.compile_prefill,
                           progress=sys.stderr.isatty())
-    if args.compile:  # compile (and capture) outside the timed runs
-        start = time.perf_counter()
-        generator.generate(rows, min(max_new_tokens, 3))
-        print(f"warm-up (compilation) {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    compile_s = None
+    if args.compile:  # compile (and capture) every step variant outside the timed runs
+        compile_s = generator.warm_up(rows, max_new_tokens)
+        print(f"warm-up: compilation{' and CUDA graph capture' if args.device == 'cuda' else ''} of every "
+              f"decode length the run reads, {compile_s:.1f} s (not in the tokens/s below)", file=sys.stderr)
 
     stream = len(rows) == 1 and not args.no_stream
     results = []
@@ -556,7 +698,7 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
         print(f"attention: {settings.policy}, KV transfers {ratio:.3f} of dense at the final length "
               f"(compression 1/{1 / ratio:.1f})", file=sys.stderr)
     if args.json and tp.rank() == 0:  # one writer: every rank holds the same tokens
-        write_json(args, settings, model, tokenizer, rows, samples, summary)
+        write_json(args, settings, model, tokenizer, rows, samples, {**summary, "compile_s": compile_s})
     return 0
 
 
@@ -608,11 +750,14 @@ def write_json(args, settings, model, tokenizer, rows, samples, summary) -> None
     out = {
         "prompt_tokens": max(len(ids) for ids in rows),  # the longest prompt (every row's, unless ragged)
         "batch_size": len(rows),
-        "samples": [{"prompt_tokens": len(ids), "text": tokenizer.decode(row), "tokens": row}
+        "samples": [{"prompt_tokens": len(ids), "tokens": row,
+                     "text": None if isinstance(tokenizer, TokenIds) else tokenizer.decode(row)}
                     for ids, row in zip(rows, samples)],
         **summary,
         "device": args.device,
         "dtype": args.dtype,
+        "checkpoint": None if args.checkpoint is None else str(args.checkpoint),
+        "random_weights": args.random_weights,
         "attention": settings.policy,
         "kernels": model.kernels.name,
     }

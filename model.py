@@ -120,10 +120,49 @@ class ModelArgs:
     def to_json(self, path: Path | str) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
+    @classmethod
+    def from_shape(cls, name: str) -> "ModelArgs":
+        """The ModelArgs of a named published shape (SHAPES), for random weights: --random-weights."""
+        if name not in SHAPES:
+            raise UserError(f"unknown shape {name!r} (choose from {', '.join(SHAPES)})")
+        return cls(**SHAPES[name])
+
+
+# Published model shapes for runs with random weights (--random-weights: a GPU machine carries no
+# checkpoint). Only the shapes matter there, so every context is 128k: a long-context benchmark of a
+# shape needs its cache, not its training length.
+_LLAMA_7B = dict(dim=4096, n_layer=32, n_head=32, head_dim=128, norm_eps=1e-5, max_context=131072)
+SHAPES: dict[str, dict] = {
+    "llama-2-7b": dict(_LLAMA_7B, vocab_size=32000, n_kv_head=32, intermediate_size=11008, rope_base=10000.0,
+                       bos_id=1, eos_ids=[2]),
+    "llama-3.1-8b": dict(_LLAMA_7B, vocab_size=128256, n_kv_head=8, intermediate_size=14336, rope_base=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "qwen2.5-7b": dict(vocab_size=152064, dim=3584, n_layer=28, n_head=28, n_kv_head=4, head_dim=128,
+                       intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, qkv_bias=True,
+                       max_context=131072, architecture="qwen2"),
+    "smollm2": dict(vocab_size=49152, dim=576, n_layer=30, n_head=9, n_kv_head=3, head_dim=64, intermediate_size=1536,
+                    rope_base=100000.0, tie_embeddings=True, max_context=131072),
+    "tiny": dict(vocab_size=256, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=128,
+                 max_context=4096),  # the tests' shape: seconds on a CPU
+}
+
 
 # ---------------------------------------------------------------------------------------------
 # KV cache
 # ---------------------------------------------------------------------------------------------
+
+
+SUM_CHUNK = 1024  # positions per step when a running V sum is recomputed
+
+
+def sum_positions(v: Tensor, start: int, end: int) -> Tensor:
+    """v (B, n_kv, S, d) summed over positions [start, end) in fp32 -> (B, n_kv, d), SUM_CHUNK positions
+    at a time: never a whole fp32 copy of the cache (4.3 GB per layer at Llama-2's shape, B = 8, 32k)."""
+    total = torch.zeros(v.shape[0], v.shape[1], v.shape[3], dtype=torch.float32, device=v.device)
+    for s in range(start, end, SUM_CHUNK):
+        total += v[:, :, s:min(s + SUM_CHUNK, end)].sum(dim=2, dtype=torch.float32)
+    return total
 
 
 @dataclass
@@ -219,9 +258,11 @@ class KVCache(nn.Module):
         if self.window is not None:
             raise ValueError("ragged batches with sliding-window layers are not supported: run such prompts one at a time")
         B = lengths.shape[0]
-        positions = torch.arange(self.max_seq_length, device=lengths.device)
-        live = (positions < lengths[:, None]).to(torch.float32)  # (B, S_max)
-        self.v_sum[:B] = torch.einsum("bhsd,bs->bhd", self.v[:B].float(), live)
+        self.v_sum[:B] = 0
+        for start in range(0, int(lengths.max()), SUM_CHUNK):  # an fp32 copy of one chunk at a time
+            end = min(start + SUM_CHUNK, self.max_seq_length)
+            live = torch.arange(start, end, device=lengths.device) < lengths[:, None]  # (B, chunk)
+            self.v_sum[:B] += torch.einsum("bhsd,bs->bhd", self.v[:B, :, start:end].float(), live.float())
         self.live_length[:B] = lengths
         self.ragged = True
 
@@ -268,7 +309,7 @@ class KVCache(nn.Module):
 
     def rewind(self, length: int) -> None:
         """Keep positions [0, length) of every row live, as if nothing after them had been written."""
-        self.v_sum.copy_(self.v[:, :, self.visible_start(length):length].float().sum(dim=2))
+        self.v_sum.copy_(sum_positions(self.v, self.visible_start(length), length))
         self.live_length.fill_(length)
         self.ragged = False
 
@@ -732,6 +773,25 @@ def load_state_dict(path: Path) -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"corrupt checkpoint {path}: not a state dict")
     return state
+
+
+def random_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 kernels: Kernels = TORCH_KERNELS, seed: int = 0) -> Transformer:
+    """The Transformer of `args` with random weights (N(0, 0.02), norms 1, biases 0), built directly
+    in `dtype` on `device` (a 7B model never passes through host memory in fp32)."""
+    with torch.device("meta"):
+        model = Transformer(args, kernels)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02, generator=generator)
+            else:
+                p.fill_(0.0 if name.endswith("bias") else 1.0 - args.norm_offset)
+    model.rope = model.rope_local = torch.empty(0, device=device)
+    model.activation_dtype = dtype
+    return model.eval()
 
 
 def load_model(checkpoint: Path | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

@@ -338,6 +338,11 @@ class Int8Linear(nn.Module):
         return dequantize_int8(self.weight, self.scales)
 
 
+def has_int8(model: nn.Module) -> bool:
+    """Some linear layer of the model holds int8 weights."""
+    return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
 class Int4Linear(nn.Module):
     """y = x W^T, W int4 affine per group of `group_size` inputs: w = (q - 8) * s + z.
 

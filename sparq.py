@@ -99,6 +99,28 @@ def sparq_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int,
     return out.to(q.dtype)
 
 
+def selection_has_ties(q: Tensor, K: Tensor, length: int, config: SparQConfig) -> bool:
+    """A tie at the top-r boundary of |q| summed over the group, or at the top-k boundary of the
+    reference's selection scores, for one (row, KV head): q (g, d), K (>= length, d). Which of two
+    tied candidates is taken is unspecified (the kernels take the lower index, torch.topk does not
+    say), so a kernel is compared with sparq_reference only where this is False (low r on bf16
+    caches gives equal logits)."""
+    g, d = q.shape
+    qh, K = q.float(), K[:length].float()
+    a = qh.abs().sum(0).sort(descending=True).values
+    if config.r < d and not a[config.r - 1] > a[config.r]:
+        return True
+    n_local = min(config.local, length)
+    m = min(config.k, length) - n_local
+    if m <= 0 or m >= length - n_local:
+        return False
+    i1 = torch.topk(qh.abs().sum(0), config.r).indices
+    tau = torch.sqrt(d * qh[:, i1].abs().sum(-1) / qh.abs().sum(-1))
+    score = torch.softmax(qh[:, i1] @ K[:, i1].T / tau[:, None], dim=-1).sum(0)[: length - n_local]
+    top = score.sort(descending=True).values
+    return not bool(top[m - 1] > top[m])
+
+
 # ---------------------------------------------------------------------------------------------
 # Batched PyTorch path (runs in the model, compile-friendly)
 # ---------------------------------------------------------------------------------------------

@@ -176,3 +176,90 @@ def test_missing_and_corrupt_checkpoints(tmp_path, smollm2_checkpoint):
     assert_one_line_error(run_generate("--checkpoint", str(corrupt)), "corrupt")
     (corrupt / "config.json").write_text('{"vocab_size": 10, "mystery": 1}')
     assert_one_line_error(run_generate("--checkpoint", str(corrupt)), "config.json")
+
+
+def test_the_cards_command_with_random_weights_of_a_tiny_shape(tmp_path):
+    """The card's command as an H100 runs it without a checkpoint (--random-weights, --prompt-tokens as
+    random ids, SparQ, compiled), at a tiny shape on the CPU: token ids out, no tokenizer, and the
+    same tokens as the eager run (compilation changes nothing)."""
+    outs = []
+    for compiled in (False, True):
+        out = tmp_path / f"{compiled}.json"
+        result = run_generate("--random-weights", "tiny", "--prompt-tokens", "120", "--max-new-tokens", "12",
+                              "--sparq-r", "8", "--sparq-k", "64", *(["--compile"] if compiled else []),
+                              "--json", str(out))
+        assert result.returncode == 0, result.stderr
+        assert "random weights of the tiny shape" in result.stderr and "float32 on cpu" in result.stderr
+        outs.append(read_json(out))
+    eager, compiled = outs
+    assert eager["random_weights"] == "tiny" and eager["checkpoint"] is None and eager["attention"] == "sparq"
+    assert eager["samples"][0]["text"] is None and len(eager["samples"][0]["tokens"]) == 12
+    assert compiled["samples"][0]["tokens"] == eager["samples"][0]["tokens"]
+    assert compiled["compile_s"] > 0 and eager["compile_s"] is None
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--random-weights", "tiny"], "--prompt-tokens"),
+    (["--random-weights", "tiny", "--prompt", "hello"], "--prompt"),
+    (["--random-weights", "tiny", "--prompt-tokens", "8", "--chat"], "--chat"),
+    (["--random-weights", "tiny", "--interactive"], "--interactive"),
+    (["--random-weights", "gpt-5"], "--random-weights"),
+    (["--random-weights", "tiny", "--checkpoint", "x", "--prompt-tokens", "8"], "--checkpoint"),
+])
+def test_random_weights_refusals_are_one_line_errors(args, fragment):
+    assert_one_line_error(run_generate(*args), fragment)
+
+
+def test_sampling_draws_from_the_softmax_without_syncing():
+    """The exponential race (no torch.multinomial, which syncs with the host) draws token i with
+    probability softmax(logits / T)_i, top-k respected: frequencies over many draws, 5 standard errors."""
+    from generate import sample
+
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -8.0]]).repeat(20000, 1)
+    for temperature, top_k in ((1.0, None), (0.5, None), (1.0, 2)):
+        p = torch.softmax(logits[0] / temperature, dim=-1)
+        if top_k is not None:
+            p[top_k:] = 0
+            p /= p.sum()
+        counts = torch.bincount(sample(logits, temperature, top_k), minlength=5).double() / len(logits)
+        stderr = (p * (1 - p) / len(logits)).sqrt().double()
+        assert ((counts - p.double()).abs() <= 5 * stderr + 1e-12).all(), (temperature, top_k, counts, p)
+
+
+def test_warm_up_compiles_every_step_variant_before_the_timed_run():
+    """With a bucketed cache (as CUDA's), Generator.warm_up runs a step at every read length the decode
+    reaches, SparQ's dense-while-short branch and its sparse one included: the timed generation
+    compiles nothing more."""
+    from torch._dynamo.utils import counters
+
+    from model import ModelArgs, random_model
+
+    model = random_model(ModelArgs.from_shape("tiny"))
+    model.setup_caches(2, 160, length_bucket=16)
+    model.set_decode_attention(lambda layer: SparQDecode(SparQConfig(r=4, k=32)))  # sparse past 32 positions
+    generator = Generator(model, compile_decode=True)
+    prompts = [[1, 2, 3] * 6, [4, 5] * 9]  # 18 positions: the decode reads 32, then 48, 64, ...
+    torch._dynamo.reset()
+    generator.warm_up(prompts, 40)
+    compiled = counters["stats"]["unique_graphs"]
+    rows, stats = generator.generate(prompts, 40)
+    assert counters["stats"]["unique_graphs"] == compiled and stats.steps == 39
+    model.set_decode_attention(lambda layer: SparQDecode(SparQConfig(r=4, k=32)))
+    eager = Generator(model).generate(prompts, 40)[0]
+    assert rows == eager
+
+
+def test_rewind_sums_v_in_chunks_without_an_fp32_copy_of_the_cache():
+    """KVCache.rewind recomputes the running V sum a chunk of positions at a time (model.sum_positions):
+    equal to the direct fp32 sum over a length that spans several chunks."""
+    from model import SUM_CHUNK, KVCache
+
+    cache = KVCache(2, 3 * SUM_CHUNK, 2, 16, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    S = 2 * SUM_CHUNK + 37
+    cache.update(torch.arange(S), torch.randn(2, 2, S, 16, generator=gen).bfloat16(),
+                 torch.randn(2, 2, S, 16, generator=gen).bfloat16())
+    cache.rewind(S - 100)
+    torch.testing.assert_close(cache.v_sum, cache.v[:, :, :S - 100].float().sum(2), atol=1e-4, rtol=1e-5)
+    assert int(cache.live_length[1]) == S - 100

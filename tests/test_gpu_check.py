@@ -44,13 +44,14 @@ def test_without_a_gpu_every_section_is_skipped(tmp_path, capsys):
 
 
 def test_transfer_theory_matches_the_paper():
-    """Table 4 (B=64, 32 heads, d=128, S=4096, r=32, k=128): theoretical speedup 6.4x."""
+    """Table 4 (B=64, 32 heads, d=128, S=4096, r=32, k=128): theoretical speedup 6.4x, from the
+    policies' own transfer formulas."""
     _, B, n_kv, g, d, S, r, k = gpu_check.TABLE4
-    dense, sparq = gpu_check.dense_bytes(B, n_kv, d, S), gpu_check.sparq_bytes(B, n_kv, d, S, r, k)
+    dense, sparq = gpu_check.attention_theory(B, n_kv, d, S, r, k)
     assert dense == B * n_kv * (2 * S * d + 2 * d) * 2
     assert sparq == B * n_kv * (S * r + 2 * k * d + 4 * d) * 2
     assert round(dense / sparq, 1) == 6.4
-    assert gpu_check.sparq_bytes(1, 1, 128, 64, 32, 128) == (64 * 32 + 2 * 64 * 128 + 4 * 128) * 2  # k capped at S
+    assert gpu_check.attention_theory(1, 1, 128, 64, 32, 128)[1] == (64 * 32 + 2 * 64 * 128 + 4 * 128) * 2  # k capped at S
     # the logits round trip our kernels add: 8 g bytes per position and KV head
     assert gpu_check.sparq_extra_bytes(1, 8, 4, 1000) == 8 * 4 * 1000 * 8
     names = [s[0] for s in gpu_check.ATTENTION_SHAPES]
@@ -68,14 +69,53 @@ def test_goals_and_report_formatting():
     assert [(g.passed, round(g.value, 2)) for g in goals] == [(True, 75.0), (False, 0.75)]
     text = gpu_check.attention_table(rows)
     assert "5.00x" in text and "triton" in text and "error: OutOfMemoryError" in text and "3" in text
-    e2e = [dict(model="llama2-7b", weights="bf16", B=1, context=16384, policy=p, ms_per_step=ms, tokens_per_s=1e3 / ms,
-                gb_per_s=2000.0) for p, ms in (("dense", 10.0), ("sparq", 7.0))]
-    e2e.append(dict(model="llama2-7b", weights="int8", B=1, context=16384, policy="-", error="RuntimeError: no"))
+    e2e = [dict(model="llama-2-7b", weights="bf16", B=1, context=16384, policy=p, ms_per_step=ms, tokens_per_s=1e3 / ms,
+                gb_per_s=2000.0, warm_up_s=40.0) for p, ms in (("dense", 10.0), ("sparq", 7.0))]
+    e2e.append(dict(model="llama-2-7b", weights="int8", B=1, context=16384, policy="-", error="RuntimeError: no"))
     goals = gpu_check.e2e_goals(e2e)
     assert goals[0].passed and round(goals[0].value, 2) == 1.43 and goals[1].passed is None
     assert "error: RuntimeError" in gpu_check.e2e_table(e2e)
     lines = gpu_check.goals_text(goals).splitlines()
     assert lines[0].startswith("  [PASS]") and lines[1].startswith("  [n/a ]")
+
+
+def test_a_failing_section_is_recorded_and_every_row_is_written_as_it_comes(tmp_path):
+    """The report is on disk after each row (a kill at the machine's limit loses the row in flight at
+    most); a section that raises is recorded with its error, and the next one runs."""
+    report = gpu_check.Report(tmp_path / "report.json", environment={"device": "test"})
+
+    def rows(entry):
+        report.add_row("first", {"x": 1})
+        assert read_json(tmp_path / "report.json")["sections"]["first"]["rows"] == [{"device": "test", "x": 1}]
+        report.add_row("first", {"x": 2})
+        raise RuntimeError("a kernel broke\nsecond line")
+
+    gpu_check.run_section(report, "first", rows)
+    gpu_check.run_section(report, "second", lambda entry: "skipped: nothing to do")
+    saved = read_json(tmp_path / "report.json")["sections"]
+    assert saved["first"]["status"] == "failed" and saved["first"]["error"] == "RuntimeError: a kernel broke"
+    assert [r["x"] for r in saved["first"]["rows"]] == [1, 2] and saved["first"]["traceback"]
+    assert saved["second"]["status"] == "skipped: nothing to do"
+
+
+def test_a_pytest_run_past_its_time_is_reported_not_raised(monkeypatch):
+    def too_slow(*args, timeout, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], timeout, output=b"....")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", too_slow)
+    passed, summary = gpu_check.run_pytest(timeout=5)
+    assert passed is False and "timed out after 5 s" in summary and "...." in summary
+
+
+def test_a_kernel_off_its_reference_is_never_timed(monkeypatch):
+    """The attention section compares each kernel with its reference before timing it: a wrong
+    SparQ kernel gives an error row, not a time."""
+    import kernels_triton
+
+    monkeypatch.setattr(kernels_triton, "sparq_attention_triton", lambda q, *args, **kwargs: torch.zeros_like(q))
+    monkeypatch.setattr(gpu_check, "dense_candidates", lambda device: {})
+    row = gpu_check.attention_row(("tiny", 1, 2, 1, 64, 200, 8, 32), "cpu", dtype=torch.float32, replays=1)
+    assert "sparq_us" not in row and row["error"].startswith("SparQ differs from the reference")
 
 
 IMPORTS_ON_A_BARE_GPU_MACHINE = """
@@ -93,26 +133,27 @@ def test_import_chain_needs_no_gguf():
 
 
 def test_cpu_smoke_of_the_whole_harness(tmp_path):
-    """Every section on CPU with tiny shapes: the Triton kernels in the interpreter (built-in checks,
-    attention timing of SparQ and every dense candidate), a tiny random model end to end (dense and
-    SparQ, int8 and int4 weights), the goals and the JSON report."""
+    """Every section on CPU with tiny shapes: the Triton kernels in the interpreter (attention timing
+    of SparQ and every dense candidate after their reference checks), a tiny random model end to
+    end through generate.py's Generator (dense and SparQ; int8 and int4 weights), the goals and the
+    JSON report."""
     out = tmp_path / "report.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "gpu_check.py", "--device", "cpu", "--compile", "eager", "--steps", "2",
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = read_json(out)
-    checks = report["sections"]["tests"]["builtin"]
-    assert checks and all(c["passed"] for c in checks), checks
-    attention = report["sections"]["attention"]
+    sections = report["sections"]
+    assert sections["tests"]["status"].startswith("skipped")
+    attention = sections["attention"]["rows"]
     assert len(attention) == 2 and all(r["sparq_us"] > 0 and {"sdpa", "triton"} <= set(r["dense_all"])
-                                       for r in attention), attention
-    e2e = report["sections"]["e2e"]
-    assert not [r for r in e2e if "error" in r], e2e
-    assert {(r["weights"], r["policy"]) for r in e2e} == {(w, p) for w in ("fp32", "int8", "int4")
-                                                         for p in ("dense", "sparq")}
-    assert all(r["tokens_per_s"] > 0 and r["gb_per_s"] > 0 for r in e2e)
-    assert "== goals (issue 14) ==" in proc.stdout
+                                       and r["reference_errors"] == {} for r in attention), attention
+    for section, weights in (("e2e", ("fp32",)), ("quant", ("int8", "int4"))):
+        rows = sections[section]["rows"]
+        assert sections[section]["status"] == "done" and not [r for r in rows if "error" in r], rows
+        assert {(r["weights"], r["policy"]) for r in rows} == {(w, p) for w in weights for p in ("dense", "sparq")}
+        assert all(r["tokens_per_s"] > 0 and r["gb_per_s"] > 0 for r in rows)
+    assert "== goals ==" in proc.stdout
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the attention timing needs a GPU (CUDA graphs, profiler kernel counts)")

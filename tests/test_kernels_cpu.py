@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels  # noqa: E402
 from model import KVCache  # noqa: E402
-from sparq import SparQConfig, sparq_reference  # noqa: E402
+from sparq import SparQConfig, selection_has_ties, sparq_reference  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,30 +76,13 @@ def _cache(gen, B_max, n_kv, S_max, d, S, dtype, layout):
     return k, k_t, v, v_sum
 
 
-def _tie_free(q, K, S, cfg) -> bool:
-    """No tie at the top-k boundary of the reference's selection scores for one (row, KV head):
-    q (g, d), K (S, d). Low r on bf16 caches gives equal logits, and which of two tied positions
-    is taken is unspecified."""
-    g, d = q.shape
-    n_local = min(cfg.local, S)
-    m = min(cfg.k, S) - n_local
-    if m <= 0 or m >= S - n_local:
-        return True
-    qh, K = q.float(), K[:S].float()
-    i1 = torch.topk(qh.abs().sum(0), cfg.r).indices
-    tau = torch.sqrt(d * qh[:, i1].abs().sum(-1) / qh.abs().sum(-1))
-    score = torch.softmax(qh[:, i1] @ K[:, i1].T / tau[:, None], dim=-1).sum(0)[: S - n_local]
-    top = score.sort(descending=True).values
-    return bool(top[m - 1] > top[m])
-
-
 def _untie(gen, q, k, v, S, cfg) -> None:
     """Redraw (in place) the live K rows of every (row, KV head) whose selection has a tie."""
     B, n_kv = q.shape[:2]
     for b in range(B):
         for h in range(n_kv):
             for _ in range(500):
-                if _tie_free(q[b, h], k[b, h], S, cfg) and _tie_free(q[b, h].float(), k[b, h], S, cfg):
+                if not selection_has_ties(q[b, h], k[b, h], S, cfg):
                     break
                 k[b, h, :S] = torch.randn(S, k.shape[-1], generator=gen).to(k.dtype)
             else:

@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 import kernels  # noqa: E402
 import kernels_triton  # noqa: E402
 from model import KVCache, dense_attention_torch  # noqa: E402
-from sparq import SparQConfig, sparq_reference  # noqa: E402
+from sparq import SparQConfig, selection_has_ties, sparq_reference  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 IN_PROCESS = ON_GPU or type(kernels_triton._sparq_step1_kernel).__name__ == "InterpretedFunction"
@@ -43,27 +43,6 @@ outer_only = pytest.mark.skipif(INNER, reason="runs in the outer pytest process"
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
 
-def selection_tie_free(q, K, S, config) -> bool:
-    """No tie at the top-r boundary of |q| summed over the group nor at the top-k boundary of the
-    reference's selection scores, for one (row, KV head): q (g, d), K (>= S, d). Which of two tied
-    candidates is taken is unspecified (the kernels take the lower index, torch.topk does not say),
-    and low r on bf16 caches gives equal logits (as tests/test_kernels_cpu.py)."""
-    g, d = q.shape
-    qh, K = q.float(), K[:S].float()
-    a = qh.abs().sum(0).sort(descending=True).values
-    if config.r < d and not a[config.r - 1] > a[config.r]:
-        return False
-    n_local = min(config.local, S)
-    m = min(config.k, S) - n_local
-    if m <= 0 or m >= S - n_local:
-        return True
-    i1 = torch.topk(qh.abs().sum(0), config.r).indices
-    tau = torch.sqrt(d * qh[:, i1].abs().sum(-1) / qh.abs().sum(-1))
-    score = torch.softmax(qh[:, i1] @ K[:, i1].T / tau[:, None], dim=-1).sum(0)[: S - n_local]
-    top = score.sort(descending=True).values
-    return bool(top[m - 1] > top[m])
-
-
 def untie(gen, q, k, lengths, config) -> None:
     """Redraw (in place) q and the live K rows of every (row, KV head) whose selection has a tie."""
     B, n_kv, g, d = q.shape
@@ -71,7 +50,7 @@ def untie(gen, q, k, lengths, config) -> None:
         S = lengths[b]
         for h in range(n_kv):
             for _ in range(500):
-                if selection_tie_free(q[b, h], k[b, h], S, config):
+                if not selection_has_ties(q[b, h], k[b, h], S, config):
                     break
                 q[b, h] = torch.randn(g, d, generator=gen).to(q.dtype)
                 k[b, h, :S] = torch.randn(S, d, generator=gen).to(k.dtype)
@@ -164,6 +143,24 @@ def test_matches_reference(case):
     assert out.shape == (B, n_kv, g, d) and out.dtype == dtype
     assert torch.isfinite(out).all(), "garbage past the live length leaked into the output"
     torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[dtype])
+
+
+@in_process
+@pytest.mark.parametrize("g", [1, 2])
+def test_the_gpu_plan_branches_of_many_rows_match_the_reference(g, monkeypatch):
+    """The branches an H100 takes at the paper's Table 4 shape (B = 64, 32 heads, S = 4096: rows x
+    cdiv(S, 256) >= 2 x 132 SMs), reached at a small shape by planning for a 4-SM device: step 1's
+    256-position blocks, and the select kernel's single chunk of up to 4096 positions (rows >= SMs)."""
+    monkeypatch.setattr(kernels_triton, "_device_sms", lambda device: 4)
+    B, n_kv, d, S, r, k_top = 2, 2, 16, 2000, 4, 16
+    plan = kernels_triton.sparq_plan(B, n_kv, g, d, S, k_top, sms=4)
+    assert plan["step1"]["BLOCK_S"] == 256 and plan["n_chunks"] == 1 and plan["select"]["CHUNK"] == 2048
+    config = SparQConfig(r=r, k=k_top, mean_v=True)
+    q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, S, S + 48, torch.float32, seed=40 + g, config=config)
+    for length in (S, as_length(S, "scalar_int64")):
+        out = triton_sparq(q, k, k_t, v, v_sum, length, config, max_length=S)
+        torch.testing.assert_close(out.cpu(), sparq_reference(q.cpu(), k.cpu(), v.cpu(), v_sum.cpu(), S, config),
+                                   **TOLERANCE[torch.float32])
 
 
 @in_process
@@ -418,7 +415,7 @@ def test_cuda_graph_replay_with_changing_length():
             lives = [S, max(1, S // 3)] if per_row else [S, S]
             gen = torch.Generator().manual_seed(S)
             k_cpu = k.cpu()
-            untie(gen, q_cpu := q.cpu(), k_cpu, lives, config)  # redraw tied selections (see selection_tie_free)
+            untie(gen, q_cpu := q.cpu(), k_cpu, lives, config)  # redraw tied selections (see sparq.selection_has_ties)
             q.copy_(q_cpu)
             k.copy_(k_cpu)
             k_t.copy_(k.transpose(2, 3))
