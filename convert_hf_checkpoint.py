@@ -55,10 +55,6 @@ def _single(tensors: list[Tensor]) -> Tensor:
     return tensors[0]
 
 
-def _concat(tensors: list[Tensor]) -> Tensor:
-    return torch.cat(tensors, dim=0)
-
-
 def _shape_str(shape) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ")"
 

@@ -15,8 +15,8 @@ a cache layout a kernel does not take) is decided and announced there, once, nev
 Kernel signatures (q (B, n_kv, g, d): the g query heads sharing each KV head; the cache tensors
 are the static buffers, or views of them from a window layer's first visible position: rows [:B]
 and positions [:length] are read):
-  dense_attention(q, k, v, length, live_length, cap) -> (B, n_kv, g, d)
-  sparq_attention(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v, cap) -> (B, n_kv, g, d)
+  dense_attention(q, k, v, length, live_length) -> (B, n_kv, g, d)
+  sparq_attention(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v) -> (B, n_kv, g, d)
   linear(x (..., K), weight (N, K), bias (N,) or None) -> (..., N)
 `length` is the number of positions read (the longest row's). `live_length` says which are live:
   None          every row's positions [0, length) are live (exact reads: the CPU default);
@@ -24,8 +24,14 @@ and positions [:length] are read):
   tensor        (bucketed reads: one CUDA graph per bucket, the length a device tensor);
   a (B,) int    row b's positions [0, live_length[b]) are live (ragged batches: rows of different
   tensor        lengths; a kernel should read only those, so a short row costs what it reads).
-`cap` is the attention logit soft-cap (Gemma 2) or None. The fused attention kernels take no cap:
-resolve_kernels leaves attention to the torch path for soft-capped models, and says so.
+k, v (B_max, n_kv, S_max, d) are d-contiguous, k_t (B_max, n_kv, d, S_max) S-contiguous or None (the
+1xK layout: step 1 gathers r columns of k), v_sum (B_max, n_kv, d) fp32 the running sum of V over
+the live positions; 1 <= r <= d, 0 <= local <= k_top; results in q.dtype, softmax and accumulation
+in fp32; ties in the top-r / top-k go to the lower index. Every kernel computes what its reference
+computes: model.dense_attention_torch, sparq.sparq_reference (the batched torch path
+sparq.sparq_attention_torch shares this signature, plus a soft-cap). The kernels take no attention
+soft-cap (Gemma 2): resolve_kernels leaves attention to the torch paths for soft-capped models, and
+says so; the policies bind the cap to those paths.
 """
 from __future__ import annotations
 
@@ -137,11 +143,6 @@ def cpu_kernel_error() -> Optional[str]:
     return _cpu_ext["error"]
 
 
-def cpu_kernel_available() -> bool:
-    """True if the fused C++ kernels are built and loaded (builds them on the first call)."""
-    return cpu_kernel_error() is None
-
-
 def _load_for_first_call(op: str) -> None:
     error = cpu_kernel_error()
     if error is not None:
@@ -210,9 +211,8 @@ LINEAR_CPU_MAX_ROWS = 16  # the fused GEMV serves decode steps; prefill-sized in
 
 
 def linear_cpu_pays(rows: int, weight_dtype: torch.dtype) -> bool:
-    """Whether the fused GEMV beats F.linear for `rows` input rows (bench.py linear, Cascade Lake:
-    fp32 weights 2-3x faster at 1-4 rows, 1.4x at 16; bf16 weights 1.35x at 1 row, 1.1x at 4, but
-    slower from 8 rows on, where torch's bf16 GEMM uses the CPU's bf16 dot-product instructions)."""
+    """Whether the fused GEMV beats F.linear for `rows` input rows: fp32 weights up to 16 rows, bf16 up to
+    4, past which torch's bf16 GEMM and its dot-product instructions win (docs/NOTES.md)."""
     return rows <= (LINEAR_CPU_MAX_ROWS if weight_dtype == torch.float32 else 4)
 
 
@@ -221,8 +221,8 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
 
     The GEMV takes the few rows of a decode step (where linear_cpu_pays); a prefill's many rows are
     a GEMM, torch's own. fp32 accumulation, result in x.dtype; weight fp32/bf16/fp16, contiguous
-    along K. torch's GEMV streams weights at 7-9 GB/s on a 2-core machine, this kernel at close to
-    the memory bandwidth (bench.py linear): the weights are most of the bytes of a decode step.
+    along K. It streams the weights, most of a decode step's bytes, near the memory bandwidth where
+    torch's GEMV does not (python -m bench linear; docs/NOTES.md).
     """
     rows = x.numel() // x.shape[-1]
     # The C++ op has no backward: where autograd would need one (fine-tuning a fork), F.linear.
@@ -233,47 +233,27 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
     return y if bias is None else y + bias
 
 
-def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None,
-                        cap: Optional[float] = None) -> Tensor:
-    """Exact decode attention over positions [0, length) with the fused C++ kernel (flash-decoding).
-
-    q (B, n_kv, g, d); k, v (B_max, n_kv, S_max, d) d-contiguous (rows [:B] and positions [:length]
-    are read, once each, for all g heads). fp32 softmax and accumulation; returns (B, n_kv, g, d) in
-    q.dtype. live_length None (every row reads [0, length)) or a (B,) int tensor (row b reads only
-    [0, live_length[b]): ragged batches); no bucketed 0-dim length and no soft-cap: resolve_kernels
-    never pairs it with either.
-    """
-    _check_fused_call(live_length, cap)
+def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None) -> Tensor:
+    """dense_attention (the module docstring) with the fused C++ kernel, flash-decoding: each K/V row
+    is read once for the g heads that share it. Exact lengths only: live_length None or (B,)."""
+    _check_exact_lengths(live_length)
     return torch.ops.sparq.dense_cpu.default(q, k, v, length, live_length)
 
 
 def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                        live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
-                        cap: Optional[float] = None) -> Tensor:
-    """SparQ decode attention with the fused C++ kernel: same semantics as `sparq.sparq_reference`.
-
-    q (B, n_kv, g, d) fp32/bf16/fp16; k, v (B_max, n_kv, S_max, d) d-contiguous; k_t (B_max, n_kv, d,
-    S_max) S-contiguous, or None (1xK layout: step 1 reads whole rows of k, which holds the r
-    columns in every cache line anyway); v_sum (B_max, n_kv, d) fp32; length = live length S (int
-    or SymInt), 1 <= S <= S_max; 1 <= r <= d; 0 <= local <= k_top (else RuntimeError). live_length
-    None (every row's S is `length`) or a (B,) int tensor: row b's S is live_length[b] in [1,
-    length] (ragged batches: its own local window, top-k and mean-V over its own positions); no
-    bucketed 0-dim length, no soft-cap. Reads only rows [:B] and each row's positions [:S]. Returns
-    (B, n_kv, g, d) in q.dtype; ties in the top-r / top-k go to the lower index. Threads:
-    torch.get_num_threads().
-    """
-    _check_fused_call(live_length, cap)
+                        live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+    """sparq_attention (the module docstring) with the fused C++ kernel; bad settings are a
+    RuntimeError. Exact lengths only: live_length None or (B,). Threads: torch.get_num_threads()."""
+    _check_exact_lengths(live_length)
     return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, live_length)
 
 
-def _check_fused_call(live_length: Optional[Tensor], cap: Optional[float]) -> None:
-    """The fused attention kernels take exact lengths: None or per-row (B,) ones, never a bucket or a cap."""
+def _check_exact_lengths(live_length: Optional[Tensor]) -> None:
+    """The fused CPU kernels read exact lengths: None or per-row (B,) ones, never a bucket (resolve_kernels
+    never pairs them with one)."""
     if live_length is not None and live_length.dim() != 1:
         raise ValueError("the fused CPU kernels read exact lengths (no --length-bucket): "
                          "live_length must be None or a (B,) tensor of per-row lengths")
-    if cap is not None:
-        raise ValueError("the fused CPU kernels take no attention soft-cap")
-
 
 
 # =============================================================================================

@@ -576,11 +576,6 @@ def dense_launches(plan: dict) -> int:
     return 1 + (plan["combine"] is not None)
 
 
-def _launch(kernel, grid, params: dict, *args):
-    params = dict(params)
-    kernel[grid](*args, **params)
-
-
 # ---------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------
@@ -637,9 +632,9 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     q_strides = (q.stride(0), q.stride(1), q.stride(2))
     step1 = plan["step1"]
     rank_by_sort = RANK_BY_SORT if RANK_BY_SORT is not None else device.type == "cuda"
-    _launch(_sparq_step1_kernel, (rows, NB), dict(step1, K_TRANSPOSED=k_t is not None, LIVE=LIVE,
-                                                  RANK_BY_SORT=rank_by_sort),
-            q, *q_strides, kk, *k_strides, logits, block_stats[0], block_stats[1], live_arg, n_kv, g, d, r, S_bound, NB)
+    _sparq_step1_kernel[(rows, NB)](
+        q, *q_strides, kk, *k_strides, logits, block_stats[0], block_stats[1], live_arg, n_kv, g, d, r, S_bound, NB,
+        K_TRANSPOSED=k_t is not None, LIVE=LIVE, RANK_BY_SORT=rank_by_sort, **step1)
 
     stats = torch.empty((rows, 2, g), dtype=f32, device=device)
     if n_chunks == 1:
@@ -648,12 +643,12 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     else:
         positions = torch.empty((rows, n_chunks, KT), dtype=i32, device=device)
         keys = torch.empty((rows, n_chunks, KT), dtype=i32, device=device)
-    _launch(_sparq_select_kernel, (rows, n_chunks), dict(plan["select"], LIVE=LIVE),
-            logits, block_stats[0], block_stats[1], stats, positions, keys, live_arg, n_kv, g, S_bound, NB, KT,
-            local, n_chunks)
+    _sparq_select_kernel[(rows, n_chunks)](
+        logits, block_stats[0], block_stats[1], stats, positions, keys, live_arg, n_kv, g, S_bound, NB, KT, local,
+        n_chunks, LIVE=LIVE, **plan["select"])
     if n_chunks > 1:
         final = torch.empty((rows, KT), dtype=i32, device=device)
-        _launch(_sparq_merge_kernel, (rows,), plan["merge"], positions, keys, final, n_chunks * KT, KT)
+        _sparq_merge_kernel[(rows,)](positions, keys, final, n_chunks * KT, KT, **plan["merge"])
         positions = final
 
     out = torch.empty((B, n_kv, g, d), dtype=q.dtype, device=device)
@@ -663,14 +658,14 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     else:
         part_acc = torch.empty((rows, n_split, g, d), dtype=f32, device=device)
         part_ml = torch.empty((rows, n_split, 3, g), dtype=f32, device=device)
-    _launch(_sparq_step2_kernel, (rows, n_split), dict(plan["step2"], MEAN_V=mean_v, LIVE=LIVE),
-            q, *q_strides, positions, k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1),
-            v.stride(2), logits, stats, v_sum, v_sum.stride(0), v_sum.stride(1), out, *o_strides, part_acc, part_ml,
-            live_arg, n_kv, g, d, KT, KS, n_split, S_bound, 1.0 / math.sqrt(d))
+    _sparq_step2_kernel[(rows, n_split)](
+        q, *q_strides, positions, k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1),
+        v.stride(2), logits, stats, v_sum, v_sum.stride(0), v_sum.stride(1), out, *o_strides, part_acc, part_ml,
+        live_arg, n_kv, g, d, KT, KS, n_split, S_bound, 1.0 / math.sqrt(d), MEAN_V=mean_v, LIVE=LIVE, **plan["step2"])
     if n_split > 1:
-        _launch(_combine_kernel, (rows * g,), dict(plan["combine"], MEAN_V=mean_v, LIVE=LIVE),
-                part_acc, part_ml, v_sum, v_sum.stride(0), v_sum.stride(1), out, *o_strides, live_arg, n_kv, g, d,
-                n_split, 0, S_bound)
+        _combine_kernel[(rows * g,)](
+            part_acc, part_ml, v_sum, v_sum.stride(0), v_sum.stride(1), out, *o_strides, live_arg, n_kv, g, d,
+            n_split, 0, S_bound, MEAN_V=mean_v, LIVE=LIVE, **plan["combine"])
     return out
 
 
@@ -693,13 +688,14 @@ def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optio
     else:
         part_acc = torch.empty((rows, n_split, g, d), dtype=torch.float32, device=device)
         part_ml = torch.empty((rows, n_split, 3, g), dtype=torch.float32, device=device)
-    _launch(_dense_kernel, (rows, n_split), dict(plan["dense"], LIVE=LIVE),
-            q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
-            v, v.stride(0), v.stride(1), v.stride(2), out, *o_strides, part_acc, part_ml,
-            live_arg, n_kv, g, d, S_bound, SPLIT, n_split, 1.0 / math.sqrt(d))
+    _dense_kernel[(rows, n_split)](
+        q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
+        v, v.stride(0), v.stride(1), v.stride(2), out, *o_strides, part_acc, part_ml,
+        live_arg, n_kv, g, d, S_bound, SPLIT, n_split, 1.0 / math.sqrt(d), LIVE=LIVE, **plan["dense"])
     if n_split > 1:
-        _launch(_combine_kernel, (rows * g,), dict(plan["combine"], MEAN_V=False, LIVE=LIVE),
-                part_acc, part_ml, out, 0, 0, out, *o_strides, live_arg, n_kv, g, d, n_split, SPLIT, S_bound)
+        _combine_kernel[(rows * g,)](
+            part_acc, part_ml, out, 0, 0, out, *o_strides, live_arg, n_kv, g, d, n_split, SPLIT, S_bound,
+            MEAN_V=False, LIVE=LIVE, **plan["combine"])
     return out
 
 
@@ -728,32 +724,15 @@ def _dense_triton_fake(q, k, v, length, live):
 
 
 def sparq_attention_triton(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                           live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
-                           cap: Optional[float] = None) -> Tensor:
-    """SparQ decode attention with the Triton kernels: same semantics as `sparq.sparq_reference`.
-
-    q (B, n_kv, g, d) d-contiguous; k, v (B_max, n_kv, S_max, d) d-contiguous; k_t (B_max, n_kv, d,
-    S_max) S-contiguous or None (1xK layout: step 1 gathers r columns of k); v_sum (B_max, n_kv, d)
-    fp32. length: positions read (a python int; shapes and grids follow it). live_length: None
-    (exactly `length` are live), a 0-dim / 1-element int32/int64 device tensor (CUDA-graph safe: no
-    host sync), or a (B,) one (ragged rows: row b reads only its live positions); `length` must bound
-    it. Returns (B, n_kv, g, d) in q.dtype. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
-    No soft-cap (cap must be None: resolve_kernels routes soft-capped models to the torch path).
-    """
-    if cap is not None:
-        raise ValueError("the Triton SparQ kernels take no attention soft-cap")
+                           live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+    """sparq_attention (kernels.py's contract) with the Triton kernels. `length` is a Python int (shapes
+    and grids follow it); live_length may also be a 0-dim / 1-element device tensor (bucketed reads:
+    CUDA-graph safe, no host sync) that `length` bounds. CUDA tensors, or CPU tensors under
+    TRITON_INTERPRET=1."""
     return _sparq_triton_op(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v)
 
 
-def dense_attention_triton(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None,
-                           cap: Optional[float] = None) -> Tensor:
-    """Exact decode attention with the Triton flash-decoding kernel: same semantics as
-    `model.dense_attention_torch` (q, k, v, length and live_length as for sparq_attention_triton).
-
-    Split over S so that B = 1 fills the GPU; each K/V row is read once for the g query heads that
-    share it; with a tensor live length one CUDA graph serves every length and the cost follows the
-    live length. No soft-cap.
-    """
-    if cap is not None:
-        raise ValueError("the Triton dense kernel takes no attention soft-cap")
+def dense_attention_triton(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None) -> Tensor:
+    """dense_attention (kernels.py's contract) with the Triton flash-decoding kernel, split over S so that
+    B = 1 fills the GPU; lengths as sparq_attention_triton's."""
     return _dense_triton_op(q, k, v, length, live_length)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -324,7 +325,7 @@ class KVCache(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention: prefill, and the dense decode policy (SparQ and the baselines live in sparq.py)
+# Attention: prefill, and the dense decode policy (SparQ in sparq.py, the baselines in policies.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -389,8 +390,8 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, window: Opt
 
 
 class DecodePolicy(nn.Module):
-    """How one layer attends during single-token decode (dense here; SparQ and baselines in sparq.py,
-    where the registry of policies lives).
+    """How one layer attends during single-token decode (dense here; SparQ in sparq.py; the baselines
+    and the registry of policies in policies.py).
 
     forward(q (B, n_kv, g, d), cache, length) -> (B, n_kv, g, d) attends to cache.view(length):
     exactly the live positions (the current token included) when cache.length_bucket is 1, else the
@@ -404,7 +405,7 @@ class DecodePolicy(nn.Module):
                         lengths: Optional[Tensor] = None, window: Optional[int] = None) -> None:
         """Called after each prefill chunk with its queries q (B, H, T, d) at the last T positions and
         every key so far k (B, n_kv, S, d); stateful policies (H2O) use it. memo: shared by policies
-        observing the same prefill (eval.py), for work that does not depend on their settings.
+        observing the same prefill (the evals runner), for work that does not depend on their settings.
         lengths (B,): a right-padded batch of prompts of these lengths (queries past them are padding).
         window: the layer's sliding window (a query at p sees keys (p - window, p]), None on a global layer."""
 
@@ -420,12 +421,12 @@ class DenseDecode(DecodePolicy):
 
     def __init__(self, kernels: Kernels = TORCH_KERNELS, cap: Optional[float] = None):
         super().__init__()
-        self.attend = kernels.dense_attention or dense_attention_torch
-        self.cap = cap
+        # soft-capped models get no attention kernels (resolve_kernels): the cap binds to the torch path
+        self.attend = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         view = cache.view(length, q.shape[0])
-        return self.attend(q, view.k, view.v, view.length, view.live_length, self.cap)
+        return self.attend(q, view.k, view.v, view.length, view.live_length)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Paper, Appendix G: 2Sd + 2d (read K and V, write the new k and v)."""
@@ -541,10 +542,10 @@ class Attention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
         self.decode_attention: DecodePolicy = DenseDecode(kernels, self.cap)
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int, lengths: Optional[Tensor] = None) -> Tensor:
-        """x (B, T, D) at positions input_pos; length: for a decode step (T = 1) the positions decode
-        attention reads, for a prefill chunk the position after it (the chunk ends there); lengths:
-        the prompt lengths of a right-padded prefill (see Transformer.forward)."""
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, kv_end: int,
+                prompt_lengths: Optional[Tensor] = None) -> Tensor:
+        """x (B, T, D) at positions input_pos, attending to cache positions below kv_end (see
+        Transformer.forward, which also says what prompt_lengths are)."""
         B, T, _ = x.shape
         H, n_kv, d = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.wqkv(x).split([H * d, n_kv * d, n_kv * d], dim=-1)
@@ -556,15 +557,15 @@ class Attention(nn.Module):
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)  # (B, heads, T, d)
         self.kv_cache.update(input_pos, k, v)
-        if T > 1:  # a prefill chunk: positions [length - T, length), over every key it may see
-            k_start = 0 if self.window is None else max(0, length - T - self.window + 1)
-            keys, values = self.kv_cache.k[:B, :, k_start:length], self.kv_cache.v[:B, :, k_start:length]
-            y = prefill_attention(q, keys, values, length - T, self.window, self.cap)  # (B, H, T, d)
-            self.decode_attention.observe_prefill(q, self.kv_cache.k[:B, :, :length], lengths=lengths,
+        if T > 1:  # a prefill chunk: positions [kv_end - T, kv_end), over every key it may see
+            k_start = 0 if self.window is None else max(0, kv_end - T - self.window + 1)
+            keys, values = self.kv_cache.k[:B, :, k_start:kv_end], self.kv_cache.v[:B, :, k_start:kv_end]
+            y = prefill_attention(q, keys, values, kv_end - T, self.window, self.cap)  # (B, H, T, d)
+            self.decode_attention.observe_prefill(q, self.kv_cache.k[:B, :, :kv_end], lengths=prompt_lengths,
                                                    window=self.window)
-        else:
+        else:  # a decode step reads kv_end positions
             q = q.view(B, n_kv, H // n_kv, d)  # query heads grouped by the KV head they share
-            y = self.decode_attention(q, self.kv_cache, length).view(B, H, 1, d)
+            y = self.decode_attention(q, self.kv_cache, kv_end).view(B, H, 1, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * d))
 
 
@@ -594,8 +595,9 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = make_norm(args) if args.sandwich_norms else None
         self.post_ffn_norm = make_norm(args) if args.sandwich_norms else None
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, length: int, lengths: Optional[Tensor] = None) -> Tensor:
-        a = self.attention(self.attention_norm(x), rope, input_pos, length, lengths)
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, kv_end: int,
+                prompt_lengths: Optional[Tensor] = None) -> Tensor:
+        a = self.attention(self.attention_norm(x), rope, input_pos, kv_end, prompt_lengths)
         if self.parallel_residual:
             return x + a + self.feed_forward(self.ffn_norm(x))
         if self.post_attention_norm is not None:
@@ -712,16 +714,16 @@ class Transformer(nn.Module):
         for cache in self.caches:
             cache.set_live_lengths(lengths)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, length: int, lengths: Optional[Tensor] = None) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor, kv_end: int, prompt_lengths: Optional[Tensor] = None) -> Tensor:
         """idx (B, T) tokens at positions input_pos: (T,) for every row, or (B, T) per row (ragged
-        rows decode at their own positions). A decode step (T = 1): length = the cache positions
-        decode attention reads (the longest row's live length after this step, rounded up to the
-        caches' length_bucket: read_length). A prefill chunk (T > 1, positions [length - T, length)):
-        length = the position after it.
+        rows decode at their own positions). Attention reads cache positions [0, kv_end): a decode
+        step (T = 1) reads kv_end positions (the longest row's live length after this step, rounded
+        up to the caches' length_bucket: read_length); a prefill chunk (T > 1) sits at positions
+        [kv_end - T, kv_end) and attends causally to everything before its end.
 
-        lengths (B,): a prefill chunk of a right-padded batch of prompts of these lengths (ragged rows);
-        the logits are then row b's at its last real token when the chunk holds it (clamped into the
-        chunk otherwise), and stateful policies learn which queries are padding.
+        prompt_lengths (B,): a prefill chunk of a right-padded batch of prompts of these lengths
+        (ragged rows); the logits are then row b's at its last real token when the chunk holds it
+        (clamped into the chunk otherwise), and stateful policies learn which queries are padding.
 
         Returns logits (B, vocab) in fp32 for the last position (or each row's last real one).
         """
@@ -731,12 +733,12 @@ class Transformer(nn.Module):
         if self.args.embedding_scale is not None:
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, length, lengths)
-        if lengths is None:
+            x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, kv_end, prompt_lengths)
+        if prompt_lengths is None:
             x = x[:, -1]
         else:
             T = idx.shape[1]
-            last = (lengths - 1 - (length - T)).clamp(0, T - 1)  # each row's last real token in this chunk
+            last = (prompt_lengths - 1 - (kv_end - T)).clamp(0, T - 1)  # each row's last real token in this chunk
             x = x[torch.arange(x.shape[0], device=x.device), last]
         return softcap(self.output(self.norm(x)).float(), self.args.final_softcap)
 

@@ -13,7 +13,7 @@ Schemes (w: a weight (N out, K in); every scale and zero is a bfloat16 value, st
   int8  symmetric:               w ~ q * s,            q in [-127, 127], s = amax / 127
         per output channel for the block linears; per group of 64 inputs for the head (below)
   int4  affine per group of K:   w ~ (q - 8) * s + z,  q in [0, 15], one (s, z) per group
-        (group 32 by default: 64 or more loses much more on SmolLM2, see the PR note)
+        (group 32 by default: 64 or more loses much more on SmolLM2, docs/NOTES.md)
 The (q - 8) * s + z form is the one PyTorch's int4 kernels use. Scales and zeros are picked as
 bf16 values (s rounded up so the grid still covers the group) and q is computed against those
 rounded values, so the packed kernels (which read bf16 scales) and the plain fallback dequantize to
@@ -24,10 +24,9 @@ What is quantized, and why:
   * The output head: int8 in groups of 64 inputs by default, in both modes (--head int8|int4|none).
     At batch 1 the head (49152 x 576 on SmolLM2, 21% of the parameters) is read whole every step, so
     it must be quantized for speed. int8, not int4: the logits are what sampling sees, and an int4
-    head multiplies the logit error of the int4 model by ~4x (KL to fp32 0.0015 -> 0.058 on SmolLM2),
-    the llama.cpp Q4_1 file we compare with keeps this tensor in Q8_0 (int8, blocks of 32) for
+    head multiplies the logit error of the int4 model several times (docs/NOTES.md); the llama.cpp Q4_1 file we compare with keeps this tensor in Q8_0 (int8, blocks of 32) for
     the same reason. Groups of 64 rather than per channel: half the head's KL for the same speed
-    (the int4x2 kernel below reads one scale per 64 inputs anyway). --head int4 is ~2x faster on the
+    (the int4x2 kernel below reads one scale per 64 inputs anyway). --head int4 is faster on the
     head; --head none keeps it (and a tied embedding) in floating point.
   * The embedding. Tied to the head (SmolLM2), it IS the head's tensor: the lookup gathers the B
     rows it needs and dequantizes them with the head's scales (a row of the embedding is an output
@@ -42,14 +41,14 @@ Kernels (CPU, torch 2.13).
                             the stored tensors as they are (nothing packed at load), dequantize in
                             registers to exactly the weights below and multiply in fp32; more rows
                             (prefill) dequantize the weight and run F.linear, as fast as the packed
-                            aten kernels there. bench.py linear --quantized compares them with the
+                            aten kernels there. python -m bench linear --quantized compares them with the
                             aten kernels below at decode sizes.
 aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu are only vectorized for bf16
-activations; with fp32 activations they run a scalar loop, 10-30x slower. So the packed paths cast
+activations; with fp32 activations they run a scalar loop, many times slower. So the packed paths cast
 the activations to bf16, run the kernel (fp32 accumulation) and cast back:
   int4 layers   "int4pack"  aten._weight_int4pack_mm_for_cpu (CUDA: aten._weight_int4pack_mm)
   int8 layers   "int4x2"    the same int4 kernel on q split into two nibbles (see Int8Linear): the
-                            int8 kernel is compute-bound here, this is 1.2-1.5x faster, same weights
+                            int8 kernel is compute-bound here, this is faster, same weights
                 "int8pack"  aten._weight_int8pack_mm (per-channel only; used if int4x2 cannot be)
   both          "dequant"   the plain fallback: dequantize, then F.linear in the activation dtype
                             (used where no packed kernel applies, e.g. int8 on CUDA)
@@ -225,8 +224,8 @@ class Int8Linear(nn.Module):
                  dequantize + F.linear for more rows (see the module docstring).
       "int4x2"   q = 16 hi + lo with hi in [-8, 7], lo in [0, 15]: both halves go through the int4
                  kernel as one (N, 2K) matrix -- [hi | lo] with scales 16 s / s and zeros 0 / 8 s --
-                 against [x | x]. Exactly the same weights; the int4 kernel is ~1.3x faster than
-                 the int8 one here because the int8 kernel is compute-bound on this CPU.
+                 against [x | x]. Exactly the same weights; the int4 kernel is faster than the int8
+                 one, which is compute-bound on CPUs without int8 dot products (docs/NOTES.md).
       "int8pack" aten._weight_int8pack_mm (per-channel scales only).
       "dequant"  F.linear(x, q.to(x.dtype)) * s (the plain fallback; CUDA's path, fused by inductor).
     """
@@ -723,10 +722,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="quantize.py", description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, required=True, help="model.pth (fp32/bf16) or its directory")
-    p.add_argument("--mode", required=True, help="int8 (per output channel) or int4 (grouped affine)")
-    p.add_argument("--group-size", type=int, default=None,
-                   help=f"int4 group size along the input dim: 32, 64, 128 or 256 (default {DEFAULT_GROUP_SIZE})")
-    p.add_argument("--head", default="int8",
+    p.add_argument("--mode", required=True, choices=MODES, help="int8 (per output channel) or int4 (grouped affine)")
+    p.add_argument("--group-size", type=int, default=None, choices=GROUP_SIZES,
+                   help=f"int4 group size along the input dim (default {DEFAULT_GROUP_SIZE})")
+    p.add_argument("--head", default="int8", choices=HEAD_CHOICES,
                    help="output head (and the tied embedding): int8 (default), int4 (int4 mode only) or none")
     p.add_argument("--out", type=Path, default=None,
                    help="output file (default: model_int8.pth / model_int4.g{gs}.pth next to the input)")
@@ -756,8 +755,6 @@ def bring_along(source_dir: Path, out_dir: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> Path:
-    if args.mode not in MODES:
-        raise QuantizationError(f"unknown mode {args.mode!r} (choose from {', '.join(MODES)})")
     path, directory = checkpoint_paths(args.checkpoint)
     model_args = ModelArgs.from_json(directory / "config.json")
     state = load_state_dict(path)

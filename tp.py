@@ -1,7 +1,7 @@
 """Tensor parallel decode on torch.distributed: shard a loaded model in place, by KV head.
 
     torchrun --nproc_per_node 2 generate.py --prompt "Hello" --sparq-r 16
-    torchrun --nproc_per_node 2 bench.py decode --prompt-tokens 0,8000 --batch-size 1
+    torchrun --nproc_per_node 2 -m bench decode --prompt-tokens 0,8000 --batch-size 1
 
 Each rank owns whole KV heads (n_kv / N of them, the first n_kv % N ranks one more when N does not
 divide n_kv: SmolLM2's 3 KV heads go 2 + 1 over two ranks) and the query heads that share them

@@ -5,9 +5,8 @@
 //   linear_cpu(Tensor x, Tensor w) -> Tensor
 //   linear_cpu_isa() -> str      which path this build compiled (see below)
 //
-// At batch 1 every weight is read once per step, so this is a bandwidth problem: stock torch's
-// GEMV streams fp32 and bf16 weights at 7-9 GB/s on a 2-core machine against ~20 GB/s per core
-// for a plain sum (bench.py linear). Each thread streams 4 weight rows at a time (4 sequential
+// At batch 1 every weight is read once per step, so this is a bandwidth problem that stock torch's
+// GEMV leaves far from the memory's speed (python -m bench linear; docs/NOTES.md). Each thread streams 4 weight rows at a time (4 sequential
 // streams the hardware prefetcher follows), dotted with every row of x (L1-resident); the rows of
 // w are split over torch's threads in units claimed dynamically.
 //
@@ -36,10 +35,8 @@
 
 
 // Software prefetch distance, in weight rows: while a block of rows streams, the rows SPARQ_LPF ahead
-// (the next block) are prefetched into L2 line by line, so a new block does not start cold (0: off).
-// On the Zen 5 machine, a decode step's GEMVs in one process, LPF 0 against 4 (2 threads): bf16
-// 13.7 -> 18.6 GB/s on SmolLM2's shapes, 19.0 -> 26.0 on Qwen2.5-0.5B's; fp32 25.7 -> 32.9 and
-// 24.8 -> 28.4; a distance of 8 rows was no better. (The AVX2 path has none: not measured.)
+// (the next block) are prefetched into L2 line by line, so a new block does not start cold (0: off;
+// 4 measured best, docs/NOTES.md; the AVX2 path has none).
 #ifndef SPARQ_LPF
 #define SPARQ_LPF 4
 #endif

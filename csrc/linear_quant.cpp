@@ -16,11 +16,10 @@
 // rounding for + z as there), then multiplied with x in fp32: the result is the fp32 GEMV over the
 // dequantized weights, while the stream is 1 byte (int8) or 1/2 byte (int4) per weight. Software
 // prefetch a block of rows ahead keeps the stream going while the conversions compute (without it
-// the int8 stream ran at half the bandwidth). bench.py linear --quantized compares these with
-// torch's packed aten kernels. The code is written once over simd.h's vectors (AVX-512, or the
-// portable ones, which the compiler vectorises for AVX2), the readable reference; int4 has a second
-// path for CPUs with AVX512_BF16 (below int4_block), chosen at build time like linear.cpp's: on the
-// Zen 5 machine it took a 1536 x 576 GEMV held in L2 from 237 to 83 us on one thread.
+// the int8 stream ran at half the bandwidth). python -m bench linear --quantized compares these with
+// torch's packed aten kernels. The code is written once over simd.h's vectors (AVX-512, AVX2 or
+// portable), the readable reference; int4 has a second path for CPUs with AVX512_BF16 (below
+// int4_block), chosen at build time like linear.cpp's, about 3x faster (docs/NOTES.md).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -2,9 +2,8 @@
 // AVX-512 (F, BW, VL, DQ), two 8-lane AVX2 halves where it targets AVX2 + FMA + F16C (x86-64-v3),
 // else a portable fallback. Loads widen bf16 / f16 to fp32; vexp, compress_store, lane ids,
 // prefetch; the bf16/f16 aliases and to_f/from_f. Everything here is static inline: every kernel
-// source includes it. The portable fallback is correct everywhere but slow, and slow to build: gcc
-// spends minutes at -O3 on its 16-iteration lane loops (sparq_decode.cpp alone took over 9 min on a
-// Zen 3 core), so the AVX2 layer is what CPUs without AVX-512 run.
+// source includes it. The portable fallback is correct everywhere but slow to run and to build (gcc
+// spends minutes at -O3 on its lane loops, docs/NOTES.md): CPUs without AVX-512 run the AVX2 layer.
 #pragma once
 
 #include <c10/util/BFloat16.h>

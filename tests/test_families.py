@@ -13,15 +13,14 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 
 import convert_hf_checkpoint
 import model
-from generate import Generator, compiled_decode_step, decode_step
-from sparq import AttentionSettings, policy_factory
+from decoding import Generator, compiled_decode_step, decode_step
+from policies import AttentionSettings, policy_factory
 
 transformers = pytest.importorskip("transformers")
 
@@ -171,7 +170,7 @@ def test_h2o_holding_every_visible_position_generates_dense_tokens(converted):
     """H2O with a budget of each layer's whole view (the window on a window layer, the prompt and its
     continuation on a global one) keeps every position it may see: dense's tokens. The window layers'
     H2O scores only the keys in the window during the chunked prefill (model.py passes the window)."""
-    from sparq import H2ODecode
+    from policies import H2ODecode
 
     _, _, _, out_dir = converted
     ours = model.load_model(out_dir)

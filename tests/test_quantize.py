@@ -14,8 +14,8 @@ import dataclasses
 
 import model as M
 import quantize as Q
-from conftest import REPO, assert_one_line_error
-from generate import compiled_decode_step, decode_step
+from conftest import REPO, assert_one_line_error, run_python
+from decoding import compiled_decode_step, decode_step
 from kernels import TORCH_KERNELS
 
 # The packed quantized kernels alone (the linears' float path stays F.linear); TORCH_KERNELS is the
@@ -457,11 +457,11 @@ def tiny_dir(tmp_path_factory):
 
 def test_cli_errors_are_one_line(tiny_dir, tmp_path):
     ckpt = str(tiny_dir / "model.pth")
-    assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int3"), "unknown mode 'int3'")
+    assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int3"), "--mode: invalid choice: 'int3'")
     assert_one_line_error(run_quantize("--checkpoint", str(tmp_path / "nope.pth"), "--mode", "int8"),
                           "checkpoint not found")
     assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int4", "--group-size", "48"),
-                          "unsupported group size 48")
+                          "--group-size: invalid choice: 48")
     assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int8", "--group-size", "32"),
                           "--group-size applies to --mode int4 only")
     assert_one_line_error(run_quantize("--checkpoint", ckpt), "--mode")
@@ -499,3 +499,14 @@ def test_generate_runs_a_quantized_checkpoint(attention, quantized_smollm2, tmp_
     assert summary["attention"] == ("sparq" if attention else "dense")
     assert len(summary["samples"][0]["tokens"]) >= 1 and summary["decode_tokens_per_s"] > 0
     assert summary["weight_bytes"] < 0.25 * 538e6  # the int4 model reads well under a quarter of fp32
+
+
+def test_quantize_out_elsewhere_brings_config_and_tokenizer(tmp_path, smollm2_checkpoint):
+    out = tmp_path / "elsewhere" / "model_int8.pth"
+    result = run_python("quantize.py", "--checkpoint", smollm2_checkpoint, "--mode", "int8", "--out", out,
+                      "--no-progress", timeout=600)
+    assert result.returncode == 0, result.stderr
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out.parent / name).is_file(), name
+    gen = run_python("generate.py", "--checkpoint", out, "--prompt", "Hello", "--max-new-tokens", "3", "--no-stream")
+    assert gen.returncode == 0, gen.stderr

@@ -14,10 +14,10 @@ import torch
 import data
 import kernels
 from conftest import REPO, assert_one_line_error, read_json
-from generate import Generator
+from decoding import Generator
 from kernels import TORCH_KERNELS
 from model import ModelArgs, Transformer, load_model
-from sparq import POLICIES, AttentionSettings, policy_factory
+from policies import POLICIES, AttentionSettings, policy_factory
 
 
 def run_rows(model, rows, new_tokens, settings, compile_decode=False):

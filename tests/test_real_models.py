@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fetch_models
+from scripts import fetch_models
 import model
 import tokenizer as tokenizer_module
 from conftest import REPO

@@ -51,7 +51,7 @@ CASES = [
 def test_torch_path_matches_reference(B, n_kv, g_, d, S, S_max, r, k, mean_v, layout):
     cache, _, _ = filled_cache(B, n_kv, d, S, S_max, layout)
     q = random_query(B, n_kv, g_, d)
-    config = SparQConfig(r=r, k=k, mean_v=mean_v)
+    config = SparQConfig(r=r, k_top=k, mean_v=mean_v)
     expected = sparq_reference(q, cache.k, cache.v, cache.v_sum, S, config)
     actual = sparq_torch(q, cache, S, config)
     assert actual.shape == (B, n_kv, g_, d)
@@ -61,7 +61,7 @@ def test_torch_path_matches_reference(B, n_kv, g_, d, S, S_max, r, k, mean_v, la
 def test_bf16_torch_path_matches_reference():
     cache, _, _ = filled_cache(2, 3, 64, 700, 800, dtype=torch.bfloat16)
     q = random_query(2, 3, 3, 64, dtype=torch.bfloat16)
-    config = SparQConfig(r=16, k=64, mean_v=True)
+    config = SparQConfig(r=16, k_top=64, mean_v=True)
     expected = sparq_reference(q, cache.k, cache.v, cache.v_sum, 700, config)
     actual = sparq_torch(q, cache, 700, config)
     # Both compute in fp32 from the same bf16 values; the output is rounded to bf16 (8 bits of mantissa).
@@ -77,7 +77,7 @@ def test_full_r_and_k_equal_dense(layout, g_):
     q = random_query(B, n_kv, g_, d)
     dense = dense_attention(q, k, v)
     for mean_v in (False, True):  # alpha = 1 when every position is selected
-        config = SparQConfig(r=d, k=256, local=0, mean_v=mean_v)
+        config = SparQConfig(r=d, k_top=256, local=0, mean_v=mean_v)
         torch.testing.assert_close(sparq_torch(q, cache, S, config), dense, atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(sparq_reference(q, cache.k, cache.v, cache.v_sum, S, config), dense,
                                    atol=2e-6, rtol=1e-5)
@@ -87,7 +87,7 @@ def test_sparse_attention_differs_from_dense_when_k_is_small():
     """Guard against a test that cannot fail: with k << S the output is not dense attention."""
     cache, k, v = filled_cache(1, 2, 64, 500, 500)
     q = random_query(1, 2, 2, 64) * 3
-    sparse = sparq_torch(q, cache, 500, SparQConfig(r=8, k=16))
+    sparse = sparq_torch(q, cache, 500, SparQConfig(r=8, k_top=16))
     assert (sparse - dense_attention(q, k, v)).abs().max() > 1e-3
 
 
@@ -98,7 +98,7 @@ def test_local_window_is_always_selected():
     q = torch.ones(B, n_kv, 1, d)
     cache.k[:, :, S - local:] = -10.0  # the recent keys get the lowest scores
     cache.k_t[:, :, :, S - local:] = -10.0
-    config = SparQConfig(r=d, k=8, local=local)
+    config = SparQConfig(r=d, k_top=8, local=local)
     out = sparq_reference(q, cache.k, cache.v, cache.v_sum, S, config)
     expected_positions = list(range(S - local, S)) + torch.topk(
         (q[0, 0, 0] @ cache.k[0, 0, : S - local].T), 8 - local).indices.tolist()
@@ -130,10 +130,10 @@ def test_config_validation_messages():
     with pytest.raises(ValueError, match="--sparq-r"):
         SparQConfig(r=65).validate(64)
     with pytest.raises(ValueError, match="--sparq-k"):
-        SparQConfig(r=8, k=0).validate(64)
+        SparQConfig(r=8, k_top=0).validate(64)
     with pytest.raises(ValueError, match="--sparq-local"):
-        SparQConfig(r=8, k=16, local=17).validate(64)
-    assert SparQConfig(r=8, k=128).local == 32
+        SparQConfig(r=8, k_top=16, local=17).validate(64)
+    assert SparQConfig(r=8, k_top=128).local == 32
 
 
 def test_transfer_accounting_matches_paper_formulas():
@@ -141,10 +141,10 @@ def test_transfer_accounting_matches_paper_formulas():
 
     args = ModelArgs(vocab_size=10, dim=576, n_layer=30, n_head=9, n_kv_head=3, head_dim=64, intermediate_size=10)
     S, B = 8192, 4
-    sparq = SparQDecode(SparQConfig(r=16, k=128))
+    sparq = SparQDecode(SparQConfig(r=16, k_top=128))
     assert sparq.transfer_elements(S, 64) == S * 16 + 2 * 128 * 64 + 4 * 64
     assert DenseDecode().transfer_elements(S, 64) == 2 * S * 64 + 2 * 64
-    assert SparQDecode(SparQConfig(r=16, k=128), dense_when_short=False).transfer_elements(50, 64) == \
+    assert SparQDecode(SparQConfig(r=16, k_top=128), dense_when_short=False).transfer_elements(50, 64) == \
         50 * 16 + 2 * 50 * 64 + 4 * 64  # k capped at the live length
     assert sparq.transfer_elements(128, 64) == DenseDecode().transfer_elements(128, 64)  # S <= k: the dense path
     with torch.device("meta"):
@@ -159,7 +159,7 @@ def test_transfer_accounting_matches_paper_formulas():
 def test_compiled_sparq_equals_eager():
     B, n_kv, g_, d = 2, 3, 3, 64
     cache, _, _ = filled_cache(B, n_kv, d, 400, 512, garbage=False)
-    config = SparQConfig(r=16, k=64, mean_v=True)
+    config = SparQConfig(r=16, k_top=64, mean_v=True)
     policy = SparQDecode(config)
     compiled = torch.compile(policy, fullgraph=True, dynamic=True)
     for S in (300, 301, 400):
@@ -184,7 +184,7 @@ def test_bucketed_lengths_equal_exact_lengths():
     read = 384  # S rounded up to the bucket
     q = random_query(B, n_kv, g_, d)
     torch.testing.assert_close(DenseDecode()(q, bucketed, read), DenseDecode()(q, exact, S))
-    for config in (SparQConfig(r=16, k=64, mean_v=True), SparQConfig(r=8, k=512, local=0)):
+    for config in (SparQConfig(r=16, k_top=64, mean_v=True), SparQConfig(r=8, k_top=512, local=0)):
         torch.testing.assert_close(sparq_torch(q, bucketed, read, config),
                                    sparq_torch(q, exact, S, config), atol=1e-5, rtol=1e-5)
 
@@ -255,7 +255,7 @@ def test_window_policies_attend_exactly_their_window():
     expected = dense_attention(q, k[:, :, S - W:], v[:, :, S - W:])
     torch.testing.assert_close(DenseDecode()(q, cache, S), expected, atol=2e-6, rtol=1e-5)
     for mean_v in (False, True):
-        full = SparQDecode(SparQConfig(r=d, k=64, local=0, mean_v=mean_v), dense_when_short=False)(q, cache, S)
+        full = SparQDecode(SparQConfig(r=d, k_top=64, local=0, mean_v=mean_v), dense_when_short=False)(q, cache, S)
         torch.testing.assert_close(full, expected, atol=2e-6, rtol=1e-5)
 
 
@@ -291,7 +291,7 @@ def test_short_contexts_take_the_dense_path_with_the_same_result():
     B, n_kv, g_, d = 2, 3, 3, 64
     cache, _, _ = filled_cache(B, n_kv, d, 200, 256, garbage=False)
     q = random_query(B, n_kv, g_, d)
-    config = SparQConfig(r=8, k=128, mean_v=True)
+    config = SparQConfig(r=8, k_top=128, mean_v=True)
     short, forced = SparQDecode(config), SparQDecode(config, dense_when_short=False)
     torch.testing.assert_close(short(q, cache, 100), DenseDecode()(q, cache, 100))
     torch.testing.assert_close(short(q, cache, 100), forced(q, cache, 100), atol=1e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""squad.py: prompt construction on a hand-made sample, SQuAD v1.1 scoring on hand-checked strings,
+"""evals/squad.py: prompt construction on a hand-made sample, SQuAD v1.1 scoring on hand-checked strings,
 fetch() without network, and the real dev set when it has been fetched (`make squad`)."""
 import hashlib
 import io
@@ -8,8 +8,8 @@ import tarfile
 import pytest
 
 import data
-import squad
-from squad import QA, Article, Paragraph
+from evals import squad
+from evals.squad import QA, Article, Paragraph
 
 
 def sample() -> list[Article]:
@@ -233,10 +233,10 @@ def test_load_round_trip(tmp_path):
 
 def fake_sdist(path, payload: bytes):
     with tarfile.open(path, "w:gz") as tar:
-        for name, data in (("bigbench-1.0.0/README.md", b"x"), (squad.MEMBER, payload)):
+        for name, content in (("bigbench-1.0.0/README.md", b"x"), (squad.MEMBER, payload)):
             info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
 
 
 def test_fetch_extracts_atomically_without_network(tmp_path, monkeypatch):

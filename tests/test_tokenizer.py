@@ -13,7 +13,7 @@ from typing import Optional
 
 import pytest
 
-import fetch_models
+from scripts import fetch_models
 import tokenizer as T
 
 REPO = Path(__file__).resolve().parent.parent
@@ -567,7 +567,7 @@ REAL_EXTRA = [
 def real_gguf(name: str) -> Path:
     path = fetch_models.gguf_path(name)
     if not path.is_file():
-        pytest.skip(f"{name} not fetched: no {path} (python fetch_models.py {name})")
+        pytest.skip(f"{name} not fetched: no {path} (python -m scripts.fetch_models {name})")
     return path
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, assert_one_line_error
+from conftest import REPO
 
 
 def torchrun(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -17,9 +17,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tp  # noqa: E402
-from generate import Generator  # noqa: E402
+from decoding import Generator  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from sparq import AttentionSettings, policy_factory  # noqa: E402
+from policies import AttentionSettings, policy_factory  # noqa: E402
 
 POLICIES = {"dense": AttentionSettings("dense"), "sparq": AttentionSettings("sparq", sparq_r=6, sparq_k=12),
             "h2o": AttentionSettings("h2o", kv_budget=16)}

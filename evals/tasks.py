@@ -1,5 +1,5 @@
 """The evaluation tasks: one record per task (its metrics, how its examples are built, how they are
-scored, when a generation is finished). eval.py is the harness that runs them against the decode
+scored, when a generation is finished). `python -m evals` is the harness that runs them against the decode
 policies; adding a task is one builder, one scorer and one TASKS entry.
 
 Tasks (offline data only; examples are built by token count, so a batch shares one length):
@@ -19,7 +19,7 @@ Tasks (offline data only; examples are built by token count, so a batch shares o
               attn_rel_l2 of each policy's attention output vs dense (per layer, dense inputs),
               and top1_agreement of the next-token argmax with dense over 16 teacher-forced steps
               (scored by the harness's probes, not by a scorer here).
-  squad       the paper's headline task (squad.py): SQuAD v1.1 1-shot with confusion paragraphs from
+  squad       the paper's headline task (evals/squad.py): SQuAD v1.1 1-shot with confusion paragraphs from
               other articles (--squad-contexts of them: 7 by default, about 1.5k tokens), plain-text
               prompt ending in "Answer:", greedy answer to the end of the line; exact_match and f1
               with SQuAD's official normalisation, against any reference. Prompts differ in length:
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import data
-import squad
+from evals import squad
 from cli import UserError
 
 SF_NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -303,7 +303,7 @@ def bpc_examples(tokenizer, length: int, n: int, seed: int, continuation_tokens:
 
 @dataclass
 class TaskOptions:
-    """Per-task settings from eval.py's flags."""
+    """Per-task settings from the harness's flags."""
 
     bpc_tokens: int = 64
     repetition_chars: int = 256
@@ -351,7 +351,7 @@ def _score_question(example: Example, outcome: Outcome) -> dict[str, float]:
 
 
 def squad_examples(tokenizer, n_confusion: int, n: int, seed: int, diagnostics: bool = False) -> list[Example]:
-    """n SQuAD questions (squad.py) with n_confusion confusion paragraphs, as plain-text prompts (the
+    """n SQuAD questions (evals/squad.py) with n_confusion confusion paragraphs, as plain-text prompts (the
     paper's format, also for instruct models: the comparison between methods is the point). For
     the diagnostics the first reference answer and the newline are teacher-forced."""
     articles = squad.load()

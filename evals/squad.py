@@ -3,7 +3,7 @@ Table 2, Figure 6; prompt format in Appendix G.1.1).
 
 Data: the SQuAD v1.1 dev set (CC BY-SA 4.0) as BIG-bench ships it, taken from the `bigbench==1.0.0`
 sdist on PyPI (`pip download --no-deps --no-binary :all:`, 358 MB, never installed) and cached
-outside the repo, in $SPARQ_FAST_CACHE or ~/.cache/sparq-fast (`python squad.py fetch`, `make squad`):
+outside the repo, in $SPARQ_FAST_CACHE or ~/.cache/sparq-fast (`python -m evals.squad fetch`, `make squad`):
     <cache>/squad/bigbench-1.0.0.tar.gz   the sdist (kept; delete it once the JSON is there)
     <cache>/squad/squaddev_v1.1.json      bigbench-1.0.0/bigbench/benchmark_tasks/squad_shifts/
 It is the original dev-v1.1.json (48 articles, 2,067 paragraphs) except that BIG-bench removed 46
@@ -48,7 +48,7 @@ Choices where the paper is silent (or that the brief fixed):
 - Figure 6 used SQuAD *train*; only dev is here, so the length sweep runs on dev.
 Prompt lengths with SmolLM2's tokenizer (seed 0, first 300 examples, median [min, max]): 1,445
 [1,006, 2,226] / 2,847 [2,217, 3,892] / 5,652 [4,549, 7,030] / 11,259 [9,885, 13,231] tokens for
-7 / 15 / 31 / 63 confusion contexts (`python squad.py lengths`). Reference answers are short
+7 / 15 / 31 / 63 confusion contexts (`python -m evals.squad lengths`). Reference answers are short
 (median 4 tokens, 99th percentile 21): a harness can stop at a newline or after ~32 new tokens.
 """
 from __future__ import annotations
@@ -201,7 +201,7 @@ def load(path: Optional[Path] = None) -> list[Article]:
     """The articles of a SQuAD v1.1-format JSON file (default: where fetch() puts the dev set)."""
     path = Path(path or default_path())
     if not path.is_file():
-        raise data.DataMissing(f"{path} is missing (run `make squad` or `python squad.py fetch`)")
+        raise data.DataMissing(f"{path} is missing (run `make squad` or `python -m evals.squad fetch`)")
     articles = json.loads(path.read_text(encoding="utf-8"))["data"]
     return [Article(a["title"], [Paragraph(p["context"], [QA(q["id"], q["question"], [x["text"] for x in q["answers"]])
                                                          for q in p["qas"]])
@@ -329,7 +329,7 @@ def _lengths(args) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = cli.ArgumentParser(prog="squad.py",
+    parser = cli.ArgumentParser(prog="python -m evals.squad",
                                 description="SQuAD v1.1 1-shot with confusion contexts (SparQ paper, Appendix G.1.1)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=cli.ArgumentParser)
     p = commands.add_parser("fetch", help="download and extract the SQuAD v1.1 dev set into the cache")

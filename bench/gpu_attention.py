@@ -1,0 +1,239 @@
+"""The GPU check's attention op timing (bench/gpu_check.py's attention section): one layer's decode
+attention on a shape, each kernel compared with its reference first, then timed from CUDA graphs
+over rotating cache copies larger than L2, against the transfer theory of the policies' formulas.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+
+L2_BYTES = 50 * 2**20  # H100: rotate copies until every call reads from DRAM
+ROTATE_BYTES = 4 * L2_BYTES  # bytes a method must touch per graph replay before a copy comes back
+COPY_MEMORY = 24 * 2**30  # at most this much for an attention configuration's cache copies
+REFERENCE_ROWS = 2  # batch rows of a shape compared with the reference before it is timed
+
+# Attention shapes: (name, B, n_kv, g, d, S, r, k)
+TABLE4 = ("table4 (llama2-7b, B=64)", 64, 32, 1, 128, 4096, 32, 128)
+ATTENTION_SHAPES = [TABLE4] + [
+    (f"{model} B=1 S={S // 1024}k", 1, n_kv, g, 128, S, 32, 128)
+    for model, n_kv, g in (("llama2-7b", 32, 1), ("llama3-8b", 8, 4)) for S in (8192, 32768, 131072)
+]
+QUICK_ATTENTION = [TABLE4, ("llama2-7b B=1 S=32k", 1, 32, 1, 128, 32768, 32, 128),
+                   ("llama3-8b B=1 S=32k", 1, 8, 4, 128, 32768, 32, 128)]
+CPU_ATTENTION = [("tiny MHA", 2, 2, 1, 64, 256, 8, 32), ("tiny GQA", 1, 1, 4, 64, 256, 8, 32)]
+
+
+def transfer_bytes(policy, B: int, n_kv: int, d: int, S: int, elem: int = 2) -> int:
+    """Bytes one decode-attention call of `policy` moves: its transfer_elements per KV head."""
+    return B * n_kv * policy.transfer_elements(S, d) * elem
+
+
+def attention_theory(B: int, n_kv: int, d: int, S: int, r: int, k: int, elem: int = 2) -> tuple[int, int]:
+    """(dense bytes, SparQ bytes) of one call: 2Sd + 2d and Sr + 2kd + 4d per KV head (k capped at S)."""
+    from model import DenseDecode
+    from sparq import SparQConfig, SparQDecode
+
+    sparq = SparQDecode(SparQConfig(r=r, k_top=k), dense_when_short=False)
+    return transfer_bytes(DenseDecode(), B, n_kv, d, S, elem), transfer_bytes(sparq, B, n_kv, d, S, elem)
+
+
+def sparq_extra_bytes(B: int, n_kv: int, g: int, S: int) -> int:
+    """Bytes our kernels move beyond the paper's count: step 1's fp32 logits, written once and read once."""
+    return B * n_kv * g * S * 4 * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing the attention op
+# ---------------------------------------------------------------------------------------------
+
+
+def time_cuda_graph(calls: list[Callable[[], object]], replays: int = 20) -> float:
+    """Seconds per call: every call captured once into one CUDA graph (each call on its own cache
+    copy), the graph replayed `replays` times between CUDA events."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (replays * len(calls))
+
+
+def time_host(calls: list[Callable[[], object]], replays: int = 2) -> float:
+    """The CPU smoke's stand-in for time_cuda_graph: wall-clock seconds per call."""
+    for call in calls:
+        call()
+    start = time.perf_counter()
+    for _ in range(replays):
+        for call in calls:
+            call()
+    return (time.perf_counter() - start) / (replays * len(calls))
+
+
+def kernels_per_call(call: Callable[[], object]) -> Optional[int]:
+    """GPU kernels one call launches (torch.profiler, after a warm-up call); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    kinds = {"cuda", "kernel"}
+    return sum(1 for e in prof.events() if str(getattr(e, "device_type", "")).split(".")[-1].lower() in kinds
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy bandwidth, bytes/s (read + write), from a 1 GiB copy in a CUDA graph."""
+    n = 2**30 // 4
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    seconds = time_cuda_graph([lambda: b.copy_(a)], replays=10)
+    del a, b
+    return 2 * 2**30 / seconds
+
+
+def _attention_copies(B, n_kv, g, d, S, dtype, device, n_copies, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    copies = []
+    for _ in range(n_copies):
+        k = torch.randn(B, n_kv, S, d, generator=gen, device=device, dtype=dtype)
+        v = torch.randn(B, n_kv, S, d, generator=gen, device=device, dtype=dtype)
+        copies.append(dict(q=torch.randn(B, n_kv, g, d, generator=gen, device=device, dtype=dtype), k=k, v=v,
+                           k_t=k.transpose(2, 3).contiguous(), v_sum=v.sum(2, dtype=torch.float32)))
+    return copies
+
+
+def dense_candidates(device: str) -> dict[str, Callable]:
+    """name -> fn(copy, S): every dense decode attention available here, each reading positions [0, S)."""
+    import torch.nn.functional as F
+
+    import kernels_triton
+
+    def sdpa(c, S):
+        B, n_kv, g, d = c["q"].shape
+        return F.scaled_dot_product_attention(c["q"].reshape(B, n_kv * g, 1, d), c["k"][:, :, :S], c["v"][:, :, :S],
+                                              enable_gqa=g > 1).view(B, n_kv, g, d)
+
+    candidates = {"sdpa": sdpa,
+                  "triton": lambda c, S: kernels_triton.dense_attention_triton(c["q"], c["k"], c["v"], S, None)}
+    if device == "cuda":
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+
+            def flex_decode(c, S):
+                B, n_kv, g, d = c["q"].shape
+                return flex(c["q"].reshape(B, n_kv * g, 1, d), c["k"][:, :, :S], c["v"][:, :, :S],
+                            enable_gqa=g > 1).view(B, n_kv, g, d)
+
+            candidates["flex"] = flex_decode
+        except Exception:  # FlexAttention missing in this torch: the others stand
+            pass
+    return candidates
+
+
+def reference_error(out, expected, rows_ok: Optional[list[bool]] = None, atol: float = 2e-2) -> Optional[str]:
+    """None when out matches expected (B, n_kv, g, d) within bf16 rounding on the (row, KV head) pairs
+    rows_ok marks (a selection tie leaves the others ambiguous), else a one-line description."""
+    diff = (out.float() - expected.float()).abs()
+    if rows_ok is not None:
+        diff = diff.flatten(0, 1)[torch.tensor(rows_ok, device=diff.device)]
+        if diff.numel() == 0:
+            return "every (row, head) compared has a selection tie: nothing checked"
+    worst = float(diff.max())
+    return None if worst <= atol + atol * float(expected.abs().max()) else f"max abs error {worst:.3g} > {atol}"
+
+
+def check_against_reference(shape, copy: dict, sparq: Callable, dense: dict[str, Callable]) -> dict[str, str]:
+    """Every kernel about to be timed against its reference on the shape's first rows (SparQ: where
+    the selection has no tie, sparq.selection_has_ties): name -> error; empty when all agree."""
+    from model import dense_attention_torch
+    from sparq import SparQConfig, selection_has_ties, sparq_reference
+
+    name, B, n_kv, g, d, S, r, k_top = shape
+    n = min(B, REFERENCE_ROWS)
+    config = SparQConfig(r=r, k_top=k_top, mean_v=g == 1)
+    rows = {key: copy[key][:n] for key in ("q", "k", "v", "k_t", "v_sum")}
+    errors = {}
+    tie_free = [not selection_has_ties(rows["q"][b, h], rows["k"][b, h], S, config) for b in range(n)
+                for h in range(n_kv)]
+    expected = sparq_reference(rows["q"], rows["k"], rows["v"], rows["v_sum"], S, config)
+    if (error := reference_error(sparq(rows), expected, tie_free)) is not None:
+        errors["sparq"] = error
+    expected = dense_attention_torch(rows["q"], rows["k"], rows["v"], S)
+    for cname, fn in dense.items():
+        if (error := reference_error(fn(rows, S), expected)) is not None:
+            errors[cname] = error
+    return errors
+
+
+def attention_row(shape, device: str, dtype=torch.bfloat16, bandwidth: Optional[float] = None,
+                  replays: int = 20) -> dict:
+    """Check, then time dense (every candidate) and SparQ on one shape; theory from the transfer formulas."""
+    import kernels_triton
+    from sparq import SparQConfig
+
+    name, B, n_kv, g, d, S, r, k_top = shape
+    elem = torch.tensor([], dtype=dtype).element_size()
+    dense_b, sparq_b = attention_theory(B, n_kv, d, S, r, k_top, elem)
+    row = dict(name=name, B=B, n_kv=n_kv, g=g, d=d, S=S, r=r, k=k_top, dense_bytes=dense_b, sparq_bytes=sparq_b,
+               sparq_extra_bytes=sparq_extra_bytes(B, n_kv, g, S), theory_speedup=dense_b / sparq_b)
+    cache_bytes = 3 * B * n_kv * S * d * elem
+    n_copies = max(1, min(math.ceil(ROTATE_BYTES / min(sparq_b, dense_b)), COPY_MEMORY // cache_bytes, 32))
+    copies = _attention_copies(B, n_kv, g, d, S, dtype, device, n_copies if device == "cuda" else 1)
+    config = SparQConfig(r=r, k_top=k_top, mean_v=g == 1)
+    timer = time_cuda_graph if device == "cuda" else time_host
+
+    def sparq(c):
+        return kernels_triton.sparq_attention_triton(c["q"], c["k"], c["k_t"], c["v"], c["v_sum"], S, None, r, k_top,
+                                                     config.local, config.mean_v)
+
+    candidates = dense_candidates(device)
+    row["reference_errors"] = check_against_reference(shape, copies[0], sparq, candidates)
+    row["copies"] = len(copies)
+    if "sparq" in row["reference_errors"]:
+        row["error"] = "SparQ differs from the reference: " + row["reference_errors"]["sparq"]
+    else:
+        row["sparq_us"] = 1e6 * timer([lambda c=c: sparq(c) for c in copies], replays)
+        row["sparq_kernels"] = kernels_per_call(lambda: sparq(copies[0]))
+        row["sparq_gbs"] = row["sparq_bytes"] / (row["sparq_us"] * 1e-6) / 1e9
+    row["dense_all"] = {}
+    for cname, fn in candidates.items():
+        if cname in row["reference_errors"]:
+            continue
+        try:
+            row["dense_all"][cname] = 1e6 * timer([lambda c=c, fn=fn: fn(c, S) for c in copies], replays)
+        except Exception as e:  # one candidate failing must not hide the others
+            row.setdefault("dense_errors", {})[cname] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    if row["dense_all"]:
+        best = min(row["dense_all"], key=row["dense_all"].get)
+        row["dense_best"], row["dense_us"] = best, row["dense_all"][best]
+        row["dense_kernels"] = kernels_per_call(lambda: candidates[best](copies[0], S))
+    if bandwidth:
+        if "sparq_us" in row:
+            row["sparq_theory_pct"] = 100 * row["sparq_bytes"] / bandwidth / (row["sparq_us"] * 1e-6)
+        if "dense_us" in row:
+            row["dense_theory_pct"] = 100 * row["dense_bytes"] / bandwidth / (row["dense_us"] * 1e-6)
+    del copies
+    return row

@@ -1,0 +1,57 @@
+// The problem one SparQ call solves: sizes, strides, ragged rows and the chunking over S.
+// Part of the fused SparQ kernel (sparq_decode.cpp, whose header comment describes the passes).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace sparq_cpu {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Problem description
+// ---------------------------------------------------------------------------------------------
+
+struct Problem {
+  int64_t B, H, g, d, S, r, k_top, local, kk, m;  // S, kk, m: the longest row's (buffer sizes)
+  bool mean_v, two_k;
+  // strides (elements); the last dim of k, v, k_t, v_sum is contiguous
+  int64_t qs0, qs1, qs2, qs3;
+  int64_t ks0, ks1, ks2;
+  int64_t kts0, kts1, kts2;
+  int64_t vs0, vs1, vs2;
+  int64_t vss0, vss1;
+  const float* vsum;
+  // ragged rows and chunking over S
+  const int64_t* len;            // (B,) live length of each row
+  int64_t cs;                    // chunk length (multiple of 64)
+  std::vector<int64_t> unit0;    // (B * H + 1,) first unit of each bh: bh owns ceil(len / cs) chunks
+  std::vector<int32_t> unit_bh;  // the bh of each unit
+  int64_t units() const { return unit0.back(); }
+  int64_t chunks(int64_t bh) const { return unit0[bh + 1] - unit0[bh]; }
+};
+
+// The lengths of one row: S live positions, the last n_local forced in, m more chosen among the
+// n_scored = S - n_local others (kk = n_local + m = min(k_top, S) in all).
+struct Row {
+  int64_t S, n_local, m, n_scored;
+};
+static inline Row row_of(const Problem& P, int64_t b) {
+  Row w;
+  w.S = P.len[b];
+  w.n_local = std::min(P.local, w.S);
+  w.m = std::min(P.k_top, w.S) - w.n_local;
+  w.n_scored = w.S - w.n_local;
+  return w;
+}
+
+constexpr int64_t kBlock = 32;  // positions per block of pass A (two vectors)
+
+#define SPARQ_INLINE inline __attribute__((always_inline))
+
+}  // namespace
+}  // namespace sparq_cpu

@@ -1,0 +1,145 @@
+// Top-k without sorting: the top-r components of |q|, pass C (the top k positions) and the merge of chunk candidates.
+// Part of the fused SparQ kernel (sparq_decode.cpp, whose header comment describes the passes).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#include "simd.h"
+#include "sparq_problem.h"
+
+namespace sparq_cpu {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Top-k without sorting: i1 (prepare), the positions of pass C, and the merge of chunk candidates.
+// ---------------------------------------------------------------------------------------------
+
+// The best `cap` of n candidates (scores ss, positions si, positions ascending; higher score
+// first, then the lower position), compacted in place in ascending position order. Binary search on the score (non-negative floats
+// order like their bit patterns) with vectorised counting, then one filtering pass: no sort.
+static inline int64_t count_ge(const float* ss, int64_t n, float t) {
+  const V vt = vset(t);
+  int64_t c = 0;
+  for (int64_t o = 0; o < n; o += 16) {
+    const M mk = tail_mask(n - o);
+    c += __builtin_popcount((unsigned)(cmp_ge(load(ss + o, mk), vt) & mk));
+  }
+  return c;
+}
+static inline uint32_t float_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
+static inline float bits_float(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
+
+static int64_t select_from(float* ss, int32_t* si, int64_t n, int64_t cap) {
+  if (n <= cap) return n;
+  V vmn = vset(std::numeric_limits<float>::infinity()), vmx = vzero();
+  for (int64_t j = 0; j < n; j += 16) {
+    const M mk = tail_mask(n - j);
+    const V x = load(ss + j, mk);
+    vmx = vmax_masked(vmx, mk, x);
+    vmn = vmin_masked(vmn, mk, x);
+  }
+  // invariant: count(>= lo) >= cap > count(>= hi)
+  uint32_t lo = float_bits(std::max(hmin(vmn), 0.f)), hi = float_bits(hmax(vmx)) + 1;
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (count_ge(ss, n, bits_float(mid)) >= cap) lo = mid; else hi = mid;
+  }
+  const float t = bits_float(lo);
+  int64_t ties = cap - count_ge(ss, n, bits_float(lo + 1));  // all above t, then the first ties at t
+  const V vt = vset(t);
+  int64_t k = 0;
+  for (int64_t j = 0; j < n; j += 16) {  // in-place compaction: writes stay at or behind the reads
+    const M mk = tail_mask(n - j);
+    const V x = load(ss + j, mk);
+    const Lanes ids = load_ids(si + j, mk);
+    const M gt = cmp_gt(x, vt) & mk;
+    M eq = cmp_eq(x, vt) & mk;
+    if (eq) {
+      if (__builtin_popcount((unsigned)eq) > ties) {
+        M keep = 0;
+        for (int64_t c = 0; c < ties; ++c) { keep |= eq & (M)(-(int32_t)eq); eq &= eq - 1; }
+        eq = keep;
+      }
+      ties -= __builtin_popcount((unsigned)eq);
+    }
+    k += compress_store(ss + k, si + k, (M)(gt | eq), x, ids);
+  }
+  return k;
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Pass C: scores and the top-k selection without sorting the row (a threshold, then select_from).
+// ---------------------------------------------------------------------------------------------
+
+// The k-th largest of n >= k non-negative floats (binary search on the bits, vectorised counts).
+static float kth_largest(const float* x, int64_t n, int64_t k) {
+  V vmx = vzero();
+  for (int64_t j = 0; j < n; j += 16) vmx = vmax_masked(vmx, tail_mask(n - j), load(x + j, tail_mask(n - j)));
+  uint32_t lo = 0, hi = float_bits(hmax(vmx)) + 1;  // count(>= lo) >= k > count(>= hi)
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (count_ge(x, n, bits_float(mid)) >= k) lo = mid; else hi = mid;
+  }
+  return bits_float(lo);
+}
+
+// Scores sum_h s_hat_h over positions [p0, hi) of a chunk starting at p0, and their best `cap`
+// (ascending positions in ss/si): a threshold that at least `cap` positions reach keeps every
+// member of the top `cap`; select_from then picks them among the few survivors.
+static int64_t select_top(const float* E, int64_t ldE, const float* corr, int64_t ldc, int64_t g, int64_t p0,
+                          int64_t hi, int64_t cap, float* sc, float* bmax, float* ss, int32_t* si) {
+  const int64_t n = hi - p0;
+  if (n <= 0 || cap <= 0) return 0;
+  const int64_t nb = (n + kBlock - 1) / kBlock;
+  for (int64_t blk = 0; blk < nb; ++blk) {  // scores, and the max of each 32-position block
+    const int64_t o = blk * kBlock;
+    const M m0 = tail_mask(n - o), m1 = tail_mask(std::max<int64_t>(0, n - o - 16));
+    V s0 = vzero(), s1 = vzero();
+    for (int64_t h = 0; h < g; ++h) {
+      const V c = vset(corr[h * ldc + blk]);
+      const float* e = E + h * ldE + o;
+      s0 = vfma(c, load(e, m0), s0);
+      s1 = vfma(c, load(e + 16, m1), s1);
+    }
+    store(sc + o, s0, m0);
+    store(sc + o + 16, s1, m1);
+    bmax[blk] = hmax(vmax(vselect(m0, s0, vset(kNegInf)), vselect(m1, s1, vset(kNegInf))));
+  }
+  if (n <= cap) {
+    for (int64_t o = 0; o < n; o += 16)
+      compress_store(ss + o, si + o, tail_mask(n - o), load(sc + o, tail_mask(n - o)), lane_ids((int32_t)(p0 + o)));
+    return n;
+  }
+  // threshold t0 that at least `cap` positions reach, so the top `cap` all survive it:
+  float t0 = std::numeric_limits<float>::infinity();
+  if (nb >= cap) {  // the cap-th largest block maximum (cap blocks hold a position >= it)
+    t0 = kth_largest(bmax, nb, cap);
+  } else {  // the minimum over `cap` disjoint groups of each group's maximum
+    const int64_t bl = n / cap;
+    for (int64_t j = 0; j < cap; ++j) {
+      const int64_t a = j * bl, b = j == cap - 1 ? n : a + bl;
+      V mx = vset(kNegInf);
+      for (int64_t o = a; o < b; o += 16) mx = vmax_masked(mx, tail_mask(b - o), load(sc + o, tail_mask(b - o)));
+      t0 = std::min(t0, hmax(mx));
+    }
+  }
+  const V vt = vset(t0);
+  int64_t cnt = 0;
+  for (int64_t blk = 0; blk < nb; ++blk) {  // branchless: survivors are data-dependent and scattered
+    if (!(bmax[blk] >= t0)) continue;       // none in this block
+    for (int64_t o = blk * kBlock; o < std::min(n, (blk + 1) * kBlock); o += 16) {
+      const M mk = tail_mask(n - o);
+      const V x = load(sc + o, mk);
+      cnt += compress_store(ss + cnt, si + cnt, cmp_ge(x, vt) & mk, x, lane_ids((int32_t)(p0 + o)));
+    }
+  }
+  return select_from(ss, si, cnt, cap);
+}
+
+}  // namespace
+}  // namespace sparq_cpu

@@ -1,0 +1,1 @@
+"""The accuracy harness: `python -m evals` (evals/__main__.py), its runner, report and tasks."""

@@ -1,0 +1,274 @@
+"""Task accuracy of sparse decode attention against KV-transfer compression (the paper's Table 2):
+the harness, `python -m evals`. The tasks themselves (examples, scoring) live in evals/tasks.py; the
+policies, their transfer formulas and budgets in policies.py.
+
+    python -m evals --task needle,repetition,bpc,retrieval --attention dense,sparq,h2o,local \\
+        --compression 1/2,1/4,1/8 --examples 8 --json out/eval.json --plot out/eval.png
+
+Budgets: every method is set to each requested compression at each batch's prompt length S with
+the policies' own transfer formulas (paper, Appendix G; sparq.settings_for_compression): SparQ
+keeps k = --sparq-k (local window k/4) and takes the r in 1..d whose transfers are closest; H2O,
+LM-Infinite ("local"), FlexGen top-k ("topk") and the oracle take the budget k closest to the
+target (top-k cannot go below about 1/2). Compression 1 is dense for every method, the shared
+baseline column. The compression each row actually achieved (averaged over its decode steps) is
+recorded. Results are kept per task and size (--lengths, --squad-contexts), never pooled over sizes: a
+task run at several sizes also gets a table and a plot of score against prompt length at each
+compression (the paper's Figure 6: --task squad --squad-contexts 7,15,31,63 --attention
+dense,sparq-fixed-r,h2o,local --compression 1/4).
+
+Everything after the prompt goes through the model's decode path with the chosen policy, one token
+per step, exactly as generate.py and python -m bench run it, with the same kernels (--kernel). The dense
+prefill is identical for every policy (H2O observes it), so each batch is prefilled once and every
+policy decodes from it: the cache positions past the prompt are never read before they are
+rewritten, so restoring the cache's snapshot (KVCache.snapshot) and a copy of each policy's
+post-prefill state is an exact rewind (tests/test_eval.py checks it against generate.py's
+Generator run from scratch).
+
+Long runs (a SQuAD length sweep is hours on a 2-core CPU): with --json, every finished batch's raw
+results go to a journal beside it (FILE.journal.jsonl); the same command with --resume replays those
+batches and runs only the rest, and the tables come out as from one uninterrupted run.
+`--report FILE.json` prints the tables (and --plot) of the results so far, while the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import cli
+import data
+from cli import UserError
+from evals.journal import Journal, journal_path
+from evals.report import budget_records, budget_summary, no_selection, plot_title, print_results, report, write_json
+from evals.runner import Cell, Results, Runner, evaluate_batch
+from evals.tasks import TASKS, Example, TaskOptions
+from generate import DTYPES, kernels_for, load_checkpoint, load_tokenizer, model_args
+from kernels import KERNEL_CHOICES
+from policies import DENSE, POLICIES, AttentionSettings, fraction_label, parse_compression
+
+DEFAULT_LENGTH = 2048
+# 2048 tokens everywhere: it keeps the default run near 20 minutes on a shared 2-core CPU (a 4k batch
+# costs ~3x a 2k one), lets SparQ's k = 128 reach 1/8 (at S = 1024, k alone costs 1/8 of dense), and
+# repetition needs it for >= 6000 characters of Shakespeare. Longer needles: --lengths 2k,4k,8k.
+
+
+# =============================================================================================
+# Command line
+# =============================================================================================
+
+
+def length_batches(examples: list[Example], batch_size: int, seed: int) -> list[list[Example]]:
+    """Batches of prompts of similar length (a ragged prefill pads every row to the longest, and a
+    batch's budgets are set at its mean length), in a seeded random order so that a run cut short
+    has covered the whole range of lengths."""
+    by_length = sorted(examples, key=lambda e: len(e.prompt))
+    batches = [by_length[i:i + batch_size] for i in range(0, len(by_length), batch_size)]
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def prefill_tokens(batch: list[Example]) -> int:
+    """The tokens a batch's prefill runs (rows padded to the longest): the progress bar's measure of
+    work, since the prefill is most of a batch's time and SQuAD's sizes differ by 8x."""
+    return len(batch) * max(len(e.prompt) for e in batch)
+
+
+def parse_lengths(text: str) -> list[int]:
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        match = re.fullmatch(r"(\d+)([kK]?)", item)
+        if not match or int(match.group(1)) == 0:
+            raise UserError(f"bad --lengths value {item!r} (expected token counts like 2048 or 2k)")
+        out.append(int(match.group(1)) * (1024 if match.group(2) else 1))
+    if not out:
+        raise UserError("--lengths is empty")
+    return out
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m evals", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="needle,repetition,bpc,retrieval", help=f"comma list of {', '.join(TASKS)}")
+    p.add_argument("--attention", default="dense,sparq,h2o,local",
+                   help=f"comma list of {', '.join(POLICIES)} (dense is always run as the baseline)")
+    p.add_argument("--compression", default="1/2,1/4,1/8", help="comma list of target compressions in (0, 1]")
+    p.add_argument("--examples", type=cli.positive_int, default=8, help="examples per task and length")
+    p.add_argument("--lengths", default=None,
+                   help=f"prompt lengths in tokens for every task sized in tokens, e.g. 2k,4k (default {DEFAULT_LENGTH})")
+    p.add_argument("--squad-contexts", default=None,
+                   help="confusion paragraphs per SQuAD prompt, comma list (default 7; the paper's sweep: 7,15,31,63)")
+    p.add_argument("--sparq-r", type=cli.positive_int, default=32,
+                   help="r of the fixed-r SparQ variant (--attention sparq-fixed-r, budgeted by k)")
+    p.add_argument("--checkpoint", type=Path, default=data.DEFAULT_CHECKPOINT)
+    p.add_argument("--batch-size", type=cli.positive_int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="example generation seed")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--sparq-k", type=cli.positive_int, default=128, help="SparQ's k (its local window is k/4)")
+    p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
+                   help="mean-value reallocation (auto: on for MHA, off for GQA)")
+    p.add_argument("--kernel", choices=[k for k in KERNEL_CHOICES if k != "triton"], default="auto",
+                   help="decode kernels, as in generate.py")
+    p.add_argument("--kv-layout", choices=["twice", "once"], default="twice")
+    p.add_argument("--bpc-tokens", type=cli.positive_int, default=64, help="continuation tokens scored by the bpc task")
+    p.add_argument("--repetition-chars", type=cli.positive_int, default=256, help="continuation characters the repetition task checks")
+    p.add_argument("--repetition-passage", type=int, default=256,
+                   help="characters of the repeated passage (>= 128; the 135M model copies 256 far better than 128)")
+    p.add_argument("--retrieval-keys", type=cli.positive_int, default=4, help="key-value pairs in each retrieval haystack")
+    p.add_argument("--threads", type=cli.positive_int, default=1,
+                   help="torch threads (default 1: on a shared 2-core machine two OpenMP threads spin at every "
+                        "barrier and decode ~10x slower; use 2 on an idle machine)")
+    p.add_argument("--json", type=Path, help="write the results as JSON (after every batch), and a journal of the "
+                                              "batches done beside it (FILE.journal.jsonl)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run whose journal is beside --json: its batches are replayed, the rest run")
+    p.add_argument("--plot", type=Path, help="write a PNG of score vs compression per task (vs prompt length for a task at several sizes)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--report", type=Path, metavar="JSON",
+                   help="print the tables (and --plot) of an earlier run's --json, also of one still going; "
+                        "nothing runs")
+    return p
+
+
+def run_identity(args: argparse.Namespace, tasks: list[str], methods: list[str], targets: list[Fraction],
+                 lengths: dict[str, list[int]]) -> dict:
+    """What decides a run's batches and results: a resumed run must match its journal in all of it."""
+    run = {"checkpoint": str(args.checkpoint), "tasks": tasks, "attention": methods,
+           "compression": [fraction_label(t) for t in targets], "lengths": lengths}
+    for flag in ("examples", "batch_size", "seed", "dtype", "kernel", "kv_layout", "sparq_r", "sparq_k", "sparq_mean_v",
+                 "bpc_tokens", "repetition_chars", "repetition_passage", "retrieval_keys"):
+        run[flag] = getattr(args, flag)
+    return json.loads(json.dumps(run))  # as the journal's header reads back
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+
+    def run_with_argv(args: argparse.Namespace) -> int:
+        args.argv = argv
+        return run(args)
+
+    return cli.main(build_parser(), run_with_argv, argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.report:
+        return report(args.report, args.plot)
+    tasks = cli.name_list(args.task, "--task", list(TASKS))
+    methods = cli.name_list(args.attention, "--attention", list(POLICIES))
+    targets = list(dict.fromkeys([DENSE] + [parse_compression(c) for c in args.compression.split(",") if c.strip()]))
+    contexts = cli.int_list(args.squad_contexts, "--squad-contexts") if args.squad_contexts else None
+    lengths = {t: (parse_lengths(args.lengths) if args.lengths else list(TASKS[t].default_sizes))
+               if TASKS[t].size == "tokens" else (contexts or list(TASKS[t].default_sizes)) for t in tasks}
+    if args.repetition_passage < 128:
+        raise UserError("--repetition-passage must be at least 128 characters")
+    if args.sparq_k < 4:
+        raise UserError("--sparq-k must be at least 4")
+    torch.set_num_threads(args.threads)
+
+    from tqdm import tqdm
+
+    model_config = model_args(args.checkpoint)
+    ragged = [t for t in tasks if not TASKS[t].equal_lengths]
+    if model_config.has_window_layers and args.batch_size > 1 and ragged:  # before any data is looked for
+        raise UserError(f"{ragged[0]}'s prompts differ in length and this model has sliding-window layers, whose "
+                        f"caches cannot batch prompts of different lengths: use --batch-size 1")
+    tokenizer = load_tokenizer(args.checkpoint)
+    for task, task_lengths in lengths.items():
+        for length in task_lengths:
+            if TASKS[task].size == "tokens" and length + 300 > model_config.max_context:
+                raise UserError(f"--lengths {length} does not fit the model's context of {model_config.max_context} "
+                                f"tokens with room for the question and answer: use at most "
+                                f"{model_config.max_context - 300}")
+    options = TaskOptions(args.bpc_tokens, args.repetition_chars, args.repetition_passage, args.retrieval_keys)
+
+    # Build every example first (fast), so that a prompt that cannot run is an error before the model
+    # loads and the progress bar knows the total. Batches are interleaved across tasks and lengths, so a
+    # run cut short still has results for all of them.
+    queues = []
+    for task in tasks:
+        for length in lengths[task]:
+            examples = TASKS[task].build(tokenizer, length, args.examples, args.seed, options)
+            longest = max(len(e.prompt) + max(len(e.answer), e.max_new) for e in examples)
+            if longest + 1 > model_config.max_context:
+                raise UserError(f"{task} at size {length}: prompts of up to {longest} tokens do not fit the model's "
+                                f"context of {model_config.max_context} (fewer --squad-contexts?)")
+            batches = length_batches(examples, args.batch_size, args.seed)
+            if model_config.has_window_layers and any(len({len(e.prompt) for e in b}) > 1 for b in batches):
+                raise UserError(f"{task} at size {length}: this model has sliding-window layers, whose caches "
+                                f"cannot batch prompts of different lengths: use --batch-size 1")
+            queues.append([(task, length, batch) for batch in batches])
+    work = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
+
+    if args.resume and not args.json:
+        raise UserError("--resume continues the run whose journal is beside --json: give that --json")
+    journal = Journal(journal_path(args.json), run_identity(args, tasks, methods, targets, lengths),
+                      args.resume) if args.json else None
+    from_journal = [journal.check(done, task, length, len(batch)) if journal else None  # before the model loads
+                    for done, (task, length, batch) in enumerate(work, 1)]
+
+    kernels = kernels_for(args.kernel, "cpu", model_config)
+    model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels)
+    runner = Runner(model, AttentionSettings(sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v),
+                    args.kv_layout)
+    results = Results()
+    replayed = 0
+    start = time.perf_counter()
+
+    def meta() -> dict:
+        return {"checkpoint": str(args.checkpoint), "tasks": tasks, "attention": methods,
+                "compression": [fraction_label(t) for t in targets], "lengths": lengths,
+                "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
+                "kernels": kernels.name, "kv_layout": args.kv_layout, "sparq_k": args.sparq_k,
+                "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,
+                "batches_from_journal": replayed, "budgets": budget_records(results.budgets)}
+
+    # The bar counts prompt tokens, those from the journal as done before it starts; its rate is the
+    # average since the start (smoothing=0), which the batches' interleaved sizes make a steady ETA.
+    with tqdm(total=sum(prefill_tokens(batch) for _, _, batch in work), disable=args.quiet, unit="tok",
+              unit_scale=True, smoothing=0, file=sys.stderr,
+              initial=sum(prefill_tokens(batch) for (_, _, batch), e in zip(work, from_journal) if e)) as progress:
+        for done, ((task, length, batch), entry) in enumerate(zip(work, from_journal), 1):
+            progress.set_description(f"{task} {'S' if TASKS[task].size == 'tokens' else 'contexts'}={length} "
+                                     f"B={len(batch)}")
+            # budgets at the batch's prompt length (SQuAD's vary: their mean)
+            seq_len = round(sum(len(e.prompt) for e in batch) / len(batch))
+            configs = runner.configs(methods, targets, seq_len)
+            for c in configs:
+                results.budgets[(task, c.method, c.budget.target, length)] = c.budget
+            if entry is not None:  # run before this --resume
+                results.add_record(entry["record"])
+                replayed += 1
+            else:
+                batch_results = Results()
+                share = prefill_tokens(batch) / len(configs)
+                evaluate_batch(Cell(task, length), runner, tokenizer, batch, configs, batch_results,
+                               lambda: progress.update(share))
+                record = batch_results.record()
+                results.add_record(record)
+                if journal:  # the batch's raw results
+                    journal.append(done, task, length, len(batch), record)
+            if args.json and (entry is None or done == len(work)):  # the results so far (and at the end, always)
+                write_json(args.json, results.rows(), {**meta(), "complete": done == len(work),
+                                                       "batches_done": done, "batches": len(work)})
+    elapsed = time.perf_counter() - start
+
+    print(f"model {args.checkpoint}: {model.args.n_layer} layers, head dim {model.args.head_dim}, "
+          f"{model.args.n_head} heads / {model.args.n_kv_head} KV heads, {args.dtype}, kernels {kernels.name}; "
+          f"{args.examples} examples per task and length; {elapsed / 60:.1f} min"
+          + (f" ({replayed} of {len(work)} batches from the journal)" if replayed else ""))
+    print(budget_summary(results.budgets))
+    print_results(results.rows(), methods, targets, args.plot, plot_title(args.checkpoint, args.dtype),
+                  no_selection(budget_records(results.budgets)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

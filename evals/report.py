@@ -1,0 +1,383 @@
+"""The tables and plots of an evaluation's results: at a run's end, and from its --json (--report)."""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from fractions import Fraction
+from pathlib import Path
+from typing import Optional
+
+import cli
+from cli import UserError
+from evals.runner import Cell, row_cell
+from evals.tasks import TASKS
+from policies import DENSE, POLICIES, Budget, fraction_label, parse_compression
+
+
+# =============================================================================================
+# Reporting
+# =============================================================================================
+
+
+PERCENT_METRICS = ("exact_match", "f1")  # fractions in the rows, shown in percent
+
+
+def format_cell(metric: str, score: float, stderr: Optional[float]) -> str:
+    if stderr is None:
+        stderr = math.nan
+    if metric in PERCENT_METRICS:
+        score, stderr = 100 * score, 100 * stderr
+    if metric == "chars":
+        text = f"{score:.1f}"
+        err = f"{stderr:.1f}"
+    elif metric in ("bpc", "answer_nll", "attn_rel_l2", "topk_agreement", "top1_agreement"):
+        text, err = f"{score:.3f}", f"{stderr:.3f}"
+    else:
+        text, err = f"{score:.1f}", f"{stderr:.1f}"
+    return text if math.isnan(stderr) else f"{text}±{err}"
+
+
+def _index(rows: list[dict]) -> dict[tuple, dict]:
+    """(cell, metric, method, target) -> row."""
+    return {(row_cell(r), r["metric"], r["attention"], Fraction(r["compression"]).limit_denominator(1 << 16)): r
+            for r in rows}
+
+
+def _cell_heading(cell: Cell, rows: list[dict]) -> str:
+    if TASKS[cell.task].size == "tokens":
+        return cell.label()
+    return f"{cell.label()}, {_mean_tokens(rows, cell):.0f} prompt tokens on average"
+
+
+OFF_TARGET = 0.2  # a row whose achieved compression is further than this (relative) from its target
+
+
+def off_target(row: dict) -> bool:
+    """The policy could not get near the row's target compression (top-k below 1/2; SparQ at a fixed k
+    on short sliding windows): its score is not a comparison at that compression."""
+    return abs(row["achieved_compression"] / row["compression"] - 1) > OFF_TARGET
+
+
+def budget_records(budgets: dict[tuple, Budget]) -> list[dict]:
+    """Results.budgets as JSON (the --json's meta, read back by --report)."""
+    return [{"task": task, "attention": method, "compression": fraction_label(target), "seq_len": size,
+             "r": b.r, "k": b.k_top, "achieved": b.achieved} for (task, method, target, size), b in budgets.items()]
+
+
+def no_selection(budgets: list[dict]) -> set[tuple]:
+    """(task, size, method, compression label) whose budget (the last batch's of that size) leaves k = 1:
+    the transfers went to reading (SparQ's step 1 with r fixed, top-k's all of K) and none are left to
+    select with, so the cell scores attention to one position. On target, so ranked, but not a
+    comparison of how well a method selects."""
+    return {(b["task"], b["seq_len"], b["attention"], b["compression"]) for b in budgets
+            if b["attention"] != "dense" and b["k"] is not None and b["k"] <= 1}
+
+
+NO_SELECTION = "‡ = its budget leaves k = 1 (nothing left to select: see the budgets)"
+
+
+def table(rows: list[dict], methods: list[str], targets: list[Fraction], empty: set[tuple] = frozenset()) -> str:
+    """One block per task and size: rows = methods; columns = metric x compression, dense in the "1" column.
+    empty (no_selection): the cells marked ‡."""
+    index = _index(rows)
+    shown = [m for m in methods if m != "dense"] or ["dense"]
+    sparse_targets = [t for t in targets if t != DENSE]
+    lines = []
+    for cell in dict.fromkeys(map(row_cell, rows)):
+        metrics = [(m, hib) for m, hib in TASKS[cell.task].metrics
+                   if any(row_cell(r) == cell and r["metric"] == m for r in rows)]
+        header = ["method"]
+        columns = []
+        for metric, hib in metrics:
+            unit = " %" if metric in PERCENT_METRICS else ""
+            arrow = "↑" if hib else "↓"
+            for t in [DENSE] + sparse_targets:
+                header.append(f"{metric}{unit}{arrow} {fraction_label(t)}")
+                columns.append((metric, hib, t))
+        body = []
+        missed = starved = False
+        for method in shown:
+            cells = [method]
+            for metric, hib, t in columns:
+                r = index.get((cell, metric, "dense" if t == DENSE else method, t))
+                text = format_cell(metric, r["score"], r["stderr"]) if r else "-"
+                compressed = bool(r) and t != DENSE
+                off = compressed and off_target(r)
+                if off:
+                    text += "†"
+                    missed = True
+                if compressed and (cell.task, cell.size, method, fraction_label(t)) in empty:
+                    text += "‡"
+                    starved = True
+                if compressed and not off and len(shown) > 1:  # best among the methods that met the target
+                    scores = [index[(cell, metric, m, t)]["score"] for m in shown
+                              if (cell, metric, m, t) in index and not off_target(index[(cell, metric, m, t)])]
+                    if r["score"] == (max(scores) if hib else min(scores)):
+                        text += "*"
+                cells.append(text)
+            body.append(cells)
+        n = {r["n"] for r in rows if row_cell(r) == cell}
+        widths = [max(len(str(row[c])) for row in [header] + body) for c in range(len(header))]
+        dagger = (f"; † = compression achieved more than {OFF_TARGET:.0%} from its target (the policy cannot "
+                  f"reach it here: see the achieved table), not ranked") if missed else ""
+        lines.append(f"\n{_cell_heading(cell, rows)} (n = {', '.join(map(str, sorted(n)))} per cell; "
+                     f"± = standard error; * = best{dagger}{'; ' + NO_SELECTION if starved else ''})")
+        for row in [header] + body:
+            lines.append("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def sweeps(rows: list[dict]) -> dict[str, list[Cell]]:
+    """The tasks run at more than one size (a length sweep, the paper's Figure 6): task -> its cells by size."""
+    cells = sorted(set(map(row_cell, rows)), key=lambda c: c.size)
+    by_task = {task: [c for c in cells if c.task == task] for task in dict.fromkeys(r["task"] for r in rows)}
+    return {task: cs for task, cs in by_task.items() if len(cs) > 1}
+
+
+def sweep_table(rows: list[dict], methods: list[str], targets: list[Fraction],
+                empty: set[tuple] = frozenset()) -> str:
+    """Score against size at each compression, one block per swept task and metric: rows = methods
+    (dense first), columns = sizes with their mean prompt tokens; empty: as for table()."""
+    index = _index(rows)
+    lines = []
+    for task, cells in sweeps(rows).items():
+        unit = TASKS[task].size
+        for metric, hib in TASKS[task].metrics:
+            if not any(r["task"] == task and r["metric"] == metric for r in rows):
+                continue
+            header = ["compression", "method"] + [
+                f"{c.size} {unit}" + ("" if unit == "tokens" else f" ({_mean_tokens(rows, c):.0f} tok)") for c in cells]
+            body = []
+            for t in targets:
+                for method in ["dense"] if t == DENSE else [m for m in methods if m != "dense"]:
+                    found = [index.get((c, metric, method, t)) for c in cells]
+                    if any(found):
+                        body.append([fraction_label(t), method] +
+                                    [format_cell(metric, r["score"], r["stderr"]) + ("†" if off_target(r) else "")
+                                     + ("‡" if (task, c.size, method, fraction_label(t)) in empty else "")
+                                     if r else "-" for c, r in zip(cells, found)])
+            widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
+            pct = " (%)" if metric in PERCENT_METRICS else ""
+            starved = any("‡" in x for row in body for x in row)
+            lines.append(f"\n{task} {metric}{pct} against {unit} ({'higher' if hib else 'lower'} is better; "
+                         f"† = off its target compression{'; ' + NO_SELECTION if starved else ''})")
+            for row in [header] + body:
+                lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def _mean_tokens(rows: list[dict], cell: Cell) -> float:
+    return next((r["prompt_tokens"] for r in rows if row_cell(r) == cell and r["prompt_tokens"]), float(cell.size))
+
+
+def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
+    """Paired differences from dense (same examples), per task and size, metric and compression."""
+    sparse_targets = [t for t in targets if t != DENSE]
+    shown = [m for m in methods if m != "dense"]
+    if not sparse_targets or not shown:
+        return ""
+    index = _index(rows)
+    header = ["task/metric", "method"] + [fraction_label(t) for t in sparse_targets]
+    body = []
+    for cell, metric in dict.fromkeys((row_cell(r), r["metric"]) for r in rows):
+        for method in shown:
+            cells = []
+            for t in sparse_targets:
+                r = index.get((cell, metric, method, t))
+                if r is None or "delta_vs_dense" not in r:
+                    cells.append("-")
+                    continue
+                scale = 100 if metric in PERCENT_METRICS else 1
+                digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
+                d, se = scale * r["delta_vs_dense"], r["delta_stderr"]
+                cells.append(f"{d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}"))
+            body.append([f"{cell.label()}/{metric}", method] + cells)
+    widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
+    lines = ["\npaired difference from dense (same examples; exact_match and f1 in points)"]
+    for row in [header] + body:
+        lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def achieved_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
+    sparse_targets = [t for t in targets if t != DENSE]
+    if not sparse_targets:
+        return ""
+    lines = ["\nachieved compression (KV transfers / dense, averaged over decode steps and tasks)"]
+    width = max(len("method"), *(len(m) for m in methods))
+    lines.append(f"{'method':<{width}}  " + "  ".join(f"{fraction_label(t):>7}" for t in sparse_targets))
+    for method in methods:
+        if method == "dense":
+            continue
+        cells = []
+        for t in sparse_targets:
+            vals = [r["achieved_compression"] for r in rows if r["attention"] == method
+                    and abs(r["compression"] - float(t)) < 1e-12]
+            cells.append(f"{sum(vals) / len(vals):7.3f}" if vals else "      -")
+        lines.append(f"{method:<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def budget_summary(budgets: dict[tuple, Budget]) -> str:
+    """One line per (length, method): the setting chosen for each target and its compression."""
+    lines = []
+    by_key: dict[tuple[int, str], dict[Fraction, Budget]] = defaultdict(dict)
+    for (_, method, target, seq_len), budget in budgets.items():
+        if method != "dense":
+            by_key[(seq_len, method)][target] = budget
+    for (seq_len, method), chosen in sorted(by_key.items()):
+        parts = []
+        for target, b in sorted(chosen.items(), reverse=True):
+            setting = f"r={b.r}" if POLICIES[method].knob == "sparq_r" else f"k={b.k_top}"
+            parts.append(f"{fraction_label(target)}: {setting} ({b.achieved:.3f})")
+        first = next(iter(chosen.values()))
+        extra = {"sparq_r": f" (k={first.k_top}, local k/4)", "sparq_k": f" (r={first.r}, local k/4)"}.get(POLICIES[method].knob, "")
+        lines.append(f"  S={seq_len} {method}{extra}: " + ", ".join(parts))
+    return "budgets (setting: transfers / dense at the prompt length)\n" + "\n".join(lines) if lines else ""
+
+
+def write_json(path: Path, rows: list[dict], meta: dict) -> None:
+    cli.write_json(path, {"results": rows, "meta": meta})
+
+
+def plot(rows: list[dict], path: Path, methods: list[str], model: str = "") -> None:
+    """Score against compression per task and metric; for a task run at several sizes, score against
+    prompt tokens at each compression instead (the paper's Figure 6); for a metric kept per layer
+    (the diagnostics' top-k agreement and attention error), also its value at each layer (Figure 4e).
+    Titled with the model and the examples per point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    swept = sweeps(rows)
+    panels = []
+    for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in rows):
+        if task in swept:
+            targets = sorted({r["compression"] for r in rows if r["task"] == task and r["compression"] < 1}, reverse=True)
+            panels += [(task, metric, t) for t in targets]
+        else:
+            panels.append((task, metric, None))
+            if any(r.get("per_layer") for r in rows if r["task"] == task and r["metric"] == metric):
+                panels.append((task, metric, "layers"))
+    cols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, (task, metric, target) in zip(axes.flat, panels):
+        mine = [r for r in rows if r["task"] == task and r["metric"] == metric]
+        if target is None:
+            _plot_against_compression(ax, mine, methods)
+        elif target == "layers":
+            _plot_per_layer(ax, mine)
+        else:
+            _plot_against_length(ax, mine, methods, target)
+        hib = dict(TASKS[task].metrics)[metric]
+        at = ("" if target is None else " per layer" if target == "layers"
+              else f" at {fraction_label(Fraction(target).limit_denominator(1 << 16))}")
+        ax.set_title(f"{task}: {metric}{at} ({'higher' if hib else 'lower'} is better)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    n = sorted({r["n"] for r in rows})
+    fig.suptitle(f"{model}{', ' if model else ''}n = {n[0] if len(n) == 1 else f'{n[0]}-{n[-1]}'} per point", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_against_compression(ax, rows: list[dict], methods: list[str]) -> None:
+    """rows: one task at one size, one metric."""
+    dense = [r for r in rows if r["attention"] == "dense"]
+    sparse = [m for m in methods if m != "dense"]
+    for i, method in enumerate(sparse):
+        pts = sorted(((r["achieved_compression"], r["score"], r["stderr"]) for r in rows if r["attention"] == method),
+                     key=lambda p: p[:2])
+        if dense:
+            pts.append((1.0, dense[0]["score"], dense[0]["stderr"]))
+        if not pts:
+            continue
+        x, y, e = zip(*pts)
+        shift = 2 ** (0.06 * (i - (len(sparse) - 1) / 2))  # side by side, so error bars stay readable
+        e = [v or 0 for v in e]  # no error bar for a single example
+        ax.errorbar([v * shift for v in x], y, yerr=e, marker="o", capsize=3, label=method)
+    if dense:
+        ax.axhline(dense[0]["score"], color="gray", linestyle="--", linewidth=1, label="dense")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([1, 1 / 2, 1 / 4, 1 / 8, 1 / 16], ["1", "1/2", "1/4", "1/8", "1/16"])
+    ax.set_xlim(1 / 12, 1.3)
+    ax.set_xlabel("compression (KV transfers / dense)")
+
+
+def _plot_per_layer(ax, rows: list[dict]) -> None:
+    """rows: one task at one size, one metric kept per layer; a line per method and compression."""
+    for r in sorted((r for r in rows if r.get("per_layer") and r["attention"] != "dense"),
+                    key=lambda r: (r["attention"], -r["compression"])):
+        ax.plot(range(len(r["per_layer"])), r["per_layer"], marker=".", label=f"{r['attention']} {r['compression_label']}")
+    ax.set_xlabel("layer")
+
+
+def _plot_against_length(ax, rows: list[dict], methods: list[str], target: float) -> None:
+    """rows: one task at several sizes, one metric; the methods at compression `target`, dense beside them."""
+    shown = ["dense"] + [m for m in methods if m != "dense"]
+    ticks = set()
+    for i, method in enumerate(shown):
+        want = 1.0 if method == "dense" else target
+        pts = sorted(((r["prompt_tokens"] or r["size"], r["score"], r["stderr"]) for r in rows
+                      if r["attention"] == method and abs(r["compression"] - want) < 1e-12), key=lambda p: p[:2])
+        if not pts:
+            continue
+        x, y, e = zip(*pts)
+        ticks.update(x)
+        shift = 2 ** (0.03 * (i - (len(shown) - 1) / 2))
+        e = [v or 0 for v in e]  # no error bar for a single example
+        style = dict(color="gray", linestyle="--") if method == "dense" else {}
+        ax.errorbar([v * shift for v in x], y, yerr=e, marker="o", capsize=3, label=method, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(ticks), [f"{t / 1000:.1f}k" if t >= 1000 else f"{t:.0f}" for t in sorted(ticks)])
+    ax.minorticks_off()
+    ax.set_xlabel("prompt tokens (mean)")
+
+
+def print_results(rows: list[dict], methods: list[str], targets: list[Fraction], plot_path: Optional[Path],
+                  model: str, empty: set[tuple]) -> None:
+    """The tables (and the plot) of a run's result rows: at its end, or from its --json by --report.
+    model: how the plot's title names the run; empty: the cells with no selection (no_selection)."""
+    print(table(rows, methods, targets, empty))
+    if sweeps(rows):
+        print(sweep_table(rows, methods, targets, empty))
+    print(delta_table(rows, methods, targets))
+    print(achieved_table(rows, methods, targets))
+    if plot_path:
+        plot(rows, plot_path, methods, model)
+
+
+def report(path: Path, plot_path: Optional[Path]) -> int:
+    """--report: the tables of a --json results file, also of a run still going (it is rewritten after
+    every batch), without loading a model."""
+    try:  # everything read from the file, so that a file of another shape is one line, not a traceback
+        saved = json.loads(path.read_text())
+        rows, meta = saved["results"], saved["meta"]
+        methods, targets = meta["attention"], [parse_compression(c) for c in meta["compression"]]
+        done = ("complete" if meta.get("complete", True) else
+                f"in progress: {meta['batches_done']} of {meta['batches']} batches")
+        heading = (f"{path}: model {meta['checkpoint']}, {meta['dtype']}, kernels {meta['kernels']}; "
+                   f"{meta['examples']} examples per task and length; {done}; {meta['elapsed_s'] / 60:.1f} min")
+        title = plot_title(Path(meta["checkpoint"]), meta["dtype"])
+        empty = no_selection(meta["budgets"])
+    except FileNotFoundError:
+        raise UserError(f"--report {path}: no such file") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--report {path}: not a python -m evals --json results file ({type(e).__name__}: {e})") from None
+    if not rows:
+        raise UserError(f"--report {path}: no results yet (no batch has finished)")
+    print(heading)
+    print_results(rows, methods, targets, plot_path, title, empty)
+    return 0
+
+
+def plot_title(checkpoint: Path, dtype: str) -> str:
+    """How a plot names its run (a run's end and --report alike)."""
+    return f"{checkpoint.name} ({dtype})"

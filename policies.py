@@ -1,0 +1,534 @@
+"""Decode attention policies beside SparQ, and the one registry of them all.
+
+- The paper's baselines on the same cache (Appendix G's transfer counts): the oracle (exact top-k at
+  no transfer cost), FlexGen's top-k, LM-Infinite / StreamingLLM (`local`) and H2O.
+- POLICIES: name -> how to build a layer's policy from AttentionSettings, which flags it reads and
+  which knob a target compression solves for. generate.py, bench and evals take names, flags,
+  budgets and transfer formulas from here. Adding a policy is one class and one registry entry.
+- Budgets: the compression a policy achieves on a model (every layer, windows included), and the
+  knob that comes closest to a target (settings_for_compression).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import cli
+from kernels import TORCH_KERNELS, Kernels
+from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, softcap
+from sparq import SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions, sparse_attention
+
+# ---------------------------------------------------------------------------------------------
+# Baselines from the paper, as decode policies on the same cache (transfers: paper, Appendix G)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_scores(q: Tensor, k: Tensor, length: int, cap: Optional[float] = None,
+                 live_length: Optional[Tensor] = None) -> Tensor:
+    """softmax(cap(q . K / sqrt(d))) over the live positions: (B, n_kv, g, S) fp32."""
+    B, _, _, d = q.shape
+    logits = softcap((q.float() @ k[:B, :, :length].float().transpose(-1, -2)) / math.sqrt(d), cap)
+    if live_length is not None:
+        logits = logits.masked_fill(beyond_live(length, live_length), float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def selection_agreement(q: Tensor, cache: KVCache, length: int, r: int, k: int) -> Tensor:
+    """(B,) fraction of the exact top-k positions (group-summed scores) that SparQ's step 1 with r
+    components also ranks in its top k: the paper's Figure 4e diagnostic, local window off."""
+    view = cache.view(length, q.shape[0])
+    n = view.length
+    exact = select_positions(exact_scores(q, view.k, n), n, k, 0)  # (B, n_kv, k)
+    approx = select_positions(approximate_scores(q, view.k, view.k_t, n, r), n, k, 0)
+    hit = (approx[..., :, None] == exact[..., None, :]).any(-1).float()  # (B, n_kv, k)
+    return hit.mean(dim=(1, 2))
+
+
+class OracleDecode(DecodePolicy):
+    """SparQ step 2 on the exact top-k positions, chosen at no transfer cost (the paper's upper bound)."""
+
+    name = "oracle"
+
+    def __init__(self, config: SparQConfig, cap: Optional[float] = None):
+        super().__init__()
+        self.config, self.cap = config, cap
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        view = cache.view(length, q.shape[0])
+        n, live = view.length, view.live_length
+        scores = exact_scores(q, view.k, n, self.cap, live)  # (B, n_kv, g, S)
+        positions = select_positions(scores, n, self.config.k_top, self.config.local, live)
+        y = sparse_attention(q, view.k, view.v, positions, live, self.cap)
+        if self.config.mean_v:
+            y = mix_mean_v(y, scores, positions, view.v_sum, n, live)
+        return y.to(q.dtype)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        return 2 * min(self.config.k_top, seq_len) * head_dim + 2 * head_dim
+
+
+class TopKDecode(DecodePolicy):
+    """FlexGen-style top-k: exact scores over the whole K, then only the top-k values are read."""
+
+    name = "topk"
+
+    def __init__(self, k: int, cap: Optional[float] = None):
+        super().__init__()
+        self.k_top, self.cap = k, cap
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        view = cache.view(length, q.shape[0])
+        n, live = view.length, view.live_length
+        positions = select_positions(exact_scores(q, view.k, n, self.cap, live), n, self.k_top, 0, live)
+        return sparse_attention(q, view.k, view.v, positions, live, self.cap).to(q.dtype)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        return seq_len * head_dim + min(self.k_top, seq_len) * head_dim + 2 * head_dim
+
+
+class LocalDecode(DecodePolicy):
+    """LM-Infinite / StreamingLLM: the first `sinks` positions plus the k - sinks most recent ones."""
+
+    name = "local"
+    SINKS = 16
+
+    def __init__(self, k: int, sinks: int = SINKS, cap: Optional[float] = None):
+        super().__init__()
+        if k <= sinks:
+            raise ValueError(f"--kv-budget must exceed the {sinks} sink tokens of local attention, got {k}")
+        self.k_top, self.sinks, self.cap = k, sinks, cap
+
+    def positions(self, length: int, device: torch.device) -> Tensor:
+        """The attended positions (min(k, length),), sinks first."""
+        if length <= self.k_top:
+            return torch.arange(length, device=device)
+        recent = self.k_top - self.sinks
+        return torch.cat([torch.arange(self.sinks, device=device), torch.arange(length - recent, length, device=device)])
+
+    def row_positions(self, live_length: Tensor) -> Tensor:
+        """(B, k) attended positions per row (ragged rows): sinks, then the row's most recent; a row
+        shorter than k gets [0, k), whose positions past its live length sparse_attention masks."""
+        slot = torch.arange(self.k_top, device=live_length.device)
+        recent_start = (live_length - (self.k_top - self.sinks)).clamp(min=self.sinks)[:, None]  # (B, 1)
+        return torch.where(slot < self.sinks, slot, recent_start + slot - self.sinks)
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        B, n_kv = q.shape[:2]
+        view = cache.view(length, B)
+        if view.live_length is None:
+            positions = self.positions(view.length, q.device).expand(B, n_kv, -1)
+        else:
+            positions = self.row_positions(view.live_length).clamp(max=view.k.shape[2] - 1)[:, None].expand(B, n_kv, -1)
+        return sparse_attention(q, view.k, view.v, positions, view.live_length, self.cap).to(q.dtype)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        return 2 * min(self.k_top, seq_len) * head_dim + 2 * head_dim
+
+
+# Query rows per step of H2O's prefill scores: 32 keeps a step's fp32 logits (g * 32 rows by S keys)
+# near cache-sized (docs/NOTES.md).
+H2O_PREFILL_ROWS = 32
+
+
+class H2ODecode(DecodePolicy):
+    """H2O: an evicting cache of k positions, the `local` most recent plus k - local heavy hitters.
+
+    Heavy hitters are ranked by the attention they received, summed over every prefill and decode
+    query and averaged over the query heads of a GQA group. An evicted position never returns.
+    State per (batch row, KV head): the kept positions and their cumulative scores; a slot with
+    position -1 is empty (before the budget fills).
+
+    On a sliding-window layer the evicting cache lives inside the window: prefill queries score only
+    the keys they see, and a position that slides out of the window is evicted first (never attended).
+    """
+
+    name = "h2o"
+
+    def __init__(self, k: int, local: Optional[int] = None, prefill_chunk: int = H2O_PREFILL_ROWS,
+                 cap: Optional[float] = None):
+        super().__init__()
+        self.k_top = k
+        self.local = k // 4 if local is None else local
+        if k < 1 or not 0 <= self.local <= k:
+            raise ValueError(f"H2O needs --kv-budget >= 1 and 0 <= --sparq-local <= it, got {k} and {self.local}")
+        self.prefill_chunk, self.cap = prefill_chunk, cap
+        self.received: Optional[Tensor] = None  # (B, n_kv, S) fp32 attention received during the prefill so far
+        self.kept: Optional[Tensor] = None  # (B, n_kv, k) positions, -1 = empty
+        self.score: Optional[Tensor] = None  # (B, n_kv, k) fp32 cumulative attention
+
+    def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
+                        lengths: Optional[Tensor] = None, window: Optional[int] = None) -> None:
+        """Add the attention a prefill chunk's queries give every key so far; keep the budget's best.
+        lengths (B,): right-padded prompts; padding queries give nothing and padding keys are never kept.
+        window: a sliding-window layer's (queries see the last `window` keys; older ones are never kept)."""
+        S = k.shape[2]
+        key = ("h2o received", self.prefill_chunk, self.cap, S, window)  # budget-independent: shared via the memo
+        memo = {} if memo is None else memo
+        if key not in memo:
+            memo[key] = self.prefill_received(q, k, self.prefill_chunk, self.cap, lengths, window)
+        if q.shape[2] == S:  # the first chunk of a prefill: its queries are at every position
+            self.received = memo[key].clone()
+        else:
+            self.received = F.pad(self.received, (0, S - self.received.shape[2])) + memo[key]
+        self.start_from_prefill(self.received, lengths, window)
+
+    @staticmethod
+    def prefill_received(q: Tensor, k: Tensor, chunk: int = H2O_PREFILL_ROWS, cap: Optional[float] = None,
+                         lengths: Optional[Tensor] = None, window: Optional[int] = None) -> Tensor:
+        """(B, n_kv, S) fp32: attention each key received from the T queries at the last T of its S
+        positions (causal; with a window, the query at p sees keys (p - window, p]), summed over the
+        queries and averaged over the group; with lengths (B,), queries at positions >= lengths[b]
+        (padding) give nothing. Independent of the budget, so several H2O budgets can share it
+        (observe_prefill's memo)."""
+        B, H, T, d = q.shape
+        n_kv, S = k.shape[1], k.shape[2]
+        g = H // n_kv
+        offset = S - T  # position of the first query
+        received = torch.zeros(B, n_kv, S, dtype=torch.float32, device=q.device)  # attention each key received
+        if B > 1 or lengths is not None:
+            # A row at a time, without its padding queries (keys after them receive nothing): each
+            # step's logits stay cache-sized.
+            for b in range(B):
+                real = T if lengths is None else max(0, min(T, int(lengths[b]) - offset))  # row b's real queries
+                if real:
+                    received[b:b + 1, :, :offset + real] = H2ODecode.prefill_received(
+                        q[b:b + 1, :, :real], k[b:b + 1, :, :offset + real], chunk, cap, None, window)
+            return received
+        qf = q.float().reshape(B, n_kv, g, T, d) / math.sqrt(d)  # query heads grouped by their KV head, pre-scaled
+        kf = k.float()
+        future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # (row, key) above the diagonal
+        for start in range(0, T, chunk):
+            end = min(start + chunk, T)  # rows [start, end) see only keys [lo, offset + end)
+            n = end - start
+            lo = 0 if window is None else max(0, offset + start - window + 1)
+            # The group's rows stacked into one GEMM per (batch row, KV head): (B, n_kv, g * n, offset + end - lo).
+            qc = qf[:, :, :, start:end].reshape(B, n_kv, g * n, d)
+            logits = torch.matmul(qc, kf[:, :, lo:offset + end].transpose(-1, -2))
+            if cap is not None:
+                logits = softcap(logits, cap)
+            grid = logits.view(B, n_kv, g, n, offset + end - lo)
+            grid[..., offset + start - lo:].masked_fill_(future[:n, :n], float("-inf"))  # causal: the diagonal block
+            if window is not None:  # and the window's far edge: key position <= query position - window
+                q_pos = torch.arange(offset + start, offset + end, device=q.device)[:, None]
+                grid.masked_fill_(torch.arange(lo, offset + end, device=q.device) <= q_pos - window, float("-inf"))
+            # softmax rows summed into columns without materialising the probabilities: each row's
+            # exp(logits - max) weighted by 1 / (its sum * g).
+            logits = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # (B, n_kv, g * n, offset + end - lo)
+            weight = 1.0 / (logits.sum(dim=-1) * g)  # (B, n_kv, g * n)
+            received[..., lo:offset + end] += torch.matmul(weight.unsqueeze(2), logits).squeeze(2)
+        return received
+
+    def start_from_prefill(self, received: Tensor, lengths: Optional[Tensor] = None,
+                           window: Optional[int] = None) -> None:
+        """Keep the budget's positions of a prefill from prefill_received's scores (row b's prompt:
+        lengths[b] positions, or all of them; on a window layer, only its last `window`)."""
+        B, n_kv, T = received.shape
+        device = received.device
+        length = T if lengths is None else lengths.view(B, 1, 1)
+        first = 0 if window is None else length - window  # positions before it have left the window
+        key = self._keep_priority(received, torch.arange(T, device=device), length, first)
+        count = min(self.k_top, T)
+        top = torch.topk(key, count, dim=-1)  # (B, n_kv, count); a short row's extra picks are padding
+        self.kept = torch.full((B, n_kv, self.k_top), -1, dtype=torch.long, device=device)
+        self.score = torch.zeros(B, n_kv, self.k_top, dtype=torch.float32, device=device)
+        self.kept[..., :count] = torch.where(top.values > float("-inf"), top.indices, -1)
+        self.score[..., :count] = torch.gather(received, 2, top.indices)
+
+    def _keep_priority(self, score: Tensor, positions: Tensor, length: int | Tensor,
+                       first: int | Tensor = 0) -> Tensor:
+        """Higher = kept longer: recent positions first, then cumulative score; empty slots (and
+        positions at or past the row's length: padding, or before `first`: out of a window) last.
+        length, first: ints, or (B, 1, 1) per row."""
+        recent = positions >= length - self.local
+        priority = torch.where(recent, float("inf"), score)
+        gone = (positions < 0) | (positions < first) | (positions >= length)
+        return torch.where(gone, float("-inf"), priority)
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        B, n_kv, g, d = q.shape
+        view = cache.view(length, B)  # positions [view.start, length): view.start > 0 on a window layer
+        ragged = view.live_length is not None and view.live_length.dim() == 1
+        now = view.live_length.view(B, 1, 1) if ragged else length  # each row's live length
+        current = (now - 1 if ragged else torch.full((B, 1, 1), length - 1, device=q.device)).expand(B, n_kv, 1)
+        candidates = torch.cat([self.kept, current], dim=-1)  # (B, n_kv, k + 1) absolute positions
+        valid = candidates >= view.start  # empty slots (-1) and positions that left the window are out
+        index = (candidates - view.start).clamp(min=0)[..., None].expand(-1, -1, -1, d)
+        k_sel = torch.gather(view.k[:B], 2, index).float()  # (B, n_kv, k + 1, d)
+        v_sel = torch.gather(view.v[:B], 2, index).float()
+        logits = softcap((q.float() @ k_sel.transpose(-1, -2)) / math.sqrt(d), self.cap)  # (B, n_kv, g, k + 1)
+        probs = torch.softmax(logits.masked_fill(~valid[:, :, None, :], float("-inf")), dim=-1)
+        y = probs @ v_sel
+
+        score = torch.cat([self.score, torch.zeros_like(current, dtype=torch.float32)], dim=-1) + probs.mean(2)
+        keep = torch.topk(self._keep_priority(score, candidates, now, view.start), self.k_top, dim=-1).indices  # evict
+        self.kept = torch.gather(torch.where(valid, candidates, -1), 2, keep)
+        self.score = torch.gather(score, 2, keep)
+        return y.to(q.dtype)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        return 2 * min(self.k_top, seq_len) * head_dim + 2 * head_dim + 2 * seq_len
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry of decode attention policies
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """The decode-attention choices of a run, as values: flags (attention_settings) or eval's budgets."""
+
+    policy: str = "dense"
+    sparq_r: Optional[int] = None  # SparQ: query components for the approximate scores
+    sparq_k: int = 128  # SparQ: positions attended exactly
+    sparq_local: Optional[int] = None  # SparQ, H2O, the oracle: recent positions always kept (None: k / 4)
+    sparq_mean_v: str = "auto"  # "on", "off", or "auto": on for MHA, off for GQA (the paper's choice)
+    kv_budget: Optional[int] = None  # baselines: positions attended (None: sparq_k)
+
+    @property
+    def budget(self) -> int:
+        return self.sparq_k if self.kv_budget is None else self.kv_budget
+
+    def mean_v(self, args: ModelArgs) -> bool:
+        return {"on": True, "off": False, "auto": args.n_kv_head == args.n_head}[self.sparq_mean_v]
+
+    def sparq_config(self, args: ModelArgs, r: Optional[int] = None, k: Optional[int] = None) -> SparQConfig:
+        """SparQConfig(r, k) from these settings (validated: ValueError in one line)."""
+        config = SparQConfig(r=self.sparq_r if r is None else r, k_top=self.sparq_k if k is None else k,
+                             local=self.sparq_local, mean_v=self.mean_v(args))
+        config.validate(args.head_dim)
+        return config
+
+
+def _build_sparq(s: AttentionSettings, args: ModelArgs, kernels: Kernels) -> SparQDecode:
+    if s.sparq_r is None:
+        raise ValueError("--attention sparq needs --sparq-r")
+    return SparQDecode(s.sparq_config(args), kernels, args.attn_softcap)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A registry entry: how to build one layer's policy from settings, and which setting a target
+    compression solves for (eval's budgets)."""
+
+    build: Callable[[AttentionSettings, ModelArgs, Kernels], DecodePolicy]
+    help: str
+    flags: tuple[str, ...] = ()  # the optional settings it reads (sparq_r, kv_budget): others given are an error
+    knob: Optional[str] = None  # the setting a target compression solves for (sparq_r, sparq_k, kv_budget)
+    knob_min: int = 1  # smallest value of the knob (LM-Infinite needs more than its sink tokens)
+    reads_buckets: bool = False  # honours bucketed reads (CacheView.live_length): CUDA graphs per bucket
+
+
+POLICIES: dict[str, Policy] = {
+    "dense": Policy(lambda s, args, kernels: DenseDecode(kernels, args.attn_softcap), "exact attention over the live prefix",
+                    reads_buckets=True),
+    "sparq": Policy(_build_sparq, "SparQ (--sparq-r/-k/-local/-mean-v)", ("sparq_r",), knob="sparq_r",
+                    reads_buckets=True),
+    # The same policy, budgeted the other way (the paper's length sweep): r fixed, k set by the compression.
+    "sparq-fixed-r": Policy(_build_sparq, "SparQ budgeted by k at a fixed --sparq-r", ("sparq_r",), knob="sparq_k",
+                            reads_buckets=True),
+    "topk": Policy(lambda s, args, kernels: TopKDecode(s.budget, args.attn_softcap),
+                   "FlexGen top-k: exact scores, top-k values", ("kv_budget",), knob="kv_budget"),
+    "oracle": Policy(lambda s, args, kernels: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget),
+                                                           args.attn_softcap),
+                     "exact top-k at no transfer cost (upper bound)", ("kv_budget",), knob="kv_budget"),
+    "h2o": Policy(lambda s, args, kernels: H2ODecode(s.budget, s.sparq_local, cap=args.attn_softcap),
+                  "H2O: evicting heavy hitters + recent window", ("kv_budget",), knob="kv_budget"),
+    "local": Policy(lambda s, args, kernels: LocalDecode(s.budget, cap=args.attn_softcap),
+                    "LM-Infinite: 16 sinks + recent window", ("kv_budget",), knob="kv_budget",
+                    knob_min=LocalDecode.SINKS + 1),
+}
+
+
+def policy_factory(settings: AttentionSettings, args: ModelArgs,
+                   kernels: Kernels = TORCH_KERNELS) -> Callable[[int], DecodePolicy]:
+    """make_policy(layer) for Transformer.set_decode_attention: a fresh instance per layer (H2O keeps
+    per-layer state). Checks the settings once: ValueError in one line.
+
+    Sliding-window layers read min(S, window) positions: the policy replaces dense attention there
+    only when it moves fewer elements than dense over a full window; elsewhere they stay dense.
+    Global layers always get the policy."""
+    if settings.policy not in POLICIES:
+        raise ValueError(f"unknown attention policy {settings.policy!r} (choose from {', '.join(POLICIES)})")
+    entry = POLICIES[settings.policy]
+    for flag in ("sparq_r", "kv_budget"):
+        if getattr(settings, flag) is not None and flag not in entry.flags:
+            users = "/".join(name for name, e in POLICIES.items() if flag in e.flags)
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --attention {users}, not {settings.policy}")
+    policy = entry.build(settings, args, kernels)  # validate now, not in the middle of a run
+    W = args.sliding_window
+    on_windows = W is not None and (
+        policy.transfer_elements(W, args.head_dim) < DenseDecode().transfer_elements(W, args.head_dim))
+
+    def make(layer: int) -> DecodePolicy:
+        if args.layer_kind(layer) == "window" and not on_windows:
+            return DenseDecode(kernels, args.attn_softcap)
+        return entry.build(settings, args, kernels)
+
+    return make
+
+
+def describe_layers(model) -> str:
+    """Which policy each kind of layer runs, for the startup line: e.g. 'sparq on 3 global layers,
+    dense on 15 window layers (window 512)'."""
+    groups: dict[tuple[str, str], int] = {}
+    for i, layer in enumerate(model.layers):
+        key = (layer.attention.decode_attention.name, model.args.layer_kind(i))
+        groups[key] = groups.get(key, 0) + 1
+    parts = [f"{name} on {n} {kind} layer{'s' if n > 1 else ''}" for (name, kind), n in groups.items()]
+    window = f" (window {model.args.sliding_window})" if model.args.has_window_layers else ""
+    return ", ".join(parts) + window
+
+
+def add_attention_flags(p: argparse.ArgumentParser) -> None:
+    """Decode attention flags, shared by generate.py and python -m bench (attention_settings reads them)."""
+    p.add_argument("--attention", choices=list(POLICIES), default=None,
+                   help="decode attention policy (default: sparq when --sparq-r is given, else dense): "
+                        + "; ".join(f"{name}: {entry.help}" for name, entry in POLICIES.items()))
+    p.add_argument("--kv-budget", type=cli.positive_int, default=None,
+                   help="positions attended by topk/oracle/h2o/local (default: --sparq-k)")
+    p.add_argument("--sparq-r", type=cli.positive_int, default=None, help="query components used for approximate scores")
+    p.add_argument("--sparq-k", type=cli.positive_int, default=128, help="positions attended exactly")
+    p.add_argument("--sparq-local", type=cli.non_negative_int, default=None,
+                   help="recent positions always kept (default k/4)")
+    p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
+                   help="mean-value reallocation (auto: on for MHA, off for GQA)")
+
+
+def attention_settings(args: argparse.Namespace) -> AttentionSettings:
+    """AttentionSettings from the flags of add_attention_flags."""
+    policy = args.attention or ("sparq" if args.sparq_r is not None else "dense")
+    return AttentionSettings(policy=policy, sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_local=args.sparq_local,
+                             sparq_mean_v=args.sparq_mean_v, kv_budget=args.kv_budget)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transfer accounting and budgets
+# ---------------------------------------------------------------------------------------------
+
+
+def compression_ratio(policy: DecodePolicy, seq_len: int, head_dim: int) -> float:
+    """Transfers of `policy` relative to dense attention at the same length (paper, Appendix G)."""
+    return policy.transfer_elements(seq_len, head_dim) / DenseDecode().transfer_elements(seq_len, head_dim)
+
+
+def model_compression(model, seq_len: int, policies: Optional[list[DecodePolicy]] = None) -> float:
+    """KV transfers of a decode step at live length seq_len with `policies` (default: the installed
+    ones) relative to dense, over every layer (a window layer counts the min(S, window) it reads)."""
+    dense = [DenseDecode()] * model.args.n_layer
+    return model.decode_kv_bytes(seq_len, 1, policies) / model.decode_kv_bytes(seq_len, 1, dense)
+
+
+def _closest(ratio: Callable[[int], float], lo: int, hi: int, target: float) -> int:
+    """The integer x in [lo, hi] with ratio(x) closest to target, for ratio non-decreasing in x."""
+    a, b = lo, hi
+    while a < b:  # smallest x with ratio(x) >= target (or hi)
+        mid = (a + b) // 2
+        if ratio(mid) >= target:
+            b = mid
+        else:
+            a = mid + 1
+    best = a
+    if a > lo and abs(ratio(a - 1) - target) <= abs(ratio(a) - target):
+        best = a - 1
+    return best
+
+
+def layer_transfers(make_policy: Callable[[int], DecodePolicy], args: ModelArgs, seq_len: int) -> int:
+    """KV elements one decode step moves per KV head, summed over the layers of `args`, with layer i
+    running make_policy(i) over the positions it sees (min(S, window) on a window layer): the
+    element count behind Transformer.decode_kv_bytes, from the args alone."""
+    total = 0
+    for layer in range(args.n_layer):
+        window = args.window(layer)
+        visible = seq_len if window is None else min(seq_len, window)
+        total += make_policy(layer).transfer_elements(visible, args.head_dim)
+    return total
+
+
+def settings_for_compression(settings: AttentionSettings, target: float, seq_len: int,
+                             args: ModelArgs) -> tuple[AttentionSettings, float]:
+    """The settings of `settings.policy` whose model-wide transfers at seq_len are closest to target x
+    dense, and the compression they achieve. Its registry knob is solved (SparQ: r at fixed k, or k at
+    fixed r; the baselines: their budget k); target 1, or a policy without a knob, is dense.
+
+    The ratio is over every layer as policy_factory installs them: a sliding-window layer reads only
+    min(S, window) positions, and stays dense where the policy would not save there, so on a model
+    with window layers (Gemma 3) the global layers' budget is not the model's compression."""
+    entry = POLICIES[settings.policy]
+    if entry.knob is None or target >= 1:
+        return AttentionSettings("dense"), 1.0
+    dense = layer_transfers(lambda layer: DenseDecode(), args, seq_len)
+
+    def with_knob(x: int) -> AttentionSettings:
+        return replace(settings, **{entry.knob: x})
+
+    def ratio(x: int) -> float:
+        return layer_transfers(policy_factory(with_knob(x), args), args, seq_len) / dense
+
+    hi = args.head_dim if entry.knob == "sparq_r" else max(seq_len - 1, entry.knob_min)
+    best = with_knob(_closest(ratio, entry.knob_min, hi, target))
+    return best, ratio(getattr(best, entry.knob))
+
+
+DENSE = Fraction(1)  # the target compression that is dense attention, every method's baseline
+
+
+def fraction_label(c: Fraction) -> str:
+    return str(c.numerator) if c.denominator == 1 else f"{c.numerator}/{c.denominator}"
+
+
+def parse_compression(text: str) -> Fraction:
+    try:
+        value = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        raise cli.UserError(f"bad --compression value {text!r} (expected e.g. 1/4 or 0.25)") from None
+    if not 0 < value <= 1:
+        raise cli.UserError(f"--compression values must be in (0, 1], got {text!r}")
+    return value.limit_denominator(1 << 16)
+
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A method's settings for one target compression at sequence length seq_len."""
+
+    method: str
+    target: Fraction
+    seq_len: int
+    settings: AttentionSettings
+    achieved: float = 1.0  # transfers / dense at seq_len
+
+    @property
+    def r(self) -> Optional[int]:
+        return self.settings.sparq_r
+
+    @property
+    def k_top(self) -> Optional[int]:
+        """The positions the method attends (its budget, or SparQ's k)."""
+        uses_budget = self.method != "dense" and "kv_budget" in POLICIES[self.method].flags
+        return self.settings.budget if uses_budget else self.settings.sparq_k
+
+    def describe(self) -> str:
+        if self.method == "dense":
+            return "dense"
+        setting = f"r={self.r}, k={self.k_top}" if self.r is not None else f"k={self.k_top}"
+        return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len})"
+
+
+def solve_budget(method: str, target: Fraction, seq_len: int, args: ModelArgs,
+                 base: AttentionSettings = AttentionSettings()) -> Budget:
+    """Budget for `method` whose transfers at seq_len are closest to target x dense (Appendix G)."""
+    flags = POLICIES[method].flags  # the base's sparq_r (fixed-r SparQ) only where the policy reads it
+    start = replace(base, policy=method, sparq_r=base.sparq_r if "sparq_r" in flags else None, kv_budget=None)
+    settings, achieved = settings_for_compression(start, float(target), seq_len, args)
+    if settings.policy == "dense":
+        return Budget("dense", DENSE, seq_len, settings)
+    return Budget(method, target, seq_len, settings, achieved)

@@ -1,0 +1,61 @@
+"""Run by tests/test_kernels_cpu.py: a variant build of the GEMV and dense attention sources alone, with some
+CPU features turned off, checked against fp64 (a subprocess: a second build of the same ops cannot
+load beside the main one). -O1: these builds check each path's arithmetic, not its speed, and build
+in about half the time of -O3.
+    python tests/variant_check.py NAME FLAG...     (in the repo root; prints "ISA <path>" and "OK")
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels  # noqa: E402  (the op schemas)
+
+CSRC = Path(kernels.__file__).resolve().parent / "csrc"
+SOURCES = [str(CSRC / "linear.cpp"), str(CSRC / "linear_quant.cpp"), str(CSRC / "dense_decode.cpp")]
+name, flags = sys.argv[1], sys.argv[2:]
+cpp_extension.load(name=name, sources=SOURCES, extra_cflags=["-O1", *flags, "-fopenmp"],
+                   extra_ldflags=["-fopenmp"], is_python_module=False)
+print("ISA", torch.ops.sparq.linear_cpu_isa())
+for M, N, K, xd, wd in [(1, 576, 576, "float32", "float32"), (1, 1000, 17, "float32", "bfloat16"),
+                        (3, 5, 1536, "float32", "bfloat16"), (16, 961, 576, "bfloat16", "bfloat16"),
+                        (2, 4099, 64, "bfloat16", "float32"), (5, 67, 45, "float16", "float16")]:
+    g = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=g).to(getattr(torch, xd))
+    w = torch.randn(N, K, generator=g).to(getattr(torch, wd))
+    ref = (x.double() @ w.double().T).to(x.dtype).double()
+    tol = 1e-5 * math.sqrt(K) if x.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(torch.ops.sparq.linear_cpu(x, w).double(), ref, atol=tol, rtol=tol)
+for M, N, K, group in [(1, 100, 576, None), (4, 33, 100, None), (16, 70, 576, 64)]:
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(M, K, generator=g)
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    s = torch.rand(N, K // (group or K), generator=g).bfloat16() + 0.01
+    s = s[:, 0] if group is None else s
+    w = q.double() * (s.double()[:, None] if group is None else s.double().repeat_interleave(group, 1))
+    torch.testing.assert_close(torch.ops.sparq.linear_int8_cpu(x, q, s).double(), x.double() @ w.T,
+                               atol=1e-4 * float(w.abs().max()) * math.sqrt(K), rtol=1e-5)
+for M, N, K, group in [(1, 100, 576, 32), (9, 37, 256, 128)]:
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(M, K, generator=g)
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    s = torch.rand(N, K // group, generator=g).bfloat16() + 0.01
+    z = torch.randn(N, K // group, generator=g).bfloat16()
+    w = (q.double() - 8) * s.double().repeat_interleave(group, 1) + z.double().repeat_interleave(group, 1)
+    out = torch.ops.sparq.linear_int4_cpu(x, q[:, 0::2] | (q[:, 1::2] << 4), s, z)
+    torch.testing.assert_close(out.double(), x.double() @ w.T, atol=1e-4 * float(w.abs().max()) * math.sqrt(K),
+                               rtol=1e-5)
+for B, H, g, d, S, qd, kd in [(1, 2, 3, 64, 1000, "bfloat16", "bfloat16"), (2, 1, 4, 128, 300, "float32", "bfloat16"),
+                              (1, 1, 2, 256, 70, "float32", "float32"), (1, 2, 5, 80, 33, "float16", "float16")]:
+    g_ = torch.Generator().manual_seed(S + d)
+    q = torch.randn(B, H, g, d, generator=g_).to(getattr(torch, qd))
+    k, v = (torch.randn(B, H, S, d, generator=g_).to(getattr(torch, kd)) for _ in range(2))
+    p = torch.softmax(q.double() @ k.double().transpose(2, 3) / math.sqrt(d), dim=-1)
+    tol = 1e-5 if q.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(torch.ops.sparq.dense_cpu(q, k, v, S).double(), (p @ v.double()).to(q.dtype).double(),
+                               atol=tol, rtol=tol)
+print("OK")
