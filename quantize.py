@@ -195,7 +195,7 @@ def _gemv_rows(x: Tensor, in_features: int) -> Optional[Tensor]:
 
 def _gemv_available(device: torch.device) -> bool:
     """The fused quantized GEMVs run on CPU once the C++ kernels are built (resolve_kernels built them)."""
-    return device.type == "cpu" and kernels.cpu_kernel_available()
+    return device.type == "cpu" and kernels.cpu_kernel_error() is None
 
 
 def _int4pack_mm(x2: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
