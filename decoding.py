@@ -12,7 +12,7 @@ from typing import Callable, Optional, TextIO
 import torch
 from torch import Tensor
 
-from model import Transformer
+from model import DenseDecode, Transformer
 
 
 def sample(logits: Tensor, temperature: float, top_k: Optional[int]) -> Tensor:
@@ -35,19 +35,22 @@ PREFILL_CHUNK = 2048  # prompt tokens per prefill step: memory stays bounded at 
 
 
 def prefill_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, end: int,
-                  lengths: Optional[Tensor] = None) -> Tensor:
+                  lengths: Optional[Tensor] = None, row: Optional[int] = None) -> Tensor:
     """tokens (B, T) at positions input_pos = [end - T, end) -> logits (B, vocab) of the last one
-    (or of each row's last real token, for right-padded prompts of these lengths)."""
-    return model(tokens, input_pos, end, lengths)
+    (or of each row's last real token, for right-padded prompts of these lengths). row: tokens (1, T)
+    into that batch row of the caches alone (Transformer.forward)."""
+    return model(tokens, input_pos, end, lengths, row)
 
 
 def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step: Callable = prefill_chunk,
-            progress: bool = False, lengths: Optional[Tensor] = None, start: int = 0) -> Tensor:
+            progress: bool = False, lengths: Optional[Tensor] = None, start: int = 0,
+            row: Optional[int] = None) -> Tensor:
     """prompt (B, T) at positions [start, start + T), in chunks of `chunk` tokens (each attends to the
     cache the chunks before it wrote) -> logits (B, vocab) of the last position. lengths (B,): a
     right-padded batch of prompts of those lengths, whose logits are each row's at its last real
     token (the padding is written to the cache, and set_live_lengths makes it dead). progress: a
-    bar on stderr for long prompts (tqdm, when it is installed)."""
+    bar on stderr for long prompts (tqdm, when it is installed). row: prompt (1, T) prefilled into
+    that batch row of the caches, which holds `start` positions; the other rows keep their state."""
     T = prompt.shape[1]
     ends = range(start + T, start, -chunk)[::-1]  # chunk ends; the first chunk may be short
     logits = None
@@ -56,7 +59,9 @@ def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step
             begin = max(start, end - chunk)
             tokens = prompt[:, begin - start:end - start]
             positions = torch.arange(begin, end, device=prompt.device)
-            if lengths is None:
+            if row is not None:
+                logits = step(model, tokens, positions, end, None, row)
+            elif lengths is None:
                 logits = step(model, tokens, positions, end)
             else:  # keep each row's logits from the chunk that holds its last real token
                 last_pos = start + lengths - 1
@@ -137,6 +142,7 @@ class DecodeStats:
     steps: int  # decode steps actually run (the first token comes from prefill)
     kv_bytes_read: int  # KV-cache bytes read over all decode steps, every row at its own length
     print_s: float = 0.0  # time spent printing streamed text, excluded from decode_s
+    dense_kv_bytes_read: int = 0  # what dense attention would have read over the same steps (compression)
 
 
 class TextStream:
@@ -295,10 +301,16 @@ class Generator:
 
         tokens = torch.stack(generated, dim=1).tolist()  # (B, n)
         # the KV bytes of each step, every row at its own live length: counted outside the timed loop
-        kv_bytes = sum(sum(self.model.decode_kv_bytes(n + step + 1, 1) for n in lengths) if ragged else
-                       self.model.decode_kv_bytes(T + step + 1, B) for step in range(steps))
-        stats = DecodeStats(0, 0.0, decode_s, steps, kv_bytes, print_s)
+        stats = DecodeStats(0, 0.0, decode_s, steps, self._kv_bytes(lengths, steps), print_s,
+                            self._kv_bytes(lengths, steps, [DenseDecode()] * len(self.model.layers)))
         return [self._cut_at_stop(row) for row in tokens], stats
+
+    def _kv_bytes(self, lengths: list[int], steps: int, policies: Optional[list] = None) -> int:
+        """KV bytes `steps` decode steps read from rows of these lengths, each at its own live length,
+        with the installed policies (or `policies`, one per layer)."""
+        if len(set(lengths)) == 1:
+            return sum(self.model.decode_kv_bytes(lengths[0] + step + 1, len(lengths), policies) for step in range(steps))
+        return sum(self.model.decode_kv_bytes(n + step + 1, 1, policies) for n in lengths for step in range(steps))
 
     def _stream(self, stream: Optional[TextStream], tokens: list[Tensor]) -> float:
         """Print row 0's new tokens (up to its stop token); returns the seconds it took (kept out of

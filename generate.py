@@ -28,7 +28,7 @@ import argparse
 import json
 import resource
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
@@ -44,7 +44,7 @@ from decoding import DecodeStats, Generator, TextStream, prefill, sample
 from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
 from model import SHAPES, ModelArgs, Transformer, checkpoint_paths, load_model, random_model
 from policies import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
-                      model_compression, policy_factory)
+                      policy_factory, solve_target)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +78,20 @@ def kernels_for(choice: str, device: str, args: ModelArgs, length_bucket: int = 
         return resolve_kernels(choice, device, length_bucket, softcap=args.attn_softcap is not None)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def solve_compression(settings: AttentionSettings, seq_len: int, config: ModelArgs) -> AttentionSettings:
+    """The settings with the knob a --compression target solves for at seq_len (the longest prompt);
+    said on stderr. Settings without a target come back as they are."""
+    if settings.compression is None:
+        return settings
+    try:
+        budget = solve_target(settings, seq_len, config)
+    except ValueError as e:  # settings the policy refuses (sparq-fixed-r without --sparq-r)
+        raise UserError(str(e)) from None
+    print(f"budget: --compression {float(settings.compression):.4g} at {seq_len} tokens (the longest prompt): "
+          f"{budget.describe()}", file=sys.stderr)
+    return replace(budget.settings, compression=settings.compression)
 
 
 def install_policy(model: Transformer, settings: AttentionSettings) -> None:
@@ -268,6 +282,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 def run(args: argparse.Namespace) -> int:
     check_flags(args)
     settings = attention_settings(args)
+    if args.interactive and settings.compression is not None:
+        raise UserError("--compression is solved at the prompt's length, and --interactive has none up front: "
+                        "give the policy's knob (--sparq-r, --kv-budget)")
     config = ModelArgs.from_shape(args.random_weights) if args.random_weights else model_args(args.checkpoint)
     args.vocab_size = config.vocab_size
     length_bucket = length_bucket_for(args, config, settings)
@@ -327,6 +344,7 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
         print(f"note: --max-new-tokens capped at {max_new_tokens}: the cache holds {max_seq_length} positions "
               f"and the longest prompt {longest}", file=sys.stderr)
 
+    settings = solve_compression(settings, longest, config)
     setup(model, args, settings, len(rows), max_seq_length, length_bucket)
     source = f"random weights of the {args.random_weights} shape" if args.random_weights else str(args.checkpoint)
     print(f"model: {source}, {config.n_layer} layers, dim {config.dim}, {config.n_head} heads / "
@@ -372,8 +390,8 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
     summary = summarize(stats, len(rows), model.weight_bytes())
     print(f"peak memory: {peak_memory_bytes(args.device) / 2**30:.2f} GiB", file=sys.stderr)
     if settings.policy != "dense" and stats.steps:
-        ratio = model_compression(model, longest + stats.steps)
-        print(f"attention: {settings.policy}, KV transfers {ratio:.3f} of dense at the final length "
+        ratio = summary["compression_achieved"]
+        print(f"attention: {settings.policy}, KV transfers {ratio:.3f} of dense over the decode "
               f"(compression 1/{1 / ratio:.1f})", file=sys.stderr)
     if args.json and tp.rank() == 0:  # one writer: every rank holds the same tokens
         write_json(args, settings, model, tokenizer, rows, samples, {**summary, "compile_s": compile_s})
@@ -404,6 +422,8 @@ def summarize(stats: DecodeStats, batch_size: int, weights: int) -> dict:
         "bandwidth_gb_s": bytes_per_s / 1e9,
         "weight_bytes": weights,
         "kv_bytes_read_per_step": stats.kv_bytes_read // max(stats.steps, 1),
+        # KV transfers over dense's for the same cache and steps (every layer, every row at its length)
+        "compression_achieved": stats.kv_bytes_read / stats.dense_kv_bytes_read if stats.steps else None,
         "print_s": stats.print_s,
     }
 
@@ -438,13 +458,14 @@ def write_json(args, settings, model, tokenizer, rows, samples, summary) -> None
         "random_weights": args.random_weights,
         "attention": settings.policy,
         "kernels": model.kernels.name,
+        "compression_target": None if settings.compression is None else float(settings.compression),
     }
-    if settings.policy == "sparq":
+    if settings.policy in ("sparq", "sparq-fixed-r"):
         c = next(layer.attention.decode_attention.config for layer in model.layers
                  if layer.attention.decode_attention.name == "sparq")
         out["sparq"] = {"r": c.r, "k": c.k_top, "local": c.local, "mean_v": c.mean_v}
-        final_len = max(len(ids) for ids in rows) + summary["decode_steps"]
-        out["compression_ratio"] = model_compression(model, final_len)
+    elif settings.policy != "dense":
+        out["kv_budget"] = settings.budget
     cli.write_json(args.json, out)
 
 
@@ -490,15 +511,31 @@ def chat_loop(args: argparse.Namespace, model: Transformer, tokenizer, settings:
     return 0
 
 
+def reuse_cache(model: Transformer, cached: list[int], ids: list[int]) -> int:
+    """Positions of the cache (holding `cached`) that the conversation `ids` keeps: the prefix they share,
+    all but one token of ids at most (its logits come from a prefill). The rest is truncated away (an
+    edited or dropped turn); a policy that cannot truncate rows (H2O) starts from an empty cache."""
+    shared = 0
+    for a, b in zip(cached, ids[:-1]):
+        if a != b:
+            break
+        shared += 1
+    if shared < len(cached):
+        try:
+            model.truncate_row(0, shared)
+        except ValueError:
+            model.reset_caches()
+            return 0
+    return shared
+
+
 @torch.no_grad()
 def chat_turn(generator: Generator, tokenizer, cached: list[int], ids: list[int], max_new: int,
               out: TextIO) -> tuple[list[int], list[int]]:
-    """One assistant reply to the conversation `ids`, streamed to `out`. Reuses the cache when `cached`
-    is a prefix of `ids` (prefills the rest); returns (reply tokens, the ids now in the cache)."""
+    """One assistant reply to the conversation `ids`, streamed to `out`. Keeps what the cache shares with
+    `cached` (reuse_cache) and prefills the rest; returns (reply tokens, the ids now in the cache)."""
     model = generator.model
-    reuse = len(cached) if cached and ids[:len(cached)] == cached else 0
-    if reuse == 0:
-        model.reset_caches()
+    reuse = reuse_cache(model, cached, ids)
     new = torch.tensor([ids[reuse:]], device=model.device)
     logits = prefill(model, new, generator.prefill_chunk, start=reuse)
     stream = TextStream(tokenizer, out)

@@ -232,26 +232,31 @@ class KVCache(nn.Module):
     def max_seq_length(self) -> int:
         return self.k.shape[2]
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, row: Optional[int] = None) -> None:
         """Write k, v (B, n_kv, T, d) at positions input_pos: (T,) for every row, or (B, T) per row
-        (ragged rows). Positions must be new."""
+        (ragged rows). Positions must be new (past the row's live length). row: write batch row `row`
+        alone (B = 1), the others keeping their state: a prefill into one row (the rows are then ragged)."""
         B, n_kv = k.shape[:2]
+        first = 0 if row is None else row
+        if row is not None:
+            self._check_row_operation()
+            self.ragged = True
         # Advanced indexing on the whole buffers, not index_copy_ into a [:B] slice: with a dynamic
         # batch size torch.compile cannot write through that slice in place and copied every
         # cache buffer whole, several times per layer and step.
-        rows = torch.arange(B, device=k.device).view(B, 1, 1)
+        rows = torch.arange(first, first + B, device=k.device).view(B, 1, 1)
         heads = torch.arange(n_kv, device=k.device).view(1, n_kv, 1)
         input_pos = input_pos.view(-1, 1, input_pos.shape[-1])  # (1 or B, 1, T)
         self.k[rows, heads, input_pos] = k  # indexes (B, n_kv, T) -> rows of d
         self.v[rows, heads, input_pos] = v
         if self.k_t is not None:
             self.k_t[rows, heads, :, input_pos] = k  # advanced indices first: the same (B, n_kv, T, d)
-        self.v_sum[:B] += v.float().sum(dim=2)
+        self.v_sum[first:first + B] += v.float().sum(dim=2)
         if self.window is not None:  # the positions that leave the window (still in the buffers)
             leaving = input_pos - self.window  # (1 or B, 1, T)
             gone = self.v[rows, heads, leaving.clamp(min=0)].float() * (leaving >= 0)[..., None]
-            self.v_sum[:B] -= gone.sum(dim=2)
-        self.live_length[:B] = input_pos[:, 0, -1] + 1
+            self.v_sum[first:first + B] -= gone.sum(dim=2)
+        self.live_length[first:first + B] = input_pos[:, 0, -1] + 1
 
     def set_live_lengths(self, lengths: Tensor) -> None:
         """Make rows ragged: row b's live positions are [0, lengths[b]) (B,), whatever a padded prefill
@@ -290,11 +295,44 @@ class KVCache(nn.Module):
             live = None
         return CacheView(self.k[:, :, start:], k_t, self.v[:, :, start:], self.v_sum, length - start, live, start)
 
-    def reset(self) -> None:
-        for buffer in (self.k, self.v, self.k_t, self.v_sum, self.live_length):
-            if buffer is not None:
-                buffer.zero_()
-        self.ragged = False
+    def reset(self, row: Optional[int] = None) -> None:
+        """Empty the cache, or batch row `row` alone (the other rows keep their state). An emptied
+        row's buffers are not cleared: positions past a live length are never read unmasked."""
+        if row is None:
+            for buffer in (self.k, self.v, self.k_t, self.v_sum, self.live_length):
+                if buffer is not None:
+                    buffer.zero_()
+            self.ragged = False
+            return
+        self.truncate(row, 0)
+
+    def truncate(self, row: int, length: int) -> None:
+        """Row `row` keeps positions [0, length) live, as if nothing after them had been written; the
+        other rows keep their state (the rows are then ragged). The running V sum loses exactly the
+        removed positions' V, or is summed again over the kept ones when they are fewer (a window
+        layer's: over the window ending at `length`, restoring what the window had dropped): the work
+        is min(removed, kept) positions (a window at most), never the whole cache."""
+        self._check_row_operation()
+        live = int(self.live_length[row])
+        if not 0 <= length <= live:
+            raise ValueError(f"cannot truncate row {row} to {length} positions: it holds {live}")
+        if self.window is None and live - length <= length:
+            self.v_sum[row] -= sum_positions(self.v[row:row + 1], length, live)[0]
+        elif self.window is None:  # fewer positions kept than removed: summing the kept ones is cheaper
+            self.v_sum[row] = sum_positions(self.v[row:row + 1], 0, length)[0]
+        else:
+            self.v_sum[row] = sum_positions(self.v[row:row + 1], self.visible_start(length), length)[0]
+        self.live_length[row] = length
+        self.ragged = True
+
+    def _check_row_operation(self) -> None:
+        if self.window is not None and self.max_batch > 1:
+            raise ValueError("a sliding-window layer reads one window for every row, so its rows cannot hold "
+                             "different lengths: per-row operations need a batch of one on this model")
+
+    @property
+    def max_batch(self) -> int:
+        return self.k.shape[0]
 
     def snapshot(self) -> dict[str, Tensor]:
         """Copies of the state that is not indexed by position (running V sum, live length).
@@ -400,6 +438,7 @@ class DecodePolicy(nn.Module):
     """
 
     name = "policy"
+    follows_rows = True  # stateless across steps: the cache's per-row operations (truncate, reset) need nothing
 
     def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
                         lengths: Optional[Tensor] = None, window: Optional[int] = None) -> None:
@@ -543,9 +582,9 @@ class Attention(nn.Module):
         self.decode_attention: DecodePolicy = DenseDecode(kernels, self.cap)
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, kv_end: int,
-                prompt_lengths: Optional[Tensor] = None) -> Tensor:
+                prompt_lengths: Optional[Tensor] = None, row: Optional[int] = None) -> Tensor:
         """x (B, T, D) at positions input_pos, attending to cache positions below kv_end (see
-        Transformer.forward, which also says what prompt_lengths are)."""
+        Transformer.forward, which also says what prompt_lengths and row are)."""
         B, T, _ = x.shape
         H, n_kv, d = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.wqkv(x).split([H * d, n_kv * d, n_kv * d], dim=-1)
@@ -556,12 +595,13 @@ class Attention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)  # (B, heads, T, d)
-        self.kv_cache.update(input_pos, k, v)
+        self.kv_cache.update(input_pos, k, v, row)
         if T > 1:  # a prefill chunk: positions [kv_end - T, kv_end), over every key it may see
+            rows = slice(0, B) if row is None else slice(row, row + 1)  # the cache rows of x's rows
             k_start = 0 if self.window is None else max(0, kv_end - T - self.window + 1)
-            keys, values = self.kv_cache.k[:B, :, k_start:kv_end], self.kv_cache.v[:B, :, k_start:kv_end]
+            keys, values = self.kv_cache.k[rows, :, k_start:kv_end], self.kv_cache.v[rows, :, k_start:kv_end]
             y = prefill_attention(q, keys, values, kv_end - T, self.window, self.cap)  # (B, H, T, d)
-            self.decode_attention.observe_prefill(q, self.kv_cache.k[:B, :, :kv_end], lengths=prompt_lengths,
+            self.decode_attention.observe_prefill(q, self.kv_cache.k[rows, :, :kv_end], lengths=prompt_lengths,
                                                    window=self.window)
         else:  # a decode step reads kv_end positions
             q = q.view(B, n_kv, H // n_kv, d)  # query heads grouped by the KV head they share
@@ -596,8 +636,8 @@ class TransformerBlock(nn.Module):
         self.post_ffn_norm = make_norm(args) if args.sandwich_norms else None
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, kv_end: int,
-                prompt_lengths: Optional[Tensor] = None) -> Tensor:
-        a = self.attention(self.attention_norm(x), rope, input_pos, kv_end, prompt_lengths)
+                prompt_lengths: Optional[Tensor] = None, row: Optional[int] = None) -> Tensor:
+        a = self.attention(self.attention_norm(x), rope, input_pos, kv_end, prompt_lengths, row)
         if self.parallel_residual:
             return x + a + self.feed_forward(self.ffn_norm(x))
         if self.post_attention_norm is not None:
@@ -708,13 +748,36 @@ class Transformer(nn.Module):
                     tensors[id(t)] = t
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
+    def truncate_row(self, row: int, length: int) -> None:
+        """Batch row `row` keeps its first `length` positions in every cache (rejected speculative
+        tokens, a shared prefix); the other rows keep their state."""
+        self.check_row_operations()
+        for cache in self.caches:
+            cache.truncate(row, length)
+
+    def reset_row(self, row: int) -> None:
+        """Empty batch row `row` of every cache (a finished request's row, free for the next); the other
+        rows keep their state."""
+        self.check_row_operations()
+        for cache in self.caches:
+            cache.reset(row)
+
+    def check_row_operations(self) -> None:
+        """ValueError (one line) when the installed policies cannot follow per-row operations."""
+        for layer in self.layers:
+            policy = layer.attention.decode_attention
+            if not policy.follows_rows:
+                raise ValueError(f"{policy.name} attention keeps per-row state its decode steps build up, which "
+                                 f"truncating or refilling one row would leave stale: it does not support row operations")
+
     def set_live_lengths(self, lengths: Tensor) -> None:
         """Ragged rows (batches of different prompts): row b's positions [0, lengths[b]) are live in
         every cache, whatever a right-padded prefill wrote beyond them."""
         for cache in self.caches:
             cache.set_live_lengths(lengths)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, kv_end: int, prompt_lengths: Optional[Tensor] = None) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor, kv_end: int, prompt_lengths: Optional[Tensor] = None,
+                row: Optional[int] = None) -> Tensor:
         """idx (B, T) tokens at positions input_pos: (T,) for every row, or (B, T) per row (ragged
         rows decode at their own positions). Attention reads cache positions [0, kv_end): a decode
         step (T = 1) reads kv_end positions (the longest row's live length after this step, rounded
@@ -725,15 +788,21 @@ class Transformer(nn.Module):
         (ragged rows); the logits are then row b's at its last real token when the chunk holds it
         (clamped into the chunk otherwise), and stateful policies learn which queries are padding.
 
+        row: a prefill chunk (B = 1) into batch row `row` of the caches, the other rows keeping their
+        state (prefill into a row that truncate_row or reset_row freed: speculation, a server's new request).
+
         Returns logits (B, vocab) in fp32 for the last position (or each row's last real one).
         """
+        if row is not None:
+            self.check_row_operations()
         rope = self.rope[input_pos]  # (T, 2, rotary_dim/2)
         rope_local = self.rope_local[input_pos] if self.args.rope_local_base is not None else rope
         x = self.tok_embeddings(idx).to(self.cache_dtype)  # quantized embeddings dequantize in fp32
         if self.args.embedding_scale is not None:
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, kv_end, prompt_lengths)
+            x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, kv_end, prompt_lengths,
+                      row)
         if prompt_lengths is None:
             x = x[:, -1]
         else:

@@ -150,6 +150,7 @@ class H2ODecode(DecodePolicy):
     """
 
     name = "h2o"
+    follows_rows = False  # its evictions cannot be undone: a truncated row would keep scores of dropped positions
 
     def __init__(self, k: int, local: Optional[int] = None, prefill_chunk: int = H2O_PREFILL_ROWS,
                  cap: Optional[float] = None):
@@ -281,16 +282,20 @@ class H2ODecode(DecodePolicy):
 # ---------------------------------------------------------------------------------------------
 
 
+DEFAULT_SPARQ_K = 128
+
+
 @dataclass(frozen=True)
 class AttentionSettings:
     """The decode-attention choices of a run, as values: flags (attention_settings) or eval's budgets."""
 
     policy: str = "dense"
     sparq_r: Optional[int] = None  # SparQ: query components for the approximate scores
-    sparq_k: int = 128  # SparQ: positions attended exactly
+    sparq_k: int = DEFAULT_SPARQ_K  # SparQ: positions attended exactly
     sparq_local: Optional[int] = None  # SparQ, H2O, the oracle: recent positions always kept (None: k / 4)
     sparq_mean_v: str = "auto"  # "on", "off", or "auto": on for MHA, off for GQA (the paper's choice)
     kv_budget: Optional[int] = None  # baselines: positions attended (None: sparq_k)
+    compression: Optional[Fraction] = None  # a target (--compression): solve_target sets the policy's knob
 
     @property
     def budget(self) -> int:
@@ -395,18 +400,40 @@ def add_attention_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", type=cli.positive_int, default=None,
                    help="positions attended by topk/oracle/h2o/local (default: --sparq-k)")
     p.add_argument("--sparq-r", type=cli.positive_int, default=None, help="query components used for approximate scores")
-    p.add_argument("--sparq-k", type=cli.positive_int, default=128, help="positions attended exactly")
+    p.add_argument("--sparq-k", type=cli.positive_int, default=None,
+                   help=f"positions attended exactly (default {DEFAULT_SPARQ_K})")
     p.add_argument("--sparq-local", type=cli.non_negative_int, default=None,
                    help="recent positions always kept (default k/4)")
     p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
                    help="mean-value reallocation (auto: on for MHA, off for GQA)")
+    p.add_argument("--compression", type=parse_compression, default=None, metavar="TARGET",
+                   help="KV transfers as a fraction of dense (1/8 or 0.125) at the longest prompt: the policy's "
+                        "budget solver picks its knob (" + "; ".join(
+                            f"{name}: {knob_flag(e.knob)}" for name, e in POLICIES.items() if e.knob) + ")")
+
+
+def knob_flag(knob: str) -> str:
+    """The command-line flag of a setting: sparq_r -> --sparq-r."""
+    return "--" + knob.replace("_", "-")
 
 
 def attention_settings(args: argparse.Namespace) -> AttentionSettings:
-    """AttentionSettings from the flags of add_attention_flags."""
-    policy = args.attention or ("sparq" if args.sparq_r is not None else "dense")
-    return AttentionSettings(policy=policy, sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_local=args.sparq_local,
-                             sparq_mean_v=args.sparq_mean_v, kv_budget=args.kv_budget)
+    """AttentionSettings from the flags of add_attention_flags. A --compression target is refused with
+    dense attention and beside the flag of the knob it solves (the policy's other settings stay: SparQ's
+    --sparq-k is the k at which r is solved, as --sparq-r is for sparq-fixed-r)."""
+    target = args.compression
+    policy = args.attention or ("sparq" if args.sparq_r is not None or target is not None else "dense")
+    if target is not None:
+        knob = POLICIES[policy].knob
+        if knob is None:
+            raise cli.UserError(f"--compression sets the budget of a sparse policy; --attention {policy} has none")
+        if getattr(args, knob) is not None:
+            raise cli.UserError(f"--compression {fraction_label(target)} chooses {knob_flag(knob)} for --attention "
+                                f"{policy}: give one or the other")
+    return AttentionSettings(policy=policy, sparq_r=args.sparq_r,
+                             sparq_k=DEFAULT_SPARQ_K if args.sparq_k is None else args.sparq_k,
+                             sparq_local=args.sparq_local, sparq_mean_v=args.sparq_mean_v, kv_budget=args.kv_budget,
+                             compression=target)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,17 +492,28 @@ def settings_for_compression(settings: AttentionSettings, target: float, seq_len
     entry = POLICIES[settings.policy]
     if entry.knob is None or target >= 1:
         return AttentionSettings("dense"), 1.0
+    ratio, lo, hi = _knob_ratio(settings, seq_len, args)
+    best = replace(settings, **{entry.knob: _closest(ratio, lo, hi, target)})
+    return best, ratio(getattr(best, entry.knob))
+
+
+def _knob_ratio(settings: AttentionSettings, seq_len: int,
+                args: ModelArgs) -> tuple[Callable[[int], float], int, int]:
+    """(ratio(x): model-wide transfers / dense with the policy's knob at x, the knob's lowest and highest value)."""
+    entry = POLICIES[settings.policy]
     dense = layer_transfers(lambda layer: DenseDecode(), args, seq_len)
 
-    def with_knob(x: int) -> AttentionSettings:
-        return replace(settings, **{entry.knob: x})
-
     def ratio(x: int) -> float:
-        return layer_transfers(policy_factory(with_knob(x), args), args, seq_len) / dense
+        return layer_transfers(policy_factory(replace(settings, **{entry.knob: x}), args), args, seq_len) / dense
 
     hi = args.head_dim if entry.knob == "sparq_r" else max(seq_len - 1, entry.knob_min)
-    best = with_knob(_closest(ratio, entry.knob_min, hi, target))
-    return best, ratio(getattr(best, entry.knob))
+    return ratio, entry.knob_min, hi
+
+
+def reachable_compression(settings: AttentionSettings, seq_len: int, args: ModelArgs) -> tuple[float, float]:
+    """The lowest and highest compression settings.policy reaches at seq_len over its knob's range."""
+    ratio, lo, hi = _knob_ratio(settings, seq_len, args)
+    return ratio(lo), ratio(hi)
 
 
 DENSE = Fraction(1)  # the target compression that is dense attention, every method's baseline
@@ -532,3 +570,23 @@ def solve_budget(method: str, target: Fraction, seq_len: int, args: ModelArgs,
     if settings.policy == "dense":
         return Budget("dense", DENSE, seq_len, settings)
     return Budget(method, target, seq_len, settings, achieved)
+
+
+REACH_TOLERANCE = 0.02  # a target this far (relative) beyond what the knob's range reaches is refused
+
+
+def solve_target(settings: AttentionSettings, seq_len: int, args: ModelArgs) -> Budget:
+    """The budget for settings.compression (generate.py's --compression) at seq_len (a batch's longest
+    prompt). A target outside what the policy reaches is a one-line error naming the range: below it,
+    e.g. FlexGen's top-k (which reads all of K) under 1/2, or SparQ on a model whose window layers
+    stay dense; within it, the closest knob (reported as achieved)."""
+    budget = solve_budget(settings.policy, settings.compression, seq_len, args, settings)
+    if budget.method == "dense":  # a target of 1
+        return budget
+    lowest, highest = reachable_compression(budget.settings, seq_len, args)
+    target = float(settings.compression)
+    if not lowest * (1 - REACH_TOLERANCE) <= target <= highest * (1 + REACH_TOLERANCE):
+        raise cli.UserError(f"--compression {fraction_label(settings.compression)} is out of reach of "
+                            f"{settings.policy} at {seq_len} tokens: its transfers range from {lowest:.3f} "
+                            f"(1/{1 / lowest:.1f}, the lowest target it reaches) to {highest:.3f} of dense")
+    return budget

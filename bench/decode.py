@@ -35,7 +35,10 @@ def add_parser(sub) -> None:
                         "timed steps start early enough to end at it)")
     p.add_argument("--batch-size", default="1,4,8", help="comma list")
     p.add_argument("--dtype", default="float32", help=f"comma list of {', '.join(DTYPES)}")
-    p.add_argument("--sparq-r", default="16", help="comma list: one SparQ policy per r, each beside dense")
+    p.add_argument("--sparq-r", default=None, help="comma list: one SparQ policy per r, each beside dense (default 16)")
+    p.add_argument("--compression", default=None,
+                   help="comma list of targets (1/8,1/4), instead of --sparq-r: r solved for each at the longest "
+                        "context, as generate.py --compression solves it")
     p.add_argument("--sparq-k", type=int, default=128)
     p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
     p.add_argument("--sparq-mean-v", choices=("auto", "on", "off"), default="auto")
@@ -152,6 +155,8 @@ def _time_prefills(model, prompt, contexts: list[int], progress) -> dict[int, fl
 
 
 def run(args) -> int:
+    from dataclasses import replace
+
     import torch
     from tqdm import tqdm
 
@@ -159,7 +164,7 @@ def run(args) -> int:
     from decoding import compiled_decode_step, decode_step, prefill
     from generate import kernels_for, load_checkpoint, load_tokenizer
     from model import ModelArgs, checkpoint_paths, random_model
-    from policies import AttentionSettings, policy_factory
+    from policies import AttentionSettings, parse_compression, policy_factory, solve_target
 
     contexts = cli.int_list(args.prompt_tokens, "--prompt-tokens", minimum=0)
     batches = cli.int_list(args.batch_size, "--batch-size")
@@ -181,16 +186,8 @@ def run(args) -> int:
         model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
     starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps)
     kernels = kernels_for(args.kernel, "cpu", model_args)  # both policies share the kernel family and the linears
-    r_values = cli.int_list(args.sparq_r, "--sparq-r")
-    settings = {"dense": AttentionSettings("dense")}
-    for r in r_values:  # one SparQ policy per r: "sparq", or "sparq-r16", "sparq-r32", ...
-        settings["sparq" if len(r_values) == 1 else f"sparq-r{r}"] = AttentionSettings(
-            "sparq", sparq_r=r, sparq_k=args.sparq_k, sparq_local=args.sparq_local, sparq_mean_v=args.sparq_mean_v)
-    try:
-        factories = {name: policy_factory(s, model_args, kernels) for name, s in settings.items()}
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    config = factories[list(settings)[1]](0).config  # k, local, mean-V: shared by the SparQ policies
+    if args.compression and args.sparq_r:
+        raise UserError("--compression solves --sparq-r: give one or the other")
     # (label, first decode position of each row): every context at every batch size, then the ragged case
     cases = [(str(context), [starts[context]] * B) for context in contexts for B in batches]
     if args.ragged:
@@ -201,6 +198,25 @@ def run(args) -> int:
         cases.append(("/".join(map(str, ragged)), ragged))
     longest = max(max(rows_) for _, rows_ in cases)
     max_rows = max(len(rows_) for _, rows_ in cases)
+    sparq = AttentionSettings("sparq", sparq_k=args.sparq_k, sparq_local=args.sparq_local, sparq_mean_v=args.sparq_mean_v)
+    if args.compression:
+        targets = [parse_compression(t) for t in args.compression.split(",") if t.strip()]
+        budgets = [solve_target(replace(sparq, compression=t), longest, model_args) for t in targets if t < 1]
+        for budget in budgets:
+            print(f"budget: {budget.describe()}", file=sys.stderr)
+        r_values = list(dict.fromkeys(b.r for b in budgets))
+    else:
+        r_values = cli.int_list(args.sparq_r or "16", "--sparq-r")
+    settings = {"dense": AttentionSettings("dense")}
+    for r in r_values:  # one SparQ policy per r: "sparq", or "sparq-r16", "sparq-r32", ...
+        settings["sparq" if len(r_values) == 1 else f"sparq-r{r}"] = replace(sparq, sparq_r=r)
+    try:
+        factories = {name: policy_factory(s, model_args, kernels) for name, s in settings.items()}
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if len(settings) == 1:
+        raise UserError("--compression: every target is 1 (dense); give one below 1")
+    config = factories[list(settings)[1]](0).config  # k, local, mean-V: shared by the SparQ policies
     if args.random_weights:
         prompt = torch.randint(model_args.vocab_size, (1, max(1, longest)), generator=torch.Generator().manual_seed(0))
     else:

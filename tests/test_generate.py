@@ -103,6 +103,47 @@ def test_fused_cpu_linears_generate_the_same_tokens_as_f_linear(smollm2, smollm2
         assert fused == reference
 
 
+@pytest.mark.parametrize("policy, target", [("sparq", "1/4"), ("local", "0.3")])
+def test_compression_solves_the_policy_knob_at_the_longest_prompt(tmp_path, smollm2_checkpoint, policy, target):
+    """--compression picks the knob whose transfers at the prompt's length come closest to the target;
+    the achieved compression over the decode is the paper's transfer formula over dense's (SmolLM2:
+    30 global layers, d = 64), step by step."""
+    out = tmp_path / "out.json"
+    result = run_generate("--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "600", "--max-new-tokens", "6",
+                          "--attention", policy, "--compression", target, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = read_json(out)
+    d, lengths = 64, range(601, 606)
+    if policy == "sparq":
+        r, k = report["sparq"]["r"], report["sparq"]["k"]
+        assert k == 128 and abs((600 * r + 2 * k * d + 4 * d) / (2 * 600 * d + 2 * d) - 0.25) <= 1 / (4 * d)
+        moved = [S * r + 2 * k * d + 4 * d for S in lengths]
+    else:
+        k = report["kv_budget"]
+        assert abs((2 * k * d + 2 * d) / (2 * 600 * d + 2 * d) - 0.3) <= 1 / 600
+        moved = [2 * k * d + 2 * d for S in lengths]
+    assert report["compression_target"] == float(eval(target))
+    assert report["compression_achieved"] == pytest.approx(sum(moved) / sum(2 * S * d + 2 * d for S in lengths))
+    assert f"budget: --compression {float(eval(target)):.4g} at 600 tokens" in result.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--compression", "1/4", "--sparq-r", "8"), "chooses --sparq-r for --attention sparq"),
+    (("--compression", "1/4", "--attention", "topk", "--kv-budget", "8"), "chooses --kv-budget"),
+    (("--compression", "1/4", "--attention", "sparq-fixed-r", "--sparq-r", "8", "--sparq-k", "64"), "chooses --sparq-k"),
+    (("--compression", "1/4", "--attention", "dense"), "dense has none"),
+    (("--compression", "1/8", "--attention", "topk"), "lowest target it reaches"),
+    (("--compression", "1/16"), "out of reach of sparq"),
+    (("--compression", "0"), "must be in (0, 1]"),
+    (("--compression", "1/4", "--interactive"), "--interactive has none"),
+])
+def test_compression_refusals(smollm2_checkpoint, args, fragment):
+    assert_one_line_error(run_generate("--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "600",
+                                       "--max-new-tokens", "2", *args)
+                          if "--interactive" not in args else
+                          run_generate("--checkpoint", str(smollm2_checkpoint), *args), fragment)
+
+
 def test_generate_cli_json_with_sparq(tmp_path, smollm2_checkpoint):
     out = tmp_path / "out.json"
     result = run_generate("--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "300", "--max-new-tokens", "8",
@@ -117,7 +158,9 @@ def test_generate_cli_json_with_sparq(tmp_path, smollm2_checkpoint):
     per_head = [S * 16 + 2 * 64 * 64 + 4 * 64 for S in range(301, 308)]
     expected = sum(per_head) * 3 * 30 * 2 * 4 // 7
     assert report["kv_bytes_read_per_step"] == expected
-    assert 0 < report["compression_ratio"] < 1
+    dense_per_head = [2 * S * 64 + 2 * 64 for S in range(301, 308)]
+    assert report["compression_achieved"] == pytest.approx(sum(per_head) / sum(dense_per_head))
+    assert report["compression_target"] is None
     for key in ("prefill_s", "decode_tokens_per_s", "total_tokens_per_s", "bandwidth_gb_s", "weight_bytes"):
         assert report[key] > 0
     assert report["total_tokens_per_s"] == pytest.approx(2 * report["decode_tokens_per_s"])
