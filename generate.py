@@ -423,7 +423,7 @@ def summarize(stats: DecodeStats, batch_size: int, weights: int) -> dict:
         "weight_bytes": weights,
         "kv_bytes_read_per_step": stats.kv_bytes_read // max(stats.steps, 1),
         # KV transfers over dense's for the same cache and steps (every layer, every row at its length)
-        "compression_achieved": stats.kv_bytes_read / stats.dense_kv_bytes_read if stats.steps else None,
+        "compression_achieved": stats.kv_bytes_read / stats.dense_kv_bytes_read if stats.dense_kv_bytes_read else None,
         "print_s": stats.print_s,
     }
 
