@@ -10,25 +10,34 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from model import DenseDecode, Transformer
 
 
-def sample(logits: Tensor, temperature: float, top_k: Optional[int]) -> Tensor:
-    """logits (B, vocab) fp32 -> next tokens (B,). temperature 0 is greedy.
-
-    A draw from softmax(logits / temperature) as the argmax of p / E with E ~ Exp(1) per token (the
-    exponential race: P(argmax = i) = p_i), which stays on the device where torch.multinomial
-    syncs with the host (gpt-fast samples this way)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
+def probabilities(logits: Tensor, temperature: float, top_k: Optional[int]) -> Tensor:
+    """(..., vocab) logits -> the distribution sampling draws from: softmax(logits / temperature) over
+    the top_k tokens (temperature > 0)."""
     logits = logits / temperature
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = torch.where(logits < kth, float("-inf"), logits)
-    probs = torch.softmax(logits, dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def draw(probs: Tensor) -> Tensor:
+    """One token per row of probs (..., vocab), as the argmax of p / E with E ~ Exp(1) per token (the
+    exponential race: P(argmax = i) = p_i), which stays on the device where torch.multinomial
+    syncs with the host (gpt-fast samples this way)."""
     return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+
+def sample(logits: Tensor, temperature: float, top_k: Optional[int]) -> Tensor:
+    """logits (B, vocab) fp32 -> next tokens (B,). temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return draw(probabilities(logits, temperature, top_k))
 
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill step: memory stays bounded at any prompt length
@@ -69,6 +78,22 @@ def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step
                 here = ((last_pos >= begin) & (last_pos < end))[:, None]
                 logits = chunk_logits if logits is None else torch.where(here, chunk_logits, logits)
             bar.update(end - begin)
+    return logits
+
+
+def prefill_rows(model: Transformer, rows: list[list[int]], chunk: int = PREFILL_CHUNK, step: Callable = prefill_chunk,
+                 progress: bool = False) -> Tensor:
+    """Empty the caches and prefill one prompt per row, of any lengths (right-padded, then each row's
+    live length set to its own) -> logits (B, vocab) at each row's last token."""
+    lengths = [len(p) for p in rows]
+    T, device = max(lengths), model.device
+    ragged = len(set(lengths)) > 1
+    padded = torch.tensor([p + [0] * (T - len(p)) for p in rows], device=device)  # (B, T) right-padded
+    row_lengths = torch.tensor(lengths, device=device)
+    model.reset_caches()
+    logits = prefill(model, padded, chunk, step, progress, row_lengths if ragged else None)
+    if ragged:
+        model.set_live_lengths(row_lengths)
     return logits
 
 
@@ -143,6 +168,12 @@ class DecodeStats:
     kv_bytes_read: int  # KV-cache bytes read over all decode steps, every row at its own length
     print_s: float = 0.0  # time spent printing streamed text, excluded from decode_s
     dense_kv_bytes_read: int = 0  # what dense attention would have read over the same steps (compression)
+    weight_bytes_read: Optional[int] = None  # None: the weights once per step; speculation: per round, draft included
+    rounds: int = 0  # speculative decoding: draft-and-verify rounds,
+    proposed: int = 0  # draft tokens proposed (every row),
+    accepted: int = 0  # and accepted by the verifier
+    draft_s: float = 0.0  # time in the draft's steps
+    verify_s: float = 0.0  # and in the verify passes
 
 
 class TextStream:
@@ -250,20 +281,10 @@ class Generator:
         row (cut after a stop token) and timings. stream: print row 0 as it is generated (B = 1)."""
         rows = prompts.tolist() if isinstance(prompts, Tensor) else [list(p) for p in prompts]
         lengths = [len(p) for p in rows]
-        T = max(lengths)
-        device = self.model.device
-        ragged = len(set(lengths)) > 1
-        padded = torch.tensor([p + [0] * (T - len(p)) for p in rows], device=device)  # (B, T) right-padded
-        row_lengths = torch.tensor(lengths, device=device)
-
-        self.model.reset_caches()
         start = time.perf_counter()
-        logits = prefill(self.model, padded, self.prefill_chunk, self._prefill_chunk, self.progress,
-                         row_lengths if ragged else None)
-        if ragged:
-            self.model.set_live_lengths(row_lengths)
+        logits = prefill_rows(self.model, rows, self.prefill_chunk, self._prefill_chunk, self.progress)
         next_token = sample(logits, self.temperature, self.top_k)
-        synchronize(device)
+        synchronize(self.model.device)
         prefill_s = time.perf_counter() - start
         tokens, stats = self.decode(next_token, lengths, max_new_tokens, stream)
         stats.prefill_tokens, stats.prefill_s = sum(lengths), prefill_s
@@ -338,3 +359,179 @@ class Generator:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding: a draft proposes n tokens per row, the verifier scores them in one pass
+# ---------------------------------------------------------------------------------------------
+
+
+def expected_tokens_per_round(acceptance: float, n: int) -> float:
+    """(1 - a^(n+1)) / (1 - a): a row's tokens per round when each proposal is accepted with probability a."""
+    a = acceptance
+    return n + 1 if a >= 1 else (1 - a ** (n + 1)) / (1 - a)
+
+
+def speculative_speedup(acceptance: float, n: int, draft_step: float, verify_pass: float) -> float:
+    """Expected tokens per round over the round's cost in verifier steps (a verify pass taken as one
+    step: both read the weights and the cache once)."""
+    return expected_tokens_per_round(acceptance, n) * verify_pass / (n * draft_step + verify_pass)
+
+
+@dataclass
+class Speculator:
+    """Each round the draft proposes n tokens per row; the verifier scores the n + 1 positions in one
+    pass (Transformer.forward over per-row positions, every_position) and each row keeps the longest
+    prefix it agrees with plus one token of its own; the caches drop the rest (truncate_rows), so rows
+    accept different counts in the same round. Greedy: the verifier's own tokens (its one pass equals
+    its one-token steps up to fp32 rounding: DenseDecode.verify). Sampling: the rejection rule (accept
+    d with min(1, p(d) / q(d)), else draw from max(0, p - q) renormalized), which leaves the output
+    distributed exactly as the verifier's own samples.
+
+    Self-speculation (draft_model None): the verifier's model and caches, running draft_policies to
+    propose (SparQ reading a fraction of the cache) and verify_policies to verify; the verify pass
+    rewrites the drafted positions with the verifier's keys and values. A draft model: its own caches
+    and installed policies, fed one token more than it proposes so that its cache holds every
+    position a round can accept."""
+
+    model: Transformer
+    n: int  # tokens proposed per round
+    verify_policies: list
+    draft_policies: Optional[list] = None  # self-speculation
+    draft_model: Optional[Transformer] = None
+    stop_ids: set[int] = field(default_factory=set)
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    prefill_chunk: int = PREFILL_CHUNK
+
+    def _install(self, policies: list) -> None:
+        self.model.set_decode_attention(lambda layer: policies[layer])
+
+    def _sample(self, logits: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """(tokens, the distribution they were drawn from, or None when greedy)."""
+        if self.temperature == 0:
+            return logits.argmax(dim=-1), None
+        probs = probabilities(logits, self.temperature, self.top_k)
+        return draw(probs), probs
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], DecodeStats]:
+        rows = [list(p) for p in prompts]
+        device = self.model.device
+        start = time.perf_counter()
+        if self.draft_policies is not None:
+            self._install(self.verify_policies)
+        token, _ = self._sample(prefill_rows(self.model, rows, self.prefill_chunk))
+        if self.draft_model is not None:
+            prefill_rows(self.draft_model, rows, self.prefill_chunk)
+        synchronize(device)
+        prefill_s = time.perf_counter() - start
+
+        lengths = [len(p) for p in rows]  # each row's positions in the verifier's cache
+        out = [[t] for t in token.tolist()]
+        stats = DecodeStats(sum(lengths), prefill_s, 0.0, 0, 0, weight_bytes_read=0)
+        start = time.perf_counter()
+        while True:
+            # a row done (its tokens, or a stop token) stays where it is while the others go on
+            active = [len(o) < max_new_tokens and not self._stopped(o) for o in out]
+            if not any(active):
+                break
+            phase = time.perf_counter()
+            proposals, q, draft_bytes = self._propose(token, lengths)  # (B, n), (B, n, vocab) or None
+            synchronize(device)
+            stats.draft_s += time.perf_counter() - phase
+            phase = time.perf_counter()
+            logits, verify_bytes = self._verify(token, proposals, lengths)  # (B, n + 1, vocab)
+            synchronize(device)
+            stats.verify_s += time.perf_counter() - phase
+            accepted, next_token = self._accept(logits, proposals, q)  # (B,), (B,)
+            accepted_list = [m if live else -1 for m, live in zip(accepted.tolist(), active)]
+            proposal_rows = proposals.tolist()
+            for b, (m, t) in enumerate(zip(accepted_list, next_token.tolist())):
+                if m >= 0:
+                    out[b] += proposal_rows[b][:m] + [t]
+            token = torch.where(torch.tensor(active, device=device), next_token, token)
+            lengths = [n + m + 1 for n, m in zip(lengths, accepted_list)]  # a done row: m + 1 = 0
+            keep = torch.tensor(lengths, device=device)
+            for model in (self.model, self.draft_model):
+                if model is not None:
+                    for cache in model.caches:
+                        cache.truncate_rows(keep)
+            stats.rounds += 1
+            stats.proposed += self.n * sum(active)
+            stats.accepted += sum(m for m in accepted_list if m > 0)
+            stats.kv_bytes_read += draft_bytes + verify_bytes
+            stats.weight_bytes_read += self.model.weight_bytes() + (
+                self.n * self.model.weight_bytes() if self.draft_model is None
+                else (self.n + 1) * self.draft_model.weight_bytes())
+        synchronize(device)
+        stats.decode_s = time.perf_counter() - start
+        out = [self._cut(row, max_new_tokens) for row in out]
+        stats.steps = max(0, max(len(row) for row in out) - 1)  # tokens after the first, as Generator counts
+        dense = [DenseDecode()] * len(self.model.layers)
+        stats.dense_kv_bytes_read = sum(self.model.decode_kv_bytes(len(p) + i + 1, 1, dense)
+                                        for p, row in zip(rows, out) for i in range(len(row) - 1))
+        return out, stats
+
+    def _propose(self, token: Tensor, lengths: list[int]) -> tuple[Tensor, Optional[Tensor], int]:
+        """n draft tokens per row after `token` (at each row's position lengths[b]), the distributions
+        they were drawn from, and the KV bytes the draft read."""
+        B, longest = len(lengths), max(lengths)
+        draft = self.draft_model or self.model
+        if self.draft_policies is not None:
+            self._install(self.draft_policies)
+        steps = self.n if self.draft_model is None else self.n + 1  # a draft model also caches its last proposal
+        position = torch.tensor(lengths, device=token.device).view(B, 1)
+        current, proposals, dists, kv_bytes = token, [], [], 0
+        for i in range(steps):
+            logits = draft(current.view(B, 1), position + i, draft.read_length(longest + i + 1))
+            kv_bytes += sum(draft.decode_kv_bytes(n + i + 1, 1) for n in lengths)
+            if i == self.n:
+                break
+            current, probs = self._sample(logits)
+            proposals.append(current)
+            dists.append(probs)
+        if self.draft_model is None:  # the verify pass writes these positions again, the verifier's way
+            for cache in self.model.caches:
+                cache.truncate_rows(torch.tensor(lengths, device=token.device))
+        q = None if dists[0] is None else torch.stack(dists, dim=1)
+        return torch.stack(proposals, dim=1), q, kv_bytes
+
+    def _verify(self, token: Tensor, proposals: Tensor, lengths: list[int]) -> tuple[Tensor, int]:
+        """The verifier's logits (B, n + 1, vocab) at `token` and the n proposals after it, in one pass."""
+        B, T = len(lengths), self.n + 1
+        if self.draft_policies is not None:
+            self._install(self.verify_policies)
+        tokens = torch.cat([token.view(B, 1), proposals], dim=1)  # (B, n + 1)
+        positions = torch.tensor(lengths, device=token.device).view(B, 1) + torch.arange(T, device=token.device)
+        logits = self.model(tokens, positions, self.model.read_length(max(lengths) + T), every_position=True)
+        return logits, sum(self.model.decode_kv_bytes(n + T, 1) for n in lengths)
+
+    def _accept(self, logits: Tensor, proposals: Tensor, q: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """(accepted count (B,), each row's next token (B,)): greedy, the proposals the verifier's argmax
+        repeats and then its own; sampling, the rejection rule."""
+        n = self.n
+        if q is None:
+            best = logits.argmax(dim=-1)  # (B, n + 1)
+            accepted = (best[:, :n] == proposals).long().cumprod(dim=1).sum(dim=1)
+            return accepted, best.gather(1, accepted[:, None]).squeeze(1)
+        p = probabilities(logits, self.temperature, self.top_k)  # (B, n + 1, vocab)
+        index = proposals[..., None]
+        ratio = p[:, :n].gather(2, index).squeeze(2) / q.gather(2, index).squeeze(2)  # (B, n)
+        accepted = (torch.rand_like(ratio) < ratio).long().cumprod(dim=1).sum(dim=1)
+        # the next token: from max(0, p - q) at the first rejection, from p after the last proposal
+        at = accepted.view(-1, 1, 1).expand(-1, 1, p.shape[-1])
+        p_next = p.gather(1, at).squeeze(1)
+        q_next = F.pad(q, (0, 0, 0, 1)).gather(1, at).squeeze(1)  # zeros after the last proposal
+        residual = (p_next - q_next).clamp(min=0)
+        return accepted, draw(residual / residual.sum(dim=-1, keepdim=True))
+
+    def _stopped(self, row: list[int]) -> bool:
+        return any(t in self.stop_ids for t in row)
+
+    def _cut(self, row: list[int], max_new_tokens: int) -> list[int]:
+        row = row[:max_new_tokens]
+        for i, token in enumerate(row):
+            if token in self.stop_ids:
+                return row[: i + 1]
+        return row

@@ -40,7 +40,8 @@ import quantize
 import tokenizer as tokenizer_module
 import tp
 from cli import UserError
-from decoding import DecodeStats, Generator, TextStream, prefill, sample
+from decoding import (DecodeStats, Generator, Speculator, TextStream, expected_tokens_per_round, prefill, sample,
+                      speculative_speedup)
 from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
 from model import SHAPES, ModelArgs, Transformer, checkpoint_paths, load_model, random_model
 from policies import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
@@ -175,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode kernels: auto = the fused kernels of the device (cpu: C++ dense and SparQ attention "
                         "and linears; cuda: Triton SparQ), torch = plain PyTorch everywhere")
     add_attention_flags(p)
+    spec = p.add_argument_group("speculative decoding (greedy output is the verifier's own; sampled, distributed as its own)")
+    spec.add_argument("--speculate-k", type=cli.positive_int, default=None, metavar="N",
+                      help="tokens the draft proposes per round, verified in one pass")
+    spec.add_argument("--draft-attention", choices=list(POLICIES), default=None,
+                      help="the draft's decode attention: alone, self-speculation (the same model reading a fraction "
+                           "of the same cache); the --sparq-*, --kv-budget and --compression flags then configure the "
+                           "draft, and the verifier runs --attention (dense unless given)")
+    spec.add_argument("--draft-checkpoint", type=Path, default=None,
+                      help="a draft model (any checkpoint generate.py loads, sharing the tokenizer); with "
+                           "--draft-attention it runs that policy, else dense")
     return p
 
 
@@ -250,6 +261,38 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     return rows * (args.batch_size or 1) if len(rows) == 1 else rows
 
 
+def speculation_settings(args: argparse.Namespace) -> tuple[AttentionSettings, Optional[AttentionSettings]]:
+    """(the settings of the model that decodes, or verifies; the draft's, with --draft-attention). With
+    --draft-attention the attention flags configure the draft and the verifier runs --attention (dense
+    unless given); otherwise they are the model's, as without speculation."""
+    if args.draft_attention is None:
+        return attention_settings(args), None
+    draft = attention_settings(argparse.Namespace(**{**vars(args), "attention": args.draft_attention}))
+    return AttentionSettings(args.attention or "dense"), draft
+
+
+def check_speculation(args: argparse.Namespace, settings: AttentionSettings, draft: Optional[AttentionSettings]) -> None:
+    """The refusals of speculative decoding that depend on the flags alone."""
+    drafting = args.draft_attention is not None or args.draft_checkpoint is not None
+    if args.speculate_k is None:
+        if drafting:
+            raise UserError("a draft (--draft-attention, --draft-checkpoint) needs --speculate-k N, the tokens it "
+                            "proposes per round")
+        return
+    if not drafting:
+        raise UserError("--speculate-k needs a draft: --draft-attention POLICY (self-speculation) or "
+                        "--draft-checkpoint PATH")
+    if settings.policy != "dense":
+        raise UserError(f"the verifier runs dense attention (its one pass over the proposals is dense "
+                        f"attention's), not {settings.policy}")
+    for flag, given in (("--interactive", args.interactive), ("--compile", args.compile),
+                        ("torchrun", tp.world_size() > 1)):
+        if given:
+            raise UserError(f"speculative decoding does not run with {flag} (yet): run without it")
+    if args.draft_checkpoint is not None and args.random_weights:
+        raise UserError("--draft-checkpoint must share the verifier's tokenizer; --random-weights has none")
+
+
 def check_flags(args: argparse.Namespace) -> None:
     """The refusals that depend on the flags alone (before any file is read), and the device defaults."""
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -281,7 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     check_flags(args)
-    settings = attention_settings(args)
+    settings, draft_settings = speculation_settings(args)
+    check_speculation(args, settings, draft_settings)
     if args.interactive and settings.compression is not None:
         raise UserError("--compression is solved at the prompt's length, and --interactive has none up front: "
                         "give the policy's knob (--sparq-r, --kv-budget)")
@@ -303,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         return chat_loop(args, model, tokenizer, settings, length_bucket)
     world = tp.maybe_shard(model, args.device)  # under torchrun: this rank's KV heads (tp.py)
     try:
-        return generate_rows(args, model, tokenizer, settings, kernels, length_bucket, world, config)
+        return generate_rows(args, model, tokenizer, settings, kernels, length_bucket, world, config, draft_settings)
     finally:
         tp.shutdown()
 
@@ -325,7 +369,8 @@ def length_bucket_for(args: argparse.Namespace, config: ModelArgs, settings: Att
 
 
 def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, settings: AttentionSettings,
-                  kernels: Kernels, length_bucket: int, world: Optional[int], config: ModelArgs) -> int:
+                  kernels: Kernels, length_bucket: int, world: Optional[int], config: ModelArgs,
+                  draft_settings: Optional[AttentionSettings] = None) -> int:
     """The prompts of the command line, generated as one batch; reported and written as asked. `config` is the
     whole model's shape (under torchrun, model.args is this rank's share)."""
     rows = prompt_ids(args, tokenizer)
@@ -333,19 +378,26 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
     if ragged and model.args.has_window_layers:
         raise UserError("prompts of different lengths in one batch need every layer global; this model has "
                         "sliding-window layers: run the prompts one at a time")
+    if args.speculate_k and len(rows) > 1 and model.args.has_window_layers:
+        raise UserError("speculative rows accept different counts, and this model's sliding-window layers read "
+                        "one window for every row: speculate with one row at a time")
+    lookahead = args.speculate_k + 1 if args.speculate_k else 0  # a round writes up to this many positions past the last
     max_context = model.args.max_context
-    max_seq_length = args.max_seq_length or min(longest + args.max_new_tokens, max_context)
-    if longest + 1 > max_seq_length:
-        raise UserError(f"the prompt has {longest} tokens; it does not fit --max-seq-length {max_seq_length}")
+    max_seq_length = args.max_seq_length or min(longest + args.max_new_tokens + lookahead, max_context)
+    if longest + 1 + lookahead > max_seq_length:
+        raise UserError(f"the prompt has {longest} tokens; it does not fit --max-seq-length {max_seq_length}"
+                        + (f" with the {lookahead} positions a speculative round writes" if lookahead else ""))
     if max_seq_length > max_context:
         raise UserError(f"--max-seq-length {max_seq_length} exceeds the model's context of {max_context} tokens")
-    max_new_tokens = min(args.max_new_tokens, max_seq_length - longest)
+    max_new_tokens = min(args.max_new_tokens, max_seq_length - longest - lookahead)
     if max_new_tokens < args.max_new_tokens:
         print(f"note: --max-new-tokens capped at {max_new_tokens}: the cache holds {max_seq_length} positions "
               f"and the longest prompt {longest}", file=sys.stderr)
 
     settings = solve_compression(settings, longest, config)
     setup(model, args, settings, len(rows), max_seq_length, length_bucket)
+    speculator = (make_speculator(args, model, tokenizer, settings, draft_settings, len(rows), max_seq_length, longest)
+                  if args.speculate_k else None)
     source = f"random weights of the {args.random_weights} shape" if args.random_weights else str(args.checkpoint)
     print(f"model: {source}, {config.n_layer} layers, dim {config.dim}, {config.n_head} heads / "
           f"{config.n_kv_head} KV heads, {args.dtype} on {args.device}; "
@@ -370,13 +422,16 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
         print(f"warm-up: compilation{' and CUDA graph capture' if args.device == 'cuda' else ''} of every "
               f"decode length the run reads, {compile_s:.1f} s (not in the tokens/s below)", file=sys.stderr)
 
-    stream = len(rows) == 1 and not args.no_stream
+    stream = len(rows) == 1 and not args.no_stream and speculator is None
     results = []
     for i in range(args.num_samples):
         header = f"--- sample {i + 1}"
         if stream:
             print(header, flush=True)
-        samples, stats = generator.generate(rows, max_new_tokens, TextStream(tokenizer) if stream else None)
+        if speculator is not None:
+            samples, stats = speculator.generate(rows, max_new_tokens)
+        else:
+            samples, stats = generator.generate(rows, max_new_tokens, TextStream(tokenizer) if stream else None)
         if stream:
             print(flush=True)
         else:
@@ -384,10 +439,14 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
                 print(header + (f", row {b + 1}" if len(rows) > 1 else ""))
                 print(tokenizer.decode(row))
         report(stats, len(rows), model.weight_bytes(), first_call=i == 0 and not args.compile)
+        if speculator is not None:
+            report_speculation(stats, args.speculate_k)
         results.append((samples, stats))
 
     samples, stats = results[-1]
     summary = summarize(stats, len(rows), model.weight_bytes())
+    if speculator is not None:
+        summary.update(summarize_speculation(stats, args.speculate_k), speculate_k=args.speculate_k)
     print(f"peak memory: {peak_memory_bytes(args.device) / 2**30:.2f} GiB", file=sys.stderr)
     if settings.policy != "dense" and stats.steps:
         ratio = summary["compression_achieved"]
@@ -396,6 +455,79 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
     if args.json and tp.rank() == 0:  # one writer: every rank holds the same tokens
         write_json(args, settings, model, tokenizer, rows, samples, {**summary, "compile_s": compile_s})
     return 0
+
+
+def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, settings: AttentionSettings,
+                    draft_settings: Optional[AttentionSettings], batch: int, max_seq_length: int,
+                    longest: int) -> Speculator:
+    """The draft of --draft-attention (self-speculation) or --draft-checkpoint (a model of its own, loaded,
+    its caches set up and its policy installed), said on stderr."""
+    layers = range(model.args.n_layer)
+    verify = [policy_factory(settings, model.args, model.kernels)(i) for i in layers]
+    if draft_settings is not None:
+        draft_settings = solve_compression(draft_settings, longest, model.args)
+    if draft_settings is not None:
+        try:
+            probe = policy_factory(draft_settings, model.args, model.kernels)(model.args.n_layer - 1)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if not probe.follows_rows:
+            raise UserError(f"{draft_settings.policy} cannot draft: rejected positions are truncated from the cache, "
+                            f"and it keeps per-row state it cannot roll back")
+    if args.draft_checkpoint is None:
+        make = policy_factory(draft_settings, model.args, model.kernels)
+        print(f"speculation: {args.speculate_k} tokens per round drafted by the same model with "
+              f"{draft_settings.policy} attention, verified by {settings.policy} in one pass", file=sys.stderr)
+        return Speculator(model, args.speculate_k, verify, [make(i) for i in layers], stop_ids=tokenizer.stop_ids,
+                          temperature=args.temperature, top_k=args.top_k)
+    draft_config = model_args(args.draft_checkpoint)
+    draft_kernels = kernels_for(args.kernel, args.device, draft_config)
+    draft = load_checkpoint(args.draft_checkpoint, args.device, DTYPES[args.dtype], draft_kernels)
+    check_same_tokenizer(tokenizer, load_tokenizer(args.draft_checkpoint), draft_config, model.args)
+    if max_seq_length > draft_config.max_context:
+        raise UserError(f"the draft's context of {draft_config.max_context} tokens is shorter than the "
+                        f"{max_seq_length} positions of this run")
+    setup(draft, args, draft_settings or AttentionSettings("dense"), batch, max_seq_length, 1)
+    print(f"speculation: {args.speculate_k} tokens per round drafted by {args.draft_checkpoint} "
+          f"({describe_layers(draft)}), verified by {settings.policy} in one pass", file=sys.stderr)
+    return Speculator(model, args.speculate_k, verify, draft_model=draft, stop_ids=tokenizer.stop_ids,
+                      temperature=args.temperature, top_k=args.top_k)
+
+
+PROBE_TEXT = "Speculative decoding: the draft's token ids must mean the verifier's. 12345 ÉÀ 中文 <|im_end|>"
+
+
+def check_same_tokenizer(verifier, draft, draft_config: ModelArgs, config: ModelArgs) -> None:
+    """A draft's tokens are the verifier's only if both tokenizers map text to the same ids."""
+    same = (draft_config.vocab_size == config.vocab_size and verifier.stop_ids == draft.stop_ids
+            and verifier.encode(PROBE_TEXT) == draft.encode(PROBE_TEXT))
+    if not same:
+        raise UserError("the draft checkpoint's tokenizer differs from the verifier's: a draft must share it")
+
+
+def report_speculation(stats: DecodeStats, n: int) -> None:
+    if not stats.rounds:
+        return
+    s = summarize_speculation(stats, n)
+    print(f"speculation: {stats.rounds} rounds, acceptance {s['acceptance_rate']:.2f} ({stats.accepted} of "
+          f"{stats.proposed} proposed), {s['tokens_per_round']:.2f} tokens per round per row (expected from the "
+          f"acceptance: {expected_tokens_per_round(s['acceptance_rate'], n):.2f}); a draft step "
+          f"{1e3 * s['draft_step_s']:.1f} ms, a verify pass {1e3 * s['verify_pass_s']:.1f} ms: theory "
+          f"{s['theory_speedup']:.2f}x the verifier alone, if its one-token step costs a verify pass", file=sys.stderr)
+
+
+def summarize_speculation(stats: DecodeStats, n: int) -> dict:
+    """acceptance_rate: accepted over proposed draft tokens; tokens_per_round: tokens a row gains per round
+    (its accepted proposals and the verifier's own token); the measured step costs and the speedup they
+    and the acceptance predict (speculative_speedup)."""
+    if not stats.rounds:
+        return {"acceptance_rate": None, "tokens_per_round": None}
+    row_rounds = stats.proposed // n  # rounds x rows
+    a = stats.accepted / stats.proposed
+    draft_step, verify_pass = stats.draft_s / (stats.rounds * n), stats.verify_s / stats.rounds
+    return {"acceptance_rate": a, "tokens_per_round": 1 + stats.accepted / row_rounds,
+            "draft_step_s": draft_step, "verify_pass_s": verify_pass,
+            "theory_speedup": speculative_speedup(a, n, draft_step, verify_pass)}
 
 
 def setup(model: Transformer, args: argparse.Namespace, settings: AttentionSettings, batch: int, max_seq_length: int,
@@ -411,7 +543,8 @@ def setup(model: Transformer, args: argparse.Namespace, settings: AttentionSetti
 
 def summarize(stats: DecodeStats, batch_size: int, weights: int) -> dict:
     steps_per_s = stats.steps / stats.decode_s if stats.steps and stats.decode_s > 0 else float("nan")
-    bytes_per_s = (weights * stats.steps + stats.kv_bytes_read) / stats.decode_s if stats.steps else float("nan")
+    weights_read = weights * stats.steps if stats.weight_bytes_read is None else stats.weight_bytes_read
+    bytes_per_s = (weights_read + stats.kv_bytes_read) / stats.decode_s if stats.steps else float("nan")
     return {
         "prefill_tokens": stats.prefill_tokens,
         "prefill_s": stats.prefill_s,

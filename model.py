@@ -325,6 +325,24 @@ class KVCache(nn.Module):
         self.live_length[row] = length
         self.ragged = True
 
+    def truncate_rows(self, lengths: Tensor) -> None:
+        """Row b keeps positions [0, lengths[b]) (B,) for every row at once (speculative decoding's
+        rollback: rows accept different counts in one round); the removed positions' V leave the
+        running sums in one pass over the positions any row removes. Window layers: truncate(0, L)."""
+        B = lengths.shape[0]
+        if self.window is not None:
+            self._check_row_operation()
+            self.truncate(0, int(lengths[0]))
+            return
+        old = self.live_length[:B]
+        lo, hi = int(lengths.min()), int(old.max())
+        if hi > lo:
+            positions = torch.arange(lo, hi, device=lengths.device)
+            removed = (positions >= lengths[:, None]) & (positions < old[:, None])  # (B, hi - lo)
+            self.v_sum[:B] -= torch.einsum("bhsd,bs->bhd", self.v[:B, :, lo:hi].float(), removed.float())
+        self.live_length[:B] = lengths
+        self.ragged = True
+
     def _check_row_operation(self) -> None:
         if self.window is not None and self.max_batch > 1:
             raise ValueError("a sliding-window layer reads one window for every row, so its rows cannot hold "
@@ -452,6 +470,12 @@ class DecodePolicy(nn.Module):
         """Elements of K/V moved per KV head per decode step over seq_len visible positions."""
         raise NotImplementedError
 
+    def verify(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        """T queries per row at each row's last T live positions (speculative verification): q
+        (B, n_kv, g, T, d) -> (B, n_kv, g, T, d), query j attending to its row's positions up to its
+        own. Only dense attention verifies (DenseDecode.verify)."""
+        raise NotImplementedError(f"{self.name} attention cannot verify speculative tokens")
+
 
 class DenseDecode(DecodePolicy):
     """Dense decode attention that reads only the visible live positions of the cache."""
@@ -462,6 +486,7 @@ class DenseDecode(DecodePolicy):
         super().__init__()
         # soft-capped models get no attention kernels (resolve_kernels): the cap binds to the torch path
         self.attend = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
+        self.cap = cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         view = cache.view(length, q.shape[0])
@@ -470,6 +495,24 @@ class DenseDecode(DecodePolicy):
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Paper, Appendix G: 2Sd + 2d (read K and V, write the new k and v)."""
         return 2 * seq_len * head_dim + 2 * head_dim
+
+    def verify(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        """DecodePolicy.verify in one read of the cache: the T queries' scores against every position
+        [lo, length) at once, each masked to its own causal (and window) range. Plain PyTorch: equal
+        to T one-token steps up to fp32 rounding, not bit for bit (the fused kernels' order differs)."""
+        B, n_kv, g, T, d = q.shape
+        window = cache.window
+        lo = 0 if window is None else max(0, length - T - window + 1)
+        k, v = cache.k[:B, :, lo:length], cache.v[:B, :, lo:length]  # (B, n_kv, S, d)
+        q_pos = cache.live_length[:B, None] - T + torch.arange(T, device=q.device)  # (B, T)
+        k_pos = torch.arange(lo, length, device=q.device)
+        allowed = k_pos <= q_pos[..., None]  # (B, T, S)
+        if window is not None:
+            allowed &= k_pos > q_pos[..., None] - window
+        scores = (q.reshape(B, n_kv, g * T, d) @ k.transpose(-1, -2)).float() / math.sqrt(d)
+        scores = softcap(scores, self.cap).view(B, n_kv, g, T, -1).masked_fill(~allowed[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, n_kv, g * T, -1)
+        return (probs @ v).view(B, n_kv, g, T, d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,7 +639,10 @@ class Attention(nn.Module):
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)  # (B, heads, T, d)
         self.kv_cache.update(input_pos, k, v, row)
-        if T > 1:  # a prefill chunk: positions [kv_end - T, kv_end), over every key it may see
+        if T > 1 and input_pos.dim() == 2:  # T queries per row at its own positions: speculative verification
+            q = q.view(B, n_kv, H // n_kv, T, d)
+            y = self.decode_attention.verify(q, self.kv_cache, kv_end).view(B, H, T, d)
+        elif T > 1:  # a prefill chunk: positions [kv_end - T, kv_end), over every key it may see
             rows = slice(0, B) if row is None else slice(row, row + 1)  # the cache rows of x's rows
             k_start = 0 if self.window is None else max(0, kv_end - T - self.window + 1)
             keys, values = self.kv_cache.k[rows, :, k_start:kv_end], self.kv_cache.v[rows, :, k_start:kv_end]
@@ -777,7 +823,7 @@ class Transformer(nn.Module):
             cache.set_live_lengths(lengths)
 
     def forward(self, idx: Tensor, input_pos: Tensor, kv_end: int, prompt_lengths: Optional[Tensor] = None,
-                row: Optional[int] = None) -> Tensor:
+                row: Optional[int] = None, every_position: bool = False) -> Tensor:
         """idx (B, T) tokens at positions input_pos: (T,) for every row, or (B, T) per row (ragged
         rows decode at their own positions). Attention reads cache positions [0, kv_end): a decode
         step (T = 1) reads kv_end positions (the longest row's live length after this step, rounded
@@ -791,6 +837,9 @@ class Transformer(nn.Module):
         row: a prefill chunk (B = 1) into batch row `row` of the caches, the other rows keeping their
         state (prefill into a row that truncate_row or reset_row freed: speculation, a server's new request).
 
+        Speculative verification: idx (B, T) at per-row positions input_pos (B, T), each row's next T
+        positions, read as T decode queries (DecodePolicy.verify); every_position: logits (B, T, vocab).
+
         Returns logits (B, vocab) in fp32 for the last position (or each row's last real one).
         """
         if row is not None:
@@ -803,7 +852,9 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, kv_end, prompt_lengths,
                       row)
-        if prompt_lengths is None:
+        if every_position:
+            pass
+        elif prompt_lengths is None:
             x = x[:, -1]
         else:
             T = idx.shape[1]
