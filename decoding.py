@@ -378,6 +378,20 @@ def speculative_speedup(acceptance: float, n: int, draft_step: float, verify_pas
     return expected_tokens_per_round(acceptance, n) * verify_pass / (n * draft_step + verify_pass)
 
 
+def speculation_summary(stats: DecodeStats, n: int) -> dict:
+    """acceptance_rate: accepted over proposed draft tokens; tokens_per_round: tokens a row gains per round
+    (its accepted proposals and the verifier's own token); the measured step costs and the speedup they
+    and the acceptance predict (speculative_speedup)."""
+    if not stats.rounds:
+        return {"acceptance_rate": None, "tokens_per_round": None}
+    row_rounds = stats.proposed // n  # rounds x rows
+    a = stats.accepted / stats.proposed
+    draft_step, verify_pass = stats.draft_s / (stats.rounds * n), stats.verify_s / stats.rounds
+    return {"acceptance_rate": a, "tokens_per_round": 1 + stats.accepted / row_rounds,
+            "draft_step_s": draft_step, "verify_pass_s": verify_pass,
+            "theory_speedup": speculative_speedup(a, n, draft_step, verify_pass)}
+
+
 @dataclass
 class Speculator:
     """Each round the draft proposes n tokens per row; the verifier scores the n + 1 positions in one
@@ -426,10 +440,19 @@ class Speculator:
             prefill_rows(self.draft_model, rows, self.prefill_chunk)
         synchronize(device)
         prefill_s = time.perf_counter() - start
+        out, stats = self.decode(token, [len(p) for p in rows], max_new_tokens)
+        stats.prefill_tokens, stats.prefill_s = sum(len(p) for p in rows), prefill_s
+        return out, stats
 
-        lengths = [len(p) for p in rows]  # each row's positions in the verifier's cache
+    @torch.no_grad()
+    def decode(self, token: Tensor, lengths: list[int], max_new_tokens: int) -> tuple[list[list[int]], DecodeStats]:
+        """Speculate from caches that hold each row's first lengths[b] positions (the draft model's too),
+        token (B,) being the token at position lengths[b] -> the new tokens of each row (cut after a stop
+        token and at max_new_tokens) and timings (prefill fields zero)."""
+        device = self.model.device
+        lengths_at_start = list(lengths)
         out = [[t] for t in token.tolist()]
-        stats = DecodeStats(sum(lengths), prefill_s, 0.0, 0, 0, weight_bytes_read=0)
+        stats = DecodeStats(0, 0.0, 0.0, 0, 0, weight_bytes_read=0)
         start = time.perf_counter()
         while True:
             # a row done (its tokens, or a stop token) stays where it is while the others go on
@@ -469,8 +492,8 @@ class Speculator:
         out = [self._cut(row, max_new_tokens) for row in out]
         stats.steps = max(0, max(len(row) for row in out) - 1)  # tokens after the first, as Generator counts
         dense = [DenseDecode()] * len(self.model.layers)
-        stats.dense_kv_bytes_read = sum(self.model.decode_kv_bytes(len(p) + i + 1, 1, dense)
-                                        for p, row in zip(rows, out) for i in range(len(row) - 1))
+        stats.dense_kv_bytes_read = sum(self.model.decode_kv_bytes(n + i + 1, 1, dense)
+                                        for n, row in zip(lengths_at_start, out) for i in range(len(row) - 1))
         return out, stats
 
     def _propose(self, token: Tensor, lengths: list[int]) -> tuple[Tensor, Optional[Tensor], int]:
@@ -500,8 +523,7 @@ class Speculator:
     def _verify(self, token: Tensor, proposals: Tensor, lengths: list[int]) -> tuple[Tensor, int]:
         """The verifier's logits (B, n + 1, vocab) at `token` and the n proposals after it, in one pass."""
         B, T = len(lengths), self.n + 1
-        if self.draft_policies is not None:
-            self._install(self.verify_policies)
+        self._install(self.verify_policies)
         tokens = torch.cat([token.view(B, 1), proposals], dim=1)  # (B, n + 1)
         positions = torch.tensor(lengths, device=token.device).view(B, 1) + torch.arange(T, device=token.device)
         logits = self.model(tokens, positions, self.model.read_length(max(lengths) + T), every_position=True)

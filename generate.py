@@ -41,7 +41,7 @@ import tokenizer as tokenizer_module
 import tp
 from cli import UserError
 from decoding import (DecodeStats, Generator, Speculator, TextStream, expected_tokens_per_round, prefill, sample,
-                      speculative_speedup)
+                      speculation_summary)
 from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
 from model import SHAPES, ModelArgs, Transformer, checkpoint_paths, load_model, random_model
 from policies import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
@@ -446,7 +446,7 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
     samples, stats = results[-1]
     summary = summarize(stats, len(rows), model.weight_bytes())
     if speculator is not None:
-        summary.update(summarize_speculation(stats, args.speculate_k), speculate_k=args.speculate_k)
+        summary.update(speculation_summary(stats, args.speculate_k), speculate_k=args.speculate_k)
     print(f"peak memory: {peak_memory_bytes(args.device) / 2**30:.2f} GiB", file=sys.stderr)
     if settings.policy != "dense" and stats.steps:
         ratio = summary["compression_achieved"]
@@ -508,26 +508,12 @@ def check_same_tokenizer(verifier, draft, draft_config: ModelArgs, config: Model
 def report_speculation(stats: DecodeStats, n: int) -> None:
     if not stats.rounds:
         return
-    s = summarize_speculation(stats, n)
+    s = speculation_summary(stats, n)
     print(f"speculation: {stats.rounds} rounds, acceptance {s['acceptance_rate']:.2f} ({stats.accepted} of "
           f"{stats.proposed} proposed), {s['tokens_per_round']:.2f} tokens per round per row (expected from the "
           f"acceptance: {expected_tokens_per_round(s['acceptance_rate'], n):.2f}); a draft step "
           f"{1e3 * s['draft_step_s']:.1f} ms, a verify pass {1e3 * s['verify_pass_s']:.1f} ms: theory "
           f"{s['theory_speedup']:.2f}x the verifier alone, if its one-token step costs a verify pass", file=sys.stderr)
-
-
-def summarize_speculation(stats: DecodeStats, n: int) -> dict:
-    """acceptance_rate: accepted over proposed draft tokens; tokens_per_round: tokens a row gains per round
-    (its accepted proposals and the verifier's own token); the measured step costs and the speedup they
-    and the acceptance predict (speculative_speedup)."""
-    if not stats.rounds:
-        return {"acceptance_rate": None, "tokens_per_round": None}
-    row_rounds = stats.proposed // n  # rounds x rows
-    a = stats.accepted / stats.proposed
-    draft_step, verify_pass = stats.draft_s / (stats.rounds * n), stats.verify_s / stats.rounds
-    return {"acceptance_rate": a, "tokens_per_round": 1 + stats.accepted / row_rounds,
-            "draft_step_s": draft_step, "verify_pass_s": verify_pass,
-            "theory_speedup": speculative_speedup(a, n, draft_step, verify_pass)}
 
 
 def setup(model: Transformer, args: argparse.Namespace, settings: AttentionSettings, batch: int, max_seq_length: int,

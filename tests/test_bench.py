@@ -186,3 +186,22 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
     (["linear", "--rows", "99"], "--rows")])
 def test_bench_flags_are_one_line_errors(argv, fragment):
     assert_one_line_error(run_python("-m", "bench", *argv), fragment)
+
+
+def test_speculate_json_rows(tmp_path, smollm2_checkpoint, capsys):
+    """Every method generates the same greedy tokens as dense (the speculators are lossless; SparQ alone
+    need not be), the speculators report their acceptance and theory; with a draft model (here the
+    verifier's own checkpoint: every proposal accepted)."""
+    out = tmp_path / "speculate.json"
+    code = bench_cli.main(["speculate", "--checkpoint", str(smollm2_checkpoint), "--draft-checkpoint",
+                           str(smollm2_checkpoint), "--prompt-tokens", "300", "--batch-size", "2", "--new-tokens", "8",
+                           "--rounds", "1", "--speculate-k", "2", "--sparq-k", "64", "--json", str(out)])
+    assert code == 0
+    rows = {r["method"]: r for r in read_json(out)["rows"]}
+    assert set(rows) == {"dense", "sparq", "sparq-draft k=2", "model-draft k=2"}
+    for name in ("sparq-draft k=2", "model-draft k=2"):
+        assert rows[name]["same_tokens_as_dense"] and rows[name]["speculate_k"] == 2
+        assert 0 <= rows[name]["acceptance_rate"] <= 1 and rows[name]["theory_speedup"] > 0
+    assert rows["model-draft k=2"]["acceptance_rate"] == 1.0 and rows["model-draft k=2"]["tokens_per_round"] == 3.0
+    assert rows["dense"]["speedup_vs_dense"] == 1.0
+    assert "sparq-draft k=2" in capsys.readouterr().out

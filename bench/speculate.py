@@ -1,0 +1,148 @@
+"""`python -m bench speculate`: speculative decoding beside the policies it combines, timed by generation.
+
+Acceptance depends on the tokens, so unlike `decode` (one step at fixed positions) every method here
+generates --new-tokens greedy tokens per row for real. Each case (context, batch) prefills the essay
+once; dense, SparQ and each speculator (SparQ drafting for dense on the same cache, and a draft
+model with --draft-checkpoint) then generate from that same state (the caches restored before
+each), taking turns round by round (--rounds: the median is reported), so a slow spell of the
+machine lands on all alike. Printed per method: tokens/s per row, the speedup over dense, and for
+the speculators the acceptance, the tokens per round, the speedup the measured acceptance and step
+costs predict (decoding.speculative_speedup) and whether the tokens equal dense's.
+"""
+from __future__ import annotations
+
+import statistics
+
+import cli
+from bench.common import DTYPES, torch_dtype
+from cli import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("speculate", help="speculative decoding vs dense and SparQ, by generation")
+    p.add_argument("--checkpoint", default="checkpoints/SmolLM2-135M-Instruct", help="model.pth or its directory")
+    p.add_argument("--draft-checkpoint", default=None, help="also time this draft model (same tokenizer)")
+    p.add_argument("--prompt-tokens", default="8000", help="comma list of contexts")
+    p.add_argument("--batch-size", default="8", help="comma list")
+    p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
+    p.add_argument("--speculate-k", default="4", help="comma list: tokens proposed per round")
+    p.add_argument("--sparq-r", type=cli.positive_int, default=16)
+    p.add_argument("--sparq-k", type=cli.positive_int, default=128)
+    p.add_argument("--new-tokens", type=cli.positive_int, default=32, help="greedy tokens generated per row")
+    p.add_argument("--rounds", type=cli.positive_int, default=2, help="turns of every method (median)")
+    p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"), help="decode kernels (as generate.py)")
+    p.add_argument("--json", default=None, help="write the rows as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    import data
+    from decoding import Generator, Speculator, speculation_summary
+    from generate import check_same_tokenizer, kernels_for, load_checkpoint, load_tokenizer, model_args
+    from policies import AttentionSettings, policy_factory
+
+    contexts = cli.int_list(args.prompt_tokens, "--prompt-tokens")
+    batches = cli.int_list(args.batch_size, "--batch-size")
+    ks = cli.int_list(args.speculate_k, "--speculate-k")
+    dtype = cli.name_list(args.dtype, "dtype", DTYPES)[0]
+    config = model_args(args.checkpoint)
+    tok = load_tokenizer(args.checkpoint)
+    kernels = kernels_for(args.kernel, "cpu", config)
+    model = load_checkpoint(args.checkpoint, "cpu", torch_dtype(dtype), kernels)
+    draft = None
+    if args.draft_checkpoint:
+        draft_config = model_args(args.draft_checkpoint)
+        check_same_tokenizer(tok, load_tokenizer(args.draft_checkpoint), draft_config, config)
+        draft = load_checkpoint(args.draft_checkpoint, "cpu", torch_dtype(dtype),
+                                kernels_for(args.kernel, "cpu", draft_config))
+    longest = max(contexts) + args.new_tokens + max(ks) + 1
+    if longest > config.max_context:
+        raise UserError(f"--prompt-tokens plus --new-tokens and --speculate-k exceed the model's context of "
+                        f"{config.max_context} tokens")
+    essay = data.essay_tokens(tok, max(contexts))
+    sparq = AttentionSettings("sparq", sparq_r=args.sparq_r, sparq_k=args.sparq_k)
+    try:
+        layers = {name: [policy_factory(s, config, kernels)(i) for i in range(config.n_layer)]
+                  for name, s in (("dense", AttentionSettings("dense")), ("sparq", sparq))}
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+    print(f"# speculate, {args.checkpoint}, {dtype}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
+          f"SparQ r={args.sparq_r} k={args.sparq_k}, {args.new_tokens} greedy tokens per row, median of "
+          f"{args.rounds} rounds" + (f", draft model {args.draft_checkpoint}" if draft else ""))
+    print(f"{'context':>8} {'B':>3} {'method':<14} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/round':>9} "
+          f"{'theory':>7} {'= dense':>7}", flush=True)
+    rows_out = []
+    for context in contexts:
+        for B in batches:
+            prompt = essay[:context]
+            cache_length = context + args.new_tokens + max(ks) + 1
+            engines: dict[str, tuple] = {}  # method -> (kind, payload)
+            model.setup_caches(B, cache_length)
+            model.set_decode_attention(lambda i: layers["dense"][i])
+            first = prefill_every_row(model, prompt, B)
+            saved = [c.snapshot() for c in model.caches]
+            if draft is not None:
+                draft.setup_caches(B, cache_length)
+                draft.set_decode_attention(policy_factory(AttentionSettings("dense"), draft.args, draft.kernels))
+                prefill_every_row(draft, prompt, B)
+                draft_saved = [c.snapshot() for c in draft.caches]
+            for name in ("dense", "sparq"):
+                engines[name] = ("generator", layers[name])
+            for n in ks:
+                engines[f"sparq-draft k={n}"] = ("speculator", Speculator(model, n, layers["dense"], layers["sparq"]))
+                if draft is not None:
+                    engines[f"model-draft k={n}"] = ("speculator", Speculator(model, n, layers["dense"], draft_model=draft))
+            times: dict[str, list[float]] = {name: [] for name in engines}
+            results: dict[str, tuple] = {}
+            for _ in range(args.rounds):
+                for name, (kind, payload) in engines.items():
+                    for cache, snapshot in zip(model.caches, saved):
+                        cache.restore(snapshot)
+                    if draft is not None:
+                        for cache, snapshot in zip(draft.caches, draft_saved):
+                            cache.restore(snapshot)
+                    if kind == "generator":
+                        model.set_decode_attention(lambda i, p=payload: p[i])
+                        tokens, stats = Generator(model).decode(first, [context] * B, args.new_tokens)
+                    else:
+                        tokens, stats = payload.decode(first, [context] * B, args.new_tokens)
+                    times[name].append(stats.decode_s / max(stats.steps, 1))
+                    results[name] = (tokens, stats)
+            dense_s = statistics.median(times["dense"])
+            for name, (tokens, stats) in results.items():
+                seconds = statistics.median(times[name])
+                row = {"prompt_tokens": context, "batch_size": B, "method": name, "dtype": dtype,
+                       "decode_tokens_per_s": 1 / seconds, "speedup_vs_dense": dense_s / seconds,
+                       "same_tokens_as_dense": tokens == results["dense"][0]}
+                if stats.rounds:
+                    n = engines[name][1].n
+                    row.update(speculate_k=n, **speculation_summary(stats, n))
+                rows_out.append(row)
+                print(_line(row), flush=True)
+    if args.json:
+        cli.write_json(args.json, {"rows": rows_out})
+    return 0
+
+
+def prefill_every_row(model, prompt: list[int], rows: int):
+    """Prefill the prompt once into row 0 and copy it into the other rows (every row holds the same
+    prompt): the first token of each row (rows,)."""
+    import torch
+
+    from decoding import prefill
+
+    with torch.no_grad():
+        first = prefill(model, torch.tensor([prompt]), progress=True).argmax(dim=-1)
+    for cache in model.caches:
+        cache.broadcast_row(rows)
+    return first.expand(rows).contiguous()
+
+
+def _line(row: dict) -> str:
+    spec = (f"{row['acceptance_rate']:>7.2f} {row['tokens_per_round']:>9.2f} {row['theory_speedup']:>6.2f}x"
+            if "acceptance_rate" in row else f"{'':>7} {'':>9} {'':>7}")
+    return (f"{row['prompt_tokens']:>8} {row['batch_size']:>3} {row['method']:<14} {row['decode_tokens_per_s']:>8.2f} "
+            f"{row['speedup_vs_dense']:>7.2f}x {spec} {'yes' if row['same_tokens_as_dense'] else 'NO':>7}")
