@@ -16,6 +16,9 @@ Kernel signatures (q (B, n_kv, g, d): the g query heads sharing each KV head; th
 are the static buffers, or views of them from a window layer's first visible position: rows [:B]
 and positions [:length] are read):
   dense_attention(q, k, v, length, live_length) -> (B, n_kv, g, d)
+  dense_verify(q (B, n_kv, g, T, d), k, v, length, live_length (B,)) -> (B, n_kv, g, T, d): T query
+      tokens per row at its last T live positions, query t attending to the positions up to its own
+      (speculative verification; model.DenseDecode.verify is the reference)
   sparq_attention(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v) -> (B, n_kv, g, d)
   linear(x (..., K), weight (N, K), bias (N,) or None) -> (..., N)
 `length` is the number of positions read (the longest row's). `live_length` says which are live:
@@ -56,6 +59,7 @@ class Kernels:
 
     name: str  # "torch", "cpu" or "triton": what the run announces
     dense_attention: Optional[Callable] = None  # None: model.dense_attention_torch
+    dense_verify: Optional[Callable] = None  # None: model.DenseDecode.verify's torch path
     sparq_attention: Optional[Callable] = None  # None: sparq.sparq_attention_torch
     linear: Optional[Callable] = None  # None: F.linear
     packed_quantized: bool = False  # quantized linears: packed int4/int8 kernels, else dequantize + F.linear
@@ -154,7 +158,8 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     torch.library.define("sparq::decode_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
                                               "SymInt length, int r, int k_top, int local, bool mean_v, "
                                               "Tensor? lengths=None) -> Tensor")
-    torch.library.define("sparq::dense_cpu", "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None) -> Tensor")
+    torch.library.define("sparq::dense_cpu",
+                         "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor")
     torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
     torch.library.define("sparq::linear_cpu_isa", "() -> str")  # the GEMV's instruction set in this build
     # weight-only quantized GEMVs (quantize.py's stored formats; see csrc/linear_quant.cpp)
@@ -167,9 +172,9 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths)
 
     @torch.library.impl("sparq::dense_cpu", "CompositeExplicitAutograd")
-    def _dense_cpu_first_call(q, k, v, length, lengths=None):
+    def _dense_cpu_first_call(q, k, v, length, lengths=None, queries=1):
         _load_for_first_call("dense_cpu")
-        return torch.ops.sparq.dense_cpu.default(q, k, v, length, lengths)
+        return torch.ops.sparq.dense_cpu.default(q, k, v, length, lengths, queries)
 
     @torch.library.impl("sparq::linear_cpu", "CompositeExplicitAutograd")
     def _linear_cpu_first_call(x, w):
@@ -191,7 +196,7 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::dense_cpu")
-    def _dense_cpu_fake(q, k, v, length, lengths=None):
+    def _dense_cpu_fake(q, k, v, length, lengths=None, queries=1):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::linear_cpu")
@@ -240,6 +245,14 @@ def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_lengt
     return torch.ops.sparq.dense_cpu.default(q, k, v, length, live_length)
 
 
+def dense_verify_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Tensor) -> Tensor:
+    """dense_verify (the module docstring) with the fused C++ kernel: the T queries of a row fold into
+    its query heads (head-major), each K/V row read once for all of them."""
+    B, n_kv, g, T, d = q.shape
+    out = torch.ops.sparq.dense_cpu.default(q.reshape(B, n_kv, g * T, d), k, v, length, live_length, T)
+    return out.view(B, n_kv, g, T, d)
+
+
 def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
                         live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
     """sparq_attention (the module docstring) with the fused C++ kernel; bad settings are a
@@ -260,7 +273,8 @@ def _check_exact_lengths(live_length: Optional[Tensor]) -> None:
 # Choosing the kernels of a run: once, here
 # =============================================================================================
 
-CPU_KERNELS = Kernels("cpu", dense_attention=dense_attention_cpu, sparq_attention=sparq_attention_cpu,
+CPU_KERNELS = Kernels("cpu", dense_attention=dense_attention_cpu, dense_verify=dense_verify_cpu,
+                      sparq_attention=sparq_attention_cpu,
                       linear=linear_cpu, packed_quantized=True,
                       describe="fused C++ (csrc/): dense and SparQ attention, decode linears")
 TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, sparq_attention=sparq_attention_triton,
@@ -282,7 +296,7 @@ def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int 
     if softcap and (kernels.dense_attention or kernels.sparq_attention):
         announce(f"note: the model soft-caps attention logits: attention runs on the torch path "
                  f"({kernels.name} kernels for the rest)")
-        kernels = replace(kernels, dense_attention=None, sparq_attention=None,
+        kernels = replace(kernels, dense_attention=None, dense_verify=None, sparq_attention=None,
                           describe=kernels.describe + "; attention on the torch path (soft-capped logits)")
     return kernels
 

@@ -486,6 +486,7 @@ class DenseDecode(DecodePolicy):
         super().__init__()
         # soft-capped models get no attention kernels (resolve_kernels): the cap binds to the torch path
         self.attend = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
+        self.verify_kernel = kernels.dense_verify  # None: the torch path of verify()
         self.cap = cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
@@ -498,10 +499,13 @@ class DenseDecode(DecodePolicy):
 
     def verify(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         """DecodePolicy.verify in one read of the cache: the T queries' scores against every position
-        [lo, length) at once, each masked to its own causal (and window) range. Plain PyTorch: equal
-        to T one-token steps up to fp32 rounding, not bit for bit (the fused kernels' order differs)."""
+        [lo, length) at once, each masked to its own causal (and window) range; the run's dense_verify
+        kernel where it has one (the fused CPU kernel, not on window layers). Equal to T one-token
+        steps up to fp32 rounding, not bit for bit: the sums split differently (docs/NOTES.md)."""
         B, n_kv, g, T, d = q.shape
         window = cache.window
+        if self.verify_kernel is not None and window is None:
+            return self.verify_kernel(q, cache.k, cache.v, length, cache.live_length[:B])
         lo = 0 if window is None else max(0, length - T - window + 1)
         k, v = cache.k[:B, :, lo:length], cache.v[:B, :, lo:length]  # (B, n_kv, S, d)
         q_pos = cache.live_length[:B, None] - T + torch.arange(T, device=q.device)  # (B, T)

@@ -3,9 +3,12 @@
 //
 // Registered as the CPU kernel of sparq::dense_cpu, whose schema (and fake implementation, for
 // torch.compile) kernels.py defines:
-//   dense_cpu(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None) -> Tensor
+//   dense_cpu(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor
 // lengths: None (every row reads positions [0, length)) or (B,) int: row b reads [0, lengths[b])
 // (ragged batches: a short row costs only what it reads).
+// queries: T > 1 query tokens per row (speculative verification), q's g = heads x T (head-major):
+// query t of a row of length n attends to positions [0, n - T + 1 + t), as the one-token step at
+// its position would; every K and V row is still read once, for all of them.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -33,6 +36,7 @@ namespace {
 
 struct DenseProblem {
   int64_t B, H, g, d, S;  // S: the longest row's length
+  int64_t T;              // query tokens per row (g = heads x T)
   int64_t qs0, qs1, qs2, qs3, ks0, ks1, ks2, vs0, vs1, vs2;
   int64_t cs;                      // chunk length (a multiple of 64)
   const int64_t* len;              // (B,) live length of each row
@@ -214,7 +218,11 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
       const KT* row = kb + (p0 + s) * P.ks2;
       for (int64_t hh = 0; hh < g; ++hh) L[hh * ldL + s] = dot_d(w.qf + hh * d, row, d) * scale;
     }
-  // softmax numerators
+  // T queries per row: query t's future (positions >= n - T + 1 + t, the last T - 1 at most) is masked
+  if (P.T > 1)
+    for (int64_t hh = 0; hh < g; ++hh)
+      for (int64_t s = std::max(P.len[b] - P.T + 1 + hh % P.T, p0); s < p1; ++s) L[hh * ldL + s - p0] = kNegInf;
+  // softmax numerators (a chunk wholly in a query's future gives it sum NaN: the combine skips it)
   for (int64_t hh = 0; hh < g; ++hh) {
     const auto [m, sum] = exp_shifted(L + hh * ldL, n);
     mz[hh] = m;
@@ -284,7 +292,7 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
 }
 
 at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
-                     const std::optional<at::Tensor>& lengths) {
+                     const std::optional<at::Tensor>& lengths, int64_t queries) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "sparq::dense_cpu: expected q (B, n_kv, g, d), k/v (B_max, n_kv, S_max, d)");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
@@ -298,8 +306,10 @@ at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf, "sparq::dense_cpu: unsupported cache dtype");
   TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, "sparq::dense_cpu: unsupported q dtype");
   const std::vector<int64_t> len = row_lengths(lengths, B, length, "sparq::dense_cpu");
+  TORCH_CHECK(queries >= 1 && g % queries == 0, "sparq::dense_cpu: queries ", queries, " does not divide g ", g);
+  for (int64_t n : len) TORCH_CHECK(n >= queries, "sparq::dense_cpu: a row of ", n, " positions has ", queries, " queries");
   DenseProblem P{};
-  P.B = B; P.H = H; P.g = g; P.d = d; P.S = length; P.len = len.data();
+  P.B = B; P.H = H; P.g = g; P.d = d; P.S = length; P.T = queries; P.len = len.data();
   P.qs0 = q.stride(0); P.qs1 = q.stride(1); P.qs2 = q.stride(2); P.qs3 = q.stride(3);
   P.ks0 = k.stride(0); P.ks1 = k.stride(1); P.ks2 = k.stride(2);
   P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);

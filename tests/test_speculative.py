@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import generate
+import kernels
 from conftest import assert_one_line_error, read_json, run_python
 from decoding import Generator, Speculator, prefill, probabilities
 from model import ModelArgs, Transformer
@@ -22,7 +23,7 @@ DRAFT = AttentionSettings("sparq", sparq_r=4, sparq_k=16)  # reads a fraction of
 
 
 def policies(model, settings):
-    make = policy_factory(settings, model.args)
+    make = policy_factory(settings, model.args, model.kernels)
     return [make(i) for i in range(model.args.n_layer)]
 
 
@@ -33,14 +34,24 @@ def prompts(lengths, seed=1, vocab=101):
 
 def verifier_alone(model, rows, new_tokens):
     model.setup_caches(len(rows), max(map(len, rows)) + new_tokens)
-    model.set_decode_attention(policy_factory(DENSE, model.args))
+    model.set_decode_attention(policy_factory(DENSE, model.args, model.kernels))
     return Generator(model).generate(rows, new_tokens)[0]
 
 
+def with_kernels(model: Transformer, name: str) -> Transformer:
+    """The same weights running `name`'s kernels (the fused CPU ones: one-token steps and the verify pass)."""
+    if name == "torch":
+        return model
+    fused = Transformer(model.args, kernels.CPU_KERNELS)
+    fused.load_state_dict(model.state_dict())
+    return fused.eval()
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpu"])
 @pytest.mark.parametrize("lengths", [(60,), (50, 70, 33)])
 @pytest.mark.parametrize("n", [1, 4])
-def test_self_speculation_gives_the_verifiers_greedy_tokens(lengths, n):
-    model = tiny_model()
+def test_self_speculation_gives_the_verifiers_greedy_tokens(lengths, n, kernel):
+    model = with_kernels(tiny_model(), kernel)
     rows = prompts(lengths)
     reference = verifier_alone(model, rows, 30)
     model.setup_caches(len(rows), max(lengths) + 30 + n + 1)
