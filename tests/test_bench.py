@@ -202,6 +202,10 @@ def test_speculate_json_rows(tmp_path, smollm2_checkpoint, capsys):
     for name in ("sparq-draft k=2", "model-draft k=2"):
         assert rows[name]["same_tokens_as_dense"] and rows[name]["speculate_k"] == 2
         assert 0 <= rows[name]["acceptance_rate"] <= 1 and rows[name]["theory_speedup"] > 0
+        row = rows[name]  # the theory against dense: tokens per round x dense's step / the round's cost
+        dense_step = 1 / rows["dense"]["decode_tokens_per_s"]
+        assert row["theory_vs_dense"] == pytest.approx(row["tokens_per_round"] * dense_step / (
+            2 * row["draft_step_s"] + row["verify_pass_s"]))
     assert rows["model-draft k=2"]["acceptance_rate"] == 1.0 and rows["model-draft k=2"]["tokens_per_round"] == 3.0
     assert rows["dense"]["speedup_vs_dense"] == 1.0
     assert "sparq-draft k=2" in capsys.readouterr().out
