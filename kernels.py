@@ -213,6 +213,7 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
 
 
 LINEAR_CPU_MAX_ROWS = 16  # the fused GEMV serves decode steps; prefill-sized inputs go to F.linear
+VERIFY_MAX_TOKENS = 16  # tokens per row up to which x (B, T, K) is a verify pass, not a prefill chunk
 
 
 def linear_cpu_pays(rows: int, weight_dtype: torch.dtype) -> bool:
@@ -230,11 +231,19 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
     torch's GEMV does not (python -m bench linear; docs/NOTES.md).
     """
     rows = x.numel() // x.shape[-1]
+    # A few tokens per row (x (B, T, K), T <= VERIFY_MAX_TOKENS: speculative verification) take the
+    # kernel a one-token step of B rows takes: the GEMV computes each row on its own, so every
+    # position's output is the one-token step's, bit for bit (16 rows per call).
+    step_rows = x.shape[0] if x.dim() == 3 and x.shape[1] <= VERIFY_MAX_TOKENS else rows
     # The C++ op has no backward: where autograd would need one (fine-tuning a fork), F.linear.
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if needs_grad or not linear_cpu_pays(rows, weight.dtype):
+    if needs_grad or not linear_cpu_pays(step_rows, weight.dtype):
         return F.linear(x, weight, bias)
-    y = torch.ops.sparq.linear_cpu.default(x.reshape(rows, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    flat = x.reshape(rows, x.shape[-1])
+    y = torch.cat([torch.ops.sparq.linear_cpu.default(flat[i:i + LINEAR_CPU_MAX_ROWS], weight)
+                   for i in range(0, rows, LINEAR_CPU_MAX_ROWS)]) if rows > LINEAR_CPU_MAX_ROWS else \
+        torch.ops.sparq.linear_cpu.default(flat, weight)
+    y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 

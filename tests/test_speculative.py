@@ -213,3 +213,28 @@ def test_tokens_per_round_theory():
     # a free draft and a verify pass that costs a step: the speedup is the tokens per round
     assert speculative_speedup(0.5, 2, 0.0, 1.0) == pytest.approx(1.75)
     assert speculative_speedup(1.0, 4, 0.25, 1.0) == pytest.approx(5 / 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_verify_pass_is_the_one_token_step_bit_for_bit(dtype):
+    """On the fused CPU kernels the verify pass computes each position as the one-token step does: the
+    GEMV's rows are independent, the attention kernel's queries too (one chunk per row here), so greedy
+    speculation is the verifier's own output even in bf16, where a different GEMM would flip near-ties."""
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=101, dim=768, n_layer=2, n_head=12, n_kv_head=4, head_dim=64, intermediate_size=2048,
+                     max_context=128)  # wide enough for a GEMM's and the GEMV's sums to round apart in bf16
+    model = Transformer(args, kernels.CPU_KERNELS)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]) if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
+    model = model.eval().to(dtype)
+    row, new = prompts((40,))[0], prompts((5,), seed=2)[0]
+    model.setup_caches(1, 64)
+    model.set_decode_attention(policy_factory(DENSE, model.args, model.kernels))
+    with torch.no_grad():
+        prefill(model, torch.tensor([row]))
+        steps = torch.stack([model(torch.tensor([[t]]), torch.tensor([40 + j]), 40 + j + 1)[0] for j, t in enumerate(new)])
+        model.reset_caches()
+        prefill(model, torch.tensor([row]))
+        verified = model(torch.tensor([new]), torch.tensor([[40]]) + torch.arange(5), 45, every_position=True)[0]
+    assert torch.equal(verified, steps)
