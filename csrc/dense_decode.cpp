@@ -313,8 +313,11 @@ at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   P.qs0 = q.stride(0); P.qs1 = q.stride(1); P.qs2 = q.stride(2); P.qs3 = q.stride(3);
   P.ks0 = k.stride(0); P.ks1 = k.stride(1); P.ks2 = k.stride(2);
   P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
-  // chunks: balance the threads, and bound the logits buffer (g x cs floats per thread)
-  P.cs = chunk_length(len, H, thread_count(), std::max<int64_t>(1024, (int64_t(1) << 18) / std::max<int64_t>(g, 1)));
+  // chunks: balance the threads, and bound the logits buffer (g x cs floats per thread). The bound
+  // counts one query token's heads: T queries per row split their positions as the one-token step
+  // at each of them would (one chunk per row where it reads one), so each is that step's bit for bit.
+  P.cs = chunk_length(len, H, thread_count(),
+                      std::max<int64_t>(1024, (int64_t(1) << 18) / std::max<int64_t>(g / queries, 1)));
   split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
 #define SPARQ_RUN(KT, QT) run_dense<KT, QT>(P, q.data_ptr<QT>(), k.data_ptr<KT>(), v.data_ptr<KT>(), out.data_ptr<QT>())
