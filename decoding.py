@@ -397,8 +397,9 @@ class Speculator:
     """Each round the draft proposes n tokens per row; the verifier scores the n + 1 positions in one
     pass (Transformer.forward over per-row positions, every_position) and each row keeps the longest
     prefix it agrees with plus one token of its own; the caches drop the rest (truncate_rows), so rows
-    accept different counts in the same round. Greedy: the verifier's own tokens (its one pass equals
-    its one-token steps up to fp32 rounding: DenseDecode.verify). Sampling: the rejection rule (accept
+    accept different counts in the same round. Greedy: the verifier's own tokens (its one pass is its
+    one-token steps bit for bit on the fused CPU kernels, up to fp32 rounding elsewhere:
+    DenseDecode.verify, kernels.linear_cpu). Sampling: the rejection rule (accept
     d with min(1, p(d) / q(d)), else draw from max(0, p - q) renormalized), which leaves the output
     distributed exactly as the verifier's own samples.
 
