@@ -454,6 +454,9 @@ class Speculator:
         lengths_at_start = list(lengths)
         out = [[t] for t in token.tolist()]
         stats = DecodeStats(0, 0.0, 0.0, 0, 0, weight_bytes_read=0)
+        # weights a round reads: the verify pass's, and the draft's once per step it runs
+        round_weights = self.model.weight_bytes() + (self.n * self.model.weight_bytes() if self.draft_model is None
+                                                     else (self.n + 1) * self.draft_model.weight_bytes())
         start = time.perf_counter()
         while True:
             # a row done (its tokens, or a stop token) stays where it is while the others go on
@@ -485,9 +488,7 @@ class Speculator:
             stats.proposed += self.n * sum(active)
             stats.accepted += sum(m for m in accepted_list if m > 0)
             stats.kv_bytes_read += draft_bytes + verify_bytes
-            stats.weight_bytes_read += self.model.weight_bytes() + (
-                self.n * self.model.weight_bytes() if self.draft_model is None
-                else (self.n + 1) * self.draft_model.weight_bytes())
+            stats.weight_bytes_read += round_weights
         synchronize(device)
         stats.decode_s = time.perf_counter() - start
         out = [self._cut(row, max_new_tokens) for row in out]
