@@ -33,14 +33,16 @@ def alone(model, rows, new_tokens, settings):
     return [run_rows(model, [row], new_tokens, settings)[0] for row in rows]
 
 
-def tiny_model(seed: int = 0) -> Transformer:
+def tiny_model(seed: int = 0, scale: float = 1.5, kernels=TORCH_KERNELS, **shape) -> Transformer:
+    """A random model of this shape (ModelArgs fields in `shape` override it): matrices N(0, scale^2 / fan-in),
+    norms near 1, seeded."""
     torch.manual_seed(seed)
-    args = ModelArgs(vocab_size=101, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=96,
-                     max_context=512)
-    model = Transformer(args)
+    args = ModelArgs(**{**dict(vocab_size=101, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16,
+                               intermediate_size=96, max_context=512), **shape})
+    model = Transformer(args, kernels)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape) * (1.5 / math.sqrt(p.shape[-1])) if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
+            p.copy_(torch.randn(p.shape) * (scale / math.sqrt(p.shape[-1])) if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
     return model.eval()
 
 

@@ -5,7 +5,6 @@ the caches as a run that never drafted would; sampled output is distributed as t
 the one verify pass equals one-token steps; and the command line's refusals."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import generate
 import kernels
 from conftest import assert_one_line_error, read_json, run_python
 from decoding import Generator, Speculator, prefill, probabilities
-from model import ModelArgs, Transformer
+from model import Transformer
 from policies import AttentionSettings, policy_factory
 from test_ragged import tiny_model
 
@@ -119,14 +118,8 @@ def test_the_verify_pass_equals_one_token_steps():
 
 
 def small_vocab_model(seed: int) -> Transformer:
-    torch.manual_seed(seed)
-    args = ModelArgs(vocab_size=8, dim=32, n_layer=2, n_head=2, n_kv_head=1, head_dim=16, intermediate_size=48,
-                     max_context=64)
-    model = Transformer(args)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape) * (1.0 / math.sqrt(p.shape[-1])) if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
-    return model.eval()
+    return tiny_model(seed, scale=1.0, vocab_size=8, dim=32, n_head=2, n_kv_head=1, head_dim=16, intermediate_size=48,
+                      max_context=64)
 
 
 def test_sampled_tokens_follow_the_verifiers_distribution():
@@ -220,14 +213,9 @@ def test_the_fused_verify_pass_is_the_one_token_step_bit_for_bit(dtype):
     """On the fused CPU kernels the verify pass computes each position as the one-token step does: the
     GEMV's rows are independent, the attention kernel's queries too (one chunk per row here), so greedy
     speculation is the verifier's own output even in bf16, where a different GEMM would flip near-ties."""
-    torch.manual_seed(0)
-    args = ModelArgs(vocab_size=101, dim=768, n_layer=2, n_head=12, n_kv_head=4, head_dim=64, intermediate_size=2048,
-                     max_context=128)  # wide enough for a GEMM's and the GEMV's sums to round apart in bf16
-    model = Transformer(args, kernels.CPU_KERNELS)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]) if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
-    model = model.eval().to(dtype)
+    # wide enough for a GEMM's and the GEMV's sums to round apart in bf16
+    model = tiny_model(scale=1.0, kernels=kernels.CPU_KERNELS, dim=768, n_head=12, n_kv_head=4, head_dim=64,
+                       intermediate_size=2048, max_context=128).to(dtype)
     row, new = prompts((40,))[0], prompts((5,), seed=2)[0]
     model.setup_caches(1, 64)
     model.set_decode_attention(policy_factory(DENSE, model.args, model.kernels))
