@@ -4,8 +4,10 @@ drive the same step.
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
@@ -124,6 +126,24 @@ def decode_step(model: Transformer, token: Tensor, input_pos: Tensor, length: in
     return model(token, input_pos, length)
 
 
+def verify_step(model: Transformer, tokens: Tensor, input_pos: Tensor, length: int) -> Tensor:
+    """tokens (B, T) at per-row positions input_pos (B, T), scored in one pass (speculative
+    verification); length = the positions attention reads -> logits (B, T, vocab)."""
+    return model(tokens, input_pos, length, every_position=True)
+
+
+def own_step(step: Callable, name: str) -> Callable:
+    """step under a code object of its own (named step_name). Dynamo keeps compiled graphs per code
+    object and checks a call against them in turn, the one that last ran first: with one step shared
+    by two policies, or by two contexts on either side of a specialisation (SparQ runs dense while a
+    layer sees at most k positions: one graph below k, one above), each call would first evaluate,
+    and fail, the other graph's guards, a cost generate.py, with one policy at one growing length,
+    pays at most once; a benchmark of several policies, or speculation's draft and verify, would pay
+    it at every call."""
+    code = step.__code__.replace(co_name=f"{step.__name__}_{re.sub(r'[^0-9a-zA-Z_]', '_', name)}")
+    return types.FunctionType(code, step.__globals__, code.co_name)
+
+
 def compiled_decode_step(step: Callable, device_type: str, backend: str = "inductor") -> Callable:
     """torch.compile of a decode step (fullgraph, dynamic lengths), the one place its settings live:
     generate.py, python -m bench, bench/gpu_check.py and the tests compile this way.
@@ -219,6 +239,7 @@ class Generator:
     compile_decode: bool = False
     compile_backend: str = "inductor"  # or "cudagraphs" (compiled_decode_step)
     compile_prefill: bool = False
+    compile_name: Optional[str] = None  # the compiled step's own code (own_step): generators side by side
     prefill_chunk: int = PREFILL_CHUNK
     progress: bool = False  # a progress bar over long prefills
     check_every: int = 16  # steps between the host's looks at the tokens (a sync on a GPU)
@@ -227,7 +248,8 @@ class Generator:
         self._prefill_chunk = prefill_chunk
         self._decode = decode_step
         if self.compile_decode:
-            self._decode = compiled_decode_step(decode_step, self.model.device.type, self.compile_backend)
+            step = decode_step if self.compile_name is None else own_step(decode_step, self.compile_name)
+            self._decode = compiled_decode_step(step, self.model.device.type, self.compile_backend)
         if self.compile_prefill:
             self._prefill_chunk = torch.compile(prefill_chunk, fullgraph=True, dynamic=True)
         self._stop_tensor = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=self.model.device)
@@ -418,6 +440,26 @@ class Speculator:
     temperature: float = 0.0
     top_k: Optional[int] = None
     prefill_chunk: int = PREFILL_CHUNK
+    compile: bool = False  # the draft step and the verify pass, each compiled as Generator's step
+    compile_name: str = "speculate"  # their code's own name (own_step), apart from a Generator's step
+
+    def __post_init__(self):
+        self._draft_step, self._verify_step = decode_step, verify_step
+        if self.compile:
+            device = self.model.device.type
+            # two compiled functions of their own code, each meeting the same policies at every call
+            # (self-speculation swaps the layers' policies between them)
+            self._draft_step = compiled_decode_step(own_step(decode_step, f"draft_{self.compile_name}"), device)
+            self._verify_step = compiled_decode_step(own_step(verify_step, self.compile_name), device)
+
+    @torch.no_grad()
+    def warm_up(self, prompts: list[list[int]]) -> float:
+        """Compile the draft step and the verify pass (their dynamic graphs, and SparQ's second branch
+        past k positions, which a long prompt reaches at once) with two rounds outside the timed runs;
+        the next generate() resets the caches. Returns the seconds it took."""
+        start = time.perf_counter()
+        self.generate(prompts, 2 * (self.n + 1))
+        return time.perf_counter() - start
 
     def _install(self, policies: list) -> None:
         self.model.set_decode_attention(lambda layer: policies[layer])
@@ -509,7 +551,7 @@ class Speculator:
         position = torch.tensor(lengths, device=token.device).view(B, 1)
         current, proposals, dists, kv_bytes = token, [], [], 0
         for i in range(steps):
-            logits = draft(current.view(B, 1), position + i, draft.read_length(longest + i + 1))
+            logits = self._draft_step(draft, current.view(B, 1), position + i, draft.read_length(longest + i + 1))
             kv_bytes += sum(draft.decode_kv_bytes(n + i + 1, 1) for n in lengths)
             if i == self.n:
                 break
@@ -528,7 +570,7 @@ class Speculator:
         self._install(self.verify_policies)
         tokens = torch.cat([token.view(B, 1), proposals], dim=1)  # (B, n + 1)
         positions = torch.tensor(lengths, device=token.device).view(B, 1) + torch.arange(T, device=token.device)
-        logits = self.model(tokens, positions, self.model.read_length(max(lengths) + T), every_position=True)
+        logits = self._verify_step(self.model, tokens, positions, self.model.read_length(max(lengths) + T))
         return logits, sum(self.model.decode_kv_bytes(n + T, 1) for n in lengths)
 
     def _accept(self, logits: Tensor, proposals: Tensor, q: Optional[Tensor]) -> tuple[Tensor, Tensor]:

@@ -285,7 +285,7 @@ def check_speculation(args: argparse.Namespace, settings: AttentionSettings, dra
     if settings.policy != "dense":
         raise UserError(f"the verifier runs dense attention (its one pass over the proposals is dense "
                         f"attention's), not {settings.policy}")
-    for flag, given in (("--interactive", args.interactive), ("--compile", args.compile),
+    for flag, given in (("--interactive", args.interactive), ("--compile on CUDA", args.compile and args.device == "cuda"),
                         ("torchrun", tp.world_size() > 1)):
         if given:
             raise UserError(f"speculative decoding does not run with {flag} (yet): run without it")
@@ -417,7 +417,11 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
                           compile_decode=args.compile, compile_prefill=args.compile_prefill,
                           progress=sys.stderr.isatty())
     compile_s = None
-    if args.compile:  # compile (and capture) every step variant outside the timed runs
+    if args.compile and speculator is not None:  # its draft step and verify pass
+        compile_s = speculator.warm_up(rows)
+        print(f"warm-up: compilation of the draft step and the verify pass, {compile_s:.1f} s (not in the "
+              f"tokens/s below)", file=sys.stderr)
+    elif args.compile:  # compile (and capture) every step variant outside the timed runs
         compile_s = generator.warm_up(rows, max_new_tokens)
         print(f"warm-up: compilation{' and CUDA graph capture' if args.device == 'cuda' else ''} of every "
               f"decode length the run reads, {compile_s:.1f} s (not in the tokens/s below)", file=sys.stderr)
@@ -479,7 +483,7 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
         print(f"speculation: {args.speculate_k} tokens per round drafted by the same model with "
               f"{draft_settings.policy} attention, verified by {settings.policy} in one pass", file=sys.stderr)
         return Speculator(model, args.speculate_k, verify, [make(i) for i in layers], stop_ids=tokenizer.stop_ids,
-                          temperature=args.temperature, top_k=args.top_k)
+                          temperature=args.temperature, top_k=args.top_k, compile=args.compile)
     draft_config = model_args(args.draft_checkpoint)
     draft_kernels = kernels_for(args.kernel, args.device, draft_config)
     draft = load_checkpoint(args.draft_checkpoint, args.device, DTYPES[args.dtype], draft_kernels)
@@ -491,7 +495,7 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
     print(f"speculation: {args.speculate_k} tokens per round drafted by {args.draft_checkpoint} "
           f"({describe_layers(draft)}), verified by {settings.policy} in one pass", file=sys.stderr)
     return Speculator(model, args.speculate_k, verify, draft_model=draft, stop_ids=tokenizer.stop_ids,
-                      temperature=args.temperature, top_k=args.top_k)
+                      temperature=args.temperature, top_k=args.top_k, compile=args.compile)
 
 
 PROBE_TEXT = "Speculative decoding: the draft's token ids must mean the verifier's. 12345 ÉÀ 中文 <|im_end|>"

@@ -9,11 +9,9 @@ and cells are medians.
 """
 from __future__ import annotations
 
-import re
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -63,19 +61,6 @@ def add_parser(sub) -> None:
     p.add_argument("--json", default=None, help="write the rows as JSON")
     p.add_argument("--plot", default=None, help="write a PNG: tokens/s vs context")
     p.set_defaults(func=run)
-
-
-def _own_decode_step(name: str) -> Callable:
-    """decoding.decode_step under a code object of its own. Dynamo keeps compiled graphs per code
-    object and checks a call against them in turn, the one that last ran first: with one step shared
-    by two policies, or by two contexts on either side of a specialisation (SparQ runs dense while a
-    layer sees at most k positions: one graph below k, one above), each call would first evaluate,
-    and fail, the other graph's guards, a cost generate.py, with one policy at one growing length,
-    pays at most once."""
-    from decoding import decode_step
-
-    code = decode_step.__code__.replace(co_name=f"decode_step_{re.sub(r'[^0-9a-zA-Z_]', '_', name)}")
-    return types.FunctionType(code, decode_step.__globals__, code.co_name)
 
 
 def _cache_evictor() -> Callable[[], None]:
@@ -161,7 +146,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     import data
-    from decoding import compiled_decode_step, decode_step, prefill
+    from decoding import compiled_decode_step, decode_step, own_step, prefill
     from generate import kernels_for, load_checkpoint, load_tokenizer
     from model import ModelArgs, checkpoint_paths, random_model
     from policies import AttentionSettings, parse_compression, policy_factory, solve_target
@@ -249,10 +234,10 @@ def run(args) -> int:
         weights = model.weight_bytes()
         step_fns = {(c, name): decode_step for c in range(len(cases)) for name in policies}
         if args.compile:
-            # each (case, policy) its own step (_own_decode_step): a graph per step and dtype, more
+            # each (case, policy) its own step (decoding.own_step): a graph per step and dtype, more
             # than dynamo's default of 8 recompiles in one process
             torch._dynamo.config.recompile_limit = 64
-            step_fns = {(c, name): compiled_decode_step(_own_decode_step(f"{name}_{c}"), "cpu")
+            step_fns = {(c, name): compiled_decode_step(own_step(decode_step, f"{name}_{c}"), "cpu")
                         for c in range(len(cases)) for name in policies}
         progress.set_postfix_str(f"{dtype_name}: {len(cases)} cases x {len(policies)} policies taking turns")
         # rounds: ours (every case and policy in turns), then llama.cpp, then ours again, ...: a slow

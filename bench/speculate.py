@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--new-tokens", type=cli.positive_int, default=32, help="greedy tokens generated per row")
     p.add_argument("--rounds", type=cli.positive_int, default=2, help="turns of every method (median)")
     p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"), help="decode kernels (as generate.py)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every method's steps (the speculators' draft steps and verify passes); an "
+                        "untimed generation of each compiles them first")
     p.add_argument("--json", default=None, help="write the rows as JSON")
     p.set_defaults(func=run)
 
@@ -71,6 +74,7 @@ def run(args) -> int:
         raise UserError(str(e)) from None
 
     print(f"# speculate, {args.checkpoint}, {dtype}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
+          f"{'compiled' if args.compile else 'eager'}, "
           f"SparQ r={args.sparq_r} k={args.sparq_k}, {args.new_tokens} greedy tokens per row, median of "
           f"{args.rounds} rounds" + (f", draft model {args.draft_checkpoint}" if draft else ""))
     print(f"{'context':>8} {'B':>3} {'method':<14} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/round':>9} "
@@ -91,31 +95,44 @@ def run(args) -> int:
                 prefill_every_row(draft, prompt, B)
                 draft_saved = [c.snapshot() for c in draft.caches]
             for name in ("dense", "sparq"):
-                engines[name] = ("generator", layers[name])
+                engines[name] = ("generator", (layers[name], Generator(model, compile_decode=args.compile,
+                                                                       compile_name=f"{name}_{context}_{B}")))
             for n in ks:
-                engines[f"sparq-draft k={n}"] = ("speculator", Speculator(model, n, layers["dense"], layers["sparq"]))
+                engines[f"sparq-draft k={n}"] = ("speculator", Speculator(
+                    model, n, layers["dense"], layers["sparq"], compile=args.compile, compile_name=f"self_{n}_{context}_{B}"))
                 if draft is not None:
-                    engines[f"model-draft k={n}"] = ("speculator", Speculator(model, n, layers["dense"], draft_model=draft))
+                    engines[f"model-draft k={n}"] = ("speculator", Speculator(
+                        model, n, layers["dense"], draft_model=draft, compile=args.compile,
+                        compile_name=f"model_{n}_{context}_{B}"))
             times: dict[str, list[float]] = {name: [] for name in engines}
             results: dict[str, tuple] = {}
-            for _ in range(args.rounds):
-                for name, (kind, payload) in engines.items():
-                    for cache, snapshot in zip(model.caches, saved):
+
+            def run_engine(name: str, new_tokens: int):
+                kind, payload = engines[name]
+                for cache, snapshot in zip(model.caches, saved):
+                    cache.restore(snapshot)
+                if draft is not None:
+                    for cache, snapshot in zip(draft.caches, draft_saved):
                         cache.restore(snapshot)
-                    if draft is not None:
-                        for cache, snapshot in zip(draft.caches, draft_saved):
-                            cache.restore(snapshot)
-                    if kind == "generator":
-                        model.set_decode_attention(lambda i, p=payload: p[i])
-                        tokens, stats = Generator(model).decode(first, [context] * B, args.new_tokens)
-                    else:
-                        tokens, stats = payload.decode(first, [context] * B, args.new_tokens)
+                if kind == "speculator":
+                    return payload.decode(first, [context] * B, new_tokens)
+                policies, generator = payload
+                model.set_decode_attention(lambda i: policies[i])
+                return generator.decode(first, [context] * B, new_tokens)
+
+            if args.compile:  # an untimed generation of each compiles its steps (every length: dynamic)
+                torch._dynamo.config.recompile_limit = 64
+                for name in engines:
+                    run_engine(name, args.new_tokens)
+            for _ in range(args.rounds):
+                for name in engines:
+                    tokens, stats = run_engine(name, args.new_tokens)
                     times[name].append(stats.decode_s / max(stats.steps, 1))
                     results[name] = (tokens, stats)
             dense_s = statistics.median(times["dense"])
             for name, (tokens, stats) in results.items():
                 seconds = statistics.median(times[name])
-                row = {"prompt_tokens": context, "batch_size": B, "method": name, "dtype": dtype,
+                row = {"prompt_tokens": context, "batch_size": B, "method": name, "dtype": dtype, "compiled": args.compile,
                        "decode_tokens_per_s": 1 / seconds, "speedup_vs_dense": dense_s / seconds,
                        "same_tokens_as_dense": tokens == results["dense"][0]}
                 if stats.rounds:
