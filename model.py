@@ -139,6 +139,10 @@ SHAPES: dict[str, dict] = {
     "llama-3.1-8b": dict(_LLAMA_7B, vocab_size=128256, n_kv_head=8, intermediate_size=14336, rope_base=500000.0,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # TinyLlama-1.1B: Llama 2's tokenizer, a published draft for llama-2-7b
+    "tinyllama-1.1b": dict(vocab_size=32000, dim=2048, n_layer=22, n_head=32, n_kv_head=4, head_dim=64,
+                           intermediate_size=5632, rope_base=10000.0, norm_eps=1e-5, max_context=131072,
+                           bos_id=1, eos_ids=[2]),
     "qwen2.5-7b": dict(vocab_size=152064, dim=3584, n_layer=28, n_head=28, n_kv_head=4, head_dim=128,
                        intermediate_size=18944, rope_base=1000000.0, norm_eps=1e-6, qkv_bias=True,
                        max_context=131072, architecture="qwen2"),

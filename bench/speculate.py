@@ -9,6 +9,12 @@ machine lands on all alike. Printed per method: tokens/s per row, the speedup ov
 the speculators the acceptance, the tokens per round, the theory (the speedup the measured tokens
 per round, draft steps and verify passes predict against dense's measured step) and whether the
 tokens equal dense's.
+
+--predict SHAPE times nothing: it prints the speedup the byte model predicts for a published shape
+(model.SHAPES) where decode is bandwidth-bound (a GPU), drafted by --draft-shape or by SparQ at
+--compression: every step costs the bytes it reads (weights, and the KV bytes its policy reads),
+a verify pass of n + 1 tokens the verifier's one step (the same bytes: compute is not the limit at
+these few rows), and a round yields (1 - a^(n+1)) / (1 - a) tokens at acceptance a.
 """
 from __future__ import annotations
 
@@ -36,10 +42,18 @@ def add_parser(sub) -> None:
                    help="torch.compile every method's steps (the speculators' draft steps and verify passes); an "
                         "untimed generation of each compiles them first")
     p.add_argument("--json", default=None, help="write the rows as JSON")
+    p.add_argument("--predict", default=None, metavar="SHAPE",
+                   help="time nothing: the byte model's speedup for this published shape (model.SHAPES) at "
+                        "--prompt-tokens, --batch-size, --speculate-k and --acceptance, in --dtype")
+    p.add_argument("--draft-shape", default=None, help="--predict: the draft model's shape (default: SparQ self-speculation)")
+    p.add_argument("--compression", default="1/8", help="--predict: the SparQ draft's KV transfers (of dense)")
+    p.add_argument("--acceptance", default="0.6,0.8,0.9", help="--predict: comma list of acceptance rates")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.predict:
+        return predict(args)
     import torch
 
     import data
@@ -145,6 +159,66 @@ def run(args) -> int:
                 print(_line(row), flush=True)
     if args.json:
         cli.write_json(args.json, {"rows": rows_out})
+    return 0
+
+
+def step_bytes(args, dtype, batch: int, seq_len: int, settings) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one decode step of a model of `args` reads at seq_len, batch rows, its
+    layers running `settings`' policy (the weights built on the meta device: nothing is allocated)."""
+    import torch
+
+    from model import Transformer
+    from policies import layer_transfers, policy_factory
+
+    with torch.device("meta"):
+        weights = Transformer(args).to(dtype).weight_bytes()
+    element = torch.finfo(dtype).bits // 8
+    kv = layer_transfers(policy_factory(settings, args), args, seq_len) * args.n_kv_head * batch * element
+    return weights, kv
+
+
+def predict(args) -> int:
+    """--predict: the byte model's speedups (module docstring), one row per context, batch, n and acceptance."""
+    from fractions import Fraction
+
+    from decoding import expected_tokens_per_round
+    from model import ModelArgs
+    from policies import AttentionSettings, solve_budget
+
+    verifier = ModelArgs.from_shape(args.predict)
+    draft = ModelArgs.from_shape(args.draft_shape) if args.draft_shape else None
+    dtype = torch_dtype(cli.name_list(args.dtype, "dtype", DTYPES)[0])
+    accept = [float(a) for a in args.acceptance.split(",")]
+    if not all(0 <= a <= 1 for a in accept):
+        raise UserError(f"--acceptance values must be in [0, 1], got {args.acceptance!r}")
+    try:
+        target = Fraction(args.compression)
+    except (ValueError, ZeroDivisionError):
+        raise UserError(f"bad --compression {args.compression!r} (expected e.g. 1/8)") from None
+    dense = AttentionSettings("dense")
+    drafter = args.draft_shape or f"SparQ at {args.compression} of the KV bytes (r solved at k = {args.sparq_k})"
+    print(f"# predicted speedup of speculation over {args.predict} alone, {args.dtype}, bandwidth-bound steps: "
+          f"draft {drafter}")
+    print(f"{'context':>8} {'B':>4} {'verifier step':>14} {'draft step':>11} {'n':>3} "
+          + " ".join(f"{'a=' + str(a):>7}" for a in accept))
+    rows = []
+    for context in cli.int_list(args.prompt_tokens, "--prompt-tokens"):
+        for B in cli.int_list(args.batch_size, "--batch-size"):
+            verify = sum(step_bytes(verifier, dtype, B, context, dense))
+            if draft is None:
+                budget = solve_budget("sparq", target, context, verifier, AttentionSettings("sparq", sparq_k=args.sparq_k))
+                draft_step = sum(step_bytes(verifier, dtype, B, context, budget.settings))
+            else:
+                draft_step = sum(step_bytes(draft, dtype, B, context, dense))
+            for n in cli.int_list(args.speculate_k, "--speculate-k"):
+                speedups = [expected_tokens_per_round(a, n) * verify / (n * draft_step + verify) for a in accept]
+                rows.append({"prompt_tokens": context, "batch_size": B, "speculate_k": n, "verifier_step_bytes": verify,
+                             "draft_step_bytes": draft_step,
+                             "predicted_speedup": dict(zip(map(str, accept), speedups))})
+                print(f"{context:>8} {B:>4} {verify / 1e9:>11.2f} GB {draft_step / 1e9:>8.2f} GB {n:>3} "
+                      + " ".join(f"{s:>6.2f}x" for s in speedups))
+    if args.json:
+        cli.write_json(args.json, {"rows": rows})
     return 0
 
 

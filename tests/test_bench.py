@@ -8,6 +8,7 @@ import bench.__main__ as bench_cli
 from bench import decode as bench_decode
 from cli import UserError
 from conftest import assert_one_line_error, read_json, run_python
+from model import ModelArgs, Transformer
 
 
 def test_decode_json_rows(tmp_path, smollm2_checkpoint, capsys):
@@ -209,3 +210,20 @@ def test_speculate_json_rows(tmp_path, smollm2_checkpoint, capsys):
     assert rows["model-draft k=2"]["acceptance_rate"] == 1.0 and rows["model-draft k=2"]["tokens_per_round"] == 3.0
     assert rows["dense"]["speedup_vs_dense"] == 1.0
     assert "sparq-draft k=2" in capsys.readouterr().out
+
+
+def test_speculate_predict_is_the_byte_model(tmp_path):
+    """--predict: a draft of the verifier's own shape costs a verifier step, so n = 2 gives 1/3 at acceptance
+    0 (one token for three steps' bytes) and 1 at acceptance 1; the bytes are the weights' and the dense
+    KV's (2 S d per KV head and layer, plus the new k and v)."""
+    out = tmp_path / "predict.json"
+    code = bench_cli.main(["speculate", "--predict", "tiny", "--draft-shape", "tiny", "--dtype", "bfloat16",
+                           "--prompt-tokens", "1000", "--batch-size", "2", "--speculate-k", "2",
+                           "--acceptance", "0,1", "--json", str(out)])
+    assert code == 0
+    (row,) = read_json(out)["rows"]
+    assert row["predicted_speedup"] == {"0.0": pytest.approx(1 / 3), "1.0": pytest.approx(1.0)}
+    args = ModelArgs.from_shape("tiny")
+    kv = args.n_layer * args.n_kv_head * 2 * (2 * 1000 * args.head_dim + 2 * args.head_dim) * 2
+    weights = sum(p.numel() for p in Transformer(args).parameters()) * 2
+    assert row["verifier_step_bytes"] == row["draft_step_bytes"] == weights + kv
