@@ -23,7 +23,7 @@ from torch import Tensor
 import cli
 from kernels import TORCH_KERNELS, Kernels
 from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, softcap
-from sparq import SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions, sparse_attention
+from sparq import SparQAdaptiveDecode, SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions, sparse_attention
 
 # ---------------------------------------------------------------------------------------------
 # Baselines from the paper, as decode policies on the same cache (transfers: paper, Appendix G)
@@ -283,6 +283,7 @@ class H2ODecode(DecodePolicy):
 
 
 DEFAULT_SPARQ_K = 128
+ADAPTIVE_DEFAULT = Fraction(1, 8)  # sparq-adaptive's compression when neither --sparq-r nor --compression is given
 
 
 @dataclass(frozen=True)
@@ -318,6 +319,11 @@ def _build_sparq(s: AttentionSettings, args: ModelArgs, kernels: Kernels) -> Spa
     return SparQDecode(s.sparq_config(args), kernels, args.attn_softcap)
 
 
+def _build_sparq_adaptive(s: AttentionSettings, args: ModelArgs, kernels: Kernels) -> SparQAdaptiveDecode:
+    compression = ADAPTIVE_DEFAULT if s.compression is None else s.compression
+    return SparQAdaptiveDecode(float(compression), s.sparq_k, s.mean_v(args), kernels, args.attn_softcap)
+
+
 @dataclass(frozen=True)
 class Policy:
     """A registry entry: how to build one layer's policy from settings, and which setting a target
@@ -326,7 +332,8 @@ class Policy:
     build: Callable[[AttentionSettings, ModelArgs, Kernels], DecodePolicy]
     help: str
     flags: tuple[str, ...] = ()  # the optional settings it reads (sparq_r, kv_budget): others given are an error
-    knob: Optional[str] = None  # the setting a target compression solves for (sparq_r, sparq_k, kv_budget)
+    knob: Optional[str] = None  # the setting a target compression solves for (sparq_r, sparq_k, kv_budget), or
+    # "compression": the policy takes the target itself
     knob_min: int = 1  # smallest value of the knob (LM-Infinite needs more than its sink tokens)
     reads_buckets: bool = False  # honours bucketed reads (CacheView.live_length): CUDA graphs per bucket
 
@@ -339,6 +346,10 @@ POLICIES: dict[str, Policy] = {
     # The same policy, budgeted the other way (the paper's length sweep): r fixed, k set by the compression.
     "sparq-fixed-r": Policy(_build_sparq, "SparQ budgeted by k at a fixed --sparq-r", ("sparq_r",), knob="sparq_k",
                             reads_buckets=True),
+    # Budgeted by the target itself: r and k per layer and step (sparq.adaptive_split)
+    "sparq-adaptive": Policy(_build_sparq_adaptive, "SparQ with r and k per layer and step from --compression "
+                             f"(default 1/{ADAPTIVE_DEFAULT.denominator}), shared by a layer's KV heads",
+                             knob="compression"),
     "topk": Policy(lambda s, args, kernels: TopKDecode(s.budget, args.attn_softcap),
                    "FlexGen top-k: exact scores, top-k values", ("kv_budget",), knob="kv_budget"),
     "oracle": Policy(lambda s, args, kernels: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget),
@@ -427,7 +438,7 @@ def attention_settings(args: argparse.Namespace) -> AttentionSettings:
         knob = POLICIES[policy].knob
         if knob is None:
             raise cli.UserError(f"--compression sets the budget of a sparse policy; --attention {policy} has none")
-        if getattr(args, knob) is not None:
+        if knob != "compression" and getattr(args, knob) is not None:
             raise cli.UserError(f"--compression {fraction_label(target)} chooses {knob_flag(knob)} for --attention "
                                 f"{policy}: give one or the other")
     return AttentionSettings(policy=policy, sparq_r=args.sparq_r,
@@ -492,6 +503,9 @@ def settings_for_compression(settings: AttentionSettings, target: float, seq_len
     entry = POLICIES[settings.policy]
     if entry.knob is None or target >= 1:
         return AttentionSettings("dense"), 1.0
+    if entry.knob == "compression":
+        best = replace(settings, compression=Fraction(target).limit_denominator(1 << 16))
+        return best, _compression_ratio(best, seq_len, args)
     ratio, lo, hi = _knob_ratio(settings, seq_len, args)
     best = replace(settings, **{entry.knob: _closest(ratio, lo, hi, target)})
     return best, ratio(getattr(best, entry.knob))
@@ -510,8 +524,17 @@ def _knob_ratio(settings: AttentionSettings, seq_len: int,
     return ratio, entry.knob_min, hi
 
 
+def _compression_ratio(settings: AttentionSettings, seq_len: int, args: ModelArgs) -> float:
+    """Model-wide transfers / dense of settings at seq_len."""
+    dense = layer_transfers(lambda layer: DenseDecode(), args, seq_len)
+    return layer_transfers(policy_factory(settings, args), args, seq_len) / dense
+
+
 def reachable_compression(settings: AttentionSettings, seq_len: int, args: ModelArgs) -> tuple[float, float]:
-    """The lowest and highest compression settings.policy reaches at seq_len over its knob's range."""
+    """The lowest and highest compression settings.policy reaches at seq_len over its knob's range (a policy
+    taking the target itself: from the smallest target, r = k = 1, to 1)."""
+    if POLICIES[settings.policy].knob == "compression":
+        return _compression_ratio(replace(settings, compression=Fraction(1, 1 << 16)), seq_len, args), 1.0
     ratio, lo, hi = _knob_ratio(settings, seq_len, args)
     return ratio(lo), ratio(hi)
 

@@ -208,6 +208,167 @@ def sparq_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor
     return y.to(q.dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# Adaptive SparQ: one layer's budget shared by its KV heads, per row and step
+# ---------------------------------------------------------------------------------------------
+
+
+def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, config: SparQConfig,
+                             cap: Optional[float] = None) -> Tensor:
+    """Adaptive SparQ with loops, as sparq_reference: a row's n_kv KV heads share the layer's budget of
+    n_kv x r components and n_kv x k positions, so the step moves what fixed SparQ moves, but a head whose
+    |q| is concentrated, or whose step-1 scores are peaked, lends to one that needs more.
+
+      1. Components: each head's group-summed |q| as a share of its L1 norm; every head keeps its
+         largest component, and the other n_kv (r - 1) go to the largest shares over all heads.
+         Each head's s_hat = softmax(q[i1_h] . K^T[i1_h] / tau_h) as in SparQ, with its own i1_h.
+      2. Positions: every head keeps its last `local` positions; the other n_kv (k - local) go to the
+         largest group-summed s_hat over all heads (each head's sums to g: comparable masses), so
+         the selection covers the most estimated attention mass the pooled k can.
+      3. Mean-V (optional) with each head's alpha = its s_hat mass on its own selection.
+
+    q (B, n_kv, g, d); k, v (B, n_kv, S_max, d); v_sum (B, n_kv, d) -> (B, n_kv, g, d) in q.dtype."""
+    B, n_kv, g, d = q.shape
+    S = length
+    r, kk, n_local = config.r, min(config.k_top, S), min(config.local, S, config.k_top)
+    out = torch.empty(B, n_kv, g, d, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        qs = [q[b, h].float() for h in range(n_kv)]  # (g, d) each
+        Ks, Vs = [k[b, h, :S].float() for h in range(n_kv)], [v[b, h, :S].float() for h in range(n_kv)]
+        # Step 1: the pooled components
+        shares = [qh.abs().sum(0) / qh.abs().sum() for qh in qs]  # (d,) each
+        chosen = [[int(sh.argmax())] for sh in shares]
+        rest = sorted(((float(sh[i]), h, i) for h, sh in enumerate(shares) for i in range(d) if i != chosen[h][0]),
+                      key=lambda t: -t[0])
+        for _, h, i in rest[: n_kv * (r - 1)]:
+            chosen[h].append(i)
+        s_hats = []
+        for h, qh in enumerate(qs):
+            i1 = torch.tensor(chosen[h], device=q.device)
+            tau = torch.sqrt(d * qh[:, i1].abs().sum(-1) / qh.abs().sum(-1))  # (g,)
+            s_hats.append(torch.softmax(softcap(qh[:, i1] @ Ks[h][:, i1].T / tau[:, None], cap), dim=-1))  # (g, S)
+        # Step 2: the pooled positions, each head's local window first
+        positions = [list(range(S - n_local, S)) for _ in range(n_kv)]
+        rest = sorted(((float(s_hats[h].sum(0)[p]), h, p) for h in range(n_kv) for p in range(S - n_local)),
+                      key=lambda t: -t[0])
+        for _, h, p in rest[: n_kv * (kk - n_local)]:
+            positions[h].append(p)
+        for h, qh in enumerate(qs):
+            i2 = torch.tensor(sorted(positions[h]), dtype=torch.long, device=q.device)
+            probs = torch.softmax(softcap(qh @ Ks[h][i2].T / math.sqrt(d), cap), dim=-1)  # (g, k_h)
+            y = probs @ Vs[h][i2]
+            # Step 3
+            if config.mean_v:
+                alpha = s_hats[h][:, i2].sum(-1, keepdim=True)
+                y = alpha * y + (1 - alpha) * (v_sum[b, h] / S)
+            out[b, h] = y
+    return out.to(q.dtype)
+
+
+def pooled_components(q: Tensor, r: int) -> Tensor:
+    """Step 1's components, n_kv x r shared by a row's KV heads: each head's largest group-summed |q|,
+    then the largest shares of their heads' L1 norms over all heads. q (B, n_kv, g, d) -> (B, n_kv, 1, d) bool."""
+    B, n_kv, _, d = q.shape
+    a = q.float().abs().sum(2)  # (B, n_kv, d)
+    share = (a / a.sum(-1, keepdim=True)).scatter(-1, a.argmax(-1, keepdim=True), float("inf"))
+    top = share.flatten(1).topk(n_kv * r, dim=-1).indices  # (B, n_kv r) over (head, component)
+    return torch.zeros(B, n_kv * d, dtype=torch.bool, device=q.device).scatter(1, top, True).view(B, n_kv, 1, d)
+
+
+def pooled_positions(s_hat: Tensor, length: int, k: int, local: int, live_length: Optional[Tensor]) -> Tensor:
+    """Step 2's positions, n_kv x min(k, S) shared by a row's KV heads: each head's last `local` live
+    positions, then the largest group-summed s_hat over all heads. s_hat (B, n_kv, g, S) -> (B, n_kv, 1, S)
+    bool (positions past a row's live length never selected)."""
+    B, n_kv = s_hat.shape[:2]
+    position = torch.arange(length, device=s_hat.device)
+    live = length if live_length is None else per_row(live_length, 3)  # against (B, n_kv, S)
+    score = s_hat.sum(2)  # (B, n_kv, S)
+    score = torch.where(position >= live - local, float("inf"), score)
+    score = torch.where(position >= live, float("-inf"), score)
+    top = score.flatten(1).topk(n_kv * min(k, length), dim=-1).indices  # over (head, position)
+    selected = torch.zeros(B, n_kv * length, dtype=torch.bool, device=s_hat.device).scatter(1, top, True)
+    return selected.view(B, n_kv, 1, length) & (position < live)[..., None, :]
+
+
+def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, live_length: Optional[Tensor],
+                         r: int, k_top: int, local: int, mean_v: bool, cap: Optional[float] = None) -> Tensor:
+    """sparq_adaptive_reference for all rows at once, with masks where the heads' counts differ: the
+    components a head did not get are zeros of q (so step 1 multiplies all of K here: this path is the
+    readable one, the transfers counted are the policy's), the positions it did not get are -inf
+    before the softmax. q (B, n_kv, g, d) -> (B, n_kv, g, d); live_length as sparq_attention_torch's."""
+    d = q.shape[-1]
+    qf = q.float()
+    keys = k[:q.shape[0], :, :length].float()  # (B, n_kv, S, d)
+    # Step 1
+    q_hat = qf * pooled_components(q, r)  # (B, n_kv, g, d)
+    tau = torch.sqrt(d * q_hat.abs().sum(-1, keepdim=True) / qf.abs().sum(-1, keepdim=True))  # (B, n_kv, g, 1)
+    logits = softcap((q_hat @ keys.transpose(-1, -2)) / tau, cap)  # (B, n_kv, g, S)
+    if live_length is not None:
+        logits = logits.masked_fill(beyond_live(length, live_length), float("-inf"))
+    s_hat = torch.softmax(logits, dim=-1)
+    # Step 2
+    selected = pooled_positions(s_hat, length, k_top, local, live_length)  # (B, n_kv, 1, S)
+    scores = softcap((qf @ keys.transpose(-1, -2)) / math.sqrt(d), cap).masked_fill(~selected, float("-inf"))
+    y = torch.softmax(scores, dim=-1) @ v[:q.shape[0], :, :length].float()  # (B, n_kv, g, d)
+    # Step 3
+    if mean_v:
+        alpha = (s_hat * selected).sum(-1, keepdim=True)
+        n = length if live_length is None else per_row(live_length, 3)
+        y = alpha * y + (1 - alpha) * (v_sum[:q.shape[0]] / n)[:, :, None, :]
+    return y.to(q.dtype)
+
+
+def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int) -> tuple[int, int]:
+    """(r, k) of one layer's step over seq_len visible positions at `compression` of dense's transfers:
+    the positions take half of the budget (k = c S / 2, at most k_max), the components the rest (r in
+    [1, d]), and what rounding r down leaves goes back to k, so S r + 2 k d + 4 d is within 2d of
+    c (2 S d + 2 d). A 512-position window layer of Gemma 3 at 1/4 gets k = 64 and r = 62 of 256 where
+    one (r, k) for every layer gave it k = 128 and r = 27; SmolLM2 at 1/8 and 1.4k tokens r = 7 at
+    k = 96 instead of r = 4 at k = 128."""
+    d = head_dim
+    budget = int(compression * (2 * seq_len * d + 2 * d))
+    k = max(1, min(k_max, int(compression * seq_len / 2)))
+    r = max(1, min(d, (budget - 2 * k * d - 4 * d) // seq_len))
+    k = max(1, min(seq_len, k + (budget - seq_len * r - 2 * k * d - 4 * d) // (2 * d)))
+    return r, k
+
+
+class SparQAdaptiveDecode(DecodePolicy):
+    """Adaptive SparQ: a compression target instead of one (r, k) for every layer and step. Each step
+    splits the layer's budget at its visible length (adaptive_split: a window layer and a global one
+    get different splits, and the split follows S as it grows) and the layer's KV heads share the
+    resulting n_kv r components and n_kv k positions (sparq_adaptive_reference). Local window k / 4.
+    Dense attention while a layer sees at most k_max positions, as SparQDecode."""
+
+    name = "sparq-adaptive"
+
+    def __init__(self, compression: float, k_max: int = 128, mean_v: bool = False, kernels: Kernels = TORCH_KERNELS,
+                 cap: Optional[float] = None):
+        super().__init__()
+        if not 0 < compression <= 1:
+            raise ValueError(f"--compression must be in (0, 1], got {compression}")
+        if k_max < 1:
+            raise ValueError(f"--sparq-k must be at least 1, got {k_max}")
+        self.compression, self.k_max, self.mean_v, self.cap = compression, k_max, mean_v, cap
+        self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        view = cache.view(length, q.shape[0])
+        if view.length <= self.k_max:
+            return self.attend_dense(q, view.k, view.v, view.length, view.live_length)
+        r, k = adaptive_split(view.length, q.shape[-1], self.compression, self.k_max)
+        return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, view.length, view.live_length, r, k, k // 4,
+                                    self.mean_v, self.cap)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        """SparQ's (eq. 11) at this step's split, on average over the layer's heads: S r + 2 k d + 4 d;
+        dense's while S <= k_max."""
+        if seq_len <= self.k_max:
+            return DenseDecode().transfer_elements(seq_len, head_dim)
+        r, k = adaptive_split(seq_len, head_dim, self.compression, self.k_max)
+        return seq_len * r + 2 * k * head_dim + 4 * head_dim
+
+
 class SparQDecode(DecodePolicy):
     """The SparQ decode attention policy: the run's SparQ kernel, or the torch path above.
 

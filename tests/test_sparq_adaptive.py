@@ -1,0 +1,128 @@
+"""Adaptive SparQ (sparq-adaptive): the batched torch path against its loop reference, the reference
+against the paper's SparQ where they must coincide (one KV head: nothing to share) and against
+dense attention (r = d, k >= S); the heads' shares; per-row live lengths; its budget."""
+from fractions import Fraction
+
+import pytest
+import torch
+
+from conftest import read_json, run_python
+from model import SHAPES, DenseDecode, ModelArgs, dense_attention_torch
+from policies import AttentionSettings, layer_transfers, policy_factory, solve_target
+from sparq import (SparQAdaptiveDecode, SparQConfig, adaptive_split, pooled_components, pooled_positions, sparq_adaptive_reference,
+                   sparq_adaptive_torch, sparq_reference)
+from test_sparq import filled_cache, random_query
+
+
+def adaptive(q, cache, S, config):
+    return sparq_adaptive_torch(q, cache.k, cache.v, cache.v_sum, S, None, config.r, config.k_top, config.local,
+                                config.mean_v)
+
+
+@pytest.mark.parametrize("B,n_kv,g_,d,S,r,k,mean_v", [
+    (2, 3, 3, 64, 517, 8, 128, False),  # SmolLM2-like GQA
+    (2, 4, 1, 32, 300, 4, 64, True),  # MHA, mean-V
+    (1, 2, 7, 64, 400, 3, 48, True),  # Qwen 0.5B-like grouping
+])
+def test_torch_path_matches_loop_reference(B, n_kv, g_, d, S, r, k, mean_v):
+    cache, _, _ = filled_cache(B, n_kv, d, S, S + 5)
+    q = random_query(B, n_kv, g_, d)
+    config = SparQConfig(r=r, k_top=k, mean_v=mean_v)
+    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config)
+    torch.testing.assert_close(adaptive(q, cache, S, config), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_one_kv_head_is_the_papers_sparq():
+    """With one KV head there is nothing to share: the reference is sparq_reference's result."""
+    cache, _, _ = filled_cache(2, 1, 64, 300, 300)
+    q = random_query(2, 1, 4, 64)
+    for mean_v in (False, True):
+        config = SparQConfig(r=6, k_top=40, mean_v=mean_v)
+        torch.testing.assert_close(sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, 300, config),
+                                   sparq_reference(q, cache.k, cache.v, cache.v_sum, 300, config), atol=1e-6, rtol=1e-5)
+
+
+def test_full_r_and_k_are_dense():
+    cache, k, v = filled_cache(2, 3, 32, 90, 100)
+    q = random_query(2, 3, 2, 32)
+    config = SparQConfig(r=32, k_top=90, mean_v=True)
+    torch.testing.assert_close(adaptive(q, cache, 90, config), dense_attention_torch(q, k, v, 90), atol=1e-5, rtol=1e-5)
+
+
+def test_heads_share_the_budget():
+    """A head whose query is one spike gives its components to a head whose query is flat; a head whose
+    step-1 scores sit on a few positions gives positions to one whose scores are spread: the counts
+    differ per head, their totals are the layer's n_kv r and n_kv k."""
+    d, S, r, k = 16, 200, 4, 20
+    q = torch.zeros(1, 2, 1, d)
+    q[0, 0, 0, 0] = 50.0  # head 0: one component
+    q[0, 1, 0] = torch.linspace(1.0, 1.1, d)  # head 1: every component alike
+    components = pooled_components(q, r)[0, :, 0]  # (2, d)
+    assert components.sum(-1).tolist() == [1, 2 * r - 1]
+    s_hat = torch.zeros(1, 2, 1, S)
+    s_hat[0, 0, 0, :3] = torch.tensor([0.5, 0.3, 0.2])  # head 0: three positions hold everything
+    s_hat[0, 1, 0] = torch.softmax(torch.randn(S, generator=torch.Generator().manual_seed(0)), -1)
+    positions = pooled_positions(s_hat, S, k, 0, None)[0, :, 0]  # (2, S)
+    assert positions.sum().item() == 2 * k and positions[0, :3].all() and positions[1].sum() > k
+    assert positions.sum(-1)[1] == 2 * k - positions.sum(-1)[0]
+    # the local window is every head's, whatever the scores
+    positions = pooled_positions(s_hat, S, k, 5, None)[0, :, 0]
+    assert positions[:, S - 5:].all() and positions.sum().item() == 2 * k
+
+
+@pytest.mark.parametrize("mean_v", [False, True])
+def test_per_row_live_lengths_equal_each_row_run_alone(mean_v):
+    B, n_kv, g_, d, S_max = 3, 2, 3, 32, 300
+    lengths = [40, 300, 171]
+    gen = torch.Generator().manual_seed(11)
+    k, v = torch.randn(B, n_kv, S_max, d, generator=gen), torch.randn(B, n_kv, S_max, d, generator=gen)
+    v_sum = torch.stack([v[b, :, :n].sum(1) for b, n in enumerate(lengths)])
+    q = random_query(B, n_kv, g_, d)
+    batch = sparq_adaptive_torch(q, k, v, v_sum, S_max, torch.tensor(lengths), 8, 32, 8, mean_v)
+    for b, n in enumerate(lengths):
+        alone = sparq_adaptive_torch(q[b:b + 1], k[b:b + 1], v[b:b + 1], v_sum[b:b + 1], n, None, 8, 32, 8, mean_v)
+        torch.testing.assert_close(batch[b:b + 1], alone, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("S,d,c", [(1400, 64, 1 / 8), (512, 256, 1 / 4), (1401, 256, 1 / 4), (30000, 128, 1 / 16),
+                                   (200, 64, 1 / 8)])
+def test_each_step_splits_the_target(S, d, c):
+    """adaptive_split: the step moves c of dense's transfers to within one position's K and V row (2d)
+    unless r hits a bound, and never more; positions take about half."""
+    r, k = adaptive_split(S, d, c, 128)
+    moved, dense = S * r + 2 * k * d + 4 * d, 2 * S * d + 2 * d
+    assert 1 <= r <= d and 1 <= k <= S
+    assert moved <= c * dense and (r in (1, d) or moved > c * dense - 2 * d)
+    assert k <= 128 + S // (2 * d) + 1  # k_max, and what rounding r down gave back
+
+
+def test_the_policy_takes_the_target_and_counts_its_transfers():
+    """--compression is the policy's own setting: every layer (a window one too, at its own visible length)
+    moves c of its dense transfers, so the model-wide ratio is c at every length, not only at the one a
+    fixed r was solved at."""
+    args = ModelArgs.from_shape("smollm2")
+    budget = solve_target(AttentionSettings("sparq-adaptive", compression=Fraction(1, 8)), 1400, args)
+    assert budget.achieved == pytest.approx(1 / 8, rel=0.02)
+    make = policy_factory(budget.settings, args)
+    assert isinstance(make(0), SparQAdaptiveDecode) and make(0).compression == 1 / 8
+    for S in (1400, 5000, 20000):
+        ratio = layer_transfers(make, args, S) / layer_transfers(lambda i: DenseDecode(), args, S)
+        assert ratio == pytest.approx(1 / 8, rel=0.02)
+    gemma_like = ModelArgs(**{**SHAPES["smollm2"], "head_dim": 256, "sliding_window": 512,
+                              "n_layer": 6, "layer_types": ["window"] * 5 + ["global"]})
+    budget = solve_target(AttentionSettings("sparq-adaptive", compression=Fraction(1, 4)), 1400, gemma_like)
+    assert budget.achieved == pytest.approx(1 / 4, rel=0.02)
+
+
+def test_sparq_r_is_refused():
+    with pytest.raises(ValueError, match="--sparq-r applies to"):
+        policy_factory(AttentionSettings("sparq-adaptive", sparq_r=8), ModelArgs.from_shape("smollm2"))
+
+
+def test_generate_defaults_to_an_eighth(tmp_path, smollm2_checkpoint):
+    """generate.py --attention sparq-adaptive without --compression or --sparq-r: 1/8 of dense's KV transfers."""
+    out = tmp_path / "run.json"
+    result = run_python("generate.py", "--checkpoint", str(smollm2_checkpoint), "--attention", "sparq-adaptive",
+                        "--prompt-tokens", "1400", "--max-new-tokens", "4", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert read_json(out)["compression_achieved"] == pytest.approx(1 / 8, rel=0.05)
