@@ -580,7 +580,10 @@ class Budget:
     def describe(self) -> str:
         if self.method == "dense":
             return "dense"
-        setting = f"r={self.r}, k={self.k_top}" if self.r is not None else f"k={self.k_top}"
+        if POLICIES[self.method].knob == "compression":
+            setting = f"r and k per layer and step, k about min(c S / 2, {self.k_top})"
+        else:
+            setting = f"r={self.r}, k={self.k_top}" if self.r is not None else f"k={self.k_top}"
         return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len})"
 
 
