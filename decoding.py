@@ -400,6 +400,21 @@ def speculative_speedup(acceptance: float, n: int, draft_step: float, verify_pas
     return expected_tokens_per_round(acceptance, n) * verify_pass / (n * draft_step + verify_pass)
 
 
+def acceptance_needed(speedup: float, n: int, draft_step: float, verify_pass: float, step: float) -> Optional[float]:
+    """The acceptance at which n proposals per round, at these draft-step and verify-pass costs, reach
+    `speedup` over a one-token step of cost `step`; None where even acceptance 1 falls short."""
+    def predicted(a: float) -> float:
+        return expected_tokens_per_round(a, n) * step / (n * draft_step + verify_pass)
+
+    if predicted(1.0) < speedup:
+        return None
+    lo, hi = 0.0, 1.0  # predicted() grows with a
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) < speedup else (lo, mid)
+    return hi
+
+
 def speculation_summary(stats: DecodeStats, n: int) -> dict:
     """acceptance_rate: accepted over proposed draft tokens; tokens_per_round: tokens a row gains per round
     (its accepted proposals and the verifier's own token); the measured step costs and the speedup they

@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--new-tokens", type=cli.positive_int, default=32, help="greedy tokens generated per row")
     p.add_argument("--rounds", type=cli.positive_int, default=2, help="turns of every method (median)")
     p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"), help="decode kernels (as generate.py)")
+    p.add_argument("--goal", type=float, default=1.15,
+                   help="print the acceptance each speculator would need for this speedup over dense at its measured "
+                        "step costs (default 1.15)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every method's steps (the speculators' draft steps and verify passes); an "
                         "untimed generation of each compiles them first")
@@ -57,7 +60,7 @@ def run(args) -> int:
     import torch
 
     import data
-    from decoding import Generator, Speculator, speculation_summary
+    from decoding import Generator, Speculator, acceptance_needed, speculation_summary
     from generate import check_same_tokenizer, kernels_for, load_checkpoint, load_tokenizer, model_args
     from policies import AttentionSettings, policy_factory
 
@@ -92,7 +95,7 @@ def run(args) -> int:
           f"SparQ r={args.sparq_r} k={args.sparq_k}, {args.new_tokens} greedy tokens per row, median of "
           f"{args.rounds} rounds" + (f", draft model {args.draft_checkpoint}" if draft else ""))
     print(f"{'context':>8} {'B':>3} {'method':<14} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/round':>9} "
-          f"{'theory':>7} {'= dense':>7}", flush=True)
+          f"{'theory':>7} {'= dense':>7} {'accept for ' + format(args.goal, 'g') + 'x':>16}", flush=True)
     rows_out = []
     for context in contexts:
         for B in batches:
@@ -155,6 +158,9 @@ def run(args) -> int:
                     # the speedup over dense these step costs and this acceptance predict (dense's step measured)
                     row["theory_vs_dense"] = (row["tokens_per_round"] * dense_s
                                               / (n * row["draft_step_s"] + row["verify_pass_s"]))
+                    row["goal"] = args.goal  # and the acceptance it needs at these costs (None: out of reach)
+                    row["acceptance_for_goal"] = acceptance_needed(args.goal, n, row["draft_step_s"],
+                                                                   row["verify_pass_s"], dense_s)
                 rows_out.append(row)
                 print(_line(row), flush=True)
     if args.json:
@@ -239,5 +245,9 @@ def prefill_every_row(model, prompt: list[int], rows: int):
 def _line(row: dict) -> str:
     spec = (f"{row['acceptance_rate']:>7.2f} {row['tokens_per_round']:>9.2f} {row['theory_vs_dense']:>6.2f}x"
             if "acceptance_rate" in row else f"{'':>7} {'':>9} {'':>7}")
+    needed = ""
+    if "acceptance_for_goal" in row:
+        a = row["acceptance_for_goal"]
+        needed = f"{'out of reach' if a is None else format(a, '.2f'):>16}"
     return (f"{row['prompt_tokens']:>8} {row['batch_size']:>3} {row['method']:<14} {row['decode_tokens_per_s']:>8.2f} "
-            f"{row['speedup_vs_dense']:>7.2f}x {spec} {'yes' if row['same_tokens_as_dense'] else 'NO':>7}")
+            f"{row['speedup_vs_dense']:>7.2f}x {spec} {'yes' if row['same_tokens_as_dense'] else 'NO':>7} {needed}")

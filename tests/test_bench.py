@@ -207,6 +207,9 @@ def test_speculate_json_rows(tmp_path, smollm2_checkpoint, capsys):
         dense_step = 1 / rows["dense"]["decode_tokens_per_s"]
         assert row["theory_vs_dense"] == pytest.approx(row["tokens_per_round"] * dense_step / (
             2 * row["draft_step_s"] + row["verify_pass_s"]))
+        a = row["acceptance_for_goal"]  # the acceptance at which this theory reaches the goal (1.15x), or None
+        reach = 3 * dense_step / (2 * row["draft_step_s"] + row["verify_pass_s"])
+        assert (a is None) == (reach < 1.15) and row["goal"] == 1.15
     assert rows["model-draft k=2"]["acceptance_rate"] == 1.0 and rows["model-draft k=2"]["tokens_per_round"] == 3.0
     assert rows["dense"]["speedup_vs_dense"] == 1.0
     assert "sparq-draft k=2" in capsys.readouterr().out

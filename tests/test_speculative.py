@@ -210,6 +210,14 @@ def test_generate_cli_self_speculation_matches_dense(tmp_path, smollm2_checkpoin
     assert "speculation: " in result.stderr
 
 
+def test_acceptance_needed_inverts_the_theory():
+    from decoding import acceptance_needed, expected_tokens_per_round
+
+    a = acceptance_needed(1.15, 2, draft_step=0.5, verify_pass=1.2, step=1.0)
+    assert expected_tokens_per_round(a, 2) * 1.0 / (2 * 0.5 + 1.2) == pytest.approx(1.15, rel=1e-6)
+    assert acceptance_needed(1.5, 2, draft_step=0.5, verify_pass=1.2, step=1.0) is None  # 3 / 2.2 < 1.5 at a = 1
+
+
 def test_tokens_per_round_theory():
     from decoding import expected_tokens_per_round, speculative_speedup
 
