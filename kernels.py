@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels_triton import HAS_TRITON, dense_attention_triton, sparq_attention_triton
+from kernels_triton import HAS_TRITON, dense_attention_triton, dense_verify_triton, sparq_attention_triton
 
 
 @dataclass(frozen=True)
@@ -286,8 +286,9 @@ CPU_KERNELS = Kernels("cpu", dense_attention=dense_attention_cpu, dense_verify=d
                       sparq_attention=sparq_attention_cpu,
                       linear=linear_cpu, packed_quantized=True,
                       describe="fused C++ (csrc/): dense and SparQ attention, decode linears")
-TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, sparq_attention=sparq_attention_triton,
-                         packed_quantized=True, describe="Triton dense and SparQ decode attention; linears from PyTorch")
+TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, dense_verify=dense_verify_triton,
+                         sparq_attention=sparq_attention_triton,
+                         packed_quantized=True, describe="Triton dense and SparQ decode attention, the verify pass; linears from PyTorch")
 
 
 def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int = 1, softcap: bool = False,

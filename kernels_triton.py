@@ -29,7 +29,9 @@ cannot be summed before every block is done), and the tiny stats and partials.
 
 Dense, one call = 1 or 2 launches: a flash-decoding kernel split over S (grid (B * n_kv, splits),
 each K/V row read once for the g heads sharing it; GQA dots on tensor cores in the cache dtype,
-MHA on CUDA cores), and the same combine when there are several splits.
+MHA on CUDA cores), and the same combine when there are several splits. The verify pass of
+speculative decoding is the same kernel with a row's T queries folded into its heads (g T rows),
+each masked to its own causal range.
 
 Live lengths (kernels.py docstring): a python int (exact reads), a 0-dim / 1-element device tensor
 (every row), or a (B,) device tensor (ragged rows). With a tensor the shapes and grids follow the
@@ -361,14 +363,16 @@ if HAS_TRITON:
         v_ptr, stride_vb, stride_vh, stride_vs,
         out_ptr, stride_ob, stride_oh, stride_og,  # (B, n_kv, G, D) in q's dtype (FINAL)
         part_acc_ptr, part_ml_ptr,  # partials (not FINAL)
-        live, n_kv, G, D, S_bound, SPLIT, NSPLIT, sm_scale,
+        live, n_kv, G, D, S_bound, SPLIT, NSPLIT, sm_scale, QUERIES,
         G_PAD: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr, FINAL: tl.constexpr, LIVE: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         """Flash-decoding: one program per (batch row, KV head, SPLIT positions); exact attention of all G
         heads over the live positions of its range (each K and V row read once). Splits past the live
-        length do nothing (the combine skips them)."""
+        length do nothing (the combine skips them). QUERIES = T > 1 (speculative verification): the G
+        rows are heads x T, head-major, and row i, query t = i % T, sees positions below n - T + 1 + t
+        (a split wholly in its future leaves it the empty softmax (m = -1e30, l = 0) the combine weighs 0)."""
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // n_kv
@@ -407,7 +411,8 @@ if HAS_TRITON:
                         s = tl.dot(q, tl.trans(k_blk.to(tl.float32)), input_precision=PRECISION)
                 else:
                     s = tl.sum(q.to(tl.float32)[:, None, :] * k_blk.to(tl.float32)[None, :, :], axis=2)
-                s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+                seen = valid[None, :] & (offs_n[None, :] < (n - QUERIES + 1 + offs_g % QUERIES)[:, None])
+                s = tl.where(seen, s * sm_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 correction = tl.exp(m_i - m_new)
                 p = tl.exp(s - m_new[:, None])
@@ -669,8 +674,10 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     return out
 
 
-def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optional[Tensor]) -> Tensor:
-    """The launches behind sparq::dense_triton: the split kernel, and the combine if it split."""
+def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optional[Tensor],
+                       queries: int = 1) -> Tensor:
+    """The launches behind sparq::dense_triton: the split kernel, and the combine if it split. queries:
+    T query tokens per row, q's g = heads x T head-major (the kernel's QUERIES)."""
     _triton_ready(q.device)
     _check_layout(q, k, v)
     B, n_kv, g, d = q.shape
@@ -691,7 +698,7 @@ def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optio
     _dense_kernel[(rows, n_split)](
         q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
         v, v.stride(0), v.stride(1), v.stride(2), out, *o_strides, part_acc, part_ml,
-        live_arg, n_kv, g, d, S_bound, SPLIT, n_split, 1.0 / math.sqrt(d), LIVE=LIVE, **plan["dense"])
+        live_arg, n_kv, g, d, S_bound, SPLIT, n_split, 1.0 / math.sqrt(d), queries, LIVE=LIVE, **plan["dense"])
     if n_split > 1:
         _combine_kernel[(rows * g,)](
             part_acc, part_ml, out, 0, 0, out, *o_strides, live_arg, n_kv, g, d, n_split, SPLIT, S_bound,
@@ -723,6 +730,16 @@ def _dense_triton_fake(q, k, v, length, live):
     return q.new_empty(q.shape)
 
 
+@torch.library.custom_op("sparq::dense_verify_triton", mutates_args=())
+def _dense_verify_triton_op(q: Tensor, k: Tensor, v: Tensor, length: int, live: Tensor, queries: int) -> Tensor:
+    return _dense_triton_impl(q, k, v, length, live, queries)
+
+
+@_dense_verify_triton_op.register_fake
+def _dense_verify_triton_fake(q, k, v, length, live, queries):
+    return q.new_empty(q.shape)
+
+
 def sparq_attention_triton(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
                            live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
     """sparq_attention (kernels.py's contract) with the Triton kernels. `length` is a Python int (shapes
@@ -730,6 +747,14 @@ def sparq_attention_triton(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tenso
     CUDA-graph safe, no host sync) that `length` bounds. CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1."""
     return _sparq_triton_op(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v)
+
+
+def dense_verify_triton(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Tensor) -> Tensor:
+    """dense_verify (kernels.py's contract) with the flash-decoding kernel: a row's T queries fold into its
+    query heads (head-major), each K/V row read once for all of them, each query masked to its own
+    causal range. q (B, n_kv, g, T, d) -> (B, n_kv, g, T, d)."""
+    B, n_kv, g, T, d = q.shape
+    return _dense_verify_triton_op(q.reshape(B, n_kv, g * T, d), k, v, length, live_length, T).view(B, n_kv, g, T, d)
 
 
 def dense_attention_triton(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None) -> Tensor:

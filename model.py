@@ -504,8 +504,8 @@ class DenseDecode(DecodePolicy):
     def verify(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         """DecodePolicy.verify in one read of the cache: the T queries' scores against every position
         [lo, length) at once, each masked to its own causal (and window) range; the run's dense_verify
-        kernel where it has one (the fused CPU kernel, not on window layers), which is the one-token
-        kernel's result bit for bit where both read one chunk per row; this torch path equals T
+        kernel where it has one (the fused CPU kernel or the Triton one, not on window layers); the CPU
+        kernel's is the one-token kernel's result bit for bit where both read one chunk per row; this torch path equals T
         one-token steps up to fp32 rounding (docs/NOTES.md)."""
         B, n_kv, g, T, d = q.shape
         window = cache.window

@@ -79,6 +79,11 @@ for (B, n_kv, g, d, S, k), kdt in SHAPES:
     if dp["combine"]:
         compile_one(kt._combine_kernel, dp["combine"], kdt, MEAN_V=False, LIVE=2)
 
+# the verify pass (speculative decoding): T = 5 queries folded into the heads, per-row live lengths
+for (B, n_kv, g, d, S), kdt in (((1, 8, 4 * 5, 128, 131072), "bf16"), ((8, 32, 1 * 5, 128, 4096), "bf16")):
+    dp = kt.dense_plan(B, n_kv, g, d, S, True)
+    compile_one(kt._dense_kernel, dp["dense"], kdt, LIVE=2)
+
 if __name__ == "__main__":  # a process per core: each kernel compiles single-threaded
     import concurrent.futures, os
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

@@ -304,6 +304,24 @@ def test_dense_matches_torch(case):
     torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("g,T,dtype", [(3, 3, torch.float32), (1, 5, torch.float32), (4, 2, torch.bfloat16)])
+def test_dense_verify_is_each_querys_one_token_step(g, T, dtype):
+    """dense_verify_triton (speculative verification): query t of a row of live length n attends to
+    positions [0, n - T + 1 + t), as the one-token step there would; ragged rows, NaN past each row's
+    length, a long row split over several programs."""
+    lengths = [40, 3000, 517]
+    B, n_kv, d, S_max = len(lengths), 2, 64, 3008
+    _, k, _, v, _ = make_cache(B, n_kv, g, d, max(lengths), S_max, dtype, seed=g * T, layout="once", lengths=lengths)
+    q = torch.randn(B, n_kv, g, T, d, generator=torch.Generator().manual_seed(T)).to(dtype).to(DEVICE)
+    live = torch.tensor(lengths, device=DEVICE)
+    out = kernels_triton.dense_verify_triton(q, k, v, max(lengths), live)
+    assert out.shape == (B, n_kv, g, T, d) and out.dtype == dtype and torch.isfinite(out).all()
+    for b, n in enumerate(lengths):
+        for t in range(T):
+            step = dense_attention_torch(q[b:b + 1, :, :, t].cpu(), k[b:b + 1].cpu(), v[b:b + 1].cpu(), n - T + 1 + t)
+            torch.testing.assert_close(out[b:b + 1, :, :, t].cpu(), step, **TOLERANCE[dtype])
+
+
 def test_launch_plans():
     """Launches per call: Table 4 (B=64 MHA) needs no merge and no combine; B = 1 at long S splits
     both the selection (chunks + merge) and step 2 (combine), and dense splits over S."""

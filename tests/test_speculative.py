@@ -38,10 +38,11 @@ def verifier_alone(model, rows, new_tokens):
 
 
 def with_kernels(model: Transformer, name: str) -> Transformer:
-    """The same weights running `name`'s kernels (the fused CPU ones: one-token steps and the verify pass)."""
+    """The same weights running `name`'s kernels (the fused CPU ones, or the Triton ones in Triton's
+    interpreter: one-token steps and the verify pass)."""
     if name == "torch":
         return model
-    fused = Transformer(model.args, kernels.CPU_KERNELS)
+    fused = Transformer(model.args, {"cpu": kernels.CPU_KERNELS, "triton": kernels.TRITON_KERNELS}[name])
     fused.load_state_dict(model.state_dict())
     return fused.eval()
 
@@ -83,6 +84,21 @@ def test_compiled_speculation_gives_the_verifiers_greedy_tokens():
     out, stats = speculator.generate(rows, 16)
     assert out == reference
     assert 0 < stats.accepted < stats.proposed
+
+
+@pytest.mark.skipif(not kernels.HAS_TRITON, reason="no triton")
+def test_the_triton_verify_pass_gives_the_verifiers_greedy_tokens():
+    """The Triton kernels (in Triton's interpreter without a GPU): the verifier's one-token steps and its
+    verify pass (dense_verify_triton) on ragged rows, a draft model of other weights proposing."""
+    model, draft = with_kernels(tiny_model(), "triton"), tiny_model(seed=1)
+    rows = prompts((40, 25))
+    reference = verifier_alone(model, rows, 12)
+    model.setup_caches(2, 40 + 12 + 4)
+    draft.setup_caches(2, 40 + 12 + 4)
+    draft.set_decode_attention(policy_factory(DENSE, draft.args))
+    out, stats = Speculator(model, 3, policies(model, DENSE), draft_model=draft).generate(rows, 12)
+    assert out == reference
+    assert 0 < stats.proposed and stats.accepted < stats.proposed
 
 
 def test_rejected_positions_leave_the_cache_as_a_run_that_never_drafted():
