@@ -366,7 +366,8 @@ def test_compiles_once_for_a_changing_dense_length():
 
 
 def test_opcheck():
-    """torch.library.opcheck: schema, fake impl and dispatch of sparq::sparq_triton and sparq::dense_triton."""
+    """torch.library.opcheck: schema, fake impl and dispatch of sparq::sparq_triton, sparq::dense_triton and
+    sparq::dense_verify_triton."""
     q, k, k_t, v, v_sum = make_cache(2, 1, 3, 64, 7, 16, torch.float32, seed=4)
     length = torch.tensor(7, device=DEVICE)
     rows = torch.tensor([7, 3], device=DEVICE)
@@ -377,6 +378,7 @@ def test_opcheck():
     torch.library.opcheck(dense_op, (q, k, v, 7, None))
     torch.library.opcheck(dense_op, (q, k, v, 16, length))
     torch.library.opcheck(dense_op, (q, k, v, 7, rows))
+    torch.library.opcheck(torch.ops.sparq.dense_verify_triton.default, (q, k, v, 7, rows, 3))  # g 3 = 1 head x 3 queries
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
