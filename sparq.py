@@ -265,37 +265,48 @@ def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, len
     return out.to(q.dtype)
 
 
-def pooled_components(q: Tensor, r: int) -> Tensor:
-    """Step 1's components, n_kv x r shared by a row's KV heads: each head's largest group-summed |q|,
-    then the largest shares of their heads' L1 norms over all heads. q (B, n_kv, g, d) -> (B, n_kv, 1, d) bool."""
+def _take_top(score: Tensor, counts: Tensor) -> Tensor:
+    """score (B, N) -> (B, N) bool: each row's counts[b] largest entries."""
+    top = score.topk(int(counts.max()), dim=-1).indices  # (B, max count)
+    keep = torch.arange(top.shape[1], device=score.device) < counts[:, None]
+    return torch.zeros_like(score, dtype=torch.bool).scatter(1, top, keep)
+
+
+def pooled_components(q: Tensor, r: Tensor | int) -> Tensor:
+    """Step 1's components, n_kv x r shared by a row's KV heads (r: an int, or (B,) per row): each head's
+    largest group-summed |q|, then the largest shares of their heads' L1 norms over all heads.
+    q (B, n_kv, g, d) -> (B, n_kv, 1, d) bool."""
     B, n_kv, _, d = q.shape
     a = q.float().abs().sum(2)  # (B, n_kv, d)
     share = (a / a.sum(-1, keepdim=True)).scatter(-1, a.argmax(-1, keepdim=True), float("inf"))
-    top = share.flatten(1).topk(n_kv * r, dim=-1).indices  # (B, n_kv r) over (head, component)
-    return torch.zeros(B, n_kv * d, dtype=torch.bool, device=q.device).scatter(1, top, True).view(B, n_kv, 1, d)
+    counts = n_kv * torch.as_tensor(r, device=q.device).expand(B)  # (B,) over (head, component)
+    return _take_top(share.flatten(1), counts).view(B, n_kv, 1, d)
 
 
-def pooled_positions(s_hat: Tensor, length: int, k: int, local: int, live_length: Optional[Tensor]) -> Tensor:
-    """Step 2's positions, n_kv x min(k, S) shared by a row's KV heads: each head's last `local` live
-    positions, then the largest group-summed s_hat over all heads. s_hat (B, n_kv, g, S) -> (B, n_kv, 1, S)
-    bool (positions past a row's live length never selected)."""
+def pooled_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor | int,
+                     live_length: Optional[Tensor]) -> Tensor:
+    """Step 2's positions, n_kv x min(k, S) shared by a row's KV heads (k, local: ints or (B,) per row):
+    each head's last `local` live positions, then the largest group-summed s_hat over all heads.
+    s_hat (B, n_kv, g, S) -> (B, n_kv, 1, S) bool (positions past a row's live length never selected)."""
     B, n_kv = s_hat.shape[:2]
     position = torch.arange(length, device=s_hat.device)
     live = length if live_length is None else per_row(live_length, 3)  # against (B, n_kv, S)
+    local = torch.as_tensor(local, device=s_hat.device).expand(B).view(B, 1, 1)
     score = s_hat.sum(2)  # (B, n_kv, S)
     score = torch.where(position >= live - local, float("inf"), score)
     score = torch.where(position >= live, float("-inf"), score)
-    top = score.flatten(1).topk(n_kv * min(k, length), dim=-1).indices  # over (head, position)
-    selected = torch.zeros(B, n_kv * length, dtype=torch.bool, device=s_hat.device).scatter(1, top, True)
-    return selected.view(B, n_kv, 1, length) & (position < live)[..., None, :]
+    counts = n_kv * torch.as_tensor(k, device=s_hat.device).clamp(max=length).expand(B)  # over (head, position)
+    return _take_top(score.flatten(1), counts).view(B, n_kv, 1, length) & (position < live)[..., None, :]
 
 
 def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, live_length: Optional[Tensor],
-                         r: int, k_top: int, local: int, mean_v: bool, cap: Optional[float] = None) -> Tensor:
+                         r: Tensor | int, k_top: Tensor | int, local: Tensor | int, mean_v: bool,
+                         cap: Optional[float] = None) -> Tensor:
     """sparq_adaptive_reference for all rows at once, with masks where the heads' counts differ: the
     components a head did not get are zeros of q (so step 1 multiplies all of K here: this path is the
     readable one, the transfers counted are the policy's), the positions it did not get are -inf
-    before the softmax. q (B, n_kv, g, d) -> (B, n_kv, g, d); live_length as sparq_attention_torch's."""
+    before the softmax. q (B, n_kv, g, d) -> (B, n_kv, g, d); live_length as sparq_attention_torch's;
+    r, k_top, local: ints, or (B,) per row (ragged rows, each at its own split)."""
     d = q.shape[-1]
     qf = q.float()
     keys = k[:q.shape[0], :, :length].float()  # (B, n_kv, S, d)
@@ -353,10 +364,15 @@ class SparQAdaptiveDecode(DecodePolicy):
         self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        view = cache.view(length, q.shape[0])
+        B, d = q.shape[0], q.shape[-1]
+        view = cache.view(length, B)
         if view.length <= self.k_max:
             return self.attend_dense(q, view.k, view.v, view.length, view.live_length)
-        r, k = adaptive_split(view.length, q.shape[-1], self.compression, self.k_max)
+        # each row splits at its own live length (ragged rows; the host reads them: this is the
+        # reference path), a row that sees at most k_max positions all of them with all components
+        lengths = [view.length] * B if view.live_length is None else view.live_length.tolist()
+        splits = [(d, n) if n <= self.k_max else adaptive_split(n, d, self.compression, self.k_max) for n in lengths]
+        r, k = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
         return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, view.length, view.live_length, r, k, k // 4,
                                     self.mean_v, self.cap)
 

@@ -119,7 +119,12 @@ def continue_rows(model, rows: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "h2o"])
+# The reference prefills each row's tokens densely, so the positions decoded before the row operations
+# must come out as dense's would: SparQ's r = 6, k = 24 move ~0.8 of dense's transfers at these ~40
+# positions. sparq-adaptive gives half of any budget to positions (3/4 keeps 14 of 39 here), so the
+# dense reference is not its own; test_ragged checks its ragged rows against each row alone. H2O
+# refuses row operations.
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p not in ("h2o", "sparq-adaptive")])
 def test_model_rows_after_truncate_reset_and_refill_continue_as_alone(policy):
     """Three rows prefilled one by one into their rows, decoded together, then one truncated, one reset
     and refilled with a new prompt, one extended by a prefill into its row: each row's next tokens are
