@@ -403,8 +403,8 @@ def speculative_speedup(acceptance: float, n: int, draft_step: float, verify_pas
 def acceptance_needed(speedup: float, n: int, draft_step: float, verify_pass: float, step: float) -> Optional[float]:
     """The acceptance at which n proposals per round, at these draft-step and verify-pass costs, reach
     `speedup` over a one-token step of cost `step`; None where even acceptance 1 falls short."""
-    def predicted(a: float) -> float:
-        return expected_tokens_per_round(a, n) * step / (n * draft_step + verify_pass)
+    def predicted(a: float) -> float:  # speculative_speedup counts in verify passes: rescaled to `step`
+        return speculative_speedup(a, n, draft_step, verify_pass) * step / verify_pass
 
     if predicted(1.0) < speedup:
         return None

@@ -505,8 +505,8 @@ class DenseDecode(DecodePolicy):
         """DecodePolicy.verify in one read of the cache: the T queries' scores against every position
         [lo, length) at once, each masked to its own causal (and window) range; the run's dense_verify
         kernel where it has one (the fused CPU kernel or the Triton one, not on window layers); the CPU
-        kernel's is the one-token kernel's result bit for bit where both read one chunk per row; this torch path equals T
-        one-token steps up to fp32 rounding (docs/NOTES.md)."""
+        kernel's is the one-token kernel's result bit for bit where both read one chunk per row; this
+        torch path equals T one-token steps up to fp32 rounding (docs/NOTES.md)."""
         B, n_kv, g, T, d = q.shape
         window = cache.window
         if self.verify_kernel is not None and window is None:

@@ -23,7 +23,8 @@ from torch import Tensor
 import cli
 from kernels import TORCH_KERNELS, Kernels
 from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, softcap
-from sparq import SparQAdaptiveDecode, SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions, sparse_attention
+from sparq import (SparQAdaptiveDecode, SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions,
+                   sparse_attention)
 
 # ---------------------------------------------------------------------------------------------
 # Baselines from the paper, as decode policies on the same cache (transfers: paper, Appendix G)
@@ -515,10 +516,9 @@ def _knob_ratio(settings: AttentionSettings, seq_len: int,
                 args: ModelArgs) -> tuple[Callable[[int], float], int, int]:
     """(ratio(x): model-wide transfers / dense with the policy's knob at x, the knob's lowest and highest value)."""
     entry = POLICIES[settings.policy]
-    dense = layer_transfers(lambda layer: DenseDecode(), args, seq_len)
 
     def ratio(x: int) -> float:
-        return layer_transfers(policy_factory(replace(settings, **{entry.knob: x}), args), args, seq_len) / dense
+        return _compression_ratio(replace(settings, **{entry.knob: x}), seq_len, args)
 
     hi = args.head_dim if entry.knob == "sparq_r" else max(seq_len - 1, entry.knob_min)
     return ratio, entry.knob_min, hi

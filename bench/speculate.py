@@ -168,26 +168,33 @@ def run(args) -> int:
     return 0
 
 
-def step_bytes(args, dtype, batch: int, seq_len: int, settings) -> tuple[int, int]:
-    """(weight bytes, KV bytes) one decode step of a model of `args` reads at seq_len, batch rows, its
-    layers running `settings`' policy (the weights built on the meta device: nothing is allocated)."""
+def weight_bytes(args, dtype) -> int:
+    """Bytes of the weights a decode step of a model of `args` reads (built on the meta device: nothing
+    is allocated)."""
     import torch
 
     from model import Transformer
-    from policies import layer_transfers, policy_factory
 
     with torch.device("meta"):
-        weights = Transformer(args).to(dtype).weight_bytes()
+        return Transformer(args).to(dtype).weight_bytes()
+
+
+def kv_bytes(args, dtype, batch: int, seq_len: int, settings) -> int:
+    """KV bytes one decode step of a model of `args` reads at seq_len, batch rows, its layers running
+    `settings`' policy."""
+    import torch
+
+    from policies import layer_transfers, policy_factory
+
     element = torch.finfo(dtype).bits // 8
-    kv = layer_transfers(policy_factory(settings, args), args, seq_len) * args.n_kv_head * batch * element
-    return weights, kv
+    return layer_transfers(policy_factory(settings, args), args, seq_len) * args.n_kv_head * batch * element
 
 
 def predict(args) -> int:
     """--predict: the byte model's speedups (module docstring), one row per context, batch, n and acceptance."""
     from fractions import Fraction
 
-    from decoding import expected_tokens_per_round
+    from decoding import speculative_speedup
     from model import ModelArgs
     from policies import AttentionSettings, solve_budget
 
@@ -208,16 +215,18 @@ def predict(args) -> int:
     print(f"{'context':>8} {'B':>4} {'verifier step':>14} {'draft step':>11} {'n':>3} "
           + " ".join(f"{'a=' + str(a):>7}" for a in accept))
     rows = []
+    verifier_weights = weight_bytes(verifier, dtype)
+    draft_weights = verifier_weights if draft is None else weight_bytes(draft, dtype)
     for context in cli.int_list(args.prompt_tokens, "--prompt-tokens"):
         for B in cli.int_list(args.batch_size, "--batch-size"):
-            verify = sum(step_bytes(verifier, dtype, B, context, dense))
+            verify = verifier_weights + kv_bytes(verifier, dtype, B, context, dense)
             if draft is None:
                 budget = solve_budget("sparq", target, context, verifier, AttentionSettings("sparq", sparq_k=args.sparq_k))
-                draft_step = sum(step_bytes(verifier, dtype, B, context, budget.settings))
+                draft_step = draft_weights + kv_bytes(verifier, dtype, B, context, budget.settings)
             else:
-                draft_step = sum(step_bytes(draft, dtype, B, context, dense))
+                draft_step = draft_weights + kv_bytes(draft, dtype, B, context, dense)
             for n in cli.int_list(args.speculate_k, "--speculate-k"):
-                speedups = [expected_tokens_per_round(a, n) * verify / (n * draft_step + verify) for a in accept]
+                speedups = [speculative_speedup(a, n, draft_step, verify) for a in accept]
                 rows.append({"prompt_tokens": context, "batch_size": B, "speculate_k": n, "verifier_step_bytes": verify,
                              "draft_step_bytes": draft_step,
                              "predicted_speedup": dict(zip(map(str, accept), speedups))})
