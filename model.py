@@ -158,15 +158,23 @@ SHAPES: dict[str, dict] = {
 # ---------------------------------------------------------------------------------------------
 
 
-SUM_CHUNK = 1024  # positions per step when a running V sum is recomputed
+SUM_CHUNK = 1024  # positions per step when the running sums are recomputed
 
 
-def sum_positions(v: Tensor, start: int, end: int) -> Tensor:
-    """v (B, n_kv, S, d) summed over positions [start, end) in fp32 -> (B, n_kv, d), SUM_CHUNK positions
-    at a time: never a whole fp32 copy of the cache (4.3 GB per layer at Llama-2's shape, B = 8, 32k)."""
-    total = torch.zeros(v.shape[0], v.shape[1], v.shape[3], dtype=torch.float32, device=v.device)
+def position_sums(k: Tensor, v: Tensor, weight: Optional[Tensor] = None) -> Tensor:
+    """The running sums' terms added over positions: k, v (B, n_kv, T, d) -> (B, n_kv, 3, d) fp32, the
+    sums of V, K and K^2 (KVCache.sums); weight (B, T) of 0s and 1s says which positions count."""
+    kf, vf = k.float(), v.float()
+    terms = torch.stack([vf, kf, kf * kf], dim=3)  # (B, n_kv, T, 3, d)
+    return terms.sum(2) if weight is None else torch.einsum("bhtsd,bt->bhsd", terms, weight.float())
+
+
+def sum_positions(k: Tensor, v: Tensor, start: int, end: int) -> Tensor:
+    """position_sums over positions [start, end) of k, v (B, n_kv, S, d) -> (B, n_kv, 3, d), SUM_CHUNK
+    positions at a time: never a whole fp32 copy of the cache (4.3 GB per layer at Llama-2's shape, B = 8, 32k)."""
+    total = torch.zeros(v.shape[0], v.shape[1], 3, v.shape[3], dtype=torch.float32, device=v.device)
     for s in range(start, end, SUM_CHUNK):
-        total += v[:, :, s:min(s + SUM_CHUNK, end)].sum(dim=2, dtype=torch.float32)
+        total += position_sums(k[:, :, s:min(s + SUM_CHUNK, end)], v[:, :, s:min(s + SUM_CHUNK, end)])
     return total
 
 
@@ -175,7 +183,7 @@ class CacheView:
     """What one decode step of a layer attends to: positions [start, start + length) of its cache.
 
     k, k_t, v are views of the buffers from position `start` on (so the kernels see a plain prefix
-    of `length` positions); v_sum is the running sum of V over exactly the visible positions.
+    of `length` positions); v_sum and k_moments are running sums over exactly the visible positions.
     live_length: None when every position read is live; else a device tensor beyond which reads are
     masked: 0-dim (bucketed lengths, every row alike) or (B,) (ragged rows: each row's live length).
     Kernels take exactly these (kernels.py docstring)."""
@@ -183,7 +191,8 @@ class CacheView:
     k: Tensor  # (B_max, n_kv, S_max - start, d)
     k_t: Optional[Tensor]  # (B_max, n_kv, d, S_max - start)
     v: Tensor  # (B_max, n_kv, S_max - start, d)
-    v_sum: Tensor  # (B_max, n_kv, d) fp32
+    v_sum: Tensor  # (B_max, n_kv, d) fp32: sum of V
+    k_moments: Tensor  # (B_max, n_kv, 2, d) fp32: sums of K and K^2
     length: int
     live_length: Optional[Tensor]
     start: int = 0
@@ -195,14 +204,15 @@ class KVCache(nn.Module):
     k     (B, n_kv, S_max, d)  d-contiguous: rows gathered by SparQ step 2 and by dense attention
     k_t   (B, n_kv, d, S_max)  S-contiguous: the r rows SparQ step 1 reads (absent with layout "once")
     v     (B, n_kv, S_max, d)
-    v_sum (B, n_kv, d) fp32    running sum of V over the visible positions (SparQ mean-V)
+    sums  (B, n_kv, 3, d) fp32 running sums over the visible positions of V (`v_sum`: SparQ mean-V),
+                               K and K^2 (`k_moments`: the keys' spread per dimension, sparq-adaptive)
     live_length (B,) int64     row b's positions [0, live_length[b]) are live: a device tensor, so
                                a step never syncs with the host. Rows share one live length unless
                                set_live_lengths made them ragged (batches of different prompts).
 
     window: a sliding-window layer's cache; a decode step sees only the last `window` live positions
     (the buffers still hold every position: a window layer reads min(S, window) of them, which is
-    what the transfer accounting counts), and v_sum covers only those.
+    what the transfer accounting counts), and the running sums cover only those.
 
     length_bucket: decode attention reads `read_length(live)` positions, the live length rounded up
     to a multiple of length_bucket. With 1 (CPU) it reads exactly the live prefix and needs no
@@ -227,10 +237,18 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
         k_t = torch.zeros((max_batch, n_kv_head, head_dim, max_seq_length), dtype=dtype) if layout == "twice" else None
         self.register_buffer("k_t", k_t, persistent=False)
-        self.register_buffer("v_sum", torch.zeros((max_batch, n_kv_head, head_dim), dtype=torch.float32),
+        self.register_buffer("sums", torch.zeros((max_batch, n_kv_head, 3, head_dim), dtype=torch.float32),
                              persistent=False)
         self.register_buffer("live_length", torch.zeros((max_batch,), dtype=torch.long), persistent=False)
         self.ragged = False  # rows have their own live lengths (set_live_lengths); reset clears it
+
+    @property
+    def v_sum(self) -> Tensor:  # (B_max, n_kv, d), strided: the kernels take its strides
+        return self.sums[:, :, 0]
+
+    @property
+    def k_moments(self) -> Tensor:  # (B_max, n_kv, 2, d)
+        return self.sums[:, :, 1:]
 
     @property
     def max_seq_length(self) -> int:
@@ -255,24 +273,24 @@ class KVCache(nn.Module):
         self.v[rows, heads, input_pos] = v
         if self.k_t is not None:
             self.k_t[rows, heads, :, input_pos] = k  # advanced indices first: the same (B, n_kv, T, d)
-        self.v_sum[first:first + B] += v.float().sum(dim=2)
+        self.sums[first:first + B] += position_sums(k, v)
         if self.window is not None:  # the positions that leave the window (still in the buffers)
             leaving = input_pos - self.window  # (1 or B, 1, T)
-            gone = self.v[rows, heads, leaving.clamp(min=0)].float() * (leaving >= 0)[..., None]
-            self.v_sum[first:first + B] -= gone.sum(dim=2)
+            at, gone = leaving.clamp(min=0), (leaving >= 0)[..., None]
+            self.sums[first:first + B] -= position_sums(self.k[rows, heads, at] * gone, self.v[rows, heads, at] * gone)
         self.live_length[first:first + B] = input_pos[:, 0, -1] + 1
 
     def set_live_lengths(self, lengths: Tensor) -> None:
         """Make rows ragged: row b's live positions are [0, lengths[b]) (B,), whatever a padded prefill
-        wrote beyond them; the running V sums are recomputed over each row's visible positions."""
+        wrote beyond them; the running sums are recomputed over each row's visible positions."""
         if self.window is not None:
             raise ValueError("ragged batches with sliding-window layers are not supported: run such prompts one at a time")
         B = lengths.shape[0]
-        self.v_sum[:B] = 0
+        self.sums[:B] = 0
         for start in range(0, int(lengths.max()), SUM_CHUNK):  # an fp32 copy of one chunk at a time
             end = min(start + SUM_CHUNK, self.max_seq_length)
             live = torch.arange(start, end, device=lengths.device) < lengths[:, None]  # (B, chunk)
-            self.v_sum[:B] += torch.einsum("bhsd,bs->bhd", self.v[:B, :, start:end].float(), live.float())
+            self.sums[:B] += position_sums(self.k[:B, :, start:end], self.v[:B, :, start:end], live)
         self.live_length[:B] = lengths
         self.ragged = True
 
@@ -297,13 +315,14 @@ class KVCache(nn.Module):
             live = self.live_length[0]  # every row alike: one 0-dim live length
         else:
             live = None
-        return CacheView(self.k[:, :, start:], k_t, self.v[:, :, start:], self.v_sum, length - start, live, start)
+        return CacheView(self.k[:, :, start:], k_t, self.v[:, :, start:], self.v_sum, self.k_moments, length - start,
+                         live, start)
 
     def reset(self, row: Optional[int] = None) -> None:
         """Empty the cache, or batch row `row` alone (the other rows keep their state). An emptied
         row's buffers are not cleared: positions past a live length are never read unmasked."""
         if row is None:
-            for buffer in (self.k, self.v, self.k_t, self.v_sum, self.live_length):
+            for buffer in (self.k, self.v, self.k_t, self.sums, self.live_length):
                 if buffer is not None:
                     buffer.zero_()
             self.ragged = False
@@ -312,26 +331,27 @@ class KVCache(nn.Module):
 
     def truncate(self, row: int, length: int) -> None:
         """Row `row` keeps positions [0, length) live, as if nothing after them had been written; the
-        other rows keep their state (the rows are then ragged). The running V sum loses exactly the
-        removed positions' V, or is summed again over the kept ones when they are fewer (a window
+        other rows keep their state (the rows are then ragged). The running sums lose exactly the
+        removed positions' terms, or are summed again over the kept ones when they are fewer (a window
         layer's: over the window ending at `length`, restoring what the window had dropped): the work
         is min(removed, kept) positions (a window at most), never the whole cache."""
         self._check_row_operation()
         live = int(self.live_length[row])
         if not 0 <= length <= live:
             raise ValueError(f"cannot truncate row {row} to {length} positions: it holds {live}")
+        k, v = self.k[row:row + 1], self.v[row:row + 1]
         if self.window is None and live - length <= length:
-            self.v_sum[row] -= sum_positions(self.v[row:row + 1], length, live)[0]
+            self.sums[row] -= sum_positions(k, v, length, live)[0]
         elif self.window is None:  # fewer positions kept than removed: summing the kept ones is cheaper
-            self.v_sum[row] = sum_positions(self.v[row:row + 1], 0, length)[0]
+            self.sums[row] = sum_positions(k, v, 0, length)[0]
         else:
-            self.v_sum[row] = sum_positions(self.v[row:row + 1], self.visible_start(length), length)[0]
+            self.sums[row] = sum_positions(k, v, self.visible_start(length), length)[0]
         self.live_length[row] = length
         self.ragged = True
 
     def truncate_rows(self, lengths: Tensor) -> None:
         """Row b keeps positions [0, lengths[b]) (B,) for every row at once (speculative decoding's
-        rollback: rows accept different counts in one round); the removed positions' V leave the
+        rollback: rows accept different counts in one round); the removed positions' terms leave the
         running sums in one pass over the positions any row removes. Window layers: truncate(0, L)."""
         B = lengths.shape[0]
         if self.window is not None:
@@ -343,7 +363,7 @@ class KVCache(nn.Module):
         if hi > lo:
             positions = torch.arange(lo, hi, device=lengths.device)
             removed = (positions >= lengths[:, None]) & (positions < old[:, None])  # (B, hi - lo)
-            self.v_sum[:B] -= torch.einsum("bhsd,bs->bhd", self.v[:B, :, lo:hi].float(), removed.float())
+            self.sums[:B] -= position_sums(self.k[:B, :, lo:hi], self.v[:B, :, lo:hi], removed)
         self.live_length[:B] = lengths
         self.ragged = True
 
@@ -357,31 +377,31 @@ class KVCache(nn.Module):
         return self.k.shape[0]
 
     def snapshot(self) -> dict[str, Tensor]:
-        """Copies of the state that is not indexed by position (running V sum, live length).
+        """Copies of the state that is not indexed by position (running sums, live length).
 
         Decode steps write K, K^T and V only at new positions, which are never read before being
         rewritten, so restore(snapshot) rewinds the cache exactly to when the snapshot was taken."""
-        return {"v_sum": self.v_sum.clone(), "live_length": self.live_length.clone(), "ragged": self.ragged}
+        return {"sums": self.sums.clone(), "live_length": self.live_length.clone(), "ragged": self.ragged}
 
     def restore(self, snapshot: dict) -> None:
-        self.v_sum.copy_(snapshot["v_sum"])
+        self.sums.copy_(snapshot["sums"])
         self.live_length.copy_(snapshot["live_length"])
         self.ragged = snapshot["ragged"]
 
     def rewind(self, length: int) -> None:
         """Keep positions [0, length) of every row live, as if nothing after them had been written."""
-        self.v_sum.copy_(sum_positions(self.v, self.visible_start(length), length))
+        self.sums.copy_(sum_positions(self.k, self.v, self.visible_start(length), length))
         self.live_length.fill_(length)
         self.ragged = False
 
     def broadcast_row(self, n_rows: int) -> None:
         """Copy batch row 0 into rows 1..n_rows-1 (every row then holds the same prompt)."""
-        for buffer in (self.k, self.k_t, self.v, self.v_sum, self.live_length):
+        for buffer in (self.k, self.k_t, self.v, self.sums, self.live_length):
             if buffer is not None:
                 buffer[1:n_rows].copy_(buffer[:1].expand_as(buffer[1:n_rows]))
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (self.k, self.v, self.k_t, self.v_sum) if b is not None)
+        return sum(b.numel() * b.element_size() for b in (self.k, self.v, self.k_t, self.sums) if b is not None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -214,20 +214,24 @@ def sparq_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor
 
 
 def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, config: SparQConfig,
-                             cap: Optional[float] = None) -> Tensor:
+                             cap: Optional[float] = None, spread: Optional[Tensor] = None) -> Tensor:
     """Adaptive SparQ with loops, as sparq_reference: a row's n_kv KV heads share the layer's budget of
     n_kv x r components and n_kv x k positions, so the step moves what fixed SparQ moves, but a head whose
     |q| is concentrated, or whose step-1 scores are peaked, lends to one that needs more.
 
-      1. Components: each head's group-summed |q| as a share of its L1 norm; every head keeps its
-         largest component, and the other n_kv (r - 1) go to the largest shares over all heads.
-         Each head's s_hat = softmax(q[i1_h] . K^T[i1_h] / tau_h) as in SparQ, with its own i1_h.
+      1. Components: each head's group-summed |q_i| sigma_i as a share of its sum, sigma_i the keys'
+         spread (standard deviation over the positions) in dimension i, so a component counts by how
+         much it moves the logits q . k from position to position: every head keeps its largest, and
+         the other n_kv (r - 1) go to the largest shares over all heads. Each head's s_hat =
+         softmax(q[i1_h] . K^T[i1_h] / tau_h) as in SparQ, with its own i1_h and tau_h^2 = d x the
+         share of sum |q_i| sigma_i its components hold (the paper's |q[i1]|_1 / |q|_1 with sigma = 1).
       2. Positions: every head keeps its last `local` positions; the other n_kv (k - local) go to the
          largest group-summed s_hat over all heads (each head's sums to g: comparable masses), so
          the selection covers the most estimated attention mass the pooled k can.
       3. Mean-V (optional) with each head's alpha = its s_hat mass on its own selection.
 
-    q (B, n_kv, g, d); k, v (B, n_kv, S_max, d); v_sum (B, n_kv, d) -> (B, n_kv, g, d) in q.dtype."""
+    q (B, n_kv, g, d); k, v (B, n_kv, S_max, d); v_sum (B, n_kv, d); spread (B, n_kv, d), None: all 1
+    (the paper's ranking by |q| alone) -> (B, n_kv, g, d) in q.dtype."""
     B, n_kv, g, d = q.shape
     S = length
     r, kk, n_local = config.r, min(config.k_top, S), min(config.local, S, config.k_top)
@@ -236,7 +240,9 @@ def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, len
         qs = [q[b, h].float() for h in range(n_kv)]  # (g, d) each
         Ks, Vs = [k[b, h, :S].float() for h in range(n_kv)], [v[b, h, :S].float() for h in range(n_kv)]
         # Step 1: the pooled components
-        shares = [qh.abs().sum(0) / qh.abs().sum() for qh in qs]  # (d,) each
+        sigma = [torch.ones(d) if spread is None else spread[b, h].float() for h in range(n_kv)]  # (d,) each
+        weight = [qh.abs() * sigma[h] for h, qh in enumerate(qs)]  # (g, d) each
+        shares = [w.sum(0) / w.sum() for w in weight]  # (d,) each
         chosen = [[int(sh.argmax())] for sh in shares]
         rest = sorted(((float(sh[i]), h, i) for h, sh in enumerate(shares) for i in range(d) if i != chosen[h][0]),
                       key=lambda t: -t[0])
@@ -245,7 +251,7 @@ def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, len
         s_hats = []
         for h, qh in enumerate(qs):
             i1 = torch.tensor(chosen[h], device=q.device)
-            tau = torch.sqrt(d * qh[:, i1].abs().sum(-1) / qh.abs().sum(-1))  # (g,)
+            tau = torch.sqrt(d * weight[h][:, i1].sum(-1) / weight[h].sum(-1))  # (g,)
             s_hats.append(torch.softmax(softcap(qh[:, i1] @ Ks[h][:, i1].T / tau[:, None], cap), dim=-1))  # (g, S)
         # Step 2: the pooled positions, each head's local window first
         positions = [list(range(S - n_local, S)) for _ in range(n_kv)]
@@ -272,12 +278,20 @@ def _take_top(score: Tensor, counts: Tensor) -> Tensor:
     return torch.zeros_like(score, dtype=torch.bool).scatter(1, top, keep)
 
 
-def pooled_components(q: Tensor, r: Tensor | int) -> Tensor:
+def key_spread(k_moments: Tensor, count: Tensor | int) -> Tensor:
+    """The keys' standard deviation per dimension over `count` positions (an int, or (B,) per row), from
+    the cache's running sums of K and K^2 (KVCache.k_moments (B, n_kv, 2, d)) -> (B, n_kv, d) fp32."""
+    n = count if isinstance(count, int) else count.view(-1, 1, 1)
+    mean = k_moments[:, :, 0] / n
+    return (k_moments[:, :, 1] / n - mean * mean).clamp(min=0).sqrt()
+
+
+def pooled_components(q: Tensor, r: Tensor | int, spread: Tensor) -> Tensor:
     """Step 1's components, n_kv x r shared by a row's KV heads (r: an int, or (B,) per row): each head's
-    largest group-summed |q|, then the largest shares of their heads' L1 norms over all heads.
-    q (B, n_kv, g, d) -> (B, n_kv, 1, d) bool."""
+    largest group-summed |q_i| spread_i, then the largest shares of their heads' sums over all heads.
+    q (B, n_kv, g, d), spread (B, n_kv, d) -> (B, n_kv, 1, d) bool."""
     B, n_kv, _, d = q.shape
-    a = q.float().abs().sum(2)  # (B, n_kv, d)
+    a = q.float().abs().sum(2) * spread  # (B, n_kv, d)
     share = (a / a.sum(-1, keepdim=True)).scatter(-1, a.argmax(-1, keepdim=True), float("inf"))
     counts = n_kv * torch.as_tensor(r, device=q.device).expand(B)  # (B,) over (head, component)
     return _take_top(share.flatten(1), counts).view(B, n_kv, 1, d)
@@ -299,20 +313,23 @@ def pooled_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor 
     return _take_top(score.flatten(1), counts).view(B, n_kv, 1, length) & (position < live)[..., None, :]
 
 
-def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, live_length: Optional[Tensor],
-                         r: Tensor | int, k_top: Tensor | int, local: Tensor | int, mean_v: bool,
-                         cap: Optional[float] = None) -> Tensor:
+def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread: Tensor, length: int,
+                         live_length: Optional[Tensor], r: Tensor | int, k_top: Tensor | int, local: Tensor | int,
+                         mean_v: bool, cap: Optional[float] = None) -> Tensor:
     """sparq_adaptive_reference for all rows at once, with masks where the heads' counts differ: the
     components a head did not get are zeros of q (so step 1 multiplies all of K here: this path is the
     readable one, the transfers counted are the policy's), the positions it did not get are -inf
-    before the softmax. q (B, n_kv, g, d) -> (B, n_kv, g, d); live_length as sparq_attention_torch's;
-    r, k_top, local: ints, or (B,) per row (ragged rows, each at its own split)."""
+    before the softmax. q (B, n_kv, g, d) -> (B, n_kv, g, d); spread (B, n_kv, d) (key_spread);
+    live_length as sparq_attention_torch's; r, k_top, local: ints, or (B,) per row (ragged rows, each
+    at its own split)."""
     d = q.shape[-1]
     qf = q.float()
     keys = k[:q.shape[0], :, :length].float()  # (B, n_kv, S, d)
     # Step 1
-    q_hat = qf * pooled_components(q, r)  # (B, n_kv, g, d)
-    tau = torch.sqrt(d * q_hat.abs().sum(-1, keepdim=True) / qf.abs().sum(-1, keepdim=True))  # (B, n_kv, g, 1)
+    chosen = pooled_components(q, r, spread)  # (B, n_kv, 1, d)
+    q_hat = qf * chosen  # (B, n_kv, g, d)
+    weight = qf.abs() * spread[:, :, None, :]  # (B, n_kv, g, d)
+    tau = torch.sqrt(d * (weight * chosen).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True))  # (B, n_kv, g, 1)
     logits = softcap((q_hat @ keys.transpose(-1, -2)) / tau, cap)  # (B, n_kv, g, S)
     if live_length is not None:
         logits = logits.masked_fill(beyond_live(length, live_length), float("-inf"))
@@ -332,15 +349,15 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length:
 def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int) -> tuple[int, int]:
     """(r, k) of one layer's step over seq_len visible positions at `compression` of dense's transfers:
     the positions take half of the budget (k = c S / 2, at most k_max), the components the rest (r in
-    [1, d]), and what rounding r down leaves goes back to k, so S r + 2 k d + 4 d is within 2d of
-    c (2 S d + 2 d). A 512-position window layer of Gemma 3 at 1/4 gets k = 64 and r = 62 of 256 where
+    [1, d]), and what rounding r down leaves goes back to k, so S r + 2 k d + 6 d (SparQ's transfers
+    and the keys' running sums, 2 d) is within 2d of c (2 S d + 2 d). A 512-position window layer of Gemma 3 at 1/4 gets k = 64 and r = 62 of 256 where
     one (r, k) for every layer gave it k = 128 and r = 27; SmolLM2 at 1/8 and 1.4k tokens r = 7 at
     k = 96 instead of r = 4 at k = 128."""
     d = head_dim
     budget = int(compression * (2 * seq_len * d + 2 * d))
     k = max(1, min(k_max, int(compression * seq_len / 2)))
-    r = max(1, min(d, (budget - 2 * k * d - 4 * d) // seq_len))
-    k = max(1, min(seq_len, k + (budget - seq_len * r - 2 * k * d - 4 * d) // (2 * d)))
+    r = max(1, min(d, (budget - 2 * k * d - 6 * d) // seq_len))
+    k = max(1, min(seq_len, k + (budget - seq_len * r - 2 * k * d - 6 * d) // (2 * d)))
     return r, k
 
 
@@ -348,7 +365,9 @@ class SparQAdaptiveDecode(DecodePolicy):
     """Adaptive SparQ: a compression target instead of one (r, k) for every layer and step. Each step
     splits the layer's budget at its visible length (adaptive_split: a window layer and a global one
     get different splits, and the split follows S as it grows) and the layer's KV heads share the
-    resulting n_kv r components and n_kv k positions (sparq_adaptive_reference). Local window k / 4.
+    resulting n_kv r components and n_kv k positions (sparq_adaptive_reference), the components ranked
+    by |q_i| times the keys' spread in dimension i (key_spread, from the cache's running sums: Gemma 3's
+    k_norm scales its key dimensions 7-70x apart, which |q| alone does not see). Local window k / 4.
     Dense attention while a layer sees at most k_max positions, as SparQDecode."""
 
     name = "sparq-adaptive"
@@ -373,16 +392,17 @@ class SparQAdaptiveDecode(DecodePolicy):
         lengths = [view.length] * B if view.live_length is None else view.live_length.tolist()
         splits = [(d, n) if n <= self.k_max else adaptive_split(n, d, self.compression, self.k_max) for n in lengths]
         r, k = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
-        return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, view.length, view.live_length, r, k, k // 4,
-                                    self.mean_v, self.cap)
+        spread = key_spread(view.k_moments[:B], view.length if view.live_length is None else view.live_length)
+        return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, spread, view.length, view.live_length, r, k,
+                                    k // 4, self.mean_v, self.cap)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
-        """SparQ's (eq. 11) at this step's split, on average over the layer's heads: S r + 2 k d + 4 d;
-        dense's while S <= k_max."""
+        """SparQ's (eq. 11) at this step's split, on average over the layer's heads, and the keys' running
+        sums of K and K^2: S r + 2 k d + 6 d; dense's while S <= k_max."""
         if seq_len <= self.k_max:
             return DenseDecode().transfer_elements(seq_len, head_dim)
         r, k = adaptive_split(seq_len, head_dim, self.compression, self.k_max)
-        return seq_len * r + 2 * k * head_dim + 4 * head_dim
+        return seq_len * r + 2 * k * head_dim + 6 * head_dim
 
 
 class SparQDecode(DecodePolicy):

@@ -1,6 +1,6 @@
 """Rows that come and go: KVCache.truncate / reset(row) / update(row=...) and the model's truncate_row,
 reset_row and prefill into one row. After any sequence of them every row equals a row built directly
-to the same state: the cache's K, K^T, V and live length bit for bit, its running V sum within fp32
+to the same state: the cache's K, K^T, V and live length bit for bit, its running sums (V, K, K^2) within fp32
 rounding (it is a running sum: subtracting removed positions is not adding the kept ones again), and
 on a model, each row's next tokens those of its tokens run alone."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from policies import POLICIES, AttentionSettings, policy_factory
 from test_ragged import tiny_model
 
 N_KV, D = 2, 8
-V_SUM_TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32 running sums of O(100) unit-scale values
+SUM_TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32 running sums of O(100) unit-scale values
 
 
 def kv(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +36,7 @@ def assert_rows_equal(cache: KVCache, reference: KVCache) -> None:
         assert torch.equal(cache.k[b, :, :n], reference.k[b, :, :n])
         assert torch.equal(cache.k_t[b, :, :, :n], reference.k_t[b, :, :, :n])
         assert torch.equal(cache.v[b, :, :n], reference.v[b, :, :n])
-        torch.testing.assert_close(cache.v_sum[b], reference.v_sum[b], **V_SUM_TOLERANCE)
+        torch.testing.assert_close(cache.sums[b], reference.sums[b], **SUM_TOLERANCE)
 
 
 def test_truncate_reset_and_refill_rows_equal_rows_built_directly():
@@ -67,7 +67,7 @@ def test_truncate_reset_and_refill_rows_equal_rows_built_directly():
     rows[0] = (rows[0][0][:, :, :5], rows[0][1][:, :, :5])
     assert_rows_equal(cache, direct(rows, 64))
     cache.truncate(0, 0)
-    assert cache.live_length[0] == 0 and torch.count_nonzero(cache.v_sum[0]) == 0
+    assert cache.live_length[0] == 0 and torch.count_nonzero(cache.sums[0]) == 0
 
 
 def test_truncating_a_window_layer_restores_what_the_window_dropped():
@@ -77,7 +77,10 @@ def test_truncating_a_window_layer_restores_what_the_window_dropped():
     cache.update(torch.arange(30), k, v)
     cache.truncate(0, 13)  # the window now ends at 13 again: positions [5, 13), which had slid out
     assert_rows_equal(cache, direct([(k[:, :, :13], v[:, :, :13])], 64, window=W))
-    torch.testing.assert_close(cache.v_sum[0], v[0, :, 5:13].sum(1), **V_SUM_TOLERANCE)
+    torch.testing.assert_close(cache.v_sum[0], v[0, :, 5:13].sum(1), **SUM_TOLERANCE)
+    window_k = k[0, :, 5:13]  # (n_kv, W, d)
+    torch.testing.assert_close(cache.k_moments[0], torch.stack([window_k.sum(1), (window_k ** 2).sum(1)], 1),
+                               **SUM_TOLERANCE)
 
 
 def test_row_operations_refuse_what_they_cannot_do():

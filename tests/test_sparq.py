@@ -174,7 +174,7 @@ def test_bucketed_lengths_equal_exact_lengths():
     B, n_kv, g_, d, S, bucket = 2, 3, 3, 64, 300, 128
     exact, _, _ = filled_cache(B, n_kv, d, S, 512, garbage=False)
     bucketed = KVCache(B + 1, 512, n_kv, d, torch.float32, length_bucket=bucket)
-    for name in ("k", "k_t", "v", "v_sum"):
+    for name in ("k", "k_t", "v", "sums"):
         getattr(bucketed, name).copy_(getattr(exact, name))
     for cache in (exact, bucketed):  # finite garbage beyond the live length (NaN would poison 0 * v)
         cache.k[:, :, S:] = 100.0
@@ -207,7 +207,7 @@ def test_cache_snapshot_restore_and_rewind():
 def test_cache_broadcast_row_and_read_length():
     cache, _, _ = filled_cache(2, 3, 8, 10, 32, garbage=False)  # 3 rows: the last one never written
     cache.broadcast_row(3)
-    for name in ("k", "k_t", "v", "v_sum"):
+    for name in ("k", "k_t", "v", "sums"):
         buffer = getattr(cache, name)
         assert torch.equal(buffer[2], buffer[0]) and torch.equal(buffer[1], buffer[0])
     assert cache.read_length(10) == 10 and cache.view(10, 3).live_length is None
@@ -233,8 +233,12 @@ def test_window_cache_views_and_running_sum():
         assert torch.equal(view.k[:, :, :W], cache.k[:, :, pos + 1 - W:pos + 1])
         assert torch.equal(view.k_t[:, :, :, :W], cache.k_t[:, :, :, pos + 1 - W:pos + 1])
         torch.testing.assert_close(view.v_sum, cache.v[:, :, pos + 1 - W:pos + 1].sum(2))
+        keys = cache.k[:, :, pos + 1 - W:pos + 1]
+        torch.testing.assert_close(view.k_moments, torch.stack([keys.sum(2), (keys ** 2).sum(2)], 2))
     cache.rewind(9)
     torch.testing.assert_close(cache.v_sum, cache.v[:, :, 4:9].sum(2))
+    keys = cache.k[:, :, 4:9]
+    torch.testing.assert_close(cache.k_moments, torch.stack([keys.sum(2), (keys ** 2).sum(2)], 2))
     short = KVCache(1, 8, 1, d, torch.float32, window=W)
     short.update(torch.arange(3), torch.randn(1, 1, 3, d), torch.randn(1, 1, 3, d))
     assert short.view(3, 1).start == 0 and short.visible_length(3) == 3

@@ -7,16 +7,32 @@ import pytest
 import torch
 
 from conftest import read_json, run_python
-from model import SHAPES, DenseDecode, ModelArgs, dense_attention_torch
+from model import SHAPES, DenseDecode, KVCache, ModelArgs, dense_attention_torch
 from policies import AttentionSettings, layer_transfers, policy_factory, solve_target
-from sparq import (SparQAdaptiveDecode, SparQConfig, adaptive_split, pooled_components, pooled_positions, sparq_adaptive_reference,
-                   sparq_adaptive_torch, sparq_reference)
+from sparq import (SparQAdaptiveDecode, SparQConfig, adaptive_split, key_spread, pooled_components, pooled_positions,
+                   sparq_adaptive_reference, sparq_adaptive_torch, sparq_reference)
 from test_sparq import filled_cache, random_query
 
 
 def adaptive(q, cache, S, config):
-    return sparq_adaptive_torch(q, cache.k, cache.v, cache.v_sum, S, None, config.r, config.k_top, config.local,
-                                config.mean_v)
+    """The torch path on a cache, the keys' spread from the cache's running sums."""
+    return sparq_adaptive_torch(q, cache.k, cache.v, cache.v_sum, key_spread(cache.k_moments[:q.shape[0]], S), S, None, config.r,
+                                config.k_top, config.local, config.mean_v)
+
+
+def spread_of(k, lengths):
+    """The keys' standard deviation per dimension over each row's positions, computed directly: (B, n_kv, d)."""
+    return torch.stack([k[b, :, :n].float().std(1, unbiased=False) for b, n in enumerate(lengths)])
+
+
+def scaled_cache(B, n_kv, d, S, S_max):
+    """filled_cache with key dimensions scaled 1 to 30x apart (as Gemma 3's k_norm does): the ranking
+    by |q| alone and by |q| x spread then differ."""
+    cache, k, v = filled_cache(B, n_kv, d, S, S_max)
+    scale = torch.logspace(0, 1.5, d)[torch.randperm(d, generator=torch.Generator().manual_seed(5))]
+    scaled = KVCache(B + 1, S_max, n_kv, d, torch.float32)
+    scaled.update(torch.arange(S), k[:, :, :S] * scale, v[:, :, :S])
+    return scaled
 
 
 @pytest.mark.parametrize("B,n_kv,g_,d,S,r,k,mean_v", [
@@ -25,11 +41,47 @@ def adaptive(q, cache, S, config):
     (1, 2, 7, 64, 400, 3, 48, True),  # Qwen 0.5B-like grouping
 ])
 def test_torch_path_matches_loop_reference(B, n_kv, g_, d, S, r, k, mean_v):
-    cache, _, _ = filled_cache(B, n_kv, d, S, S + 5)
+    """The reference takes the keys' spread computed directly from K, the torch path the cache's running sums."""
+    cache = scaled_cache(B, n_kv, d, S, S + 5)
     q = random_query(B, n_kv, g_, d)
     config = SparQConfig(r=r, k_top=k, mean_v=mean_v)
-    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config)
+    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread_of(cache.k, [S] * B))
     torch.testing.assert_close(adaptive(q, cache, S, config), expected, atol=1e-5, rtol=1e-5)
+    # the policy itself, at its own split of a budget
+    policy = SparQAdaptiveDecode(compression=1 / 8, k_max=k, mean_v=mean_v)
+    r_policy, k_policy = adaptive_split(S, d, 1 / 8, k)
+    config = SparQConfig(r=r_policy, k_top=k_policy, mean_v=mean_v)
+    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread_of(cache.k, [S] * B))
+    torch.testing.assert_close(policy(q, cache, S), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_key_spread_from_the_running_sums():
+    """key_spread on the cache's running sums is the keys' standard deviation over each row's live positions."""
+    cache = scaled_cache(2, 3, 16, 90, 100)
+    torch.testing.assert_close(key_spread(cache.k_moments[:2], 90), spread_of(cache.k, [90, 90]), atol=1e-4, rtol=1e-4)
+    cache.truncate_rows(torch.tensor([40, 77]))
+    torch.testing.assert_close(key_spread(cache.k_moments[:2], cache.live_length[:2]), spread_of(cache.k, [40, 77]),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_components_follow_the_keys_spread():
+    """Equal |q| everywhere: the components chosen are the dimensions where the keys vary most, and the
+    scores then rank positions as exact attention does (the paper's |q| ranking picks by index)."""
+    d, S, r = 16, 300, 2
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(1, 1, S, d, generator=gen) * 0.01
+    k[..., 5] *= 1000.0  # dimension 5 and 11 carry the logits' variation
+    k[..., 11] *= 500.0
+    q = torch.ones(1, 1, 1, d)
+    chosen = pooled_components(q, r, spread_of(k, [S]))[0, 0, 0]
+    assert chosen.nonzero().flatten().tolist() == [5, 11]
+    cache = KVCache(1, S, 1, d, torch.float32)
+    cache.update(torch.arange(S), k, torch.randn(1, 1, S, d, generator=gen))
+    config = SparQConfig(r=r, k_top=10, local=0)
+    exact = dense_attention_torch(q, cache.k, cache.v, S)
+    weighted = adaptive(q, cache, S, config)
+    by_q = sparq_reference(q, cache.k, cache.v, cache.v_sum, S, config)
+    assert (weighted - exact).abs().max() < (by_q - exact).abs().max()
 
 
 def test_one_kv_head_is_the_papers_sparq():
@@ -57,7 +109,7 @@ def test_heads_share_the_budget():
     q = torch.zeros(1, 2, 1, d)
     q[0, 0, 0, 0] = 50.0  # head 0: one component
     q[0, 1, 0] = torch.linspace(1.0, 1.1, d)  # head 1: every component alike
-    components = pooled_components(q, r)[0, :, 0]  # (2, d)
+    components = pooled_components(q, r, torch.ones(1, 2, d))[0, :, 0]  # (2, d)
     assert components.sum(-1).tolist() == [1, 2 * r - 1]
     s_hat = torch.zeros(1, 2, 1, S)
     s_hat[0, 0, 0, :3] = torch.tensor([0.5, 0.3, 0.2])  # head 0: three positions hold everything
@@ -78,9 +130,11 @@ def test_per_row_live_lengths_equal_each_row_run_alone(mean_v):
     k, v = torch.randn(B, n_kv, S_max, d, generator=gen), torch.randn(B, n_kv, S_max, d, generator=gen)
     v_sum = torch.stack([v[b, :, :n].sum(1) for b, n in enumerate(lengths)])
     q = random_query(B, n_kv, g_, d)
-    batch = sparq_adaptive_torch(q, k, v, v_sum, S_max, torch.tensor(lengths), 8, 32, 8, mean_v)
+    spread = spread_of(k, lengths)
+    batch = sparq_adaptive_torch(q, k, v, v_sum, spread, S_max, torch.tensor(lengths), 8, 32, 8, mean_v)
     for b, n in enumerate(lengths):
-        alone = sparq_adaptive_torch(q[b:b + 1], k[b:b + 1], v[b:b + 1], v_sum[b:b + 1], n, None, 8, 32, 8, mean_v)
+        alone = sparq_adaptive_torch(q[b:b + 1], k[b:b + 1], v[b:b + 1], v_sum[b:b + 1], spread[b:b + 1], n, None, 8,
+                                     32, 8, mean_v)
         torch.testing.assert_close(batch[b:b + 1], alone, atol=2e-6, rtol=1e-5)
 
 
@@ -90,7 +144,7 @@ def test_each_step_splits_the_target(S, d, c):
     """adaptive_split: the step moves c of dense's transfers to within one position's K and V row (2d)
     unless r hits a bound, and never more; positions take about half."""
     r, k = adaptive_split(S, d, c, 128)
-    moved, dense = S * r + 2 * k * d + 4 * d, 2 * S * d + 2 * d
+    moved, dense = S * r + 2 * k * d + 6 * d, 2 * S * d + 2 * d
     assert 1 <= r <= d and 1 <= k <= S
     assert moved <= c * dense and (r in (1, d) or moved > c * dense - 2 * d)
     assert k <= 128 + S // (2 * d) + 1  # k_max, and what rounding r down gave back
