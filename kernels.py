@@ -20,6 +20,9 @@ and positions [:length] are read):
       tokens per row at its last T live positions, query t attending to the positions up to its own
       (speculative verification; model.DenseDecode.verify is the reference)
   sparq_attention(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v) -> (B, n_kv, g, d)
+  sparq_adaptive(q, k, k_t, v, v_sum, spread, length, live_length, compression, k_max, mean_v)
+      -> (B, n_kv, g, d): adaptive SparQ, each row at its own split of the budget (spread (B, n_kv, d) fp32,
+      the keys' per-dimension spread; sparq.sparq_adaptive_attention_torch is the reference)
   linear(x (..., K), weight (N, K), bias (N,) or None) -> (..., N)
 `length` is the number of positions read (the longest row's). `live_length` says which are live:
   None          every row's positions [0, length) are live (exact reads: the CPU default);
@@ -61,6 +64,7 @@ class Kernels:
     dense_attention: Optional[Callable] = None  # None: model.dense_attention_torch
     dense_verify: Optional[Callable] = None  # None: model.DenseDecode.verify's torch path
     sparq_attention: Optional[Callable] = None  # None: sparq.sparq_attention_torch
+    sparq_adaptive: Optional[Callable] = None  # None: sparq.sparq_adaptive_attention_torch
     linear: Optional[Callable] = None  # None: F.linear
     packed_quantized: bool = False  # quantized linears: packed int4/int8 kernels, else dequantize + F.linear
     describe: str = "plain PyTorch"
@@ -74,7 +78,7 @@ KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 # CPU: fused C++ kernels (csrc/), built on first use, registered as torch.library ops
 # =============================================================================================
 
-# The ops sparq::decode_cpu, sparq::dense_cpu and sparq::linear_cpu are defined here at import
+# The ops sparq::decode_cpu, sparq::adaptive_cpu, sparq::dense_cpu and sparq::linear_cpu are defined here at import
 # (schema + fake impl, no compiler needed), so torch.compile(fullgraph=True) can trace calls to
 # them before anything is built; `length` is a SymInt. Their kernels:
 #   CPU                        the C++ kernel, registered by the extension when it loads;
@@ -158,6 +162,9 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     torch.library.define("sparq::decode_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
                                               "SymInt length, int r, int k_top, int local, bool mean_v, "
                                               "Tensor? lengths=None) -> Tensor")
+    torch.library.define("sparq::adaptive_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
+                                                "Tensor spread, SymInt length, float compression, int k_max, "
+                                                "bool mean_v, Tensor? lengths=None) -> Tensor")
     torch.library.define("sparq::dense_cpu",
                          "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor")
     torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
@@ -170,6 +177,12 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     def _decode_cpu_first_call(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
         _load_for_first_call("decode_cpu")
         return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths)
+
+    @torch.library.impl("sparq::adaptive_cpu", "CompositeExplicitAutograd")
+    def _adaptive_cpu_first_call(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths=None):
+        _load_for_first_call("adaptive_cpu")
+        return torch.ops.sparq.adaptive_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v,
+                                                    lengths)
 
     @torch.library.impl("sparq::dense_cpu", "CompositeExplicitAutograd")
     def _dense_cpu_first_call(q, k, v, length, lengths=None, queries=1):
@@ -193,6 +206,10 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
 
     @torch.library.register_fake("sparq::decode_cpu")
     def _decode_cpu_fake(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("sparq::adaptive_cpu")
+    def _adaptive_cpu_fake(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::dense_cpu")
@@ -270,6 +287,16 @@ def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, 
     return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, live_length)
 
 
+def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, spread: Tensor,
+                       length: int, live_length: Optional[Tensor], compression: float, k_max: int,
+                       mean_v: bool) -> Tensor:
+    """sparq_adaptive (the module docstring) with the fused C++ kernel: each row splits the budget at its
+    own live length inside the kernel, so nothing reaches the host. Exact lengths only."""
+    _check_exact_lengths(live_length)
+    return torch.ops.sparq.adaptive_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v,
+                                                live_length)
+
+
 def _check_exact_lengths(live_length: Optional[Tensor]) -> None:
     """The fused CPU kernels read exact lengths: None or per-row (B,) ones, never a bucket (resolve_kernels
     never pairs them with one)."""
@@ -283,9 +310,9 @@ def _check_exact_lengths(live_length: Optional[Tensor]) -> None:
 # =============================================================================================
 
 CPU_KERNELS = Kernels("cpu", dense_attention=dense_attention_cpu, dense_verify=dense_verify_cpu,
-                      sparq_attention=sparq_attention_cpu,
+                      sparq_attention=sparq_attention_cpu, sparq_adaptive=sparq_adaptive_cpu,
                       linear=linear_cpu, packed_quantized=True,
-                      describe="fused C++ (csrc/): dense and SparQ attention, decode linears")
+                      describe="fused C++ (csrc/): dense, SparQ and adaptive SparQ attention, decode linears")
 TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, dense_verify=dense_verify_triton,
                          sparq_attention=sparq_attention_triton,
                          packed_quantized=True, describe="Triton dense and SparQ decode attention, the verify pass; linears from PyTorch")
@@ -306,7 +333,7 @@ def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int 
     if softcap and (kernels.dense_attention or kernels.sparq_attention):
         announce(f"note: the model soft-caps attention logits: attention runs on the torch path "
                  f"({kernels.name} kernels for the rest)")
-        kernels = replace(kernels, dense_attention=None, dense_verify=None, sparq_attention=None,
+        kernels = replace(kernels, dense_attention=None, dense_verify=None, sparq_attention=None, sparq_adaptive=None,
                           describe=kernels.describe + "; attention on the torch path (soft-capped logits)")
     return kernels
 

@@ -278,12 +278,16 @@ def _take_top(score: Tensor, counts: Tensor) -> Tensor:
     return torch.zeros_like(score, dtype=torch.bool).scatter(1, top, keep)
 
 
+SPREAD_FLOOR = 1e-6  # a row of one position has spread 0 everywhere: it then ranks by |q| alone
+
+
 def key_spread(k_moments: Tensor, count: Tensor | int) -> Tensor:
     """The keys' standard deviation per dimension over `count` positions (an int, or (B,) per row), from
-    the cache's running sums of K and K^2 (KVCache.k_moments (B, n_kv, 2, d)) -> (B, n_kv, d) fp32."""
+    the cache's running sums of K and K^2 (KVCache.k_moments (B, n_kv, 2, d)) -> (B, n_kv, d) fp32,
+    at least SPREAD_FLOOR."""
     n = count if isinstance(count, int) else count.view(-1, 1, 1)
     mean = k_moments[:, :, 0] / n
-    return (k_moments[:, :, 1] / n - mean * mean).clamp(min=0).sqrt()
+    return (k_moments[:, :, 1] / n - mean * mean).clamp(min=SPREAD_FLOOR ** 2).sqrt()
 
 
 def pooled_components(q: Tensor, r: Tensor | int, spread: Tensor) -> Tensor:
@@ -322,9 +326,12 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread:
     before the softmax. q (B, n_kv, g, d) -> (B, n_kv, g, d); spread (B, n_kv, d) (key_spread);
     live_length as sparq_attention_torch's; r, k_top, local: ints, or (B,) per row (ragged rows, each
     at its own split)."""
-    d = q.shape[-1]
+    B, d = q.shape[0], q.shape[-1]
     qf = q.float()
-    keys = k[:q.shape[0], :, :length].float()  # (B, n_kv, S, d)
+    keys, values = k[:B, :, :length].float(), v[:B, :, :length].float()  # (B, n_kv, S, d)
+    if live_length is not None:  # whatever lies past a row's live length (weights 0 below) must not be NaN
+        live = (torch.arange(length, device=q.device) < per_row(live_length, 3))[..., None]  # (B or 1, 1, S, 1)
+        keys, values = keys.masked_fill(~live, 0.0), values.masked_fill(~live, 0.0)
     # Step 1
     chosen = pooled_components(q, r, spread)  # (B, n_kv, 1, d)
     q_hat = qf * chosen  # (B, n_kv, g, d)
@@ -337,13 +344,27 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread:
     # Step 2
     selected = pooled_positions(s_hat, length, k_top, local, live_length)  # (B, n_kv, 1, S)
     scores = softcap((qf @ keys.transpose(-1, -2)) / math.sqrt(d), cap).masked_fill(~selected, float("-inf"))
-    y = torch.softmax(scores, dim=-1) @ v[:q.shape[0], :, :length].float()  # (B, n_kv, g, d)
+    y = torch.softmax(scores, dim=-1) @ values  # (B, n_kv, g, d)
     # Step 3
     if mean_v:
         alpha = (s_hat * selected).sum(-1, keepdim=True)
         n = length if live_length is None else per_row(live_length, 3)
-        y = alpha * y + (1 - alpha) * (v_sum[:q.shape[0]] / n)[:, :, None, :]
+        y = alpha * y + (1 - alpha) * (v_sum[:B] / n)[:, :, None, :]
     return y.to(q.dtype)
+
+
+def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor,
+                                   spread: Tensor, length: int, live_length: Optional[Tensor], compression: float,
+                                   k_max: int, mean_v: bool, cap: Optional[float] = None) -> Tensor:
+    """The kernel contract's sparq_adaptive (kernels.py) in PyTorch: each row splits the budget at its own
+    live length (adaptive_split; a row that sees at most k_max positions takes all of them and every
+    component; the host reads the lengths: this is the reference path) and sparq_adaptive_torch runs the
+    rows at their splits. k_t is not read (sparq_adaptive_torch multiplies all of K)."""
+    B, d = q.shape[0], q.shape[-1]
+    lengths = [length] * B if live_length is None else live_length.expand(B).tolist()
+    splits = [(d, n) if n <= k_max else adaptive_split(n, d, compression, k_max) for n in lengths]
+    r, k_top = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
+    return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, k_top // 4, mean_v, cap)
 
 
 def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int) -> tuple[int, int]:
@@ -379,22 +400,18 @@ class SparQAdaptiveDecode(DecodePolicy):
             raise ValueError(f"--compression must be in (0, 1], got {compression}")
         if k_max < 1:
             raise ValueError(f"--sparq-k must be at least 1, got {k_max}")
-        self.compression, self.k_max, self.mean_v, self.cap = compression, k_max, mean_v, cap
+        self.compression, self.k_max, self.mean_v = compression, k_max, mean_v
+        self.attend = kernels.sparq_adaptive or partial(sparq_adaptive_attention_torch, cap=cap)
         self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        B, d = q.shape[0], q.shape[-1]
+        B = q.shape[0]
         view = cache.view(length, B)
         if view.length <= self.k_max:
             return self.attend_dense(q, view.k, view.v, view.length, view.live_length)
-        # each row splits at its own live length (ragged rows; the host reads them: this is the
-        # reference path), a row that sees at most k_max positions all of them with all components
-        lengths = [view.length] * B if view.live_length is None else view.live_length.tolist()
-        splits = [(d, n) if n <= self.k_max else adaptive_split(n, d, self.compression, self.k_max) for n in lengths]
-        r, k = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
         spread = key_spread(view.k_moments[:B], view.length if view.live_length is None else view.live_length)
-        return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, spread, view.length, view.live_length, r, k,
-                                    k // 4, self.mean_v, self.cap)
+        return self.attend(q, view.k, view.k_t, view.v, view.v_sum, spread, view.length, view.live_length,
+                           self.compression, self.k_max, self.mean_v)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """SparQ's (eq. 11) at this step's split, on average over the layer's heads, and the keys' running

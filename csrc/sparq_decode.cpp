@@ -175,7 +175,7 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
       const int64_t nb = (w.S + kBlock - 1) / kBlock;
       const KT* kbh = setup_bh(x, bh);
       reset_state(x);
-      pass_a<KT>(P, x.rows, kbh, x.qmask, x.qhat, 0, w.S, x.E, ldE, x.st, x.mb, nblk);
+      pass_a<KT>(P, P.r, x.rows, kbh, x.qmask, x.qhat, 0, w.S, x.E, ldE, x.st, x.mb, nblk);
       for (int64_t hh = 0; hh < g; ++hh) block_weights(x.mb + hh * nblk, nb, x.st[hh].m, hsum(load(x.st[hh].z)));
       const int64_t nsel = select_top(x.E, ldE, x.mb, nblk, g, 0, w.n_scored, w.m, x.sc, x.bmax, x.ss, x.si);
       locals_into(w, x.pos);
@@ -206,7 +206,7 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
       float* stat = ustat(u);
       const KT* kbh = setup_bh(x, bh);
       reset_state(x);
-      pass_a<KT>(P, x.rows, kbh, x.qmask, x.qhat, p0, p1, uE(u), ldE, x.st, umb(u), nblk);
+      pass_a<KT>(P, P.r, x.rows, kbh, x.qmask, x.qhat, p0, p1, uE(u), ldE, x.st, umb(u), nblk);
       for (int64_t hh = 0; hh < g; ++hh) { stat[hh] = x.st[hh].m; stat[g + hh] = hsum(load(x.st[hh].z)); }
     } else if (phase == 1) {
       const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh);

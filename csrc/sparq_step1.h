@@ -242,9 +242,11 @@ static void pass_a_1k(const KT* kbh, int64_t stride, const float* qmask, int64_t
   }
 }
 
+// r: the rows of K^T streamed (P.r in SparQ; a head's own count in adaptive SparQ).
 template <typename KT>
-static void pass_a(const Problem& P, const KT* const* rows, const KT* kbh, const float* qmask, const float* qhat,
-                   int64_t p0, int64_t p1, float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb) {
+static void pass_a(const Problem& P, int64_t r, const KT* const* rows, const KT* kbh, const float* qmask,
+                   const float* qhat, int64_t p0, int64_t p1, float* E, int64_t ldE, RunState* st, float* mb,
+                   int64_t ldmb) {
   // segment by segment; within one, head groups after the first re-read the rows from L2
   for (int64_t a = p0; a < p1; a += kSegment) {
     const int64_t b = std::min(p1, a + kSegment);
@@ -256,7 +258,7 @@ static void pass_a(const Problem& P, const KT* const* rows, const KT* kbh, const
       RunState* sh = st + h0;
 #define SPARQ_CASE(n)                                                                              \
   case n:                                                                                          \
-    if (P.two_k) pass_a_2k<n, KT>(rows, P.r, qh, P.g, a, b, p1, Eh, ldE, sh, mbh, ldmb);           \
+    if (P.two_k) pass_a_2k<n, KT>(rows, r, qh, P.g, a, b, p1, Eh, ldE, sh, mbh, ldmb);             \
     else pass_a_1k<n, KT>(kbh, P.ks2, qmask + h0 * P.d, P.d, a, b, Eh, ldE, sh, mbh, ldmb);        \
     break;
       switch (G) {

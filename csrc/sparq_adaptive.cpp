@@ -1,0 +1,334 @@
+// Fused adaptive SparQ decode attention for CPU (sparq-adaptive): the passes of sparq_decode.cpp with
+// one layer's budget shared by a row's KV heads.
+//
+// Registered as the CPU kernel of sparq::adaptive_cpu, whose schema (and fake implementation, for
+// torch.compile) kernels.py defines:
+//   adaptive_cpu(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, Tensor spread, SymInt length,
+//                float compression, int k_max, bool mean_v, Tensor? lengths=None) -> Tensor
+// It computes what sparq.sparq_adaptive_attention_torch computes (sparq.sparq_adaptive_reference at
+// each row's split), in fp32. Per batch row b, of live length S_b:
+//   (r, k) = adaptive_split(S_b, d, compression, k_max), or (d, S_b) when S_b <= k_max; local = k / 4;
+//   components: w_hi = sum_g |q_hgi| spread_hi, each head's share w_hi / sum_i w_hi; every head keeps
+//     its largest, the other H (r - 1) go to the largest shares over the row's H heads (ties: lower head,
+//     then lower index); head h streams its r_h rows of K^T: s_hat_h = softmax(q[i1_h] . K^T[i1_h] / tau),
+//     tau^2 = d sum_{i1_h} |q_gi| spread_i / sum_i |q_gi| spread_i per query head g;
+//   positions: each head its last min(local, S_b), the other H (min(k, S_b) - local) the largest
+//     group-summed s_hat over the row's heads (ties: lower head, then lower position);
+//   y_h = softmax(q_h . K[i2_h] / sqrt(d)) @ V[i2_h], mean-V as SparQ's with alpha over i2_h.
+//
+// Phases over units (bh = b * H + h split over S into chunks, as sparq_decode.cpp's chunked path):
+//   0 (units)  the row's pooled components (cheap: H x d values, recomputed by each unit), pass A over
+//              the unit's chunk with the head's r_h rows;
+//   1 (units)  softmax weights from all chunks' maxima and sums, the chunk's best H m candidates
+//              (every member of the row's pooled top H m is among its chunk's top H m);
+//   2 (rows)   merge the row's candidates over heads and chunks, keep the top H m: per-head positions;
+//   3 (bh)     mean-V's alpha, then exact attention over the head's positions (pass D).
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "attend.h"
+#include "parallel.h"
+#include "simd.h"
+#include "sparq_problem.h"
+#include "sparq_select.h"
+#include "sparq_step1.h"
+#include "sparq_step2.h"
+#include "workspace.h"
+
+namespace sparq_cpu {
+namespace {
+
+// sparq.adaptive_split, the same arithmetic (doubles, Python's floor division).
+static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+struct Split {
+  int64_t r, k;
+};
+static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max) {
+  if (S <= k_max) return {d, S};  // the row sees at most k_max positions: all of them, every component
+  const int64_t budget = (int64_t)(c * (double)(2 * S * d + 2 * d));
+  int64_t k = std::max<int64_t>(1, std::min<int64_t>(k_max, (int64_t)(c * (double)S / 2)));
+  const int64_t r = std::max<int64_t>(1, std::min<int64_t>(d, floor_div(budget - 2 * k * d - 6 * d, S)));
+  k = std::max<int64_t>(1, std::min<int64_t>(S, k + floor_div(budget - S * r - 2 * k * d - 6 * d, 2 * d)));
+  return {r, k};
+}
+
+struct RowPlan {  // one batch row: its split and the counts of pass C
+  int64_t S, r, n_local, m;  // m: positions chosen per head on average (H m over the row)
+};
+
+struct Adaptive {
+  Problem P;  // sizes are maxima over rows: P.r = d, P.kk = most positions any head can hold
+  std::vector<RowPlan> rows;
+  const float* spread;
+  int64_t sps0, sps1;
+};
+
+// The row's pooled components, and this head's: i1 (ascending), its count, q_hat = q[i1] / tau ([i][g]).
+// qf receives this head's q in fp32 (g x d); w (H x d + 16) and wi (H x d + 16) are scratch.
+template <typename QT>
+static int64_t prepare_pooled(const Adaptive& A, const QT* q, int64_t b, int64_t h, float* qf, float* w, int32_t* wi,
+                              int32_t* i1, float* qhat) {
+  const Problem& P = A.P;
+  const int64_t g = P.g, d = P.d, H = P.H;
+  auto q_at = [&](int64_t hh, int64_t gg, int64_t j) { return to_f(q[b * P.qs0 + hh * P.qs1 + gg * P.qs2 + j * P.qs3]); };
+  for (int64_t hh = 0; hh < H; ++hh) {  // shares of each head's sum of |q_i| spread_i
+    const float* sp = A.spread + b * A.sps0 + hh * A.sps1;
+    float* wh = w + hh * d;
+    float tot = 0.f;
+    int64_t best = 0;
+    for (int64_t j = 0; j < d; ++j) {
+      float a = 0.f;
+      for (int64_t gg = 0; gg < g; ++gg) a += std::fabs(q_at(hh, gg, j));
+      wh[j] = a * sp[j];
+      tot += wh[j];
+      if (wh[j] > wh[best]) best = j;
+    }
+    const float inv = tot > 0.f ? 1.0f / tot : 0.f;
+    for (int64_t j = 0; j < d; ++j) wh[j] *= inv;
+    wh[best] += 2.0f;  // every head keeps its largest (shares are at most 1)
+  }
+  for (int64_t j = 0; j < H * d; ++j) wi[j] = (int32_t)j;
+  const int64_t n = select_from(w, wi, H * d, H * A.rows[b].r);  // ascending ids: head-major, then index
+  int64_t r_h = 0;
+  for (int64_t j = 0; j < n; ++j)
+    if (wi[j] / d == h) i1[r_h++] = wi[j] % (int32_t)d;
+  const float* sp = A.spread + b * A.sps0 + h * A.sps1;
+  for (int64_t gg = 0; gg < g; ++gg) {
+    for (int64_t j = 0; j < d; ++j) qf[gg * d + j] = q_at(h, gg, j);
+    float tot = 0.f, sel = 0.f;
+    for (int64_t j = 0; j < d; ++j) tot += std::fabs(qf[gg * d + j]) * sp[j];
+    for (int64_t i = 0; i < r_h; ++i) sel += std::fabs(qf[gg * d + i1[i]]) * sp[i1[i]];
+    const float inv_tau = 1.0f / std::sqrt((float)d * sel / tot);
+    for (int64_t i = 0; i < r_h; ++i) qhat[i * g + gg] = qf[gg * d + i1[i]] * inv_tau;
+  }
+  return r_h;
+}
+
+template <typename KT, typename QT>
+static void run(const Adaptive& A, const QT* q, const KT* k, const KT* kt, const KT* v, QT* out) {
+  const Problem& P = A.P;
+  const int64_t H = P.H, g = P.g, d = P.d, BH = P.B * H;
+  const int64_t units = P.units();
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));
+  const int64_t ldE = round_up(P.cs, kBlock), nblk = ldE / kBlock;
+  const int64_t most_chunks = (P.S + P.cs - 1) / P.cs;
+  int64_t cap = 1;  // candidates per unit: H m of its row
+  for (const RowPlan& w : A.rows) cap = std::max(cap, H * w.m);
+  // per-thread scratch
+  auto take = [](int64_t& o, int64_t n) { int64_t at = o; o += round_up(std::max<int64_t>(n, 1), 16); return at; };
+  int64_t o = 0;
+  const int64_t s_qf = take(o, g * d + 16), s_w = take(o, H * d + 16), s_wi = take(o, H * d + 16),
+                s_i1 = take(o, d), s_qhat = take(o, d * g), s_rows = take(o, 2 * d), s_qmask = take(o, g * d + 16),
+                s_st = take(o, g * (int64_t)(sizeof(RunState) / sizeof(float))), s_sc = take(o, ldE),
+                s_bmax = take(o, nblk + 1), merge = std::max(ldE, H * most_chunks * cap) + 16,
+                s_ss = take(o, merge), s_si = take(o, merge), s_lg = take(o, g * P.kk), s_y = take(o, g * d),
+                s_alpha = take(o, g);
+  const int64_t slot_floats = round_up(o, 16);
+  // per unit: E (g x cs), block maxima then weights (g x cs / 32), m and Z per head, candidates;
+  // per bh: its positions (count, then up to P.kk)
+  const int64_t u_E = g * ldE, u_mb = g * nblk, u_stat = round_up(2 * g, 16), u_cand = 16 + 2 * cap;
+  const int64_t unit_floats = round_up(u_E + u_mb + u_stat + u_cand, 16), bh_floats = round_up(16 + P.kk, 16);
+  Workspace& ws = workspace();
+  std::lock_guard<std::mutex> lock(ws.mu);
+  float* base = ws.get(nt * slot_floats + units * unit_floats + BH * bh_floats + 64);
+  float* units_base = base + nt * slot_floats;
+  float* bh_base = units_base + units * unit_floats;
+  auto uE = [&](int64_t u) { return units_base + u * unit_floats; };
+  auto umb = [&](int64_t u) { return uE(u) + u_E; };
+  auto ustat = [&](int64_t u) { return umb(u) + u_mb; };  // [m(g), Z(g)]
+  auto ucand = [&](int64_t u) { return ustat(u) + u_stat; };
+  auto bh_count = [&](int64_t bh) { return reinterpret_cast<int32_t*>(bh_base + bh * bh_floats); };
+  auto bh_pos = [&](int64_t bh) { return reinterpret_cast<int32_t*>(bh_base + bh * bh_floats + 16); };
+  auto scratch = [&](int slot, int64_t at) { return base + slot * slot_floats + at; };
+
+  auto fn = [&](int phase, int64_t u, int slot) {
+    float* qf = scratch(slot, s_qf);
+    if (phase == 0) {  // pass A over the unit's chunk with the head's own components
+      const int64_t bh = P.unit_bh[u], b = bh / H, h = bh % H, c = u - P.unit0[bh];
+      const int64_t p0 = c * P.cs, p1 = std::min(P.len[b], p0 + P.cs);
+      int32_t* i1 = reinterpret_cast<int32_t*>(scratch(slot, s_i1));
+      float* qhat = scratch(slot, s_qhat);
+      const int64_t r_h = prepare_pooled(A, q, b, h, qf, scratch(slot, s_w),
+                                         reinterpret_cast<int32_t*>(scratch(slot, s_wi)), i1, qhat);
+      const KT** rows = reinterpret_cast<const KT**>(scratch(slot, s_rows));
+      float* qmask = scratch(slot, s_qmask);
+      const KT* kbh = k + b * P.ks0 + h * P.ks1;
+      if (P.two_k) {
+        const KT* ktbh = kt + b * P.kts0 + h * P.kts1;
+        for (int64_t i = 0; i < r_h; ++i) rows[i] = ktbh + (int64_t)i1[i] * P.kts2;
+      } else {  // q masked to i1, scaled by 1/tau
+        std::fill(qmask, qmask + g * d, 0.f);
+        for (int64_t i = 0; i < r_h; ++i)
+          for (int64_t gg = 0; gg < g; ++gg) qmask[gg * d + i1[i]] = qhat[i * g + gg];
+      }
+      RunState* st = reinterpret_cast<RunState*>(scratch(slot, s_st));
+      for (int64_t gg = 0; gg < g; ++gg) {
+        st[gg].m = kNegInf;
+        std::fill(st[gg].z, st[gg].z + 16, 0.f);
+      }
+      pass_a<KT>(P, r_h, rows, kbh, qmask, qhat, p0, p1, uE(u), ldE, st, umb(u), nblk);
+      float* stat = ustat(u);
+      for (int64_t gg = 0; gg < g; ++gg) { stat[gg] = st[gg].m; stat[g + gg] = hsum(load(st[gg].z)); }
+    } else if (phase == 1) {  // softmax weights, and the chunk's best H m candidates
+      const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh);
+      const RowPlan& w = A.rows[bh / H];
+      const int64_t p0 = (u - u0) * P.cs, p1 = std::min(w.S, p0 + P.cs);
+      for (int64_t gg = 0; gg < g; ++gg) {
+        float M_ = kNegInf, Z = 0.f;
+        for (int64_t cc = 0; cc < nc; ++cc) M_ = std::max(M_, ustat(u0 + cc)[gg]);
+        for (int64_t cc = 0; cc < nc; ++cc) {
+          const float* s2 = ustat(u0 + cc);
+          if (s2[g + gg] > 0.f) Z += s2[g + gg] * std::exp(s2[gg] - M_);
+        }
+        block_weights(umb(u) + gg * nblk, (p1 - p0 + kBlock - 1) / kBlock, M_, Z);
+      }
+      int32_t* count = reinterpret_cast<int32_t*>(ucand(u));
+      *count = 0;
+      const int64_t shi = std::min(p1, w.S - w.n_local);
+      if (shi > p0) {
+        float* ss = scratch(slot, s_ss);
+        int32_t* si = reinterpret_cast<int32_t*>(scratch(slot, s_si));
+        const int64_t cnt = select_top(uE(u), ldE, umb(u), nblk, g, p0, shi, H * w.m, scratch(slot, s_sc),
+                                       scratch(slot, s_bmax), ss, si);
+        *count = (int32_t)cnt;
+        std::copy(ss, ss + cnt, ucand(u) + 16);
+        std::copy(si, si + cnt, reinterpret_cast<int32_t*>(ucand(u) + 16 + cap));
+      }
+    } else if (phase == 2) {  // the row's top H m over its heads: ids h S + position, ascending
+      const int64_t b = u;
+      const RowPlan& w = A.rows[b];
+      float* ss = scratch(slot, s_ss);
+      int32_t* si = reinterpret_cast<int32_t*>(scratch(slot, s_si));
+      int64_t n = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t bh = b * H + h;
+        for (int64_t c = 0; c < P.chunks(bh); ++c) {
+          const float* cu = ucand(P.unit0[bh] + c);
+          const int32_t cnt = *reinterpret_cast<const int32_t*>(cu);
+          const int32_t* ci = reinterpret_cast<const int32_t*>(cu + 16 + cap);
+          std::copy(cu + 16, cu + 16 + cnt, ss + n);
+          for (int32_t j = 0; j < cnt; ++j) si[n + j] = (int32_t)(h * w.S) + ci[j];
+          n += cnt;
+        }
+      }
+      n = select_from(ss, si, n, H * w.m);
+      int64_t j = 0;
+      for (int64_t h = 0; h < H; ++h) {  // each head: its local window, then its chosen positions
+        int32_t* pos = bh_pos(b * H + h);
+        int64_t kk = 0;
+        for (int64_t p = w.S - w.n_local; p < w.S; ++p) pos[kk++] = (int32_t)p;
+        for (; j < n && si[j] / w.S == h; ++j) pos[kk++] = si[j] % (int32_t)w.S;
+        *bh_count(b * H + h) = (int32_t)kk;
+      }
+    } else {  // mean-V's alpha, exact attention over the head's positions
+      const int64_t bh = u, b = bh / H, h = bh % H, u0 = P.unit0[bh];
+      const int32_t* pos = bh_pos(bh);
+      const int64_t kk = *bh_count(bh);
+      float* alpha = scratch(slot, s_alpha);
+      if (P.mean_v) {
+        for (int64_t gg = 0; gg < g; ++gg) alpha[gg] = 0.f;
+        for (int64_t j = 0; j < kk; ++j) {
+          const int64_t c = pos[j] / P.cs, off = pos[j] - c * P.cs;
+          for (int64_t gg = 0; gg < g; ++gg)
+            alpha[gg] += uE(u0 + c)[gg * ldE + off] * umb(u0 + c)[gg * nblk + off / kBlock];
+        }
+      }
+      prefetch_rows(P, k, v, b, h, pos, kk);
+      for (int64_t gg = 0; gg < g; ++gg)
+        for (int64_t j = 0; j < d; ++j) qf[gg * d + j] = to_f(q[b * P.qs0 + h * P.qs1 + gg * P.qs2 + j * P.qs3]);
+      attend<KT, QT>(P, k, v, b, h, qf, pos, kk, P.mean_v ? alpha : nullptr, scratch(slot, s_lg), scratch(slot, s_y),
+                     out);
+    }
+  };
+  run_phases(nt, {units, units, P.B, BH}, fn);
+}
+
+at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
+                        const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
+                        double compression, int64_t k_max, bool mean_v, const std::optional<at::Tensor>& lengths) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && v_sum.dim() == 3 && spread.dim() == 3,
+              "sparq::adaptive_cpu: expected q (B, n_kv, g, d), k/v (B_max, n_kv, S_max, d), v_sum and spread "
+              "(B_max, n_kv, d)");
+  const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && v_sum.device().is_cpu() &&
+                  spread.device().is_cpu(), "sparq::adaptive_cpu: CPU tensors only");
+  TORCH_CHECK(k.size(0) >= B && k.size(1) == H && k.size(3) == d, "sparq::adaptive_cpu: k shape ", k.sizes(),
+              " does not match q ", q.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(), "sparq::adaptive_cpu: v must match k");
+  for (const at::Tensor* t : {&v_sum, &spread})
+    TORCH_CHECK(t->size(0) >= B && t->size(1) == H && t->size(2) == d && t->scalar_type() == at::kFloat &&
+                    t->stride(2) == 1, "sparq::adaptive_cpu: v_sum and spread must be fp32 (B_max, n_kv, d), "
+                                       "contiguous in d");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "sparq::adaptive_cpu: k and v must be contiguous in the head dim");
+  TORCH_CHECK(1 <= length && length <= k.size(2), "sparq::adaptive_cpu: length ", length, " outside [1, ", k.size(2), "]");
+  TORCH_CHECK(0 < compression && compression <= 1 && k_max >= 1, "sparq::adaptive_cpu: need 0 < compression <= 1, k_max >= 1");
+  TORCH_CHECK(H * length < (int64_t(1) << 31), "sparq::adaptive_cpu: n_kv x length too large");
+  const bool two_k = k_t.has_value() && k_t->defined();
+  if (two_k) {
+    const at::Tensor& t = *k_t;
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(0) >= B && t.size(1) == H && t.size(2) == d &&
+                    t.size(3) >= length && t.scalar_type() == k.scalar_type() && t.stride(3) == 1,
+                "sparq::adaptive_cpu: k_t must be (B_max, n_kv, d, S_max), S-contiguous, k's dtype");
+  }
+  const auto kdt = k.scalar_type(), qdt = q.scalar_type();
+  TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf, "sparq::adaptive_cpu: unsupported cache dtype");
+  TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, "sparq::adaptive_cpu: unsupported q dtype");
+
+  const std::vector<int64_t> len = row_lengths(lengths, B, length, "sparq::adaptive_cpu");
+  Adaptive A{};
+  Problem& P = A.P;
+  int64_t most_k = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    const Split s = adaptive_split(len[b], d, compression, k_max);
+    const int64_t kk = std::min(s.k, len[b]), n_local = std::min(kk / 4, len[b]);
+    A.rows.push_back({len[b], s.r, n_local, kk - n_local});
+    most_k = std::max(most_k, n_local + H * (kk - n_local));  // one head may take all of the row's positions
+  }
+  P.B = B; P.H = H; P.g = g; P.d = d; P.r = d; P.len = len.data();
+  P.S = *std::max_element(len.begin(), len.end());
+  P.kk = most_k;
+  P.mean_v = mean_v;
+  P.two_k = two_k;
+  P.qs0 = q.stride(0); P.qs1 = q.stride(1); P.qs2 = q.stride(2); P.qs3 = q.stride(3);
+  P.ks0 = k.stride(0); P.ks1 = k.stride(1); P.ks2 = k.stride(2);
+  if (two_k) { P.kts0 = k_t->stride(0); P.kts1 = k_t->stride(1); P.kts2 = k_t->stride(2); }
+  P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
+  P.vss0 = v_sum.stride(0); P.vss1 = v_sum.stride(1);
+  P.vsum = v_sum.data_ptr<float>();
+  A.spread = spread.data_ptr<float>();
+  A.sps0 = spread.stride(0); A.sps1 = spread.stride(1);
+  P.cs = chunk_length(len, H, thread_count(), std::numeric_limits<int64_t>::max());
+  split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
+
+  at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+#define SPARQ_RUN(KT, QT)                                                                                    \
+  run<KT, QT>(A, q.data_ptr<QT>(), k.data_ptr<KT>(), two_k ? k_t->data_ptr<KT>() : nullptr, v.data_ptr<KT>(), \
+              out.data_ptr<QT>())
+#define SPARQ_Q(KT)                                  \
+  if (qdt == at::kFloat) SPARQ_RUN(KT, float);       \
+  else if (qdt == at::kBFloat16) SPARQ_RUN(KT, bf16); \
+  else SPARQ_RUN(KT, f16);
+  if (kdt == at::kFloat) { SPARQ_Q(float) }
+  else if (kdt == at::kBFloat16) { SPARQ_Q(bf16) }
+  else { SPARQ_Q(f16) }
+#undef SPARQ_Q
+#undef SPARQ_RUN
+  return out;
+}
+
+}  // namespace
+}  // namespace sparq_cpu
+
+TORCH_LIBRARY_IMPL(sparq, CPU, m) {
+  m.impl("adaptive_cpu", &sparq_cpu::adaptive_cpu);
+}

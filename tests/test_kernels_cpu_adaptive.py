@@ -1,0 +1,129 @@
+"""The fused CPU kernel of adaptive SparQ (csrc/sparq_adaptive.cpp, kernels.sparq_adaptive_cpu) against
+its reference, sparq.sparq_adaptive_attention_torch (the loop reference sparq_adaptive_reference at each
+row's split: tests/test_sparq_adaptive.py checks that pair), on random caches whose key dimensions are
+scaled 1 to 30x apart so the keys' spread changes which components step 1 reads.
+
+Tolerances as tests/test_kernels_cpu.py's: fp32 1e-5; a bf16 cache with an fp32 query 1e-4 (the kernel
+and the reference sum the bf16 values in different orders); ties are improbable on this data."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from model import KVCache
+from sparq import SparQAdaptiveDecode, key_spread, sparq_adaptive_attention_torch
+from test_sparq import random_query
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fused_kernel():
+    error = kernels.cpu_kernel_error()
+    if error is not None:
+        pytest.fail(f"the fused CPU kernel did not build: {error}")
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def scaled_cache(lengths: list[int], n_kv: int, d: int, S_max: int, layout: str = "twice",
+                 dtype: torch.dtype = torch.float32, seed: int = 0) -> KVCache:
+    """Row b holds lengths[b] positions of random K (dimensions scaled 1-30x apart, per head) and V;
+    NaN beyond them and in the spare last row, which must never be read."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(lengths)
+    cache = KVCache(B + 1, S_max, n_kv, d, dtype, layout)
+    for t in (cache.k, cache.v) + ((cache.k_t,) if cache.k_t is not None else ()):
+        t.fill_(float("nan"))
+    scale = torch.logspace(0, 1.5, d)[torch.stack([torch.randperm(d, generator=gen) for _ in range(n_kv)])]
+    for b, n in enumerate(lengths):
+        k = torch.randn(1, n_kv, n, d, generator=gen) * scale[None, :, None, :]
+        cache.update(torch.arange(n), k.to(dtype), torch.randn(1, n_kv, n, d, generator=gen).to(dtype), row=b)
+    return cache
+
+
+def both(q, cache, lengths, compression, k_max, mean_v):
+    """The fused kernel's and the reference's outputs on the cache's first len(lengths) rows."""
+    B, length = len(lengths), max(lengths)
+    live = None if len(set(lengths)) == 1 else torch.tensor(lengths)
+    spread = key_spread(cache.k_moments[:B], length if live is None else live)
+    args = (q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, length, live, compression, k_max, mean_v)
+    return kernels.sparq_adaptive_cpu(*args), sparq_adaptive_attention_torch(*args)
+
+
+@pytest.mark.parametrize("B,n_kv,g,d,S,compression,mean_v,layout,n_threads", [
+    (1, 3, 3, 64, 1400, 1 / 8, False, "twice", 2),  # SmolLM2 at SQuAD's length
+    (1, 3, 3, 64, 2400, 1 / 8, True, "twice", 2),  # 3 heads on 2 threads: each S split into 2 chunks
+    (1, 1, 4, 256, 4000, 1 / 4, True, "twice", 2),  # a Gemma 3 global layer, chunked
+    (2, 3, 3, 64, 3000, 1 / 16, True, "twice", 2),
+    (1, 2, 7, 64, 2500, 1 / 8, True, "once", 2),  # Qwen 0.5B's grouping, no K^T
+    (2, 1, 4, 256, 700, 1 / 4, False, "twice", 1),  # Gemma 3: one KV head, d = 256
+    (3, 4, 1, 32, 300, 1 / 2, True, "twice", 2),  # MHA
+    (1, 2, 2, 48, 200, 1 / 8, False, "once", 1),  # d not a multiple of 16
+])
+def test_matches_reference(B, n_kv, g, d, S, compression, mean_v, layout, n_threads, threads):
+    threads(n_threads)
+    cache = scaled_cache([S] * B, n_kv, d, S + 7, layout)
+    q = random_query(B, n_kv, g, d, seed=S)
+    fused, reference = both(q, cache, [S] * B, compression, 128, mean_v)
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_ragged_rows_each_at_its_own_split(n_threads, threads):
+    """Rows of different lengths, one short enough (<= k_max) to take every position and component."""
+    threads(n_threads)
+    lengths = [90, 2100, 700]
+    cache = scaled_cache(lengths, 2, 64, 2200)
+    q = random_query(3, 2, 3, 64, seed=4)
+    fused, reference = both(q, cache, lengths, 1 / 8, 128, True)
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+    for b, n in enumerate(lengths):  # and each row alone
+        alone = kernels.sparq_adaptive_cpu(q[b:b + 1], cache.k[b:b + 1], cache.k_t[b:b + 1], cache.v[b:b + 1],
+                                           cache.v_sum[b:b + 1], key_spread(cache.k_moments[b:b + 1], n), n, None,
+                                           1 / 8, 128, True)
+        torch.testing.assert_close(fused[b:b + 1], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_cache(threads):
+    threads(2)
+    cache = scaled_cache([1800, 1800], 3, 64, 1800, dtype=torch.bfloat16)
+    q = random_query(2, 3, 3, 64, seed=9)
+    fused, reference = both(q, cache, [1800, 1800], 1 / 4, 128, False)
+    torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_the_policy_on_the_fused_kernel_and_compiled():
+    """SparQAdaptiveDecode with the CPU kernels equals it on the torch path, eager and compiled (fullgraph:
+    the split is made inside the kernel, nothing reaches the host)."""
+    cache = scaled_cache([1000, 1000], 3, 64, 1100)
+    fused = SparQAdaptiveDecode(1 / 8, kernels=kernels.CPU_KERNELS)
+    reference = SparQAdaptiveDecode(1 / 8)
+    q = random_query(2, 3, 3, 64, seed=2)
+    torch.testing.assert_close(fused(q, cache, 1000), reference(q, cache, 1000), atol=1e-5, rtol=1e-5)
+    compiled = torch.compile(fused, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(q, cache, 1000), reference(q, cache, 1000), atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck():
+    cache = scaled_cache([400, 400], 2, 32, 420)
+    q = random_query(2, 2, 2, 32)
+    spread = key_spread(cache.k_moments[:2], 400)
+    torch.library.opcheck(torch.ops.sparq.adaptive_cpu.default,
+                          (q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, 400, 0.125, 64, True, None),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_rejects_bad_arguments():
+    cache = scaled_cache([100], 2, 32, 120)
+    q = random_query(1, 2, 2, 32)
+    spread = key_spread(cache.k_moments[:1], 100)
+    with pytest.raises(RuntimeError, match="compression"):
+        kernels.sparq_adaptive_cpu(q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, 100, None, 0.0, 64, False)
+    with pytest.raises(RuntimeError, match="spread"):
+        kernels.sparq_adaptive_cpu(q, cache.k, cache.k_t, cache.v, cache.v_sum, spread.double(), 100, None, 0.5, 64,
+                                   False)
