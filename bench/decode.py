@@ -37,6 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--compression", default=None,
                    help="comma list of targets (1/8,1/4), instead of --sparq-r: r solved for each at the longest "
                         "context, as generate.py --compression solves it")
+    p.add_argument("--adaptive", action="store_true",
+                   help="also time sparq-adaptive at each --compression target (its own split per layer and step)")
     p.add_argument("--sparq-k", type=int, default=128)
     p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
     p.add_argument("--sparq-mean-v", choices=("auto", "on", "off"), default="auto")
@@ -173,6 +175,8 @@ def run(args) -> int:
     kernels = kernels_for(args.kernel, "cpu", model_args)  # both policies share the kernel family and the linears
     if args.compression and args.sparq_r:
         raise UserError("--compression solves --sparq-r: give one or the other")
+    if args.adaptive and not args.compression:
+        raise UserError("--adaptive times sparq-adaptive at the --compression targets: give --compression")
     # (label, first decode position of each row): every context at every batch size, then the ragged case
     cases = [(str(context), [starts[context]] * B) for context in contexts for B in batches]
     if args.ragged:
@@ -195,6 +199,10 @@ def run(args) -> int:
     settings = {"dense": AttentionSettings("dense")}
     for r in r_values:  # one SparQ policy per r: "sparq", or "sparq-r16", "sparq-r32", ...
         settings["sparq" if len(r_values) == 1 else f"sparq-r{r}"] = replace(sparq, sparq_r=r)
+    adaptive_targets = [b.target for b in budgets] if args.adaptive else []
+    for t in adaptive_targets:  # "sparq-adaptive", or "sparq-adaptive-1/8", ...
+        settings["sparq-adaptive" if len(adaptive_targets) == 1 else f"sparq-adaptive-{t}"] = AttentionSettings(
+            "sparq-adaptive", compression=t, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v)
     try:
         factories = {name: policy_factory(s, model_args, kernels) for name, s in settings.items()}
     except ValueError as e:
@@ -265,6 +273,8 @@ def run(args) -> int:
                     "prompt_tokens": label if "/" in label else int(label), "live_length": max(live),
                     "batch_size": B, "dtype": dtype_name,
                     "attention": name, "sparq_r": settings[name].sparq_r, "kernel": kernels.name, "compiled": args.compile,
+                    "adaptive_compression": (float(settings[name].compression)
+                                             if settings[name].policy == "sparq-adaptive" else None),
                     "threads": torch.get_num_threads(),
                     "prefill_tokens_per_s": prefill_tok_s.get(label if "/" in label else int(label)),
                     "decode_tokens_per_s": 1 / seconds[name], "total_tokens_per_s": B / seconds[name],
@@ -337,7 +347,8 @@ def _beside_llamacpp(rows: list[dict], theirs: dict, llama: _LlamaCpp, contexts:
     """llama.cpp's rows (_LlamaCpp, timed in rounds between ours) printed beside our B = 1 rows."""
     from scripts import llamacpp
 
-    ours = {(r["dtype"], r["prompt_tokens"], r["sparq_r"]): r for r in rows if r["batch_size"] == 1}  # r None: dense
+    ours = {(r["dtype"], r["prompt_tokens"], r["sparq_r"]): r for r in rows  # r None: dense
+            if r["batch_size"] == 1 and r["adaptive_compression"] is None}
     rs = sorted({r for (_, _, r) in ours if r is not None})
     with_prefill = any(r.get("prefill_tokens_per_s") is not None for r in ours.values())  # bench --prefill
     rounds = len(next(iter(theirs.values()))["decode_tok_s_rounds"])
@@ -369,15 +380,16 @@ def _prefill_cells(ours: dict, theirs: dict) -> str:
 
 _DECODE_HEADER = (f"{'dtype':9} {'context':>7} {'B':>3} {'r':>3} {'dense tok/s':>11} {'SparQ tok/s':>11} {'speedup':>7} "
                   f"{'theory':>6} {'KV theory':>9} {'dense GB/s':>10} {'SparQ GB/s':>10} {'dense KV GB/s':>13} "
-                  f"{'SparQ KV GB/s':>13}")
+                  f"{'SparQ KV GB/s':>13} policy")
 
 
 def _decode_row_line(dense: dict, sparq: dict) -> str:
-    return (f"{dense['dtype']:9} {str(dense['prompt_tokens']):>7} {dense['batch_size']:3d} {sparq['sparq_r']:3d} "
+    r = "-" if sparq["sparq_r"] is None else sparq["sparq_r"]  # sparq-adaptive: r per layer and step
+    return (f"{dense['dtype']:9} {str(dense['prompt_tokens']):>7} {dense['batch_size']:3d} {r:>3} "
             f"{dense['decode_tokens_per_s']:11.2f} {sparq['decode_tokens_per_s']:11.2f} "
             f"{sparq['speedup_vs_dense']:6.2f}x {sparq['theoretical_speedup']:5.2f}x "
             f"{sparq['theoretical_kv_speedup']:8.2f}x {dense['gb_s']:10.2f} {sparq['gb_s']:10.2f} "
-            f"{dense['kv_gb_s']:13.2f} {sparq['kv_gb_s']:13.2f}")
+            f"{dense['kv_gb_s']:13.2f} {sparq['kv_gb_s']:13.2f} {sparq['attention']}")
 
 
 def _print_decode_table(rows: list[dict], config, kernel: str, compiled: bool) -> None:

@@ -34,6 +34,21 @@ def test_decode_json_rows(tmp_path, smollm2_checkpoint, capsys):
     assert "dense tok/s" in printed and "prefill, float32, B = 1" in printed and "N=40: " in printed
 
 
+def test_decode_adaptive_rows_beside_sparq_at_the_same_target(tmp_path, smollm2_checkpoint):
+    """--adaptive: a sparq-adaptive row per --compression target beside SparQ's, both reading about the
+    target's share of dense's KV bytes."""
+    out = tmp_path / "decode.json"
+    code = bench_cli.main(["decode", "--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "600",
+                           "--batch-size", "1", "--steps", "2", "--warmup", "0", "--compression", "1/4",
+                           "--adaptive", "--json", str(out)])
+    assert code == 0
+    rows = {r["attention"]: r for r in read_json(out)["rows"]}
+    assert set(rows) == {"dense", "sparq", "sparq-adaptive"}
+    assert rows["sparq-adaptive"]["adaptive_compression"] == 0.25 and rows["sparq"]["adaptive_compression"] is None
+    for name in ("sparq", "sparq-adaptive"):
+        assert rows[name]["theoretical_kv_speedup"] == pytest.approx(4, rel=0.1)
+
+
 def test_decode_near_the_model_context_ends_there(smollm2_checkpoint):
     from model import ModelArgs
 
@@ -65,6 +80,7 @@ def test_attention_json_rows(tmp_path, capsys):
     (["decode", "--prompt-tokens", "1k"], "--prompt-tokens"),
     (["decode", "--batch-size", "0"], "--batch-size"),
     (["attention", "--shape", "gpt5"], "gpt5"),
+    (["decode", "--adaptive"], "--compression"),
 ])
 def test_bad_input_is_a_one_line_error(argv, fragment, capsys):
     status = bench_cli.main(argv)
