@@ -75,13 +75,15 @@ def test_matches_reference(B, n_kv, g, d, S, compression, mean_v, layout, n_thre
 
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_ragged_rows_each_at_its_own_split(n_threads, threads):
-    """Rows of different lengths, one short enough (<= k_max) to take every position and component."""
+    """Rows of different lengths, two short enough (<= k_max) to take every position and component, one
+    of them a single position (its keys' spread is 0: the floor keeps its scores finite)."""
     threads(n_threads)
-    lengths = [90, 2100, 700]
+    lengths = [90, 2100, 700, 1]
     cache = scaled_cache(lengths, 2, 64, 2200)
-    q = random_query(3, 2, 3, 64, seed=4)
+    q = random_query(4, 2, 3, 64, seed=4)
     fused, reference = both(q, cache, lengths, 1 / 8, 128, True)
     torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused[3], cache.v[3, :, :1].expand(2, 3, 64))  # one position: its V
     for b, n in enumerate(lengths):  # and each row alone
         alone = kernels.sparq_adaptive_cpu(q[b:b + 1], cache.k[b:b + 1], cache.k_t[b:b + 1], cache.v[b:b + 1],
                                            cache.v_sum[b:b + 1], key_spread(cache.k_moments[b:b + 1], n), n, None,
