@@ -240,7 +240,8 @@ def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, len
         qs = [q[b, h].float() for h in range(n_kv)]  # (g, d) each
         Ks, Vs = [k[b, h, :S].float() for h in range(n_kv)], [v[b, h, :S].float() for h in range(n_kv)]
         # Step 1: the pooled components
-        sigma = [torch.ones(d) if spread is None else spread[b, h].float() for h in range(n_kv)]  # (d,) each
+        sigma = [torch.ones(d, device=q.device) if spread is None else spread[b, h].float()
+                 for h in range(n_kv)]  # (d,) each
         weight = [qh.abs() * sigma[h] for h, qh in enumerate(qs)]  # (g, d) each
         shares = [w.sum(0) / w.sum() for w in weight]  # (d,) each
         chosen = [[int(sh.argmax())] for sh in shares]
@@ -285,7 +286,7 @@ def key_spread(k_moments: Tensor, count: Tensor | int) -> Tensor:
     """The keys' standard deviation per dimension over `count` positions (an int, or (B,) per row), from
     the cache's running sums of K and K^2 (KVCache.k_moments (B, n_kv, 2, d)) -> (B, n_kv, d) fp32,
     at least SPREAD_FLOOR."""
-    n = count if isinstance(count, int) else count.view(-1, 1, 1)
+    n = count.view(-1, 1, 1) if isinstance(count, Tensor) else count
     mean = k_moments[:, :, 0] / n
     return (k_moments[:, :, 1] / n - mean * mean).clamp(min=SPREAD_FLOOR ** 2).sqrt()
 
@@ -371,9 +372,10 @@ def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int) 
     """(r, k) of one layer's step over seq_len visible positions at `compression` of dense's transfers:
     the positions take half of the budget (k = c S / 2, at most k_max), the components the rest (r in
     [1, d]), and what rounding r down leaves goes back to k, so S r + 2 k d + 6 d (SparQ's transfers
-    and the keys' running sums, 2 d) is within 2d of c (2 S d + 2 d). A 512-position window layer of Gemma 3 at 1/4 gets k = 64 and r = 62 of 256 where
-    one (r, k) for every layer gave it k = 128 and r = 27; SmolLM2 at 1/8 and 1.4k tokens r = 7 at
-    k = 96 instead of r = 4 at k = 128."""
+    and the keys' running sums, 2 d) is within 2d of c (2 S d + 2 d). A 512-position window layer of
+    Gemma 3 at 1/4 gets k = 64 and r = 61 of 256 where one (r, k) for every layer gave it k = 128 and
+    r = 27; SmolLM2 at 1/8 and 1.4k tokens r = 7 at k = 96 instead of r = 4 at k = 128. The fused
+    kernel (csrc/sparq_adaptive.cpp) repeats this arithmetic for each row."""
     d = head_dim
     budget = int(compression * (2 * seq_len * d + 2 * d))
     k = max(1, min(k_max, int(compression * seq_len / 2)))
