@@ -18,7 +18,8 @@
 //
 // Phases over units (bh = b * H + h split over S into chunks, as sparq_decode.cpp's chunked path):
 //   0 (units)  the row's pooled components (cheap: H x d values, recomputed by each unit), pass A over
-//              the unit's chunk with the head's r_h rows;
+//              the unit's chunk with the head's r_h rows (a bh of one chunk, without mean-V, goes on
+//              to phase 1's work at once, from its E still in L2);
 //   1 (units)  softmax weights from all chunks' maxima and sums, the chunk's best H m candidates
 //              (every member of the row's pooled top H m is among its chunk's top H m);
 //   2 (rows)   merge the row's candidates over heads and chunks, keep the top H m: per-head positions;
@@ -132,7 +133,7 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KT* kt, const
                 s_st = take(o, g * (int64_t)(sizeof(RunState) / sizeof(float))), s_sc = take(o, ldE),
                 s_bmax = take(o, nblk + 1), merge = std::max(ldE, H * most_chunks * cap) + 16,
                 s_ss = take(o, merge), s_si = take(o, merge), s_lg = take(o, g * P.kk), s_y = take(o, g * d),
-                s_alpha = take(o, g);
+                s_alpha = take(o, g), s_E = take(o, g * ldE), s_mb = take(o, g * nblk);
   const int64_t slot_floats = round_up(o, 16);
   // per unit: E (g x cs), block maxima then weights (g x cs / 32), m and Z per head, candidates;
   // per bh: its positions (count, then up to P.kk)
@@ -150,6 +151,37 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KT* kt, const
   auto bh_count = [&](int64_t bh) { return reinterpret_cast<int32_t*>(bh_base + bh * bh_floats); };
   auto bh_pos = [&](int64_t bh) { return reinterpret_cast<int32_t*>(bh_base + bh * bh_floats + 16); };
   auto scratch = [&](int slot, int64_t at) { return base + slot * slot_floats + at; };
+
+  // A bh of one chunk without mean-V finishes its unit in phase 0 from the slot's own E (still in L2);
+  // writing every bh's E out for phase 1 cost a fifth of the step at B = 8 (README, adaptive SparQ).
+  auto own = [&](int64_t u) { return !P.mean_v && P.chunks(P.unit_bh[u]) == 1; };
+  // softmax weights from every chunk's maximum and sum, then the chunk's best H m candidates
+  auto candidates = [&](int64_t u, int slot, float* E, float* mb) {
+    const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh);
+    const RowPlan& w = A.rows[bh / H];
+    const int64_t p0 = (u - u0) * P.cs, p1 = std::min(w.S, p0 + P.cs);
+    for (int64_t gg = 0; gg < g; ++gg) {
+      float M_ = kNegInf, Z = 0.f;
+      for (int64_t cc = 0; cc < nc; ++cc) M_ = std::max(M_, ustat(u0 + cc)[gg]);
+      for (int64_t cc = 0; cc < nc; ++cc) {
+        const float* s2 = ustat(u0 + cc);
+        if (s2[g + gg] > 0.f) Z += s2[g + gg] * std::exp(s2[gg] - M_);
+      }
+      block_weights(mb + gg * nblk, (p1 - p0 + kBlock - 1) / kBlock, M_, Z);
+    }
+    int32_t* count = reinterpret_cast<int32_t*>(ucand(u));
+    *count = 0;
+    const int64_t shi = std::min(p1, w.S - w.n_local);
+    if (shi > p0) {
+      float* ss = scratch(slot, s_ss);
+      int32_t* si = reinterpret_cast<int32_t*>(scratch(slot, s_si));
+      const int64_t cnt = select_top(E, ldE, mb, nblk, g, p0, shi, H * w.m, scratch(slot, s_sc), scratch(slot, s_bmax),
+                                     ss, si);
+      *count = (int32_t)cnt;
+      std::copy(ss, ss + cnt, ucand(u) + 16);
+      std::copy(si, si + cnt, reinterpret_cast<int32_t*>(ucand(u) + 16 + cap));
+    }
+  };
 
   auto fn = [&](int phase, int64_t u, int slot) {
     float* qf = scratch(slot, s_qf);
@@ -176,34 +208,14 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KT* kt, const
         st[gg].m = kNegInf;
         std::fill(st[gg].z, st[gg].z + 16, 0.f);
       }
-      pass_a<KT>(P, r_h, rows, kbh, qmask, qhat, p0, p1, uE(u), ldE, st, umb(u), nblk);
+      float* E = own(u) ? scratch(slot, s_E) : uE(u);
+      float* mb = own(u) ? scratch(slot, s_mb) : umb(u);
+      pass_a<KT>(P, r_h, rows, kbh, qmask, qhat, p0, p1, E, ldE, st, mb, nblk);
       float* stat = ustat(u);
       for (int64_t gg = 0; gg < g; ++gg) { stat[gg] = st[gg].m; stat[g + gg] = hsum(load(st[gg].z)); }
-    } else if (phase == 1) {  // softmax weights, and the chunk's best H m candidates
-      const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh);
-      const RowPlan& w = A.rows[bh / H];
-      const int64_t p0 = (u - u0) * P.cs, p1 = std::min(w.S, p0 + P.cs);
-      for (int64_t gg = 0; gg < g; ++gg) {
-        float M_ = kNegInf, Z = 0.f;
-        for (int64_t cc = 0; cc < nc; ++cc) M_ = std::max(M_, ustat(u0 + cc)[gg]);
-        for (int64_t cc = 0; cc < nc; ++cc) {
-          const float* s2 = ustat(u0 + cc);
-          if (s2[g + gg] > 0.f) Z += s2[g + gg] * std::exp(s2[gg] - M_);
-        }
-        block_weights(umb(u) + gg * nblk, (p1 - p0 + kBlock - 1) / kBlock, M_, Z);
-      }
-      int32_t* count = reinterpret_cast<int32_t*>(ucand(u));
-      *count = 0;
-      const int64_t shi = std::min(p1, w.S - w.n_local);
-      if (shi > p0) {
-        float* ss = scratch(slot, s_ss);
-        int32_t* si = reinterpret_cast<int32_t*>(scratch(slot, s_si));
-        const int64_t cnt = select_top(uE(u), ldE, umb(u), nblk, g, p0, shi, H * w.m, scratch(slot, s_sc),
-                                       scratch(slot, s_bmax), ss, si);
-        *count = (int32_t)cnt;
-        std::copy(ss, ss + cnt, ucand(u) + 16);
-        std::copy(si, si + cnt, reinterpret_cast<int32_t*>(ucand(u) + 16 + cap));
-      }
+      if (own(u)) candidates(u, slot, E, mb);
+    } else if (phase == 1) {
+      if (!own(u)) candidates(u, slot, uE(u), umb(u));
     } else if (phase == 2) {  // the row's top H m over its heads: ids h S + position, ascending
       const int64_t b = u;
       const RowPlan& w = A.rows[b];
