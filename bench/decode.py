@@ -348,7 +348,7 @@ def _beside_llamacpp(rows: list[dict], theirs: dict, llama: _LlamaCpp, contexts:
     from scripts import llamacpp
 
     ours = {(r["dtype"], r["prompt_tokens"], r["sparq_r"]): r for r in rows  # r None: dense
-            if r["batch_size"] == 1 and r["adaptive_compression"] is None}
+            if r["batch_size"] == 1 and r.get("adaptive_compression") is None}
     rs = sorted({r for (_, _, r) in ours if r is not None})
     with_prefill = any(r.get("prefill_tokens_per_s") is not None for r in ours.values())  # bench --prefill
     rounds = len(next(iter(theirs.values()))["decode_tok_s_rounds"])
