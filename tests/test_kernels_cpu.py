@@ -32,23 +32,7 @@ from model import KVCache  # noqa: E402
 from sparq import SparQConfig, selection_has_ties, sparq_reference  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fused_kernel():
-    error = kernels.cpu_kernel_error()
-    if error is not None:
-        pytest.fail(f"the fused CPU kernel did not build: {error}")
-
-
-@pytest.fixture
-def threads():
-    """Set torch's thread count for one test (the kernel splits S across threads when B * n_kv is small)."""
-    before = torch.get_num_threads()
-
-    def set_threads(n: int) -> None:
-        torch.set_num_threads(n)
-
-    yield set_threads
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("fused_cpu_kernels")
 
 
 def _query(gen, B, n_kv, g, d, r, dtype) -> torch.Tensor:

@@ -15,19 +15,7 @@ from model import KVCache
 from sparq import SparQAdaptiveDecode, key_spread, sparq_adaptive_attention_torch
 from test_sparq import random_query
 
-
-@pytest.fixture(scope="module", autouse=True)
-def fused_kernel():
-    error = kernels.cpu_kernel_error()
-    if error is not None:
-        pytest.fail(f"the fused CPU kernel did not build: {error}")
-
-
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("fused_cpu_kernels")
 
 
 def scaled_cache(lengths: list[int], n_kv: int, d: int, S_max: int, layout: str = "twice",
