@@ -353,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end to end: generate.py --compile's torch.compile (default: inductor with CUDA graphs), "
                         "cudagraphs = the eager ops captured in CUDA graphs (no inductor: faster to build), "
                         "eager = plain calls")
+    p.add_argument("--models", default=None, help=f"e2e: comma list of {', '.join(E2E_MODELS)} (default: both)")
+    p.add_argument("--contexts", default=None, help="e2e: comma list of context lengths (default 4096,16384,32768; "
+                   "--quick 4096,16384)")
+    p.add_argument("--batches", default=None, help="e2e: comma list of batch sizes (default 1,8)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="start no new row after this many seconds (default 480: a section ends inside 10 minutes)")
     p.add_argument("--json", type=Path, help="write the report as JSON, rewritten after every row")
@@ -371,6 +375,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     sections = parse_sections(args.sections)
+    args.models = cli.name_list(args.models, "--models", E2E_MODELS) if args.models else None
+    args.contexts = cli.int_list(args.contexts, "--contexts") if args.contexts else None
+    args.batches = cli.int_list(args.batches, "--batches") if args.batches else None
     started = time.perf_counter()
     over_budget = lambda: time.perf_counter() - started > args.budget_s  # noqa: E731
     report = Report(args.json)
@@ -461,15 +468,16 @@ def end_to_end(report: Report, section: str, args: argparse.Namespace, device: s
     backend = None if args.compile == "eager" else args.compile
     dtype = torch.bfloat16 if cuda else torch.float32
     if section == "e2e":
-        models = E2E_MODELS if cuda else ("tiny",)
-        contexts = ((4096, 16384) if args.quick else E2E_CONTEXTS) if cuda else (64, 200)
+        models = (args.models or E2E_MODELS) if cuda else ("tiny",)
+        contexts = (args.contexts or ((4096, 16384) if args.quick else E2E_CONTEXTS)) if cuda else (64, 200)
+        batches = (args.batches or E2E_BATCHES) if cuda else (1, 2)
         for name in models:  # the goals' rows first: Llama-2-7B at B = 1
             if over_budget():
                 report.skipped[f"e2e {name}"] = "time budget"
                 continue
             print(f"\n== e2e: {name} shape, random weights, {args.compile} ==", flush=True)
             model = random_model(ModelArgs.from_shape(name), device, dtype, kern)
-            e2e_rows(report, section, model, name, "bf16" if cuda else "fp32", E2E_BATCHES if cuda else (1, 2),
+            e2e_rows(report, section, model, name, "bf16" if cuda else "fp32", batches,
                      contexts, steps, backend, over_budget)
             del model
             if cuda:
