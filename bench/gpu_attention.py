@@ -86,30 +86,61 @@ def time_host(calls: list[Callable[[], object]], replays: int = 2) -> float:
     return (time.perf_counter() - start) / (replays * len(calls))
 
 
-def kernels_per_call(call: Callable[[], object]) -> Optional[int]:
-    """GPU kernels one call launches (torch.profiler, after a warm-up call); None without CUDA."""
+def _kernel_name(name: str) -> str:
+    """A profiler kernel name shortened for the report: Triton's '_sparq_step1_kernel' -> 'sparq_step1'."""
+    name = name.split("(")[0].split("<")[0].strip()
+    return name.strip("_").removesuffix("_kernel") or name
+
+
+def kernel_times(events) -> dict[str, float]:
+    """name -> total device microseconds of the GPU kernels among profiler `events` (memcpy and memset
+    left out), in first-launch order."""
+    times: dict[str, float] = {}
+    for e in events:
+        if str(getattr(e, "device_type", "")).split(".")[-1].lower() not in ("cuda", "kernel"):
+            continue
+        if "memcpy" in e.name.lower() or "memset" in e.name.lower():
+            continue
+        name = _kernel_name(e.name)
+        times[name] = times.get(name, 0.0) + e.time_range.elapsed_us()
+    return times
+
+
+def kernels_per_call(calls: list[Callable[[], object]]) -> Optional[tuple[int, dict[str, float]]]:
+    """(GPU kernels one call launches, name -> device microseconds per call) from torch.profiler over
+    `calls` (each on its own cache copy, after a warm-up), launched eagerly: the sum of a call's kernel
+    times, set beside its time in a CUDA graph, shows how much of the call is gaps between kernels.
+    None without CUDA."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    call()
+    for call in calls:
+        call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        call()
+        for call in calls:
+            call()
         torch.cuda.synchronize()
-    kinds = {"cuda", "kernel"}
-    return sum(1 for e in prof.events() if str(getattr(e, "device_type", "")).split(".")[-1].lower() in kinds
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+    events = [e for e in prof.events()]
+    launches = sum(1 for e in events if str(getattr(e, "device_type", "")).split(".")[-1].lower() in ("cuda", "kernel")
+                   and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+    return launches // len(calls), {name: us / len(calls) for name, us in kernel_times(events).items()}
 
 
-def copy_bandwidth(device: str) -> float:
-    """Device-to-device copy bandwidth, bytes/s (read + write), from a 1 GiB copy in a CUDA graph."""
-    n = 2**30 // 4
-    a = torch.empty(n, dtype=torch.float32, device=device)
+def memory_bandwidth(device: str, gib: int = 4) -> dict[str, float]:
+    """The device's memory rates, bytes/s, each from CUDA graphs over `gib` GiB: "copy" (a device-to-device
+    copy, bytes read + written) and "read" (a sum over the tensor: bytes read). Decode attention only
+    reads, and a read streams faster than a copy (no read/write turnaround), so the transfer theory
+    uses the read rate: a kernel at 100% reads as fast as this device was seen reading."""
+    n = gib * 2**30 // 4
+    a = torch.empty(n, dtype=torch.float32, device=device).normal_()
     b = torch.empty_like(a)
-    seconds = time_cuda_graph([lambda: b.copy_(a)], replays=10)
-    del a, b
-    return 2 * 2**30 / seconds
+    copy = 2 * a.numel() * 4 / time_cuda_graph([lambda: b.copy_(a)], replays=5)
+    del b
+    read = a.numel() * 4 / time_cuda_graph([lambda: a.sum()], replays=5)
+    del a
+    return dict(copy=copy, read=read)
 
 
 def _attention_copies(B, n_kv, g, d, S, dtype, device, n_copies, seed=0):
@@ -216,7 +247,9 @@ def attention_row(shape, device: str, dtype=torch.bfloat16, bandwidth: Optional[
         row["error"] = "SparQ differs from the reference: " + row["reference_errors"]["sparq"]
     else:
         row["sparq_us"] = 1e6 * timer([lambda c=c: sparq(c) for c in copies], replays)
-        row["sparq_kernels"] = kernels_per_call(lambda: sparq(copies[0]))
+        profiled = kernels_per_call([lambda c=c: sparq(c) for c in copies[:8]])
+        if profiled is not None:
+            row["sparq_kernels"], row["sparq_kernel_us"] = profiled
         row["sparq_gbs"] = row["sparq_bytes"] / (row["sparq_us"] * 1e-6) / 1e9
     row["dense_all"] = {}
     for cname, fn in candidates.items():
@@ -229,7 +262,9 @@ def attention_row(shape, device: str, dtype=torch.bfloat16, bandwidth: Optional[
     if row["dense_all"]:
         best = min(row["dense_all"], key=row["dense_all"].get)
         row["dense_best"], row["dense_us"] = best, row["dense_all"][best]
-        row["dense_kernels"] = kernels_per_call(lambda: candidates[best](copies[0], S))
+        profiled = kernels_per_call([lambda c=c: candidates[best](c, S) for c in copies[:8]])
+        if profiled is not None:
+            row["dense_kernels"], row["dense_kernel_us"] = profiled
     if bandwidth:
         if "sparq_us" in row:
             row["sparq_theory_pct"] = 100 * row["sparq_bytes"] / bandwidth / (row["sparq_us"] * 1e-6)

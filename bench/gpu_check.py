@@ -46,7 +46,7 @@ import torch
 
 import cli
 from bench.gpu_attention import (ATTENTION_SHAPES, CPU_ATTENTION, QUICK_ATTENTION, TABLE4, attention_row,
-                                  copy_bandwidth)
+                                  memory_bandwidth)
 
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("tests", "attention", "e2e", "quant")
@@ -162,6 +162,18 @@ def attention_table(rows: list[dict]) -> str:
                     " ".join(f"{k}={fmt(v)}" for k, v in r.get("dense_all", {}).items())])
     return table(["shape", "dense us (best)", "SparQ us", "speedup", "theory", "dense %th", "SparQ %th",
                   "SparQ GB/s", "kernels d/s", "dense candidates us"], out)
+
+
+def kernel_table(rows: list[dict]) -> str:
+    """One line per shape: SparQ's time per kernel (device us) and their sum, beside its graph time."""
+    out = []
+    for r in rows:
+        if "sparq_kernel_us" not in r:
+            continue
+        parts = r["sparq_kernel_us"]
+        out.append([r["name"], fmt(r.get("sparq_us")), fmt(sum(parts.values())),
+                    "  ".join(f"{k}={fmt(v)}" for k, v in parts.items())])
+    return table(["shape", "graph us", "kernels' sum us", "per kernel us"], out)
 
 
 def e2e_table(rows: list[dict]) -> str:
@@ -394,8 +406,10 @@ def run(args: argparse.Namespace) -> int:
     report.environment = environment(device)
     print("gpu_check: " + report.environment["text"])
     if device == "cuda":
-        report.environment["copy_bandwidth"] = copy_bandwidth(device)
-        print(f"device copy bandwidth: {report.environment['copy_bandwidth'] / 1e12:.2f} TB/s (1 GiB copy, read + write)")
+        rates = memory_bandwidth(device)
+        report.environment["copy_bandwidth"], report.environment["read_bandwidth"] = rates["copy"], rates["read"]
+        print(f"device memory: read {rates['read'] / 1e12:.2f} TB/s (a 4 GiB sum: the transfer theory's rate), "
+              f"copy {rates['copy'] / 1e12:.2f} TB/s (4 GiB, read + write)")
     report.save()
 
     if "tests" in sections:
@@ -421,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
                     report.skipped[f"attention {shape[0]}"] = "time budget"
                     continue
                 try:
-                    row = attention_row(shape, device, bandwidth=report.environment.get("copy_bandwidth"),
+                    row = attention_row(shape, device, bandwidth=report.environment.get("read_bandwidth"),
                                         replays=20 if device == "cuda" else 1)
                 except Exception as e:  # recorded; the other shapes still run
                     row = dict(name=shape[0], B=shape[1], S=shape[5], error=f"{type(e).__name__}: {str(e)[:160]}")
@@ -433,6 +447,10 @@ def run(args: argparse.Namespace) -> int:
                       + (f" (kernels off their reference: {row['reference_errors']})" if row.get("reference_errors")
                          else ""), flush=True)
             print(attention_table(entry["rows"]))
+            if any("sparq_kernel_us" in r for r in entry["rows"]):
+                print("\nSparQ's kernels, device us per call (profiled launches, not graph-replayed; the gap to "
+                      "the graph's time is launch gaps and tails):")
+                print(kernel_table(entry["rows"]))
             report.goals += attention_goals(entry["rows"])
 
         run_section(report, "attention", attention)

@@ -26,6 +26,34 @@ def test_sections_and_bad_arguments(capsys):
     err = capsys.readouterr().err
     assert_one_line_error((2, err), "bogus")
     assert gpu_check.main(["--steps", "0"]) == 2
+    capsys.readouterr()
+    for flag, value in (("--models", "llama-9"), ("--contexts", "4k"), ("--batches", "0")):
+        assert gpu_check.main(["--sections", "e2e", flag, value]) == 2
+        assert_one_line_error((2, capsys.readouterr().err), flag)
+
+
+def test_kernel_times_sum_each_kernel_and_skip_copies():
+    """The attention rows' per-kernel breakdown: device time per kernel name, memcpy/memset left out,
+    names shortened, first-launch order."""
+    class Span:
+        def __init__(self, us):
+            self.us = us
+
+        def elapsed_us(self):
+            return self.us
+
+    class Event:
+        def __init__(self, name, us, device_type="DeviceType.CUDA"):
+            self.name, self.time_range, self.device_type = name, Span(us), device_type
+
+    events = [Event("_sparq_step1_kernel", 10.0), Event("Memcpy DtoD (Device -> Device)", 99.0),
+              Event("_sparq_select_kernel", 5.0), Event("aten::empty", 50.0, "DeviceType.CPU"),
+              Event("_sparq_step1_kernel", 12.0), Event("void at::native::reduce_kernel<512, 1>(float)", 3.0)]
+    times = gpu_attention.kernel_times(events)
+    assert times == {"sparq_step1": 22.0, "sparq_select": 5.0, "void at::native::reduce": 3.0}
+    rows = [dict(name="t4", sparq_us=30.0, sparq_kernel_us=times), dict(name="x", error="no")]
+    text = gpu_check.kernel_table(rows)
+    assert "sparq_step1=22.0" in text and "30.0" in text and "x" not in text.splitlines()[-1]
 
 
 def test_cpu_device_needs_the_interpreter(capsys, monkeypatch):
@@ -158,6 +186,8 @@ def test_cpu_smoke_of_the_whole_harness(tmp_path):
 
 @pytest.mark.skipif(not ON_GPU, reason="the attention timing needs a GPU (CUDA graphs, profiler kernel counts)")
 def test_attention_row_on_gpu():
-    row = gpu_attention.attention_row(("small", 1, 8, 4, 128, 8192, 32, 128), "cuda",
-                                  bandwidth=gpu_attention.copy_bandwidth("cuda"), replays=5)
+    rates = gpu_attention.memory_bandwidth("cuda", gib=1)
+    assert rates["read"] > 0 and rates["copy"] > 0
+    row = gpu_attention.attention_row(("small", 1, 8, 4, 128, 8192, 32, 128), "cuda", bandwidth=rates["read"], replays=5)
     assert row["sparq_us"] > 0 and row["dense_us"] > 0 and 3 <= row["sparq_kernels"] <= 5
+    assert len(row["sparq_kernel_us"]) == row["sparq_kernels"] and "sparq_step1" in row["sparq_kernel_us"]
