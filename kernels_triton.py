@@ -28,10 +28,10 @@ at r = 32, +50% for GQA g = 4; they are normalised per head before the group sum
 cannot be summed before every block is done), and the tiny stats and partials.
 
 Dense, one call = 1 or 2 launches: a flash-decoding kernel split over S (grid (B * n_kv, splits),
-each K/V row read once for the g heads sharing it; GQA dots on tensor cores in the cache dtype,
-MHA on CUDA cores), and the same combine when there are several splits. The verify pass of
-speculative decoding is the same kernel with a row's T queries folded into its heads (g T rows),
-each masked to its own causal range.
+each K/V row read once for the g heads sharing it; dots on tensor cores in a 16-bit cache dtype
+(MHA too, its one query row padded to 16), fp32 GQA in tf32x3, fp32 MHA on CUDA cores), and the
+same combine when there are several splits. The verify pass of speculative decoding is the same
+kernel with a row's T queries folded into its heads (g T rows), each masked to its own causal range.
 
 Live lengths (kernels.py docstring): a python int (exact reads), a 0-dim / 1-element device tensor
 (every row), or a (B,) device tensor (ragged rows). With a tensor the shapes and grids follow the
@@ -553,7 +553,10 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, sms: in
 def dense_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, native_dot: bool, sms: int = 132) -> dict:
     """Sizes and launch parameters of one dense call: SPLIT positions per program, n_split programs per row."""
     rows = B * n_kv
-    use_dot = g > 1
+    # Tensor cores whenever the operands are 16-bit (MHA too: one real row of the 16 a dot needs costs
+    # nothing in a memory-bound loop, while MHA's CUDA-core path read 2.3x slower than SDPA on an H200,
+    # README); fp32 MHA keeps the FMAs.
+    use_dot = g > 1 or native_dot
     G_PAD = max(16, _pow2(g)) if use_dot else 1
     D_PAD = max(16, _pow2(d))
     BLOCK_N = 64 if (use_dot and native_dot or d <= 64) else 32  # fp32 tiles: 32 rows (64 spills)
