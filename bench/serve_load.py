@@ -1,0 +1,271 @@
+"""python -m bench serve-load: a closed-loop load against serve.py (and, optionally, llama-server),
+on the loopback interface only.
+
+    python -m bench serve-load --clients 1,4,16 --prompt-tokens 512,4096 --new-tokens 128 --duration 60
+    python -m bench serve-load --server-args "--sparq-r 16 --sparq-k 128" --clients 16 --prompt-tokens 4096
+    python -m bench serve-load --url http://127.0.0.1:8000/v1 --clients 4 --prompt-tokens 512
+
+C clients each send their next request when the last one finished (streamed /v1/completions, a prompt
+of N essay tokens at its own offset, `max_tokens` new tokens with ignore_eos, greedy), for --duration
+seconds; requests in flight then finish. Per (C, N): total decode throughput (generated tokens of every
+request over the run's wall time), time to first token and inter-token latency (p50, p99: the gaps
+between a request's streamed tokens), requests and failures. Without --url the server is started here
+(serve.py on the embedded model, --max-batch-size = the largest C, --server-args added) and stopped
+after. (llama-server's row, the same load in the same run, needs scripts/llamacpp.py to build the
+server target: not yet.)
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+import cli
+from cli import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+# ---------------------------------------------------------------------------------------------
+# One request, streamed
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    tokens: int = 0
+    ttft_s: Optional[float] = None
+    gaps_s: list[float] = field(default_factory=list)  # between successive streamed tokens
+    error: str = ""
+
+
+def stream_completion(url: str, prompt: str, new_tokens: int, timeout: float = 600) -> Outcome:
+    """POST {url}/completions with stream: true; time each server-sent chunk that carries text."""
+    parsed = urlparse(url)
+    body = json.dumps({"model": "any", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+    try:
+        conn.request("POST", parsed.path.rstrip("/") + "/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            return Outcome(False, error=f"HTTP {response.status}: {response.read()[:200]!r}")
+        out, last = Outcome(True), None
+        for raw in response:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            if chunk.get("usage"):
+                out.tokens = chunk["usage"].get("completion_tokens", out.tokens)
+            choices = chunk.get("choices") or [{}]
+            if choices[0].get("text"):
+                now = time.perf_counter()
+                if last is None:
+                    out.ttft_s = now - start
+                else:
+                    out.gaps_s.append(now - last)
+                last = now
+                if not chunk.get("usage"):
+                    out.tokens = max(out.tokens, len(out.gaps_s) + 1)
+        if out.ttft_s is None:
+            return Outcome(False, error="no token streamed")
+        return out
+    except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
+        return Outcome(False, error=f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The closed loop
+# ---------------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def closed_loop(url: str, prompts: list[str], clients: int, new_tokens: int, duration: float) -> dict:
+    """`clients` threads, each sending its next prompt (round robin over `prompts`, from its own offset)
+    when the last finished, until `duration` seconds have passed; then every request in flight finishes."""
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def client(c: int) -> None:
+        i = c
+        while time.perf_counter() - start < duration:
+            outcome = stream_completion(url, prompts[i % len(prompts)], new_tokens)
+            i += clients
+            with lock:
+                outcomes.append(outcome)
+
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    done = [o for o in outcomes if o.ok]
+    gaps = [g for o in done for g in o.gaps_s]
+    ttft = [o.ttft_s for o in done]
+    return dict(clients=clients, requests=len(outcomes), failed=len(outcomes) - len(done),
+                errors=sorted({o.error for o in outcomes if not o.ok})[:3], wall_s=wall,
+                tokens=sum(o.tokens for o in done), tokens_per_s=sum(o.tokens for o in done) / wall,
+                ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+                itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99))
+
+
+def essay_prompts(n_tokens: int, count: int) -> list[str]:
+    """`count` different prompts of n_tokens essay tokens each (the embedded model's tokenizer), at offsets
+    far apart; each is decoded back to text, which both servers tokenize the same way."""
+    import data
+    import tokenizer as tokenizer_module
+
+    tok = tokenizer_module.load_tokenizer(data.DEFAULT_CHECKPOINT)
+    ids = data.essay_tokens(tok, n_tokens + 997 * count)
+    return [tok.decode(ids[997 * i: 997 * i + n_tokens]) for i in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers started here
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+    parsed = urlparse(url)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise UserError(f"{what} exited with status {proc.returncode} before answering")
+        try:
+            conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise UserError(f"{what} did not answer /health within {timeout:.0f} s")
+
+
+def start_ours(rows: int, context: int, extra: list[str]) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    cmd = [sys.executable, "serve.py", "--port", str(port), "--max-batch-size", str(rows),
+           "--max-seq-length", str(context), *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    wait_healthy(url, proc, "serve.py")
+    return url, proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command
+# ---------------------------------------------------------------------------------------------
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve-load", help="closed-loop load against serve.py (and llama-server)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running server's base URL (loopback only), e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--server-args", default="", help="flags added to serve.py when it is started here")
+    p.add_argument("--clients", default="1,4,16", help="comma list of concurrent clients (default 1,4,16)")
+    p.add_argument("--prompt-tokens", default="512,4096", help="comma list of prompt lengths (default 512,4096)")
+    p.add_argument("--new-tokens", type=cli.positive_int, default=128)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds each (C, N) keeps sending (default 60)")
+    p.add_argument("--json", type=Path, help="write the rows as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    clients = cli.int_list(args.clients, "--clients")
+    lengths = cli.int_list(args.prompt_tokens, "--prompt-tokens")
+    if args.duration <= 0:
+        raise UserError(f"--duration must be positive, got {args.duration}")
+    if args.url is not None and urlparse(args.url).hostname not in LOOPBACK:
+        raise UserError(f"--url must be a loopback address (this load generator stays on this machine), got {args.url}")
+    rows, context = max(clients), max(lengths) + args.new_tokens + 64
+    prompts = {n: essay_prompts(n, 2 * max(clients)) for n in lengths}
+    targets = []  # (label, url, process or None)
+    if args.url:
+        targets.append(("serve.py (given URL)", args.url, None))
+    else:
+        url, proc = start_ours(rows, context, shlex.split(args.server_args))
+        targets.append((f"serve.py {args.server_args}".strip(), url, proc))
+    results = []
+    try:
+        for n in lengths:
+            for c in clients:
+                for label, url, _ in targets:
+                    print(f"{label}: C={c} N={n} ...", file=sys.stderr, flush=True)
+                    row = dict(server=label, prompt_tokens=n, new_tokens=args.new_tokens,
+                               **closed_loop(url, prompts[n], c, args.new_tokens, args.duration))
+                    results.append(row)
+                    print(format_row(row), file=sys.stderr, flush=True)
+    finally:
+        for _, _, proc in targets:
+            if proc is not None:
+                stop(proc)
+    print(format_table(results))
+    if args.json:
+        cli.write_json(args.json, dict(rows=results, args={k: str(v) for k, v in vars(args).items() if k != "func"}))
+    return 1 if any(r["failed"] for r in results) else 0
+
+
+def ms(x: Optional[float]) -> str:
+    return "-" if x is None else f"{1e3 * x:.0f}"
+
+
+def format_row(r: dict) -> str:
+    return (f"  {r['tokens_per_s']:.1f} tok/s, TTFT p50/p99 {ms(r['ttft_p50_s'])}/{ms(r['ttft_p99_s'])} ms, "
+            f"ITL p50/p99 {ms(r['itl_p50_s'])}/{ms(r['itl_p99_s'])} ms, {r['requests']} requests, {r['failed']} failed")
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["server", "C", "prompt", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+            "p99/p50", "requests", "failed"]
+    body = [[r["server"], r["clients"], r["prompt_tokens"], f"{r['tokens_per_s']:.1f}", ms(r["ttft_p50_s"]),
+             ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
+             f"{r['itl_p99_s'] / r['itl_p50_s']:.1f}" if r["itl_p50_s"] else "-", r["requests"], r["failed"]]
+            for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
+             for line in [head] + body]
+    return "\n".join(lines)
