@@ -2,7 +2,7 @@
 
 The caches hold `max_batch` rows. A request takes a free row, is prefilled into it `prefill_chunk`
 tokens at a time (one chunk between two decode steps, so a long prompt never stalls the others for
-its whole prefill), then decodes with the other busy rows, each at its own position; a finished or
+its whole prefill; several per step while nothing decodes), then decodes with the other busy rows, each at its own position; a finished or
 cancelled request frees its row at once. The decode step always runs every row (the shapes never
 change, so one compiled step serves any mix): a row that is free or still prefilling computes a
 token nobody reads, written at its own live length (a free row's: position 0) and truncated away
@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from decoding import chunk_ends, decode_step, prefill, probabilities
+from decoding import PREFILL_CHUNK, chunk_ends, decode_step, prefill, probabilities
 from model import Transformer
 
 
@@ -79,7 +79,8 @@ class _Row:
 class Engine:
     model: Transformer  # caches set up for max_batch rows, the policy installed
     max_seq_length: int
-    prefill_chunk: int = 512  # prompt tokens per prefill step between two decode steps
+    prefill_chunk: int = 128  # prompt tokens per prefill chunk: one chunk between two decode steps
+    idle_prefill: int = PREFILL_CHUNK  # prompt tokens per step while no row decodes (whole chunks)
     max_queue: int = 64  # requests waiting for a row before submit() refuses (QueueFull)
     decode: Callable = decode_step  # the step (decoding.compiled_decode_step for --compile)
     rows: list[Optional[_Row]] = field(init=False)
@@ -149,9 +150,15 @@ class Engine:
         """Admit, end what was cancelled, one prefill chunk, one decode step of every decoding row."""
         self._end_cancelled()
         self._admit()
-        prefilling = [i for i, row in enumerate(self.rows) if row is not None and not row.decoding]
-        if prefilling:
-            self._prefill_chunk(min(prefilling, key=lambda i: self.rows[i].id))  # oldest first
+        decoding = any(row is not None and row.decoding for row in self.rows)
+        # One chunk between two decode steps while rows decode (their tokens wait for it); with none
+        # decoding, chunks up to idle_prefill tokens (nobody waits). Chunk boundaries stay the same.
+        budget = self.prefill_chunk if decoding else max(self.prefill_chunk, self.idle_prefill)
+        while budget > 0:
+            prefilling = [i for i, row in enumerate(self.rows) if row is not None and not row.decoding]
+            if not prefilling:
+                break
+            budget -= self._prefill_chunk(min(prefilling, key=lambda i: self.rows[i].id))  # oldest first
         if any(row is not None and row.decoding for row in self.rows):
             self._decode_step()
         self.steps += 1
@@ -178,15 +185,17 @@ class Engine:
                     self.rows[i] = self.waiting.popleft()
                     self.model.reset_row(i)
 
-    def _prefill_chunk(self, i: int) -> None:
+    def _prefill_chunk(self, i: int) -> int:
+        """The next prefill chunk of row i; returns its tokens."""
         row = self.rows[i]
         prompt = row.request.prompt
         end = next(e for e in chunk_ends(0, len(prompt), self.prefill_chunk) if e > row.prefilled)  # as prefill() cuts
         tokens = torch.tensor([prompt[row.prefilled:end]], device=self.model.device)
         logits = prefill(self.model, tokens, chunk=end - row.prefilled, start=row.prefilled, row=i)  # (1, vocab)
-        row.prefilled = end
+        tokens_done, row.prefilled = end - row.prefilled, end
         if end == len(prompt):
             self._take(i, self._sample(row, logits[0]))
+        return tokens_done
 
     def _decode_step(self) -> None:
         """Every row steps: a decoding row feeds its next token at its length; any other row feeds a

@@ -353,8 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="rows decoding together")
     p.add_argument("--max-seq-length", type=cli.positive_int, default=None,
                    help="context per row: prompt + generated (default: the model's, at most 8192)")
-    p.add_argument("--prefill-chunk", type=cli.positive_int, default=512,
-                   help="prompt tokens prefilled between two decode steps")
+    p.add_argument("--prefill-chunk", type=cli.positive_int, default=128,
+                   help="prompt tokens prefilled between two decode steps (default 128: on 2 CPU cores a chunk "
+                        "then costs about two decode steps, README)")
     p.add_argument("--max-queue", type=cli.positive_int, default=64,
                    help="requests waiting for a row before the server answers 429")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)

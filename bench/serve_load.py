@@ -11,8 +11,9 @@ seconds; requests in flight then finish. Per (C, N): total decode throughput (ge
 request over the run's wall time), time to first token and inter-token latency (p50, p99: the gaps
 between a request's streamed tokens), requests and failures. Without --url the server is started here
 (serve.py on the embedded model, --max-batch-size = the largest C, --server-args added) and stopped
-after. (llama-server's row, the same load in the same run, needs scripts/llamacpp.py to build the
-server target: not yet.)
+after; --llama-server also starts llama.cpp's server (scripts/llamacpp.py builds it from the source
+`bench decode --llamacpp` times; -np = the same rows, the embedded GGUF converted to --llama-format)
+and the same load runs against both, taking turns at each (C, N).
 """
 from __future__ import annotations
 
@@ -186,6 +187,23 @@ def start_ours(rows: int, context: int, extra: list[str]) -> tuple[str, subproce
     return url, proc
 
 
+def start_llama_server(rows: int, context: int, fmt: str, threads: int) -> tuple[str, subprocess.Popen, str]:
+    """llama-server (scripts/llamacpp.py's build, the source `bench decode --llamacpp` times) on the
+    embedded GGUF in `fmt`: -np rows, each with `context` positions (-c is their total)."""
+    import data
+    from scripts import llamacpp
+
+    build = llamacpp.build(roles=("server",))
+    gguf = llamacpp.requantize(data.DEFAULT_GGUF, fmt, build_=build)
+    port = free_port()
+    cmd = [str(build.tool("server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(rows),
+           "-c", str(rows * context), "-t", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    wait_healthy(url, proc, "llama-server")
+    return url, proc, build.version
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -210,6 +228,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-tokens", default="512,4096", help="comma list of prompt lengths (default 512,4096)")
     p.add_argument("--new-tokens", type=cli.positive_int, default=128)
     p.add_argument("--duration", type=float, default=60.0, help="seconds each (C, N) keeps sending (default 60)")
+    p.add_argument("--llama-server", action="store_true",
+                   help="the same load against llama-server in the same run (the servers take turns at each C, N)")
+    p.add_argument("--llama-format", default="bf16", help="llama-server's GGUF format (default bf16)")
+    p.add_argument("--threads", type=cli.positive_int, default=2, help="llama-server's threads (default 2)")
     p.add_argument("--json", type=Path, help="write the rows as JSON")
     p.set_defaults(func=run)
 
@@ -231,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
         targets.append((f"serve.py {args.server_args}".strip(), url, proc))
     results = []
     try:
+        if args.llama_server:
+            url, proc, version = start_llama_server(rows, context, args.llama_format, args.threads)
+            targets.append((f"llama-server {version.split(' (')[0]} {args.llama_format}", url, proc))
         for n in lengths:
             for c in clients:
                 for label, url, _ in targets:

@@ -7,8 +7,8 @@
 llama.cpp is not on PyPI as a binary we may use, but the sdist of `llama-cpp-python` vendors its
 sources (`vendor/llama.cpp`, with the submodule's git metadata, so the exact commit is known). `build`
 downloads that sdist with pip, extracts only the vendored llama.cpp and builds `llama-bench`,
-`llama-quantize` and `llama-completion` with cmake: Release, -march=native (GGML_NATIVE), CPU only
-(no CUDA/Metal/BLAS/Vulkan), no network code, static. Everything lives in one cache directory,
+`llama-quantize`, `llama-completion` and `llama-server` (bench serve-load's peer) with cmake: Release, -march=native (GGML_NATIVE), CPU only
+(no CUDA/Metal/BLAS/Vulkan), no download code (curl, OpenSSL), static. Everything lives in one cache directory,
 `--cache DIR`, default `$SPARQ_FAST_CACHE/llama.cpp` (`SPARQ_FAST_CACHE` defaults to
 ~/.cache/sparq-fast); a finished build is reused (stamp file).
 
@@ -116,8 +116,10 @@ def check_toolchain() -> None:
             raise UserError(f"no {lang} compiler found ({env}: tried {', '.join(wanted)}): install gcc/g++ or clang")
 
 
-def find_build(cache_dir: Optional[Path] = None, version: str = LLAMA_CPP_PYTHON) -> Optional[Build]:
-    """The finished build in cache_dir, or None (no stamp, a binary missing, or built for another CPU)."""
+def find_build(cache_dir: Optional[Path] = None, version: str = LLAMA_CPP_PYTHON,
+               roles: Sequence[str] = ()) -> Optional[Build]:
+    """The finished build in cache_dir, or None (no stamp, a binary missing, built for another CPU, or
+    without one of `roles`: a build from before llama-server was among the targets)."""
     build_dir = Path(cache_dir or default_cache()) / f"build-{version}"
     try:
         stamp = json.loads((build_dir / STAMP).read_text())
@@ -128,11 +130,15 @@ def find_build(cache_dir: Optional[Path] = None, version: str = LLAMA_CPP_PYTHON
         return None
     if found.cpu != cpu_model() or not all(found.tool(role).is_file() for role in found.binaries):
         return None
+    if any(role not in found.binaries for role in roles):
+        return None
     return found
 
 
-def build(cache_dir: Optional[Path] = None, version: str = LLAMA_CPP_PYTHON, jobs: int = 2, nice: int = 10) -> Build:
-    """Build llama-bench, llama-quantize and the completion tool from llama-cpp-python's sdist; reuse a finished build.
+def build(cache_dir: Optional[Path] = None, version: str = LLAMA_CPP_PYTHON, jobs: int = 2, nice: int = 10,
+          roles: Sequence[str] = ()) -> Build:
+    """Build llama-bench, llama-quantize, the completion tool and llama-server from llama-cpp-python's
+    sdist; reuse a finished build that has `roles` (an older one is rebuilt incrementally).
 
     Steps, each skipped when its output is already in the cache: pip download of the sdist (no
     dependencies, no wheels), extraction of vendor/llama.cpp only, cmake configure, build of the three
@@ -141,13 +147,13 @@ def build(cache_dir: Optional[Path] = None, version: str = LLAMA_CPP_PYTHON, job
     interrupted build is resumed (incrementally) by the next call.
     """
     root = Path(cache_dir or default_cache()).expanduser().resolve()
-    found = find_build(root, version)
+    found = find_build(root, version, roles)
     if found:
         return found
     check_toolchain()
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / ".lock"):
-        found = find_build(root, version)  # another process may have finished it meanwhile
+        found = find_build(root, version, roles)  # another process may have finished it meanwhile
         if found:
             return found
         start = time.perf_counter()
@@ -226,11 +232,14 @@ def _targets(src: Path) -> dict[str, str]:
     """Role -> cmake target. The plain-completion tool is llama-completion in recent versions
     (llama-cli became the chat front end, built only with the server), llama-cli before."""
     completion = "llama-completion" if (src / "tools" / "completion").is_dir() else "llama-cli"
-    return {"bench": "llama-bench", "quantize": "llama-quantize", "completion": completion}
+    targets = {"bench": "llama-bench", "quantize": "llama-quantize", "completion": completion}
+    if (src / "tools" / "server").is_dir():  # bench serve-load's peer row
+        targets["server"] = "llama-server"
+    return targets
 
 
 def cmake_options(src: Path) -> list[str]:
-    """cmake -D flags: Release, native CPU only, static, no network code, only the tools we need.
+    """cmake -D flags: Release, native CPU only, static, no download code, only the tools we need.
 
     Options a version does not declare are left out (LLAMA_CURL is gone in recent versions, replaced
     by LLAMA_OPENSSL), so cmake neither warns about unused variables nor about deprecated ones.
@@ -247,7 +256,8 @@ def cmake_options(src: Path) -> list[str]:
         "GGML_CUDA": "OFF", "GGML_METAL": "OFF", "GGML_BLAS": "OFF", "GGML_VULKAN": "OFF",
         "GGML_HIP": "OFF", "GGML_SYCL": "OFF", "GGML_OPENCL": "OFF", "GGML_RPC": "OFF",
         "LLAMA_CURL": "OFF", "LLAMA_OPENSSL": "OFF",
-        "LLAMA_BUILD_TESTS": "OFF", "LLAMA_BUILD_SERVER": "OFF", "LLAMA_BUILD_APP": "OFF",
+        "LLAMA_BUILD_TESTS": "OFF", "LLAMA_BUILD_APP": "OFF",
+        "LLAMA_BUILD_SERVER": "ON" if (src / "tools" / "server").is_dir() else "OFF",
         "LLAMA_BUILD_TOOLS": "ON", "LLAMA_BUILD_EXAMPLES": "ON" if tools_in_examples else "OFF",
     }
     always = {"CMAKE_BUILD_TYPE", "BUILD_SHARED_LIBS"}

@@ -297,6 +297,11 @@ def test_cmake_options_follow_the_declared_options(tmp_path):
     (tmp_path / "tools" / "completion").mkdir()
     assert llamacpp._targets(tmp_path) == {"bench": "llama-bench", "quantize": "llama-quantize",
                                            "completion": "llama-completion"}
+    assert "-DLLAMA_BUILD_SERVER=ON" not in llamacpp.cmake_options(tmp_path)
+    (tmp_path / "tools" / "server").mkdir()
+    (tmp_path / "CMakeLists.txt").write_text('option(LLAMA_BUILD_SERVER "server" ON)\n')
+    assert llamacpp._targets(tmp_path)["server"] == "llama-server"
+    assert "-DLLAMA_BUILD_SERVER=ON" in llamacpp.cmake_options(tmp_path)
 
 
 def test_find_build_needs_stamp_binaries_and_same_cpu(tmp_path):
@@ -310,6 +315,7 @@ def test_find_build_needs_stamp_binaries_and_same_cpu(tmp_path):
     assert llamacpp.find_build(tmp_path) is None  # binary missing
     (build_dir / "bin" / "llama-bench").write_text("")
     assert llamacpp.find_build(tmp_path).tool("bench") == build_dir / "bin" / "llama-bench"
+    assert llamacpp.find_build(tmp_path, roles=("server",)) is None  # built before llama-server was a target
     (build_dir / llamacpp.STAMP).write_text(json.dumps({**stamp, "cpu": "another CPU"}))
     assert llamacpp.find_build(tmp_path) is None  # -march=native binaries of another machine
 
