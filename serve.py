@@ -390,7 +390,7 @@ def load(args: argparse.Namespace) -> Served:
     setup(model, args, settings, args.max_batch_size, max_seq_length, length_bucket)
     step = compiled_decode_step(decode_step, args.device) if args.compile else decode_step
     try:
-        engine = Engine(model, max_seq_length, args.prefill_chunk, args.max_queue, step)
+        engine = Engine(model, max_seq_length, prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, decode=step)
     except ValueError as e:  # a policy with per-row state (H2O)
         raise UserError(f"cannot serve: {e}") from None
     name = Path(args.checkpoint).name if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent.name

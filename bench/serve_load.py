@@ -6,7 +6,8 @@ on the loopback interface only.
     python -m bench serve-load --url http://127.0.0.1:8000/v1 --clients 4 --prompt-tokens 512
 
 C clients each send their next request when the last one finished (streamed /v1/completions, a prompt
-of N essay tokens at its own offset, `max_tokens` new tokens with ignore_eos, greedy), for --duration
+of N essay tokens at its own offset after a head of its own, "Request i.", so that no server reuses a
+cached prefix; `max_tokens` new tokens with ignore_eos, greedy), for --duration
 seconds; requests in flight then finish. Per (C, N): total decode throughput (generated tokens of every
 request over the run's wall time), time to first token and inter-token latency (p50, p99: the gaps
 between a request's streamed tokens), requests and failures. Without --url the server is started here
@@ -57,7 +58,7 @@ def stream_completion(url: str, prompt: str, new_tokens: int, timeout: float = 6
     """POST {url}/completions with stream: true; time each server-sent chunk that carries text."""
     parsed = urlparse(url)
     body = json.dumps({"model": "any", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True})
+                       "ignore_eos": True, "stream": True, "cache_prompt": False})  # llama-server: no prompt cache
     start = time.perf_counter()
     conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
     try:
@@ -117,7 +118,8 @@ def closed_loop(url: str, prompts: list[str], clients: int, new_tokens: int, dur
     def client(c: int) -> None:
         i = c
         while time.perf_counter() - start < duration:
-            outcome = stream_completion(url, prompts[i % len(prompts)], new_tokens)
+            # a head of its own: no server reuses another request's cached prefix (llama-server would)
+            outcome = stream_completion(url, f"Request {i}. {prompts[i % len(prompts)]}", new_tokens)
             i += clients
             with lock:
                 outcomes.append(outcome)
