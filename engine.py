@@ -16,6 +16,7 @@ may be called from any other, and a request's events reach its `emit` callback f
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from collections import deque
@@ -49,7 +50,8 @@ class Request:
     top_k: Optional[int] = None
     seed: Optional[int] = None
     # emit(token or None, finish_reason or None): a token as it comes, then (None, reason) once at the
-    # end: "stop" (a stop token, or cancel()), "length" (max_new_tokens or the context), "shutdown"
+    # end: "stop" (a stop token, or cancel()), "length" (max_new_tokens or the context), "shutdown",
+    # "error" (a step failed: run_forever ends the requests in the rows and goes on)
     emit: Callable[[Optional[int], Optional[str]], None] = lambda token, reason: None
 
 
@@ -140,7 +142,13 @@ class Engine:
                     self._lock.wait()
                 if self._stopping and not self._has_work():
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # a failed step ends the requests in the rows, not the server
+                print(f"engine: a step failed ({type(e).__name__}: {e}); its requests end with 'error'", file=sys.stderr)
+                for i, row in enumerate(self.rows):
+                    if row is not None:
+                        self._finish(i, "error")
 
     def _has_work(self) -> bool:
         return bool(self.waiting) or self.busy_rows > 0

@@ -100,14 +100,16 @@ def read_sampling(body: dict, default_max_tokens: Optional[int]) -> Sampling:
     )
 
 
-def read_prompt(body: dict, tokenizer) -> list[int]:
-    """/v1/completions' prompt: a string, a one-string list, or a list of token ids."""
+def read_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
+    """/v1/completions' prompt: a string, a one-string list, or a list of token ids (each in the vocabulary)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tokenizer.encode_prompt(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise BadRequest(f"token ids must be in [0, {vocab_size})", "prompt")
         return prompt
     raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
 
@@ -226,8 +228,11 @@ def build_app(served: Served):
             return error_response(400, "the body must be a JSON object")
         try:
             sampling = read_sampling(body, None if chat else COMPLETIONS_MAX_TOKENS)
-            prompt = read_messages(body, served.tokenizer) if chat else read_prompt(body, served.tokenizer)
+            prompt = read_messages(body, served.tokenizer) if chat else \
+                read_prompt(body, served.tokenizer, served.engine.model.args.vocab_size)
             context = served.engine.max_seq_length
+            if not prompt:
+                raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
             if len(prompt) >= context:
                 raise BadRequest(f"the prompt has {len(prompt)} tokens; this server's context is {context}",
                                  "messages" if chat else "prompt")

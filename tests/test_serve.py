@@ -158,6 +158,24 @@ def test_cancel_frees_the_row_and_stop_ends_everything():
     assert not thread.is_alive() and second.reason == "shutdown" and engine.busy_rows == 0
 
 
+def test_a_failed_step_ends_its_requests_and_the_engine_goes_on():
+    model = tiny_model()
+    engine = engine_for(model, AttentionSettings("dense"))
+    broken, after = Collect(), Collect()
+    engine.submit(Request([1, 2, 500], 5, emit=broken))  # 500: outside the tiny model's vocabulary
+    thread = threading.Thread(target=engine.run_forever)
+    thread.start()
+    deadline = time.time() + 30
+    while broken.reason is None and time.time() < deadline:
+        time.sleep(0.01)
+    engine.submit(Request([1, 2, 3], 5, emit=after))
+    while after.reason is None and time.time() < deadline:
+        time.sleep(0.01)
+    engine.stop()
+    thread.join(10)
+    assert broken.reason == "error" and after.reason == "length" and len(after.tokens) == 5
+
+
 def test_prompts_that_do_not_fit_and_stateful_policies_are_refused():
     model = tiny_model()
     engine = engine_for(model, AttentionSettings("dense"))
@@ -342,6 +360,8 @@ def test_concurrent_requests_each_equal_their_solo_run(which, request):
     (json.dumps({"prompt": "hi", "logprobs": 2}).encode(), 400, "logprobs"),
     (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"prompt": "word " * 1100}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": [1, 2, 10 ** 9]}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": ""}).encode(), 400, "prompt"),
 ])
 def test_bad_input_is_a_400_with_an_openai_error_body(dense_server, body, status, param):
     code, payload, _ = dense_server.post("/v1/completions", body)
