@@ -2,15 +2,16 @@
 
 The caches hold `max_batch` rows. A request takes a free row, is prefilled into it `prefill_chunk`
 tokens at a time (one chunk between two decode steps, so a long prompt never stalls the others for
-its whole prefill; several per step while nothing decodes), then decodes with the other busy rows, each at its own position; a finished or
-cancelled request frees its row at once. The decode step always runs every row (the shapes never
+its whole prefill; several per step while nothing decodes), then decodes with the other busy rows,
+each at its own position; a finished or cancelled request frees its row at once. The decode step always runs every row (the shapes never
 change, so one compiled step serves any mix): a row that is free or still prefilling computes a
 token nobody reads, written at its own live length (a free row's: position 0) and truncated away
 after the step (a free row's when a request takes it).
 
 Each request samples with its own torch.Generator (its `seed`), so its tokens depend on its prompt
 and settings alone, never on what else is in the batch; greedy requests are token for token their
-solo run (tests/test_serve.py). The engine runs in one thread (`run_forever`); `submit` and `cancel`
+solo run (tests/test_serve.py; the fused CPU attention kernels split S over threads by the whole
+batch's lengths, which at long ragged contexts can change a row's rounding: README). The engine runs in one thread (`run_forever`); `submit` and `cancel`
 may be called from any other, and a request's events reach its `emit` callback from the engine's.
 """
 from __future__ import annotations
