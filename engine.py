@@ -88,7 +88,6 @@ class Engine:
     decode: Callable = decode_step  # the step (decoding.compiled_decode_step for --compile)
     rows: list[Optional[_Row]] = field(init=False)
     waiting: deque = field(init=False, default_factory=deque)
-    steps: int = field(init=False, default=0)
 
     def __post_init__(self):
         self.rows = [None] * self.model.caches[0].max_batch
@@ -156,7 +155,8 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Admit, end what was cancelled, one prefill chunk, one decode step of every decoding row."""
+        """End what was cancelled, admit, prefill (one chunk, or up to idle_prefill tokens while no row
+        decodes), then one decode step of every decoding row."""
         self._end_cancelled()
         self._admit()
         decoding = any(row is not None and row.decoding for row in self.rows)
@@ -170,7 +170,6 @@ class Engine:
             budget -= self._prefill_chunk(min(prefilling, key=lambda i: self.rows[i].id))  # oldest first
         if any(row is not None and row.decoding for row in self.rows):
             self._decode_step()
-        self.steps += 1
 
     def _end_cancelled(self) -> None:
         with self._lock:

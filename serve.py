@@ -230,23 +230,19 @@ def build_app(served: Served):
             sampling = read_sampling(body, None if chat else COMPLETIONS_MAX_TOKENS)
             prompt = read_messages(body, served.tokenizer) if chat else \
                 read_prompt(body, served.tokenizer, served.engine.model.args.vocab_size)
-            context = served.engine.max_seq_length
-            if not prompt:
-                raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
-            if len(prompt) >= context:
-                raise BadRequest(f"the prompt has {len(prompt)} tokens; this server's context is {context}",
-                                 "messages" if chat else "prompt")
         except BadRequest as e:
             return error_response(400, str(e), param=e.param)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        engine_request = Request(prompt=prompt, max_new_tokens=sampling.max_tokens or context,
+        engine_request = Request(prompt=prompt, max_new_tokens=sampling.max_tokens or served.engine.max_seq_length,
                                  stop_ids=frozenset(() if sampling.ignore_eos else served.tokenizer.stop_ids),
                                  temperature=sampling.temperature,
                                  top_k=sampling.top_k, seed=sampling.seed,
                                  emit=lambda token, reason: loop.call_soon_threadsafe(events.put_nowait, (token, reason)))
         try:
             request_id = served.engine.submit(engine_request)
+        except ValueError as e:  # an empty prompt, or one the context cannot hold (the engine's check)
+            return error_response(400, str(e), param="messages" if chat else "prompt")
         except QueueFull as e:
             return error_response(429, f"busy: {e}; retry shortly", "rate_limit_error", headers={"Retry-After": "1"})
         except Stopped as e:

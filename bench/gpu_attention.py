@@ -92,15 +92,17 @@ def _kernel_name(name: str) -> str:
     return name.strip("_").removesuffix("_kernel") or name
 
 
+def kernel_events(events) -> list:
+    """The GPU kernel launches among profiler `events` (memcpy and memset left out)."""
+    return [e for e in events if str(getattr(e, "device_type", "")).split(".")[-1].lower() in ("cuda", "kernel")
+            and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+
+
 def kernel_times(events) -> dict[str, float]:
-    """name -> total device microseconds of the GPU kernels among profiler `events` (memcpy and memset
-    left out), in first-launch order."""
+    """name -> total device microseconds of the GPU kernels among profiler `events` (kernel_events), in
+    first-launch order."""
     times: dict[str, float] = {}
-    for e in events:
-        if str(getattr(e, "device_type", "")).split(".")[-1].lower() not in ("cuda", "kernel"):
-            continue
-        if "memcpy" in e.name.lower() or "memset" in e.name.lower():
-            continue
+    for e in kernel_events(events):
         name = _kernel_name(e.name)
         times[name] = times.get(name, 0.0) + e.time_range.elapsed_us()
     return times
@@ -122,10 +124,9 @@ def kernels_per_call(calls: list[Callable[[], object]]) -> Optional[tuple[int, d
         for call in calls:
             call()
         torch.cuda.synchronize()
-    events = [e for e in prof.events()]
-    launches = sum(1 for e in events if str(getattr(e, "device_type", "")).split(".")[-1].lower() in ("cuda", "kernel")
-                   and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
-    return launches // len(calls), {name: us / len(calls) for name, us in kernel_times(events).items()}
+    events = list(prof.events())
+    per_call = {name: us / len(calls) for name, us in kernel_times(events).items()}
+    return len(kernel_events(events)) // len(calls), per_call
 
 
 def memory_bandwidth(device: str, gib: int = 4) -> dict[str, float]:
@@ -137,10 +138,8 @@ def memory_bandwidth(device: str, gib: int = 4) -> dict[str, float]:
     a = torch.empty(n, dtype=torch.float32, device=device).normal_()
     b = torch.empty_like(a)
     copy = 2 * a.numel() * 4 / time_cuda_graph([lambda: b.copy_(a)], replays=5)
-    del b
     read = a.numel() * 4 / time_cuda_graph([lambda: a.sum()], replays=5)
-    del a
-    return dict(copy=copy, read=read)
+    return dict(copy=copy, read=read)  # a and b are freed on return
 
 
 def _attention_copies(B, n_kv, g, d, S, dtype, device, n_copies, seed=0):

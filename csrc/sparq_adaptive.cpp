@@ -160,15 +160,8 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KT* kt, const
     const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh);
     const RowPlan& w = A.rows[bh / H];
     const int64_t p0 = (u - u0) * P.cs, p1 = std::min(w.S, p0 + P.cs);
-    for (int64_t gg = 0; gg < g; ++gg) {
-      float M_ = kNegInf, Z = 0.f;
-      for (int64_t cc = 0; cc < nc; ++cc) M_ = std::max(M_, ustat(u0 + cc)[gg]);
-      for (int64_t cc = 0; cc < nc; ++cc) {
-        const float* s2 = ustat(u0 + cc);
-        if (s2[g + gg] > 0.f) Z += s2[g + gg] * std::exp(s2[gg] - M_);
-      }
-      block_weights(mb + gg * nblk, (p1 - p0 + kBlock - 1) / kBlock, M_, Z);
-    }
+    for (int64_t gg = 0; gg < g; ++gg)
+      chunk_block_weights(ustat, u0, nc, g, gg, mb + gg * nblk, (p1 - p0 + kBlock - 1) / kBlock);
     int32_t* count = reinterpret_cast<int32_t*>(ucand(u));
     *count = 0;
     const int64_t shi = std::min(p1, w.S - w.n_local);

@@ -214,15 +214,8 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
       const int64_t p0 = (u - u0) * P.cs, p1 = std::min(w.S, p0 + P.cs);
       int32_t* count = reinterpret_cast<int32_t*>(ucand(u));
       *count = 0;
-      for (int64_t hh = 0; hh < g; ++hh) {
-        float M_ = kNegInf, Z = 0.f;
-        for (int64_t cc = 0; cc < nc; ++cc) M_ = std::max(M_, ustat(u0 + cc)[hh]);
-        for (int64_t cc = 0; cc < nc; ++cc) {
-          const float* s2 = ustat(u0 + cc);
-          if (s2[g + hh] > 0.f) Z += s2[g + hh] * std::exp(s2[hh] - M_);
-        }
-        block_weights(umb(u) + hh * nblk, (p1 - p0 + kBlock - 1) / kBlock, M_, Z);
-      }
+      for (int64_t hh = 0; hh < g; ++hh)
+        chunk_block_weights(ustat, u0, nc, g, hh, umb(u) + hh * nblk, (p1 - p0 + kBlock - 1) / kBlock);
       const int64_t shi = std::min(p1, w.n_scored);
       if (shi > p0) {
         const int64_t cnt = select_top(uE(u), ldE, umb(u), nblk, g, p0, shi, w.m, x.sc, x.bmax, x.ss, x.si);

@@ -279,5 +279,19 @@ static void block_weights(float* mb, int64_t n, float m, float Z) {
   }
 }
 
+// A chunk's block weights for head hh: the head's softmax (max, sum) over its bh's nc chunks, from
+// each chunk's stat (stat_of(u): max at [hh], sum at [g + hh]; a chunk with sum 0 saw no live
+// position), then block_weights over the chunk's n blocks.
+template <class StatOf>
+static void chunk_block_weights(StatOf stat_of, int64_t u0, int64_t nc, int64_t g, int64_t hh, float* mb, int64_t n) {
+  float m = kNegInf, Z = 0.f;
+  for (int64_t c = 0; c < nc; ++c) m = std::max(m, stat_of(u0 + c)[hh]);
+  for (int64_t c = 0; c < nc; ++c) {
+    const float* s = stat_of(u0 + c);
+    if (s[g + hh] > 0.f) Z += s[g + hh] * std::exp(s[hh] - m);
+  }
+  block_weights(mb, n, m, Z);
+}
+
 }  // namespace
 }  // namespace sparq_cpu

@@ -7,10 +7,10 @@
 llama.cpp is not on PyPI as a binary we may use, but the sdist of `llama-cpp-python` vendors its
 sources (`vendor/llama.cpp`, with the submodule's git metadata, so the exact commit is known). `build`
 downloads that sdist with pip, extracts only the vendored llama.cpp and builds `llama-bench`,
-`llama-quantize`, `llama-completion` and `llama-server` (bench serve-load's peer) with cmake: Release, -march=native (GGML_NATIVE), CPU only
-(no CUDA/Metal/BLAS/Vulkan), no download code (curl, OpenSSL), static. Everything lives in one cache directory,
-`--cache DIR`, default `$SPARQ_FAST_CACHE/llama.cpp` (`SPARQ_FAST_CACHE` defaults to
-~/.cache/sparq-fast); a finished build is reused (stamp file).
+`llama-quantize`, `llama-completion` and `llama-server` (bench serve-load's peer) with cmake: Release,
+-march=native (GGML_NATIVE), CPU only (no CUDA/Metal/BLAS/Vulkan), no download code (curl, OpenSSL),
+static. Everything lives in one cache directory, `--cache DIR`, default `$SPARQ_FAST_CACHE/llama.cpp`
+(`SPARQ_FAST_CACHE` defaults to ~/.cache/sparq-fast); a finished build is reused (stamp file).
 
 `bench` times llama.cpp on one GGUF requantized into each format, with `llama-bench`, two runs per
 format (the exact command lines go into --json):
@@ -141,7 +141,7 @@ def build(cache_dir: Optional[Path] = None, version: str = LLAMA_CPP_PYTHON, job
     sdist; reuse a finished build that has `roles` (an older one is rebuilt incrementally).
 
     Steps, each skipped when its output is already in the cache: pip download of the sdist (no
-    dependencies, no wheels), extraction of vendor/llama.cpp only, cmake configure, build of the three
+    dependencies, no wheels), extraction of vendor/llama.cpp only, cmake configure, build of the
     targets with `jobs` parallel compiles at niceness `nice` (the build is a background chore on a
     shared machine; the benchmarks themselves are never niced). The stamp is written last, so an
     interrupted build is resumed (incrementally) by the next call.
@@ -228,12 +228,17 @@ def extract_llama_cpp(sdist: Path, dest: Path) -> tuple[Path, str]:
     return src, commit
 
 
+def _has_server(src: Path) -> bool:
+    """Whether this llama.cpp source has llama-server (tools/server): bench serve-load's peer row."""
+    return (src / "tools" / "server").is_dir()
+
+
 def _targets(src: Path) -> dict[str, str]:
     """Role -> cmake target. The plain-completion tool is llama-completion in recent versions
     (llama-cli became the chat front end, built only with the server), llama-cli before."""
     completion = "llama-completion" if (src / "tools" / "completion").is_dir() else "llama-cli"
     targets = {"bench": "llama-bench", "quantize": "llama-quantize", "completion": completion}
-    if (src / "tools" / "server").is_dir():  # bench serve-load's peer row
+    if _has_server(src):
         targets["server"] = "llama-server"
     return targets
 
@@ -257,7 +262,7 @@ def cmake_options(src: Path) -> list[str]:
         "GGML_HIP": "OFF", "GGML_SYCL": "OFF", "GGML_OPENCL": "OFF", "GGML_RPC": "OFF",
         "LLAMA_CURL": "OFF", "LLAMA_OPENSSL": "OFF",
         "LLAMA_BUILD_TESTS": "OFF", "LLAMA_BUILD_APP": "OFF",
-        "LLAMA_BUILD_SERVER": "ON" if (src / "tools" / "server").is_dir() else "OFF",
+        "LLAMA_BUILD_SERVER": "ON" if _has_server(src) else "OFF",
         "LLAMA_BUILD_TOOLS": "ON", "LLAMA_BUILD_EXAMPLES": "ON" if tools_in_examples else "OFF",
     }
     always = {"CMAKE_BUILD_TYPE", "BUILD_SHARED_LIBS"}
