@@ -5,9 +5,10 @@ what `sparq.sparq_reference` computes, `dense_attention_triton` what `model.dens
 computes; without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1 set before triton is
 first imported), which is how the CPU test suite checks them.
 
-SparQ, one call = 3 to 5 Triton launches and nothing else (no eager torch kernel in between):
-  step 1  grid (B * n_kv, S / BLOCK_S). Step 0 fused: every program ranks |q| summed over the group
-          (a d x d comparison, registers only), takes the top-r components and tau itself. Then
+SparQ, one call = 4 to 6 Triton launches and nothing else (no eager torch kernel in between):
+  step 0  grid (B * n_kv,): ranks |q| summed over the group (a d x d comparison, registers only) and
+          writes the top-r components in rank order.
+  step 1  grid (B * n_kv, S / BLOCK_S): every program takes step 0's components and its tau, then
           logits = q[i1] . K^T[i1] / tau for its block of positions, all g heads at once (every
           element of K^T read once per KV head), written in fp32 with the block's softmax max and
           sum per head. Blocks past a row's live length do nothing at all.
@@ -39,8 +40,9 @@ static `length` (one CUDA graph serves every live length, no host sync) while ea
 its row's live length and does nothing, or only writes sentinels, past it: the work scales with the
 live length, row by row.
 
-All softmax arithmetic is fp32. SparQ dots on fp32 operands use input_precision "tf32x3" (about
-fp32 accurate) with g padded to the MMA minimum of 16 rows for GQA; MHA (g = 1) uses
+All softmax arithmetic is fp32. SparQ's GQA dots (g padded to the MMA minimum of 16 rows) take
+bf16/fp16 q and K of one dtype directly in step 1 (exact products, fp32 accumulation) and fp32
+operands in input_precision "tf32x3" (about fp32 accurate); MHA (g = 1) uses
 broadcast-multiply-sum on CUDA cores. The dense GQA kernel dots bf16/fp16 operands directly
 (exact products, fp32 accumulation; probabilities cast to V's dtype as the torch path does).
 """
@@ -65,9 +67,6 @@ except ImportError:  # kernels.py must import without triton (CPU-only installs)
 TRITON_DOT_PRECISION = "tf32x3"  # "ieee" for exact fp32 FMAs (slower; the interpreter is exact either way)
 INF_KEY = 0x7F800001  # select key of a forced (local window) position: above every finite score's key
 TARGET_PROGRAMS = 4  # launch at least this many programs per SM where the work can be split
-# Step 0's ranking of |q|: a bitonic sort (True), or a d x d comparison (False: ~50x faster in
-# Triton's interpreter, but it spills when compiled). None: sort on CUDA, comparison on CPU tensors.
-RANK_BY_SORT: Optional[bool] = None
 
 
 if HAS_TRITON:
@@ -105,22 +104,43 @@ if HAS_TRITON:
         return chosen, slot
 
     @triton.jit
-    def _sparq_step1_rows(q_row, stride_qg, order, k_base, stride_krow, stride_ks, offs_g, g_mask, offs_s,
-                          live_s, R, G_PAD: tl.constexpr, D_PAD: tl.constexpr, R_BLOCK: tl.constexpr,
-                          BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, K_TRANSPOSED: tl.constexpr,
+    def _sparq_rank_kernel(q_ptr, stride_qb, stride_qh, stride_qg, idx_ptr, n_kv, G, D, R,
+                           G_PAD: tl.constexpr, D_PAD: tl.constexpr):
+        """Step 0, one program per (batch row, KV head): the top-R components of |q| summed over the
+        group, in decreasing order (ties: the lower index first), written to idx (B * n_kv, R) int32."""
+        pid_bh = tl.program_id(0)
+        b = pid_bh // n_kv
+        h = pid_bh % n_kv
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        d_mask = offs_d < D
+        q_row = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        q = tl.load(q_row + offs_g[:, None] * stride_qg + offs_d[None, :],
+                    mask=(offs_g < G)[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # (G_PAD, D_PAD)
+        a = tl.sum(tl.abs(q), axis=0)  # (D_PAD,); padding 0 with a higher index: it never outranks a component
+        # rank[i] = how many components come before i: a d x d comparison (one tensor `a` on both
+        # sides, so every pair is compared consistently). Each component's index is then stored at
+        # its rank: a scatter, no sort.
+        beats = (a[None, :] > a[:, None]) | ((a[None, :] == a[:, None]) & (offs_d[None, :] < offs_d[:, None]))
+        rank = tl.sum(beats.to(tl.int32), axis=1)  # [i, j]: j ranks above i
+        tl.store(idx_ptr + pid_bh * R + rank, offs_d, mask=d_mask & (rank < R))
+
+    @triton.jit
+    def _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, offs_g, g_mask, offs_s,
+                          live_s, R, G_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                          USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr, K_TRANSPOSED: tl.constexpr,
                           MASK_S: tl.constexpr, PRECISION: tl.constexpr):
         """sum over the top-r components i of q_hat[:, i] * K^T[i, offs_s]: (G_PAD, BLOCK_S) fp32, and
-        sum |q_hat| per head (tau's numerator). order (D_PAD / R_BLOCK, R_BLOCK): the components by rank."""
+        sum |q_hat| per head (tau's numerator). idx_row: the components by rank (step 0)."""
         acc = tl.zeros((G_PAD, BLOCK_S), dtype=tl.float32)
         q_hat_abs = tl.zeros((G_PAD,), dtype=tl.float32)
-        offs_rb = tl.arange(0, D_PAD // R_BLOCK)
         for r0 in range(0, R, R_BLOCK):
             offs_r = r0 + tl.arange(0, R_BLOCK)
             r_mask = offs_r < R
-            rows = tl.sum(tl.where(offs_rb[:, None] == r0 // R_BLOCK, order, 0), axis=0)  # ranks r0 .. r0 + R_BLOCK - 1
+            rows = tl.load(idx_row + offs_r, mask=r_mask, other=0)  # ranks r0 .. r0 + R_BLOCK - 1
             q_hat = tl.load(q_row + offs_g[:, None] * stride_qg + rows[None, :],
-                            mask=g_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)  # (G_PAD, R_BLOCK)
-            q_hat_abs += tl.sum(tl.abs(q_hat), axis=1)
+                            mask=g_mask[:, None] & r_mask[None, :], other=0.0)  # (G_PAD, R_BLOCK)
+            q_hat_abs += tl.sum(tl.abs(q_hat.to(tl.float32)), axis=1)
             rows = rows.to(tl.int64)
             if K_TRANSPOSED:  # K^T rows: BLOCK_S contiguous elements each (coalesced)
                 k_ptrs = k_base + rows[:, None] * stride_krow + offs_s[None, :]
@@ -130,25 +150,29 @@ if HAS_TRITON:
                 k_mask = r_mask[:, None] & live_s[None, :]
             else:
                 k_mask = r_mask[:, None]
-            k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0).to(tl.float32)  # (R_BLOCK, BLOCK_S)
+            k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0)  # (R_BLOCK, BLOCK_S)
             if USE_DOT:  # GQA: tensor cores, g padded to G_PAD >= 16 rows
-                acc = tl.dot(q_hat, k_tile, acc, input_precision=PRECISION)
+                if DOT_NATIVE:  # bf16/fp16 q and K: exact products, fp32 accumulation
+                    acc = tl.dot(q_hat, k_tile, acc)
+                else:
+                    acc = tl.dot(q_hat.to(tl.float32), k_tile.to(tl.float32), acc, input_precision=PRECISION)
             else:  # MHA (G_PAD = 1): one FMA per K element on CUDA cores
-                acc += tl.sum(q_hat[:, :, None] * k_tile[None, :, :], axis=1)
+                acc += tl.sum(q_hat.to(tl.float32)[:, :, None] * k_tile.to(tl.float32)[None, :, :], axis=1)
         return acc, q_hat_abs
 
     @triton.jit(do_not_specialize=["live", "S_bound"])
     def _sparq_step1_kernel(
         q_ptr, stride_qb, stride_qh, stride_qg,  # q (B, n_kv, G, D), D unit-stride
+        idx_ptr,  # (B * n_kv, R) int32: step 0's components by rank
         k_ptr, stride_kb, stride_kh, stride_krow, stride_ks,  # k_t (rows = d, S unit-stride) or k (S, d unit-stride)
         logits_ptr,  # (B * n_kv, G, S_bound) fp32: written at live positions only
         bmax_ptr, bsum_ptr,  # (B * n_kv, G, NB) fp32: each block's max of the logits, and sum of exp(logit - max)
         live, n_kv, G, D, R, S_bound, NB,
         G_PAD: tl.constexpr, D_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-        USE_DOT: tl.constexpr, K_TRANSPOSED: tl.constexpr, LIVE: tl.constexpr, PRECISION: tl.constexpr,
-        RANK_BY_SORT: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr, K_TRANSPOSED: tl.constexpr, LIVE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
-        """One program per (batch row, KV head, block of S): step 0, then approximate logits of all G heads."""
+        """One program per (batch row, KV head, block of S): approximate logits of all G heads."""
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // n_kv
@@ -159,23 +183,11 @@ if HAS_TRITON:
             offs_g = tl.arange(0, G_PAD)
             offs_d = tl.arange(0, D_PAD)
             g_mask = offs_g < G
-            d_mask = offs_d < D
             q_row = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
             q = tl.load(q_row + offs_g[:, None] * stride_qg + offs_d[None, :],
-                        mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # (G_PAD, D_PAD)
-            # Step 0: the components in decreasing order of |q| summed over the group (ties: lower index
-            # first), by a bitonic sort of (|q| bits, index) keys; padding sorts last.
-            q_abs = tl.abs(q)
-            a = tl.sum(q_abs, axis=0)  # (D_PAD,) >= 0: its fp32 bits order like its values
-            if RANK_BY_SORT:  # compiled: a 128-element bitonic sort, registers only
-                key = tl.where(d_mask, (a.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (65535 - offs_d), -1)
-                order = (65535 - (tl.sort(key, descending=True) & 65535)).to(tl.int32)
-            else:  # the same order from a d x d comparison (fast in the interpreter, register-hungry compiled)
-                beats = (a[None, :] > a[:, None]) | ((a[None, :] == a[:, None]) & (offs_d[None, :] < offs_d[:, None]))
-                rank = tl.where(d_mask, tl.sum(beats.to(tl.int32), axis=1), offs_d)  # [i, j]: j ranks above i
-                order = tl.sum(tl.where(rank[:, None] == offs_d[None, :], offs_d[:, None], 0), axis=0)
-            order = tl.reshape(order, (D_PAD // R_BLOCK, R_BLOCK))
-            total = tl.where(g_mask, tl.sum(q_abs, axis=1), 1.0)  # sum |q| per head (padded heads: 1)
+                        mask=g_mask[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)  # (G_PAD, D_PAD)
+            total = tl.where(g_mask, tl.sum(tl.abs(q), axis=1), 1.0)  # sum |q| per head (padded heads: 1)
+            idx_row = idx_ptr + pid_bh * R
 
             k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
             offs_s = start + tl.arange(0, BLOCK_S)
@@ -183,16 +195,16 @@ if HAS_TRITON:
             rows_g = (pid_bh * G + offs_g).to(tl.int64)
             out_ptrs = logits_ptr + rows_g[:, None] * S_bound + offs_s[None, :]
             if start + BLOCK_S <= n:  # fully live block: no mask along S, so loads and stores vectorize
-                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, order, k_base, stride_krow, stride_ks, offs_g,
-                                                   g_mask, offs_s, live_s, R, G_PAD, D_PAD, R_BLOCK, BLOCK_S, USE_DOT,
-                                                   K_TRANSPOSED, False, PRECISION)
+                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, offs_g,
+                                                   g_mask, offs_s, live_s, R, G_PAD, R_BLOCK, BLOCK_S, USE_DOT,
+                                                   DOT_NATIVE, K_TRANSPOSED, False, PRECISION)
                 tau = tl.where(g_mask, tl.sqrt(D * q_hat_abs / total), 1.0)
                 logits = acc / tau[:, None]
                 tl.store(out_ptrs, logits, mask=g_mask[:, None])
             else:  # the block holding the live end
-                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, order, k_base, stride_krow, stride_ks, offs_g,
-                                                   g_mask, offs_s, live_s, R, G_PAD, D_PAD, R_BLOCK, BLOCK_S, USE_DOT,
-                                                   K_TRANSPOSED, True, PRECISION)
+                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, offs_g,
+                                                   g_mask, offs_s, live_s, R, G_PAD, R_BLOCK, BLOCK_S, USE_DOT,
+                                                   DOT_NATIVE, K_TRANSPOSED, True, PRECISION)
                 tau = tl.where(g_mask, tl.sqrt(D * q_hat_abs / total), 1.0)
                 logits = acc / tau[:, None]
                 tl.store(out_ptrs, logits, mask=g_mask[:, None] & live_s[None, :])
@@ -509,25 +521,31 @@ def _device_sms(device: torch.device) -> int:
         if device.type == "cuda" else _sm_count(None)
 
 
-def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, sms: int = 132) -> dict:
-    """Sizes and launch parameters of one SparQ call (see the module docstring for the kernels)."""
+def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_dot: bool, sms: int = 132) -> dict:
+    """Sizes and launch parameters of one SparQ call (see the module docstring for the kernels).
+    native_dot: q and K share a 16-bit dtype (step 1's GQA dot then takes them as they are)."""
     rows = B * n_kv
     target = TARGET_PROGRAMS * sms
     use_dot = g > 1  # GQA: tensor-core dots over g padded to >= 16 rows; MHA: CUDA-core FMAs
     G_PAD = max(16, _pow2(g)) if use_dot else 1
     D_PAD = max(16, _pow2(d))
+    # Step 0 once per (row, KV head) in its own launch: ranked inside every step-1 program (a
+    # bitonic sort each) it made step 1 ~5x slower than its bytes on an H200 (README).
+    rank = dict(G_PAD=_pow2(g), D_PAD=D_PAD, num_warps=8, num_stages=1)
     # Step 1: 256 positions x 16 rows of K^T per loop step; 128 positions when 256 would give < 2 waves.
     BLOCK_S = 256 if rows * triton.cdiv(S_bound, 256) >= 2 * sms else 128
     NB = triton.cdiv(S_bound, BLOCK_S)
     step1 = dict(G_PAD=G_PAD, D_PAD=D_PAD, R_BLOCK=16, BLOCK_S=BLOCK_S, USE_DOT=use_dot,
-                 PRECISION=TRITON_DOT_PRECISION, num_warps=8, num_stages=3)
-    # Select: chunks of S (powers of two, >= 4 KT) for ~2 programs per SM; the merge takes the
-    # chunks' candidates in one program: at most 4096 of them while chunks stay <= 8192 positions.
+                 DOT_NATIVE=use_dot and native_dot, PRECISION=TRITON_DOT_PRECISION, num_warps=8, num_stages=3)
+    # Select: chunks of S (powers of two, >= 4 KT); the merge takes the chunks' candidates in one
+    # program: at most 4096 of them while chunks stay <= 8192 positions. A select's latency grows
+    # with its keys per thread (31 passes over them; on an H200 a 16384-position chunk took 100 us,
+    # 4096 took 17 us), and the merge's with n_chunks KT: chunks of ~sqrt(S KT) balance the two.
     KT_P2 = _pow2(KT)
     if S_bound <= 4096 and rows >= sms or S_bound <= max(1024, 4 * KT_P2):
         CHUNK, n_chunks = max(16, _pow2(S_bound)), 1
     else:
-        CHUNK = max(1024, 4 * KT_P2, _pow2(triton.cdiv(S_bound, triton.cdiv(2 * sms, rows))))
+        CHUNK = max(1024, 4 * KT_P2, _pow2(math.isqrt(S_bound * KT_P2)))
         while triton.cdiv(S_bound, CHUNK) * KT > 4096 and CHUNK < 8192 or triton.cdiv(S_bound, CHUNK) * KT > 16384:
             CHUNK *= 2
         n_chunks = triton.cdiv(S_bound, CHUNK)
@@ -546,7 +564,7 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, sms: in
                  PRECISION=TRITON_DOT_PRECISION, FINAL=n_split == 1, num_warps=8 if use_dot else 4, num_stages=3)
     combine = None if n_split == 1 else dict(D_PAD=D_PAD, SPLIT_BLOCK=min(16, _pow2(n_split)), BY_LENGTH=False,
                                              num_warps=4, num_stages=1)
-    return dict(NB=NB, n_chunks=n_chunks, KS=KS, n_split=n_split, step1=step1, select=select, merge=merge,
+    return dict(NB=NB, n_chunks=n_chunks, KS=KS, n_split=n_split, rank=rank, step1=step1, select=select, merge=merge,
                 step2=step2, combine=combine)
 
 
@@ -575,8 +593,8 @@ def dense_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, native_dot: bool
 
 
 def sparq_launches(plan: dict) -> int:
-    """Kernels one SparQ call launches: step 1, select, step 2, plus merge and combine when split."""
-    return 3 + (plan["merge"] is not None) + (plan["combine"] is not None)
+    """Kernels one SparQ call launches: step 0, step 1, select, step 2, plus merge and combine when split."""
+    return 4 + (plan["merge"] is not None) + (plan["combine"] is not None)
 
 
 def dense_launches(plan: dict) -> int:
@@ -611,6 +629,15 @@ def _live_args(q: Tensor, length: int, live: Optional[Tensor]) -> tuple[int, obj
     return 2, live.contiguous()
 
 
+def _native_dot(*tensors: Tensor) -> bool:
+    """Dot bf16/fp16 operands as they are (one dtype, on GPU). Triton's interpreter (CPU tensors)
+    mis-evaluates tl.dot on bf16 operands, so there the same products go through fp32 dots (exact
+    for 16-bit inputs either way)."""
+    dtype = tensors[0].dtype
+    return (dtype in (torch.bfloat16, torch.float16) and all(t.dtype == dtype for t in tensors)
+            and tensors[0].device.type == "cuda")
+
+
 def _check_layout(q: Tensor, *tensors: Optional[Tensor]) -> None:
     if q.stride(-1) != 1 or any(t is not None and t.stride(-1) != 1 for t in tensors):
         raise ValueError("q, k, v and v_sum must be contiguous along d, k_t along S")
@@ -627,7 +654,7 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     LIVE, live_arg = _live_args(q, length, live)
     S_bound, device, rows = length, q.device, B * n_kv
     KT = min(k_top, S_bound)  # with a tensor live length, selections past it get weight 0
-    plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _device_sms(device))
+    plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _native_dot(q, k), _device_sms(device))
     NB, n_chunks, KS, n_split = plan["NB"], plan["n_chunks"], plan["KS"], plan["n_split"]
     f32, i32 = torch.float32, torch.int32
 
@@ -638,11 +665,11 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     else:
         kk, k_strides = k, (k.stride(0), k.stride(1), k.stride(3), k.stride(2))
     q_strides = (q.stride(0), q.stride(1), q.stride(2))
-    step1 = plan["step1"]
-    rank_by_sort = RANK_BY_SORT if RANK_BY_SORT is not None else device.type == "cuda"
+    idx = torch.empty((rows, r), dtype=i32, device=device)
+    _sparq_rank_kernel[(rows,)](q, *q_strides, idx, n_kv, g, d, r, **plan["rank"])
     _sparq_step1_kernel[(rows, NB)](
-        q, *q_strides, kk, *k_strides, logits, block_stats[0], block_stats[1], live_arg, n_kv, g, d, r, S_bound, NB,
-        K_TRANSPOSED=k_t is not None, LIVE=LIVE, RANK_BY_SORT=rank_by_sort, **step1)
+        q, *q_strides, idx, kk, *k_strides, logits, block_stats[0], block_stats[1], live_arg, n_kv, g, d, r, S_bound,
+        NB, K_TRANSPOSED=k_t is not None, LIVE=LIVE, **plan["step1"])
 
     stats = torch.empty((rows, 2, g), dtype=f32, device=device)
     if n_chunks == 1:
@@ -686,10 +713,7 @@ def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optio
     B, n_kv, g, d = q.shape
     LIVE, live_arg = _live_args(q, length, live)
     S_bound, device, rows = length, q.device, B * n_kv
-    # bf16/fp16 dots on GPU; Triton's interpreter (CPU tensors) mis-evaluates tl.dot on bf16 operands,
-    # so there the same products go through fp32 dots (exact for 16-bit inputs either way)
-    native = q.dtype == k.dtype == v.dtype and k.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cuda"
-    plan = dense_plan(B, n_kv, g, d, S_bound, native, _device_sms(device))
+    plan = dense_plan(B, n_kv, g, d, S_bound, _native_dot(q, k, v), _device_sms(device))
     SPLIT, n_split = plan["SPLIT"], plan["n_split"]
     out = torch.empty((B, n_kv, g, d), dtype=q.dtype, device=device)
     o_strides = (out.stride(0), out.stride(1), out.stride(2))

@@ -10,7 +10,7 @@ import kernels_triton as kt
 
 target = GPUTarget("cuda", 90, 32)
 cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-I32 = {"pos_ptr", "key_ptr", "pos_in_ptr", "key_in_ptr"}
+I32 = {"pos_ptr", "key_ptr", "pos_in_ptr", "key_in_ptr", "idx_ptr"}
 KDT = {"q_ptr", "k_ptr", "v_ptr", "out_ptr"}
 seen = set()
 
@@ -60,12 +60,13 @@ jobs = []
 SHAPES = [((64, 32, 1, 128, 4096, 128), "bf16"), ((1, 32, 1, 128, 32768, 128), "bf16"),
           ((1, 8, 4, 128, 131072, 128), "bf16"), ((3, 2, 3, 80, 1000, 128), "fp32"), ((1, 2, 1, 64, 129, 16), "fp16")]
 for (B, n_kv, g, d, S, k), kdt in SHAPES:
-    p = kt.sparq_plan(B, n_kv, g, d, S, min(k, S))
+    p = kt.sparq_plan(B, n_kv, g, d, S, min(k, S), kdt != "fp32")
     first = S == 4096  # variants that change no tile: compiled for one shape only
+    compile_one(kt._sparq_rank_kernel, p["rank"], kdt)
     for k_transposed in ((True, False) if first or g > 1 else (True,)):
-        compile_one(kt._sparq_step1_kernel, p["step1"], kdt, K_TRANSPOSED=k_transposed, LIVE=1, RANK_BY_SORT=True)
+        compile_one(kt._sparq_step1_kernel, p["step1"], kdt, K_TRANSPOSED=k_transposed, LIVE=1)
     if first:
-        compile_one(kt._sparq_step1_kernel, p["step1"], kdt, K_TRANSPOSED=True, LIVE=0, RANK_BY_SORT=True)
+        compile_one(kt._sparq_step1_kernel, p["step1"], kdt, K_TRANSPOSED=True, LIVE=0)
     compile_one(kt._sparq_select_kernel, p["select"], kdt, LIVE=2)
     if p["merge"]:
         compile_one(kt._sparq_merge_kernel, p["merge"], kdt)
