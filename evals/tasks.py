@@ -14,6 +14,15 @@ Tasks (offline data only; examples are built by token count, so a batch shares o
               --retrieval-keys key-value sentences ("One of the special magic numbers for
               quiet-harbor is: 4821937.") in an essay haystack; asked for one key's value.
               exact_match and answer_nll, as for needle.
+  ruler-mk    RULER's multi-key needle (niah_multikey): the retrieval task above under RULER's name.
+  ruler-mv    RULER-style multi-value: one key with 4 magic numbers at spread depths, all asked.
+  ruler-mq    RULER-style multi-query: 4 keys with a magic number each, all asked at once.
+  ruler-vt    RULER-style variable tracking: a chain VAR ABCDE = 12345, VAR FGHIJ = VAR ABCDE, ... (4
+              hops) scattered through an essay haystack; asked which variables hold the value.
+  ruler-cwe   RULER-style common-word extraction: a numbered list of essay words in which 10 fill 30%
+              of the entries (the rest appear at most 3 times each); asked for the 10 most common.
+              The ruler-mv/mq/vt/cwe scores: recall (the fraction of the answers the greedy text holds
+              as whole words, RULER's string-match-all) and exact_match (all of them).
   diagnostics on real activations at one decode step after an essay context: topk_agreement of
               SparQ's approximate and exact scores (top --sparq-k, group-summed, per layer),
               attn_rel_l2 of each policy's attention output vs dense (per layer, dense inputs),
@@ -29,8 +38,11 @@ Tasks (offline data only; examples are built by token count, so a batch shares o
 """
 from __future__ import annotations
 
+import collections
 import math
 import random
+import re
+import string
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -297,6 +309,179 @@ def bpc_examples(tokenizer, length: int, n: int, seed: int, continuation_tokens:
 
 
 # =============================================================================================
+# RULER-style tasks (Hsieh et al., 2024): generated from the essays and a seed; the answers
+# (meta["answers"]) are strings the prompt holds. ruler-mk is the retrieval task above.
+# =============================================================================================
+
+RULER_MAGIC = "One of the special magic numbers for {key} is: {value}."
+
+
+def _fit(task: str, tokenizer, length: int, seed: int, index: int, make) -> tuple[list[int], dict]:
+    """make(rng) -> (build, meta, valid): build(m) the prompt with m body tokens (or None), valid(ids)
+    whether a prompt holds a well-posed example. The first attempt that fits `length` and is valid."""
+    for attempt in range(20):
+        build, meta, valid = make(example_rng(task, seed, length, index, attempt))
+        ids = fit_length(build, length)
+        if ids is not None and valid(ids):
+            return ids, meta
+    raise UserError(f"cannot build a {task} example of exactly {length} tokens")
+
+
+def _always(ids: list[int]) -> bool:
+    return True
+
+
+def _essay_body(source: TextSource, rng, length: int) -> list[int]:
+    """length + 200 tokens of essay from a random start: the haystack to cut."""
+    return source.window(rng.randrange(0, len(source.text) - 8 * length), length + 200)
+
+
+def _seven_digits(rng) -> str:
+    return str(rng.randrange(1_000_000, 10_000_000))
+
+
+def _example(ids: list[int], answers: list[str], max_new: int, meta: dict) -> Example:
+    return Example(prompt=ids, max_new=max_new, meta={**meta, "answers": answers})
+
+
+def multivalue_examples(tokenizer, length: int, n: int, seed: int, n_values: int = 4) -> list[Example]:
+    source = TextSource(tokenizer, data.essays_text())
+    out = []
+    for i in range(n):
+        def make(rng):
+            key = rng.choice([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS])
+            values = [_seven_digits(rng) for _ in range(n_values)]
+            body = _essay_body(source, rng, length)
+
+            def build(m: int) -> Optional[list[int]]:
+                haystack = tokenizer.decode(body[:m])
+                for j, value in enumerate(values):
+                    haystack = insert_at_depth(haystack, RULER_MAGIC.format(key=key, value=value), (j + 0.5) / n_values)
+                user = f"{haystack}\n\nWhat are all the special magic numbers for {key} mentioned in the text above?"
+                return chat_prompt(tokenizer, user, f"The special magic numbers for {key} mentioned in the text are")
+            return build, {"key": key, "values": values}, _always
+        ids, meta = _fit("ruler-mv", tokenizer, length, seed, i, make)
+        out.append(_example(ids, meta.pop("values"), 12 * n_values, meta))
+    return out
+
+
+def multiquery_examples(tokenizer, length: int, n: int, seed: int, n_queries: int = 4) -> list[Example]:
+    source = TextSource(tokenizer, data.essays_text())
+    out = []
+    for i in range(n):
+        def make(rng):
+            keys = rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], n_queries)
+            values = [_seven_digits(rng) for _ in keys]
+            body = _essay_body(source, rng, length)
+            listed = ", ".join(keys[:-1]) + f", and {keys[-1]}"
+
+            def build(m: int) -> Optional[list[int]]:
+                haystack = tokenizer.decode(body[:m])
+                for j, (key, value) in enumerate(zip(keys, values)):
+                    haystack = insert_at_depth(haystack, RULER_MAGIC.format(key=key, value=value), (j + 0.5) / n_queries)
+                user = f"{haystack}\n\nWhat are all the special magic numbers for {listed} mentioned in the text above?"
+                return chat_prompt(tokenizer, user, f"The special magic numbers for {listed} mentioned in the text are")
+            return build, {"keys": keys, "values": values}, _always
+        ids, meta = _fit("ruler-mq", tokenizer, length, seed, i, make)
+        out.append(_example(ids, meta.pop("values"), 12 * n_queries, meta))
+    return out
+
+
+def _variable_name(rng) -> str:
+    return "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+
+
+def variable_tracking_examples(tokenizer, length: int, n: int, seed: int, hops: int = 4) -> list[Example]:
+    """One chain of hops + 1 variables holding a 5-digit value, one statement per depth, in order."""
+    source = TextSource(tokenizer, data.essays_text())
+    out = []
+    for i in range(n):
+        def make(rng):
+            names: list[str] = []
+            while len(names) < hops + 1:
+                name = _variable_name(rng)
+                if name not in names:
+                    names.append(name)
+            value = str(rng.randrange(10000, 100000))
+            statements = [f"VAR {names[0]} = {value}."] + [f"VAR {names[j]} = VAR {names[j - 1]}."
+                                                           for j in range(1, hops + 1)]
+            body = _essay_body(source, rng, length)
+
+            def build(m: int) -> Optional[list[int]]:
+                haystack = tokenizer.decode(body[:m])
+                for j, s in enumerate(statements):
+                    haystack = insert_at_depth(haystack, s, (j + 0.5) / len(statements))
+                user = (f"Memorize and track the chain of variable assignments hidden in the following text.\n\n"
+                        f"{haystack}\n\nQuestion: Find all variables that are assigned the value {value} in the text "
+                        f"above.")
+                return chat_prompt(tokenizer, user, f"According to the chain of variable assignments in the text "
+                                                    f"above, {hops + 1} variables are assigned the value {value}, "
+                                                    f"they are:")
+            return build, {"names": names, "value": value}, _always
+        ids, meta = _fit("ruler-vt", tokenizer, length, seed, i, make)
+        out.append(_example(ids, meta.pop("names"), 8 * (hops + 1), meta))
+    return out
+
+
+def _essay_words() -> list[str]:
+    """Distinct lowercase words of 4-10 letters from the essays, in order of first use."""
+    return list(dict.fromkeys(w for w in re.findall(r"[a-z]{4,10}", data.essays_text())))
+
+
+def common_words_examples(tokenizer, length: int, n: int, seed: int, n_common: int = 10) -> list[Example]:
+    """A numbered list, shuffled, in which n_common words fill 30% of the entries and every other word
+    appears at most 3 times; cut to the length in tokens, the answers are the n_common most frequent
+    words of the list as cut (an attempt whose cut leaves them tied with another word is redrawn)."""
+    vocabulary = _essay_words()
+    out = []
+    for i in range(n):
+        def make(rng):
+            words = rng.sample(vocabulary, len(vocabulary))
+            common, rare = words[:n_common], words[n_common:]
+            entries = max(64, length)  # at least one token per entry: more than any cut keeps
+            n_common_each = max(1, int(0.3 * entries) // n_common)
+            items = [w for w in common for _ in range(n_common_each)]
+            items += [w for w in rare[: (entries - len(items)) // 3 + 1] for _ in range(3)][: entries - len(items)]
+            rng.shuffle(items)
+            body = tokenizer.encode("\n".join(f"{j + 1}. {w}" for j, w in enumerate(items)))
+
+            def build(m: int) -> Optional[list[int]]:
+                user = ("Below is a numbered list of words. In these words, some appear more often than others. "
+                        f"Memorize the ones that appear most often.\n{tokenizer.decode(body[:m])}\n"
+                        f"Question: What are the {n_common} most common words in the above list?")
+                return chat_prompt(tokenizer, user, f"The top {n_common} words that appear most often in the list are:")
+
+            def valid(ids: list[int]) -> bool:
+                counts = collections.Counter(re.findall(r"\d+\. ([a-z]+)", tokenizer.decode(ids)))
+                ranked = counts.most_common()
+                return len(ranked) > n_common and ranked[n_common - 1][1] > ranked[n_common][1] and \
+                    {w for w, _ in ranked[:n_common]} == set(common)
+            return build, {"common": common}, valid
+        ids, meta = _fit("ruler-cwe", tokenizer, length, seed, i, make)
+        out.append(_example(ids, meta.pop("common"), 6 * n_common, meta))
+    return out
+
+
+def _answers_found(example: Example, text: str) -> list[bool]:
+    """Which of the example's answers the text holds as whole words (case and spacing ignored)."""
+    text = normalize(text)
+    return [re.search(rf"(?<![0-9a-z]){re.escape(normalize(a))}(?![0-9a-z])", text) is not None
+            for a in example.meta["answers"]]
+
+
+def _score_all(example: Example, outcome: Outcome) -> dict[str, float]:
+    """recall: the fraction of the example's answers the greedy text holds (RULER's string-match-all);
+    exact_match: all of them."""
+    found = _answers_found(example, outcome.text)
+    return {"recall": sum(found) / len(found), "exact_match": float(all(found))}
+
+
+def _has_all(example: Example, text: str) -> bool:
+    """A RULER row is done once it holds every answer."""
+    return all(_answers_found(example, text))
+
+
+# =============================================================================================
 # The tasks
 # =============================================================================================
 
@@ -389,6 +574,17 @@ TASKS: dict[str, Task] = {task.name: task for task in (
     Task("retrieval", (("exact_match", True), ("answer_nll", False)),
          lambda tok, length, n, seed, o: retrieval_examples(tok, length, n, seed, o.retrieval_keys),
          _score_question, _answers_question),
+    Task("ruler-mk", (("exact_match", True), ("answer_nll", False)),
+         lambda tok, length, n, seed, o: retrieval_examples(tok, length, n, seed, o.retrieval_keys),
+         _score_question, _answers_question),
+    Task("ruler-mv", (("recall", True), ("exact_match", True)),
+         lambda tok, length, n, seed, o: multivalue_examples(tok, length, n, seed), _score_all, _has_all),
+    Task("ruler-mq", (("recall", True), ("exact_match", True)),
+         lambda tok, length, n, seed, o: multiquery_examples(tok, length, n, seed), _score_all, _has_all),
+    Task("ruler-vt", (("recall", True), ("exact_match", True)),
+         lambda tok, length, n, seed, o: variable_tracking_examples(tok, length, n, seed), _score_all, _has_all),
+    Task("ruler-cwe", (("recall", True), ("exact_match", True)),
+         lambda tok, length, n, seed, o: common_words_examples(tok, length, n, seed), _score_all, _has_all),
     Task("diagnostics", (("topk_agreement", True), ("attn_rel_l2", False), ("top1_agreement", True)),
          lambda tok, length, n, seed, o: bpc_examples(tok, length, n, seed, continuation_tokens=17, task="diagnostics"),
          None),

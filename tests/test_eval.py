@@ -1,8 +1,10 @@
 """The accuracy harness (python -m evals) and its tasks: scoring, budgets, task construction, the shared-prefill rewind, the CLI, and a smoke run."""
 import json
 import math
+import re
 import subprocess
 import sys
+from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
@@ -153,6 +155,47 @@ def test_retrieval_examples_are_deterministic_from_the_seed():
                              f"The special magic number for {key} is")
         assert tok.decode(e.answer) == f" {e.key}." and len(e.key) == 7
     assert sorted(e.meta["depth"] for e in a) == [0.125, 0.375, 0.625, 0.875]  # the asked key's depth cycles
+
+
+RULER_BUILDERS = {"ruler-mv": tasks.multivalue_examples, "ruler-mq": tasks.multiquery_examples,
+                  "ruler-vt": tasks.variable_tracking_examples, "ruler-cwe": tasks.common_words_examples}
+
+
+@pytest.mark.parametrize("task", sorted(RULER_BUILDERS))
+def test_ruler_examples_hold_their_answers_and_are_deterministic(task):
+    """A fixed seed gives fixed examples of exactly the length, whose answers the prompt holds (in the
+    form the task states them), and another seed other examples; the task is registered."""
+    tok, build = ByteTokenizer(), RULER_BUILDERS[task]
+    a, b, c = build(tok, 3000, 3, seed=5), build(tok, 3000, 3, seed=5), build(tok, 3000, 3, seed=6)
+    assert [e.prompt for e in a] == [e.prompt for e in b] and [e.prompt for e in a] != [e.prompt for e in c]
+    assert task in tasks.TASKS
+    for e in a:
+        assert len(e.prompt) == 3000
+        text, answers = tok.decode(e.prompt), e.meta["answers"]
+        suffix = {"ruler-mv": "mentioned in the text are", "ruler-mq": "mentioned in the text are",
+                  "ruler-vt": "they are:", "ruler-cwe": "appear most often in the list are:"}[task]
+        assert "</user><assistant>" in text[-300:] and text.endswith(suffix) and answers
+        if task == "ruler-mv":
+            assert len(answers) == 4 and all(f"numbers for {e.meta['key']} is: {v}." in text for v in answers)
+        elif task == "ruler-mq":
+            assert all(f"numbers for {k} is: {v}." in text for k, v in zip(e.meta["keys"], answers))
+            assert all(k in text.split("</user>")[0].split("\n\n")[-1] for k in e.meta["keys"])  # all asked
+        elif task == "ruler-vt":  # the chain: the first holds the value, each next one the previous
+            assert f"VAR {answers[0]} = {e.meta['value']}." in text
+            assert all(f"VAR {answers[j]} = VAR {answers[j - 1]}." in text for j in range(1, len(answers)))
+            assert text.index(f"VAR {answers[0]} =") < text.index(f"VAR {answers[-1]} =")
+        else:  # the answers are the 10 words the list holds most often, each more often than any other
+            counts = Counter(re.findall(r"\d+\. ([a-z]+)", text)).most_common()
+            assert {w for w, _ in counts[:10]} == set(answers) and counts[9][1] > counts[10][1]
+
+
+def test_ruler_scorer_counts_whole_answers():
+    e = tasks.Example(prompt=[], meta={"answers": ["time", "ABCDE", "1234567"]})
+    score = tasks.TASKS["ruler-vt"].score
+    assert score(e, tasks.Outcome(text="times, abcde and 1234567")) == {"recall": 2 / 3, "exact_match": 0.0}
+    assert score(e, tasks.Outcome(text=" Time: ABCDE,\n1234567.")) == {"recall": 1.0, "exact_match": 1.0}
+    assert score(e, tasks.Outcome(text="12345678 ABCDEF")) == {"recall": 0.0, "exact_match": 0.0}
+    assert tasks.TASKS["ruler-cwe"].finished(e, "time abcde 1234567") and not tasks.TASKS["ruler-cwe"].finished(e, "time")
 
 
 def test_needle_examples_have_exact_length_and_the_needle():
