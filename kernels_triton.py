@@ -530,7 +530,7 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_
     G_PAD = max(16, _pow2(g)) if use_dot else 1
     D_PAD = max(16, _pow2(d))
     # Step 0 once per (row, KV head) in its own launch: ranked inside every step-1 program (a
-    # bitonic sort each) it made step 1 ~5x slower than its bytes on an H200 (README).
+    # bitonic sort each) it was most of step 1's time on an H200 (docs/NOTES.md).
     rank = dict(G_PAD=_pow2(g), D_PAD=D_PAD, num_warps=8, num_stages=1)
     # Step 1: 256 positions x 16 rows of K^T per loop step; 128 positions when 256 would give < 2 waves.
     BLOCK_S = 256 if rows * triton.cdiv(S_bound, 256) >= 2 * sms else 128
