@@ -1,7 +1,8 @@
 """Decode attention policies beside SparQ, and the one registry of them all.
 
 - The paper's baselines on the same cache (Appendix G's transfer counts): the oracle (exact top-k at
-  no transfer cost), FlexGen's top-k, LM-Infinite / StreamingLLM (`local`) and H2O.
+  no transfer cost), FlexGen's top-k, LM-Infinite / StreamingLLM (`local`) and H2O; and a newer
+  selector, Quest (page min/max bounds).
 - POLICIES: name -> how to build a layer's policy from AttentionSettings, which flags it reads and
   which knob a target compression solves for. generate.py, bench and evals take names, flags,
   budgets and transfer formulas from here. Adding a policy is one class and one registry entry.
@@ -22,7 +23,7 @@ from torch import Tensor
 
 import cli
 from kernels import TORCH_KERNELS, Kernels
-from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, softcap
+from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, per_row, softcap
 from sparq import (SparQAdaptiveDecode, SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions,
                    sparse_attention)
 
@@ -131,6 +132,58 @@ class LocalDecode(DecodePolicy):
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         return 2 * min(self.k_top, seq_len) * head_dim + 2 * head_dim
+
+
+QUEST_PAGE = 16  # positions per page: the min/max metadata costs 2d per page, 1/16 of dense's transfers
+
+
+class QuestDecode(DecodePolicy):
+    """Quest (Tang et al., 2024): each page of P positions is summarised by the element-wise min and
+    max of its keys; from q, an upper bound of every page's logits, sum_i max(q_i min_i, q_i max_i),
+    summed over the query heads of a KV head (as SparQ sums its group); the top pages, the page of
+    the newest position always among them, are read in full and attended exactly. The summaries are
+    computed here from the cache for each step (the plain-PyTorch path: the same values a cache that
+    kept them as pages fill would hold), and counted as read: 2d per page."""
+
+    name = "quest"
+
+    def __init__(self, k: int, page: int = QUEST_PAGE, cap: Optional[float] = None):
+        super().__init__()
+        if k < page:
+            raise ValueError(f"--kv-budget must cover at least one Quest page of {page} positions, got {k}")
+        self.k_top, self.page, self.cap = k, page, cap
+
+    def pages_read(self, seq_len: int) -> int:
+        return min(-(-self.k_top // self.page), -(-seq_len // self.page))
+
+    def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        B, n_kv, g, d = q.shape
+        view = cache.view(length, B)
+        n, P = view.length, self.page
+        n_pages = -(-n // P)
+        live = torch.tensor(n, device=q.device) if view.live_length is None else view.live_length
+        live_row = per_row(live, 3)  # broadcasts against (B, n_kv, positions)
+        keys = F.pad(view.k[:B, :, :n].float(), (0, 0, 0, n_pages * P - n))  # (B, n_kv, n_pages P, d)
+        alive = (torch.arange(n_pages * P, device=q.device) < live_row)[..., None]  # (B or 1, 1, n_pages P, 1)
+        kmax = keys.masked_fill(~alive, float("-inf")).view(B, n_kv, n_pages, P, d).amax(3)  # (B, n_kv, n_pages, d)
+        kmin = keys.masked_fill(~alive, float("inf")).view(B, n_kv, n_pages, P, d).amin(3)
+        qf = q.float()[:, :, :, None, :]  # (B, n_kv, g, 1, d)
+        bound = torch.maximum(qf * kmin[:, :, None], qf * kmax[:, :, None]).sum(-1).sum(2)  # (B, n_kv, n_pages)
+        page = torch.arange(n_pages, device=q.device)
+        bound = torch.where(page == (live_row - 1) // P, float("inf"), bound)  # the newest position's page
+        bound = torch.where(page * P >= live_row, float("-inf"), bound)  # pages past a row's live length
+        pages = torch.topk(bound, self.pages_read(n), dim=-1).indices  # (B, n_kv, m)
+        positions = (pages[..., None] * P + torch.arange(P, device=q.device)).flatten(-2)  # (B, n_kv, m P)
+        valid = positions < live_row
+        index = positions.clamp(max=n - 1)[..., None].expand(-1, -1, -1, d)
+        k_sel, v_sel = torch.gather(view.k[:B], 2, index), torch.gather(view.v[:B], 2, index)  # (B, n_kv, m P, d)
+        scores = softcap((q.float() @ k_sel.float().transpose(-1, -2)) / math.sqrt(d), self.cap)  # (B, n_kv, g, m P)
+        scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+        return (torch.softmax(scores, dim=-1) @ v_sel.float()).to(q.dtype)
+
+    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+        n_pages = -(-seq_len // self.page)
+        return 2 * head_dim * n_pages + 2 * head_dim * min(self.pages_read(seq_len) * self.page, seq_len) + 2 * head_dim
 
 
 # Query rows per step of H2O's prefill scores: 32 keeps a step's fp32 logits (g * 32 rows by S keys)
@@ -358,6 +411,9 @@ POLICIES: dict[str, Policy] = {
                      "exact top-k at no transfer cost (upper bound)", ("kv_budget",), knob="kv_budget"),
     "h2o": Policy(lambda s, args, kernels: H2ODecode(s.budget, s.sparq_local, cap=args.attn_softcap),
                   "H2O: evicting heavy hitters + recent window", ("kv_budget",), knob="kv_budget"),
+    "quest": Policy(lambda s, args, kernels: QuestDecode(s.budget, cap=args.attn_softcap),
+                    f"Quest: page min/max bounds, the top pages of {QUEST_PAGE} read in full", ("kv_budget",),
+                    knob="kv_budget", knob_min=QUEST_PAGE),
     "local": Policy(lambda s, args, kernels: LocalDecode(s.budget, cap=args.attn_softcap),
                     "LM-Infinite: 16 sinks + recent window", ("kv_budget",), knob="kv_budget",
                     knob_min=LocalDecode.SINKS + 1),

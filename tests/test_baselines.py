@@ -1,11 +1,12 @@
-"""The paper's baselines as decode policies: hand-checked selections and dense equivalence."""
+"""The paper's baselines and Quest as decode policies: hand-checked selections, loop references and
+dense equivalence."""
 import math
 
 import torch
 
 from model import KVCache, dense_attention_torch
 from sparq import SparQConfig
-from policies import H2ODecode, LocalDecode, OracleDecode, TopKDecode, compression_ratio
+from policies import H2ODecode, LocalDecode, OracleDecode, QuestDecode, TopKDecode, compression_ratio
 
 
 def dense_attention(q, k, v):
@@ -154,6 +155,8 @@ def test_compression_ratios_follow_appendix_g():
     assert compression_ratio(H2ODecode(k), S, d) == (2 * k * d + 2 * d + 2 * S) / (2 * S * d + 2 * d)
     assert compression_ratio(LocalDecode(k), S, d) == (2 * k * d + 2 * d) / (2 * S * d + 2 * d)
     assert compression_ratio(TopKDecode(k), S, d) == (S * d + k * d + 2 * d) / (2 * S * d + 2 * d)
+    # Quest: 2d per page of 16 (its min and max), then k / 16 whole pages of K and V
+    assert compression_ratio(QuestDecode(k), S, d) == (2 * d * S // 16 + 2 * k * d + 2 * d) / (2 * S * d + 2 * d)
 
 
 def test_registry_builds_every_policy_and_checks_flags():
@@ -210,3 +213,50 @@ def test_budgets_count_window_layers_as_the_model_reads_them():
             as_if_global, _ = settings_for_compression(settings, target, S, replace(args, layer_types=None))
             model.set_decode_attention(policy_factory(as_if_global, args))  # k > window: windows stay whole
             assert model_compression(model, S) > target + 0.1
+
+
+def quest_loop_reference(q, k, v, length, budget, page=16):
+    """Quest written out per (row, KV head): page bounds from the min and max of each page's keys,
+    summed over the query heads; the newest position's page first, then the highest bounds; exact
+    attention over the live positions of the chosen pages."""
+    B, n_kv, g, d = q.shape
+    out = torch.zeros(B, n_kv, g, d)
+    n_pages = -(-length // page)
+    for b in range(B):
+        for h in range(n_kv):
+            bounds = []
+            for p in range(n_pages):
+                keys = k[b, h, p * page:min(length, (p + 1) * page)]
+                lo, hi = keys.min(0).values, keys.max(0).values
+                bounds.append(sum(float(torch.maximum(q[b, h, j] * lo, q[b, h, j] * hi).sum()) for j in range(g)))
+            order = [n_pages - 1] + sorted(range(n_pages - 1), key=lambda p: -bounds[p])
+            chosen = order[:min(-(-budget // page), n_pages)]
+            positions = [i for p in chosen for i in range(p * page, min(length, (p + 1) * page))]
+            for j in range(g):
+                w = torch.softmax(torch.stack([q[b, h, j] @ k[b, h, i] for i in positions]) / math.sqrt(d), 0)
+                out[b, h, j] = sum(w[t] * v[b, h, i] for t, i in enumerate(positions))
+    return out
+
+
+def test_quest_matches_its_loop_reference_and_equals_dense_with_every_page():
+    torch.manual_seed(3)
+    k, v = torch.randn(2, 2, 50, 8), torch.randn(2, 2, 50, 8)
+    q = torch.randn(2, 2, 3, 8)
+    cache = cache_with(k, v, 64)
+    for budget in (16, 32, 40):  # 1, 2 and 3 of the 4 pages (the last one holds positions 48, 49)
+        torch.testing.assert_close(QuestDecode(budget)(q, cache, 50), quest_loop_reference(q, k, v, 50, budget),
+                                   atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(QuestDecode(64)(q, cache, 50), dense_attention(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_quest_ragged_rows_each_as_alone():
+    """Rows at live lengths 37 and 50 in one batch: each row's output is the row's own Quest."""
+    torch.manual_seed(4)
+    k, v = torch.randn(2, 2, 50, 8), torch.randn(2, 2, 50, 8)
+    q = torch.randn(2, 2, 2, 8)
+    cache = cache_with(k, v, 64)
+    cache.set_live_lengths(torch.tensor([37, 50]))
+    out = QuestDecode(32)(q, cache, 50)
+    torch.testing.assert_close(out[:1], QuestDecode(32)(q[:1], cache_with(k[:1, :, :37], v[:1, :, :37], 64), 37),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1:], quest_loop_reference(q[1:], k[1:], v[1:], 50, 32), atol=1e-5, rtol=1e-5)
