@@ -210,6 +210,7 @@ ADJECTIVES = ("red blue green black white golden silver quiet loud happy brave c
 NOUNS = ("river mountain tiger falcon garden castle forest ocean candle mirror rocket violin lantern harbor meadow "
          "dragon pirate wizard island bridge tower comet desert canyon engine kettle pencil rabbit turtle hammer "
          "basket anchor ladder window planet guitar compass").split()
+MAGIC_KEYS = [f"{a}-{b}" for a in ADJECTIVES for b in NOUNS]  # the magic numbers' keys: word pairs
 
 
 def retrieval_examples(tokenizer, length: int, n: int, seed: int, n_keys: int = 4) -> list[Example]:
@@ -222,7 +223,7 @@ def retrieval_examples(tokenizer, length: int, n: int, seed: int, n_keys: int = 
     for i in range(n):
         for attempt in range(20):
             rng = example_rng("retrieval", seed, length, i, attempt)
-            words = rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], n_keys)
+            words = rng.sample(MAGIC_KEYS, n_keys)
             pairs = [(key, str(rng.randrange(1_000_000, 10_000_000))) for key in words]
             asked = i % n_keys  # depth of the asked key cycles over the examples
             qkey, qvalue = pairs[asked]
@@ -344,47 +345,40 @@ def _example(ids: list[int], answers: list[str], max_new: int, meta: dict) -> Ex
     return Example(prompt=ids, max_new=max_new, meta={**meta, "answers": answers})
 
 
-def multivalue_examples(tokenizer, length: int, n: int, seed: int, n_values: int = 4) -> list[Example]:
+def _all_magic_numbers_examples(task: str, tokenizer, length: int, n: int, seed: int, n_needles: int,
+                                draw_keys) -> list[Example]:
+    """n_needles magic-number sentences at spread depths, their keys from draw_keys(rng) (one key
+    repeated: multi-value; distinct keys: multi-query); every value asked at once."""
     source = TextSource(tokenizer, data.essays_text())
     out = []
     for i in range(n):
         def make(rng):
-            key = rng.choice([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS])
-            values = [_seven_digits(rng) for _ in range(n_values)]
-            body = _essay_body(source, rng, length)
-
-            def build(m: int) -> Optional[list[int]]:
-                haystack = tokenizer.decode(body[:m])
-                for j, value in enumerate(values):
-                    haystack = insert_at_depth(haystack, RULER_MAGIC.format(key=key, value=value), (j + 0.5) / n_values)
-                user = f"{haystack}\n\nWhat are all the special magic numbers for {key} mentioned in the text above?"
-                return chat_prompt(tokenizer, user, f"The special magic numbers for {key} mentioned in the text are")
-            return build, {"key": key, "values": values}, _always
-        ids, meta = _fit("ruler-mv", tokenizer, length, seed, i, make)
-        out.append(_example(ids, meta.pop("values"), 12 * n_values, meta))
-    return out
-
-
-def multiquery_examples(tokenizer, length: int, n: int, seed: int, n_queries: int = 4) -> list[Example]:
-    source = TextSource(tokenizer, data.essays_text())
-    out = []
-    for i in range(n):
-        def make(rng):
-            keys = rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], n_queries)
+            keys = draw_keys(rng)
             values = [_seven_digits(rng) for _ in keys]
             body = _essay_body(source, rng, length)
-            listed = ", ".join(keys[:-1]) + f", and {keys[-1]}"
+            one_key = len(set(keys)) == 1
+            asked = keys[0] if one_key else ", ".join(keys[:-1]) + f", and {keys[-1]}"
 
             def build(m: int) -> Optional[list[int]]:
                 haystack = tokenizer.decode(body[:m])
                 for j, (key, value) in enumerate(zip(keys, values)):
-                    haystack = insert_at_depth(haystack, RULER_MAGIC.format(key=key, value=value), (j + 0.5) / n_queries)
-                user = f"{haystack}\n\nWhat are all the special magic numbers for {listed} mentioned in the text above?"
-                return chat_prompt(tokenizer, user, f"The special magic numbers for {listed} mentioned in the text are")
-            return build, {"keys": keys, "values": values}, _always
-        ids, meta = _fit("ruler-mq", tokenizer, length, seed, i, make)
-        out.append(_example(ids, meta.pop("values"), 12 * n_queries, meta))
+                    haystack = insert_at_depth(haystack, RULER_MAGIC.format(key=key, value=value), (j + 0.5) / n_needles)
+                user = f"{haystack}\n\nWhat are all the special magic numbers for {asked} mentioned in the text above?"
+                return chat_prompt(tokenizer, user, f"The special magic numbers for {asked} mentioned in the text are")
+            return build, {("key" if one_key else "keys"): keys[0] if one_key else keys, "values": values}, _always
+        ids, meta = _fit(task, tokenizer, length, seed, i, make)
+        out.append(_example(ids, meta.pop("values"), 12 * n_needles, meta))
     return out
+
+
+def multivalue_examples(tokenizer, length: int, n: int, seed: int, n_values: int = 4) -> list[Example]:
+    return _all_magic_numbers_examples("ruler-mv", tokenizer, length, n, seed, n_values,
+                                       lambda rng: [rng.choice(MAGIC_KEYS)] * n_values)
+
+
+def multiquery_examples(tokenizer, length: int, n: int, seed: int, n_queries: int = 4) -> list[Example]:
+    return _all_magic_numbers_examples("ruler-mq", tokenizer, length, n, seed, n_queries,
+                                       lambda rng: rng.sample(MAGIC_KEYS, n_queries))
 
 
 def _variable_name(rng) -> str:
