@@ -43,7 +43,7 @@ from cli import UserError
 from decoding import (DecodeStats, Generator, Speculator, TextStream, expected_tokens_per_round, prefill, sample,
                       speculation_summary)
 from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
-from model import SHAPES, ModelArgs, Transformer, checkpoint_paths, load_model, random_model
+from model import KT_DTYPES, KV_DTYPES, SHAPES, KVFormat, ModelArgs, Transformer, checkpoint_paths, load_model, random_model
 from policies import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
                       policy_factory, solve_target)
 
@@ -73,10 +73,13 @@ def model_args(checkpoint: Path) -> ModelArgs:
     return ModelArgs.from_json(checkpoint_paths(checkpoint)[1] / "config.json")
 
 
-def kernels_for(choice: str, device: str, args: ModelArgs, length_bucket: int = 1) -> Kernels:
-    """resolve_kernels for this model, with its one-line ValueError as a user error."""
+def kernels_for(choice: str, device: str, args: ModelArgs, length_bucket: int = 1,
+                kv_format: KVFormat = KVFormat()) -> Kernels:
+    """resolve_kernels for this model and cache format, with its one-line ValueError as a user error."""
+    int8_kv = kv_format.kv_dtype == "int8"
     try:
-        return resolve_kernels(choice, device, length_bucket, softcap=args.attn_softcap is not None)
+        return resolve_kernels(choice, device, length_bucket, softcap=args.attn_softcap is not None, int8_kv=int8_kv,
+                               quantized_kt=int8_kv and kv_format.layout == "twice" or kv_format.kt_dtype != "same")
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -115,14 +118,45 @@ def free_memory_bytes(device: str) -> Optional[int]:
         return None
 
 
-def check_cache_fits(args: ModelArgs, batch: int, seq_len: int, layout: str, dtype: torch.dtype, device: str) -> None:
+def check_cache_fits(args: ModelArgs, batch: int, seq_len: int, kv_format: KVFormat, dtype: torch.dtype,
+                     device: str) -> None:
     """Refuse, with the numbers, a KV cache that cannot be allocated (before trying)."""
-    need = Transformer.cache_bytes(args, batch, seq_len, layout, dtype)
+    need = Transformer.cache_bytes(args, batch, seq_len, kv_format, dtype)
     free = free_memory_bytes(device)
     if free is not None and need > 0.9 * free:
-        raise UserError(f"the KV cache needs {need / 2**30:.1f} GiB (batch {batch} x {seq_len} positions, layout "
-                        f"{layout}) but only {free / 2**30:.1f} GiB are free: lower --batch-size or --max-seq-length"
-                        + (" (or use --kv-layout once)" if layout == "twice" else ""))
+        hints = [h for h, applies in (("--kv-layout once", kv_format.layout == "twice"),
+                                      ("--kv-dtype int8", kv_format.kv_dtype != "int8"),
+                                      ("--kt-dtype int4", kv_format.layout == "twice" and kv_format.kt_dtype != "int4"))
+                 if applies]
+        raise UserError(f"the KV cache needs {need / 2**30:.1f} GiB (batch {batch} x {seq_len} positions, "
+                        f"{describe_format(kv_format, dtype)}) but only {free / 2**30:.1f} GiB are free: lower "
+                        f"--batch-size or --max-seq-length" + (f" (or use {' or '.join(hints)})" if hints else ""))
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    """The KV cache's storage flags (cache_format reads them), shared by generate.py, serve.py and evals."""
+    p.add_argument("--kv-layout", choices=["twice", "once"], default="twice",
+                   help="store K twice (d- and S-contiguous) or once (the paper's 1xK variant)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="K and V as stored: auto = the activations' dtype; int8 = per-token int8 (K after a "
+                        "per-channel scale fixed by each row's prompt)")
+    p.add_argument("--kt-dtype", choices=KT_DTYPES, default="same",
+                   help="SparQ's copy of K^T (step 1 only ranks positions with it): same = as K is stored, or "
+                        "int8 / int4 (with --kv-layout twice)")
+
+
+def cache_format(args: argparse.Namespace) -> KVFormat:
+    """The KVFormat of add_cache_flags' flags; a combination that makes no sense is a user error."""
+    try:
+        return KVFormat(args.kv_layout, args.kv_dtype, args.kt_dtype)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def describe_format(kv_format: KVFormat, dtype: torch.dtype) -> str:
+    """The startup line's words for a cache format: "layout twice, K/V bfloat16, K^T int4"."""
+    kt = kv_format.kt_storage(dtype)
+    return f"layout {kv_format.layout}, K/V {kv_format.kv_storage(dtype)}" + (f", K^T {kt}" if kt else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,8 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stream", action="store_true", help="at batch size 1, print the text at the end, not as it comes")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, help="write the results as JSON")
-    p.add_argument("--kv-layout", choices=["twice", "once"], default="twice",
-                   help="store K twice (d- and S-contiguous) or once (the paper's 1xK variant)")
+    add_cache_flags(p)
     p.add_argument("--kernel", choices=KERNEL_CHOICES, default="auto",
                    help="decode kernels: auto = the fused kernels of the device (cpu: C++ dense and SparQ attention "
                         "and linears; cuda: Triton SparQ), torch = plain PyTorch everywhere")
@@ -335,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     if args.top_k is not None and args.top_k > config.vocab_size:
         raise UserError(f"--top-k {args.top_k} exceeds the vocabulary of {config.vocab_size} tokens")
-    kernels = kernels_for(args.kernel, args.device, config, length_bucket)
+    kernels = kernels_for(args.kernel, args.device, config, length_bucket, cache_format(args))
     if args.random_weights:
         model, tokenizer = random_model(config, args.device, DTYPES[args.dtype], kernels), TokenIds()
     else:
@@ -401,7 +434,7 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
     source = f"random weights of the {args.random_weights} shape" if args.random_weights else str(args.checkpoint)
     print(f"model: {source}, {config.n_layer} layers, dim {config.dim}, {config.n_head} heads / "
           f"{config.n_kv_head} KV heads, {args.dtype} on {args.device}; "
-          f"KV cache {model.kv_cache_bytes() / 2**20:.1f} MiB (layout {args.kv_layout}, "
+          f"KV cache {model.kv_cache_bytes() / 2**20:.1f} MiB ({describe_format(cache_format(args), model.cache_dtype)}, "
           f"batch {len(rows)} x {max_seq_length} positions); kernels: {kernels.name} ({kernels.describe})",
           file=sys.stderr)
     print(f"attention: {describe_layers(model)}", file=sys.stderr)
@@ -485,7 +518,7 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
         return Speculator(model, args.speculate_k, verify, [make(i) for i in layers], stop_ids=tokenizer.stop_ids,
                           temperature=args.temperature, top_k=args.top_k, compile=args.compile)
     draft_config = model_args(args.draft_checkpoint)
-    draft_kernels = kernels_for(args.kernel, args.device, draft_config)
+    draft_kernels = kernels_for(args.kernel, args.device, draft_config, kv_format=cache_format(args))
     draft = load_checkpoint(args.draft_checkpoint, args.device, DTYPES[args.dtype], draft_kernels)
     check_same_tokenizer(tokenizer, load_tokenizer(args.draft_checkpoint), draft_config, model.args)
     if max_seq_length > draft_config.max_context:
@@ -523,9 +556,11 @@ def report_speculation(stats: DecodeStats, n: int) -> None:
 def setup(model: Transformer, args: argparse.Namespace, settings: AttentionSettings, batch: int, max_seq_length: int,
           length_bucket: int) -> None:
     """Allocate the caches (refused with the numbers if they cannot fit) and install the policy."""
-    check_cache_fits(model.args, batch, max_seq_length, args.kv_layout, model.cache_dtype, args.device)
+    kv_format = cache_format(args)
     try:
-        model.setup_caches(batch, max_seq_length, kv_layout=args.kv_layout, length_bucket=length_bucket)
+        kv_format.kv_storage(model.cache_dtype)  # a float --kv-dtype other than the activations' is refused
+        check_cache_fits(model.args, batch, max_seq_length, kv_format, model.cache_dtype, args.device)
+        model.setup_caches(batch, max_seq_length, kv_format, length_bucket=length_bucket)
     except ValueError as e:
         raise UserError(str(e)) from None
     install_policy(model, settings)

@@ -57,6 +57,17 @@ from kernels_triton import HAS_TRITON, dense_attention_triton, dense_verify_trit
 
 
 @dataclass(frozen=True)
+class KVScales:
+    """An int8 KV cache's scales (model.KVCache, --kv-dtype int8), beside its int8 k and v:
+    K[p] = k[p] k_scale[p] chan, V[p] = v[p] v_scale[p]; k_scale, v_scale (B_max, n_kv, S_max) and
+    chan (B_max, n_kv, d), fp32."""
+
+    k_scale: Tensor
+    v_scale: Tensor
+    chan: Tensor
+
+
+@dataclass(frozen=True)
 class Kernels:
     """The decode kernels of one run (see the module docstring for their signatures)."""
 
@@ -67,6 +78,7 @@ class Kernels:
     sparq_adaptive: Optional[Callable] = None  # None: sparq.sparq_adaptive_attention_torch
     linear: Optional[Callable] = None  # None: F.linear
     packed_quantized: bool = False  # quantized linears: packed int4/int8 kernels, else dequantize + F.linear
+    reads_int8_kv: bool = False  # dense_attention and dense_verify take an int8 cache as stored (scales=KVScales)
     describe: str = "plain PyTorch"
 
 
@@ -166,7 +178,8 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
                                                 "Tensor spread, SymInt length, float compression, int k_max, "
                                                 "bool mean_v, Tensor? lengths=None) -> Tensor")
     torch.library.define("sparq::dense_cpu",
-                         "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor")
+                         "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1, "
+                         "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? chan=None) -> Tensor")
     torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
     torch.library.define("sparq::linear_cpu_isa", "() -> str")  # the GEMV's instruction set in this build
     # weight-only quantized GEMVs (quantize.py's stored formats; see csrc/linear_quant.cpp)
@@ -185,9 +198,9 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
                                                     lengths)
 
     @torch.library.impl("sparq::dense_cpu", "CompositeExplicitAutograd")
-    def _dense_cpu_first_call(q, k, v, length, lengths=None, queries=1):
+    def _dense_cpu_first_call(q, k, v, length, lengths=None, queries=1, k_scale=None, v_scale=None, chan=None):
         _load_for_first_call("dense_cpu")
-        return torch.ops.sparq.dense_cpu.default(q, k, v, length, lengths, queries)
+        return torch.ops.sparq.dense_cpu.default(q, k, v, length, lengths, queries, k_scale, v_scale, chan)
 
     @torch.library.impl("sparq::linear_cpu", "CompositeExplicitAutograd")
     def _linear_cpu_first_call(x, w):
@@ -213,7 +226,7 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::dense_cpu")
-    def _dense_cpu_fake(q, k, v, length, lengths=None, queries=1):
+    def _dense_cpu_fake(q, k, v, length, lengths=None, queries=1, k_scale=None, v_scale=None, chan=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::linear_cpu")
@@ -264,18 +277,25 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
     return y if bias is None else y + bias
 
 
-def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None) -> Tensor:
+def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None,
+                        scales: Optional[KVScales] = None) -> Tensor:
     """dense_attention (the module docstring) with the fused C++ kernel, flash-decoding: each K/V row
-    is read once for the g heads that share it. Exact lengths only: live_length None or (B,)."""
+    is read once for the g heads that share it. Exact lengths only: live_length None or (B,). An int8
+    cache is read as stored, its scales applied in the kernel."""
     _check_exact_lengths(live_length)
-    return torch.ops.sparq.dense_cpu.default(q, k, v, length, live_length)
+    if scales is None:
+        return torch.ops.sparq.dense_cpu.default(q, k, v, length, live_length)
+    return torch.ops.sparq.dense_cpu.default(q, k, v, length, live_length, 1, scales.k_scale, scales.v_scale,
+                                             scales.chan)
 
 
-def dense_verify_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Tensor) -> Tensor:
+def dense_verify_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Tensor,
+                     scales: Optional[KVScales] = None) -> Tensor:
     """dense_verify (the module docstring) with the fused C++ kernel: the T queries of a row fold into
     its query heads (head-major), each K/V row read once for all of them."""
     B, n_kv, g, T, d = q.shape
-    out = torch.ops.sparq.dense_cpu.default(q.reshape(B, n_kv, g * T, d), k, v, length, live_length, T)
+    s = (None, None, None) if scales is None else (scales.k_scale, scales.v_scale, scales.chan)
+    out = torch.ops.sparq.dense_cpu.default(q.reshape(B, n_kv, g * T, d), k, v, length, live_length, T, *s)
     return out.view(B, n_kv, g, T, d)
 
 
@@ -311,7 +331,7 @@ def _check_exact_lengths(live_length: Optional[Tensor]) -> None:
 
 CPU_KERNELS = Kernels("cpu", dense_attention=dense_attention_cpu, dense_verify=dense_verify_cpu,
                       sparq_attention=sparq_attention_cpu, sparq_adaptive=sparq_adaptive_cpu,
-                      linear=linear_cpu, packed_quantized=True,
+                      linear=linear_cpu, packed_quantized=True, reads_int8_kv=True,
                       describe="fused C++ (csrc/): dense, SparQ and adaptive SparQ attention, decode linears")
 TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, dense_verify=dense_verify_triton,
                          sparq_attention=sparq_attention_triton,
@@ -319,7 +339,8 @@ TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, dense
 
 
 def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int = 1, softcap: bool = False,
-                    announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> Kernels:
+                    announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+                    int8_kv: bool = False, quantized_kt: bool = False) -> Kernels:
     """The kernels for --kernel `choice` on `device`, decided once per run.
 
     "auto": the fused kernels of the device (cpu: C++, cuda: Triton), or the torch path with one
@@ -327,7 +348,10 @@ def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int 
     that cannot run is a ValueError (one line). "torch": plain PyTorch everywhere, including
     dequantize-then-matmul for quantized linears. softcap: the model soft-caps attention logits,
     which the fused attention kernels do not: attention then takes the torch path (announced), the
-    fused linears stay.
+    fused linears stay. int8_kv, quantized_kt: the KV cache stores K and V in int8 (--kv-dtype), K^T
+    in int8 or int4 (--kt-dtype). Kernels that do not read such a cache leave attention to the torch
+    path (announced), which dequantizes the positions it reads: the fused SparQ kernels with either,
+    every attention kernel without reads_int8_kv with int8 K and V.
     """
     kernels = _resolve(choice, device, length_bucket, announce)
     if softcap and (kernels.dense_attention or kernels.sparq_attention):
@@ -335,6 +359,14 @@ def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int 
                  f"({kernels.name} kernels for the rest)")
         kernels = replace(kernels, dense_attention=None, dense_verify=None, sparq_attention=None, sparq_adaptive=None,
                           describe=kernels.describe + "; attention on the torch path (soft-capped logits)")
+    if (int8_kv or quantized_kt) and (kernels.sparq_attention or kernels.sparq_adaptive):
+        dense_too = int8_kv and not kernels.reads_int8_kv and kernels.dense_attention is not None
+        announce(f"note: the fused SparQ kernels{' and ' + kernels.name + ' dense attention' if dense_too else ''} do "
+                 f"not read a quantized KV cache yet: they run on the torch path, dequantizing the positions they read")
+        kernels = replace(kernels, sparq_attention=None, sparq_adaptive=None,
+                          describe=kernels.describe + "; SparQ on the torch path (quantized KV cache)")
+        if dense_too:
+            kernels = replace(kernels, dense_attention=None, dense_verify=None)
     return kernels
 
 

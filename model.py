@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cli import UserError
-from kernels import TORCH_KERNELS, Kernels
+from kernels import TORCH_KERNELS, Kernels, KVScales
 
 
 class CheckpointError(UserError):
@@ -169,13 +169,95 @@ def position_sums(k: Tensor, v: Tensor, weight: Optional[Tensor] = None) -> Tens
     return terms.sum(2) if weight is None else torch.einsum("bhtsd,bt->bhsd", terms, weight.float())
 
 
-def sum_positions(k: Tensor, v: Tensor, start: int, end: int) -> Tensor:
-    """position_sums over positions [start, end) of k, v (B, n_kv, S, d) -> (B, n_kv, 3, d), SUM_CHUNK
-    positions at a time: never a whole fp32 copy of the cache (4.3 GB per layer at Llama-2's shape, B = 8, 32k)."""
-    total = torch.zeros(v.shape[0], v.shape[1], 3, v.shape[3], dtype=torch.float32, device=v.device)
-    for s in range(start, end, SUM_CHUNK):
-        total += position_sums(k[:, :, s:min(s + SUM_CHUNK, end)], v[:, :, s:min(s + SUM_CHUNK, end)])
-    return total
+KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")  # --kv-dtype: K and V ("auto": the activations')
+KT_DTYPES = ("same", "int8", "int4")  # --kt-dtype: SparQ's copy of K^T ("same": as K is stored)
+QMAX = {"int8": 127, "int4": 7}  # symmetric integer range [-qmax, qmax] of each quantized format
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How the KV caches store K, V and SparQ's copy of K^T (--kv-layout, --kv-dtype, --kt-dtype).
+
+    Float formats store values as they are. Quantized ones store integers and one fp32 scale per
+    (position, KV head): a write quantizes only its own new positions, so a scale is never revised
+    after its positions are written (snapshot, restore, truncate and rollback rely on that). K is
+    first divided by a per-channel scale fixed at each row's first write (its prompt's absmax per
+    channel): keys have outlier channels, and a per-token scale alone spends the integer range on
+    them (docs/NOTES.md: on Qwen2.5-Coder-0.5B the worst layer's int8 attention drifts by a
+    total-variation distance of 0.97 without it, 0.22 with it)."""
+
+    layout: str = "twice"  # "twice": K^T kept beside K for SparQ's step 1; "once": K alone
+    kv_dtype: str = "auto"  # KV_DTYPES
+    kt_dtype: str = "same"  # KT_DTYPES
+
+    def __post_init__(self):
+        if self.layout not in ("twice", "once"):
+            raise ValueError(f"unknown KV layout {self.layout!r} (expected 'twice' or 'once')")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown --kv-dtype {self.kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
+        if self.kt_dtype not in KT_DTYPES:
+            raise ValueError(f"unknown --kt-dtype {self.kt_dtype!r} (choose from {', '.join(KT_DTYPES)})")
+        if self.layout == "once" and self.kt_dtype != "same":
+            raise ValueError("--kt-dtype stores SparQ's copy of K^T, which --kv-layout once does not keep")
+
+    def kv_storage(self, activation: torch.dtype) -> str:
+        """K and V's stored format: the activations' dtype's name or "int8". A float cache in another
+        dtype than the activations is a ValueError (the torch paths read the cache in theirs)."""
+        own = str(activation).removeprefix("torch.")
+        if self.kv_dtype not in ("auto", own, *QMAX):
+            raise ValueError(f"--kv-dtype {self.kv_dtype} with {own} activations: a float cache is stored in the "
+                             f"activations' dtype (give --kv-dtype auto or int8, or --dtype {self.kv_dtype})")
+        return own if self.kv_dtype == "auto" else self.kv_dtype
+
+    def kt_storage(self, activation: torch.dtype) -> Optional[str]:
+        """K^T's stored format (None without K^T): a float dtype's name, "int8" or "int4"."""
+        if self.layout == "once":
+            return None
+        return self.kv_storage(activation) if self.kt_dtype == "same" else self.kt_dtype
+
+    def bytes_per_element(self, activation: torch.dtype) -> float:
+        """Stored bytes of one K or V element, its share of the row's scale included."""
+        return _stored_bytes(self.kv_storage(activation))
+
+    def kt_bytes_per_element(self, activation: torch.dtype) -> float:
+        return _stored_bytes(self.kt_storage(activation) or self.kv_storage(activation))
+
+    def kt_scale_bytes(self, activation: torch.dtype) -> int:
+        """Bytes of scale per position step 1 reads (K^T's, or K's with layout "once")."""
+        return 4 if (self.kt_storage(activation) or self.kv_storage(activation)) in QMAX else 0
+
+    def row_scale_bytes(self, activation: torch.dtype) -> int:
+        """Bytes of the scale per stored row of K or V."""
+        return 4 if self.kv_storage(activation) in QMAX else 0
+
+
+def _stored_bytes(storage: str) -> float:
+    return {"int8": 1.0, "int4": 0.5}.get(storage) or getattr(torch, storage).itemsize
+
+
+def quantize_symmetric(x: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
+    """x (..., n) -> (q int8 (..., n) in [-qmax, qmax], scale (...,) fp32) with x ~ q * scale: one
+    scale per row of n (its absmax / qmax), rounding to nearest."""
+    x = x.float()
+    scale = x.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / qmax
+    return torch.round(x / scale[..., None]).clamp(-qmax, qmax).to(torch.int8), scale
+
+
+def channel_scale(k: Tensor, counted: Optional[Tensor] = None) -> Tensor:
+    """The per-channel scale of a row's keys from its first write k (B, n_kv, T, d) -> (B, n_kv, d)
+    fp32: each channel's absmax over the positions `counted` (B, 1, T, 1) bool (default all), floored
+    at 1e-3 of the largest so that a channel the prompt left near zero cannot blow up a later token's
+    per-token scale."""
+    a = k.float().abs()
+    a = (a if counted is None else a * counted).amax(2)
+    return torch.maximum(a, 1e-3 * a.amax(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def unpack_int4(packed: Tensor, n: int) -> Tensor:
+    """(..., ceil(n / 2)) uint8, position 2i in the low nibble and 2i + 1 in the high one, each
+    stored as q + 8 -> (..., n) int8 in [-7, 7]."""
+    nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)[..., :n]
+    return nibbles.to(torch.int8) - 8
 
 
 @dataclass
@@ -196,6 +278,7 @@ class CacheView:
     length: int
     live_length: Optional[Tensor]
     start: int = 0
+    scales: Optional[KVScales] = None  # an int8 k and v as stored (KVCache.view(stored=True)): their scales
 
 
 class KVCache(nn.Module):
@@ -223,24 +306,45 @@ class KVCache(nn.Module):
     """
 
     def __init__(self, max_batch: int, max_seq_length: int, n_kv_head: int, head_dim: int,
-                 dtype: torch.dtype, layout: str = "twice", length_bucket: int = 1, window: Optional[int] = None):
+                 dtype: torch.dtype, layout: str = "twice", length_bucket: int = 1, window: Optional[int] = None,
+                 kv_dtype: str = "auto", kt_dtype: str = "same"):
         super().__init__()
-        if layout not in ("twice", "once"):
-            raise ValueError(f"unknown KV layout {layout!r} (expected 'twice' or 'once')")
         if window is not None and length_bucket > 1:
             raise ValueError("sliding-window layers read exact lengths: use --length-bucket 1")
+        self.format = KVFormat(layout, kv_dtype, kt_dtype)
         self.layout = layout
         self.length_bucket = length_bucket
         self.window = window
-        shape = (max_batch, n_kv_head, max_seq_length, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
-        k_t = torch.zeros((max_batch, n_kv_head, head_dim, max_seq_length), dtype=dtype) if layout == "twice" else None
+        self.dtype = dtype  # the activations': what reads return
+        self.kv_storage, self.kt_storage = self.format.kv_storage(dtype), self.format.kt_storage(dtype)
+        B, S, d = max_batch, max_seq_length, head_dim
+        self.quantized = self.kv_storage in QMAX or self.kt_storage in QMAX
+        stored = torch.int8 if self.kv_storage in QMAX else dtype
+        self.register_buffer("k", torch.zeros((B, n_kv_head, S, d), dtype=stored), persistent=False)
+        self.register_buffer("v", torch.zeros((B, n_kv_head, S, d), dtype=stored), persistent=False)
+        # int8 K and V: one fp32 scale per (row, head, position); K divided by `chan` first
+        row_scales = self.kv_storage in QMAX
+        self.register_buffer("k_scale", torch.zeros((B, n_kv_head, S)) if row_scales else None, persistent=False)
+        self.register_buffer("v_scale", torch.zeros((B, n_kv_head, S)) if row_scales else None, persistent=False)
+        self.register_buffer("chan", torch.ones((B, n_kv_head, d)) if self.quantized else None, persistent=False)
+        if self.kt_storage is None:
+            k_t = None
+        elif self.kt_storage == "int4":  # two positions per byte along S (+ 1 column that absorbs no-op writes)
+            k_t = torch.zeros((B, n_kv_head, d, S // 2 + 1), dtype=torch.uint8)
+        else:
+            k_t = torch.zeros((B, n_kv_head, d, S), dtype=torch.int8 if self.kt_storage == "int8" else dtype)
         self.register_buffer("k_t", k_t, persistent=False)
-        self.register_buffer("sums", torch.zeros((max_batch, n_kv_head, 3, head_dim), dtype=torch.float32),
-                             persistent=False)
-        self.register_buffer("live_length", torch.zeros((max_batch,), dtype=torch.long), persistent=False)
+        # K^T's own scales, unless it is K's int8 transposed (then it shares K's)
+        self.shares_k_scale = self.kt_storage == "int8" and self.kv_storage == "int8"
+        own_kt_scale = self.kt_storage in QMAX and not self.shares_k_scale
+        self.register_buffer("kt_scale", torch.zeros((B, n_kv_head, S)) if own_kt_scale else None, persistent=False)
+        self.register_buffer("sums", torch.zeros((B, n_kv_head, 3, d), dtype=torch.float32), persistent=False)
+        self.register_buffer("live_length", torch.zeros((B,), dtype=torch.long), persistent=False)
         self.ragged = False  # rows have their own live lengths (set_live_lengths); reset clears it
+
+    @property
+    def k_t_scale(self) -> Optional[Tensor]:  # (B_max, n_kv, S_max) fp32 scales of a quantized K^T
+        return self.k_scale if self.shares_k_scale else self.kt_scale
 
     @property
     def v_sum(self) -> Tensor:  # (B_max, n_kv, d), strided: the kernels take its strides
@@ -254,10 +358,13 @@ class KVCache(nn.Module):
     def max_seq_length(self) -> int:
         return self.k.shape[2]
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, row: Optional[int] = None) -> None:
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, row: Optional[int] = None,
+               lengths: Optional[Tensor] = None) -> None:
         """Write k, v (B, n_kv, T, d) at positions input_pos: (T,) for every row, or (B, T) per row
         (ragged rows). Positions must be new (past the row's live length). row: write batch row `row`
-        alone (B = 1), the others keeping their state: a prefill into one row (the rows are then ragged)."""
+        alone (B = 1), the others keeping their state: a prefill into one row (the rows are then ragged).
+        lengths (B,): a right-padded prefill of prompts of these lengths; the padding does not count
+        toward a quantized K's channel scale (a row's cache is then what its prompt alone writes)."""
         B, n_kv = k.shape[:2]
         first = 0 if row is None else row
         if row is not None:
@@ -269,16 +376,88 @@ class KVCache(nn.Module):
         rows = torch.arange(first, first + B, device=k.device).view(B, 1, 1)
         heads = torch.arange(n_kv, device=k.device).view(1, n_kv, 1)
         input_pos = input_pos.view(-1, 1, input_pos.shape[-1])  # (1 or B, 1, T)
-        self.k[rows, heads, input_pos] = k  # indexes (B, n_kv, T) -> rows of d
-        self.v[rows, heads, input_pos] = v
-        if self.k_t is not None:
-            self.k_t[rows, heads, :, input_pos] = k  # advanced indices first: the same (B, n_kv, T, d)
-        self.sums[first:first + B] += position_sums(k, v)
+        if self.quantized:
+            k, v = self._write_quantized(rows, heads, input_pos, k, v, first, B, lengths)
+        else:
+            self.k[rows, heads, input_pos] = k  # indexes (B, n_kv, T) -> rows of d
+            self.v[rows, heads, input_pos] = v
+            if self.k_t is not None:
+                self.k_t[rows, heads, :, input_pos] = k  # advanced indices first: the same (B, n_kv, T, d)
+        self.sums[first:first + B] += position_sums(k, v)  # of the values as stored
         if self.window is not None:  # the positions that leave the window (still in the buffers)
             leaving = input_pos - self.window  # (1 or B, 1, T)
             at, gone = leaving.clamp(min=0), (leaving >= 0)[..., None]
-            self.sums[first:first + B] -= position_sums(self.k[rows, heads, at] * gone, self.v[rows, heads, at] * gone)
+            k_out, v_out = self._stored(rows, heads, at)
+            self.sums[first:first + B] -= position_sums(k_out * gone, v_out * gone)
         self.live_length[first:first + B] = input_pos[:, 0, -1] + 1
+
+    def _write_quantized(self, rows: Tensor, heads: Tensor, input_pos: Tensor, k: Tensor, v: Tensor, first: int,
+                         B: int, lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """update()'s writes into a cache with a quantized part; returns k, v as stored (fp32)."""
+        fresh = (self.live_length[first:first + B] == 0)[:, None, None]  # a row's first write fixes its channel scale
+        counted = None if lengths is None else (input_pos[..., None] < lengths.view(-1, 1, 1, 1))  # (B, 1, T, 1)
+        chan = torch.where(fresh, channel_scale(k, counted), self.chan[first:first + B])  # (B, n_kv, d)
+        self.chan[first:first + B] = chan
+        kn = k.float() / chan[:, :, None]  # (B, n_kv, T, d)
+        if self.kv_storage in QMAX:
+            kq, k_scale = quantize_symmetric(kn, QMAX["int8"])
+            vq, v_scale = quantize_symmetric(v, QMAX["int8"])
+            self.k[rows, heads, input_pos], self.k_scale[rows, heads, input_pos] = kq, k_scale
+            self.v[rows, heads, input_pos], self.v_scale[rows, heads, input_pos] = vq, v_scale
+            k = kq.float() * k_scale[..., None] * chan[:, :, None]
+            v = vq.float() * v_scale[..., None]
+        else:
+            self.k[rows, heads, input_pos] = k
+            self.v[rows, heads, input_pos] = v
+        if self.shares_k_scale:
+            self.k_t[rows, heads, :, input_pos] = kq
+        elif self.kt_storage == "int8":
+            self.k_t[rows, heads, :, input_pos], self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, 127)
+        elif self.kt_storage == "int4":
+            q4, self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int4"])
+            nibble = (q4 + 8).to(torch.uint8)  # (B, n_kv, T, d)
+            # Two positions share a byte: write the even positions' low nibbles, then the odd ones'
+            # high nibbles (read-modify-write), each pass sending the other parity's writes to the
+            # spare last column, so no byte is written twice in one pass.
+            spare = self.k_t.shape[3] - 1
+            for parity, keep, shift in ((0, 0xF0, 0), (1, 0x0F, 4)):
+                byte = torch.where(input_pos % 2 == parity, input_pos // 2, spare)
+                old = self.k_t[rows, heads, :, byte]
+                self.k_t[rows, heads, :, byte] = (old & keep) | (nibble << shift)
+        return k, v
+
+    def _stored(self, rows, heads, pos) -> tuple[Tensor, Tensor]:
+        """K and V at advanced indices (rows, heads, pos) -> (..., d), as stored (dequantized in fp32)."""
+        if self.kv_storage not in QMAX:
+            return self.k[rows, heads, pos], self.v[rows, heads, pos]
+        chan = self.chan[rows, heads]  # (B, n_kv, 1, d) for rows (B, 1, 1), heads (1, n_kv, 1)
+        return (self.k[rows, heads, pos].float() * self.k_scale[rows, heads, pos][..., None] * chan,
+                self.v[rows, heads, pos].float() * self.v_scale[rows, heads, pos][..., None])
+
+    def read(self, rows: slice, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """K and V (rows, n_kv, end - start, d) at positions [start, end) of batch rows `rows`, in the
+        activations' dtype: the buffers themselves, or dequantized copies of an int8 cache."""
+        k, v = self.k[rows, :, start:end], self.v[rows, :, start:end]
+        if self.kv_storage not in QMAX:
+            return k, v
+        k = k.float() * self.k_scale[rows, :, start:end, None] * self.chan[rows, :, None]
+        v = v.float() * self.v_scale[rows, :, start:end, None]
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def read_k_t(self, rows: slice, start: int, end: int) -> Optional[Tensor]:
+        """K^T (rows, n_kv, d, end - start) at positions [start, end), in the activations' dtype
+        (dequantized from int8 or int4), or None with layout "once"."""
+        if self.k_t is None:
+            return None
+        if self.kt_storage not in QMAX:
+            return self.k_t[rows, :, :, start:end]
+        if self.kt_storage == "int4":
+            lo = start // 2 * 2  # unpack whole bytes
+            q = unpack_int4(self.k_t[rows, :, :, lo // 2:-(-end // 2)], end - lo)[..., start - lo:]
+        else:
+            q = self.k_t[rows, :, :, start:end]
+        kt = q.float() * self.k_t_scale[rows, :, None, start:end] * self.chan[rows, :, :, None]
+        return kt.to(self.dtype)
 
     def set_live_lengths(self, lengths: Tensor) -> None:
         """Make rows ragged: row b's live positions are [0, lengths[b]) (B,), whatever a padded prefill
@@ -290,7 +469,7 @@ class KVCache(nn.Module):
         for start in range(0, int(lengths.max()), SUM_CHUNK):  # an fp32 copy of one chunk at a time
             end = min(start + SUM_CHUNK, self.max_seq_length)
             live = torch.arange(start, end, device=lengths.device) < lengths[:, None]  # (B, chunk)
-            self.sums[:B] += position_sums(self.k[:B, :, start:end], self.v[:B, :, start:end], live)
+            self.sums[:B] += position_sums(*self.read(slice(0, B), start, end), live)
         self.live_length[:B] = lengths
         self.ragged = True
 
@@ -305,26 +484,40 @@ class KVCache(nn.Module):
     def visible_length(self, length: int) -> int:
         return length - self.visible_start(length)
 
-    def view(self, length: int, rows: int) -> CacheView:
-        """The positions a decode step of `rows` rows reading `length` positions attends to."""
+    def view(self, length: int, rows: int, stored: bool = False) -> CacheView:
+        """The positions a decode step of `rows` rows reading `length` positions attends to: values in
+        the activations' dtype (dequantized copies of a quantized cache's visible positions, for the
+        torch paths), or with stored=True the buffers as stored (int8 K and V with their scales, for
+        kernels that read them; K^T as stored)."""
         start = self.visible_start(length)
-        k_t = None if self.k_t is None else self.k_t[:, :, :, start:]
         if self.ragged:
             live = self.live_length[:rows]
         elif self.length_bucket > 1:
             live = self.live_length[0]  # every row alike: one 0-dim live length
         else:
             live = None
-        return CacheView(self.k[:, :, start:], k_t, self.v[:, :, start:], self.v_sum, self.k_moments, length - start,
-                         live, start)
+        if self.quantized and not stored:  # what the torch paths read: dequantized copies of the visible positions
+            k, v = self.read(slice(0, rows), start, length)
+            k_t = self.read_k_t(slice(0, rows), start, length)
+        elif stored and self.kv_storage in QMAX:
+            k, v = self.k[:, :, start:], self.v[:, :, start:]
+            k_t = None if self.k_t is None else self.k_t[..., start // 2 if self.kt_storage == "int4" else start:]
+            scales = KVScales(self.k_scale[:, :, start:], self.v_scale[:, :, start:], self.chan)
+            return CacheView(k, k_t, v, self.v_sum, self.k_moments, length - start, live, start, scales)
+        else:
+            k, v = self.k[:, :, start:], self.v[:, :, start:]
+            k_t = None if self.k_t is None else self.k_t[:, :, :, start:]
+        return CacheView(k, k_t, v, self.v_sum, self.k_moments, length - start, live, start)
 
     def reset(self, row: Optional[int] = None) -> None:
         """Empty the cache, or batch row `row` alone (the other rows keep their state). An emptied
         row's buffers are not cleared: positions past a live length are never read unmasked."""
         if row is None:
-            for buffer in (self.k, self.v, self.k_t, self.sums, self.live_length):
+            for buffer in self._buffers.values():
                 if buffer is not None:
                     buffer.zero_()
+            if self.chan is not None:
+                self.chan.fill_(1.0)
             self.ragged = False
             return
         self.truncate(row, 0)
@@ -339,13 +532,13 @@ class KVCache(nn.Module):
         live = int(self.live_length[row])
         if not 0 <= length <= live:
             raise ValueError(f"cannot truncate row {row} to {length} positions: it holds {live}")
-        k, v = self.k[row:row + 1], self.v[row:row + 1]
+        rows = slice(row, row + 1)
         if self.window is None and live - length <= length:
-            self.sums[row] -= sum_positions(k, v, length, live)[0]
+            self.sums[row] -= self.sum_positions(rows, length, live)[0]
         elif self.window is None:  # fewer positions kept than removed: summing the kept ones is cheaper
-            self.sums[row] = sum_positions(k, v, 0, length)[0]
+            self.sums[row] = self.sum_positions(rows, 0, length)[0]
         else:
-            self.sums[row] = sum_positions(k, v, self.visible_start(length), length)[0]
+            self.sums[row] = self.sum_positions(rows, self.visible_start(length), length)[0]
         self.live_length[row] = length
         self.ragged = True
 
@@ -363,7 +556,7 @@ class KVCache(nn.Module):
         if hi > lo:
             positions = torch.arange(lo, hi, device=lengths.device)
             removed = (positions >= lengths[:, None]) & (positions < old[:, None])  # (B, hi - lo)
-            self.sums[:B] -= position_sums(self.k[:B, :, lo:hi], self.v[:B, :, lo:hi], removed)
+            self.sums[:B] -= position_sums(*self.read(slice(0, B), lo, hi), removed)
         self.live_length[:B] = lengths
         self.ragged = True
 
@@ -381,27 +574,44 @@ class KVCache(nn.Module):
 
         Decode steps write K, K^T and V only at new positions, which are never read before being
         rewritten, so restore(snapshot) rewinds the cache exactly to when the snapshot was taken."""
-        return {"sums": self.sums.clone(), "live_length": self.live_length.clone(), "ragged": self.ragged}
+        state = {"sums": self.sums.clone(), "live_length": self.live_length.clone(), "ragged": self.ragged}
+        if self.chan is not None:  # fixed at a row's first write: a snapshot of an empty row precedes it
+            state["chan"] = self.chan.clone()
+        return state
 
     def restore(self, snapshot: dict) -> None:
         self.sums.copy_(snapshot["sums"])
+        if self.chan is not None:
+            self.chan.copy_(snapshot["chan"])
         self.live_length.copy_(snapshot["live_length"])
         self.ragged = snapshot["ragged"]
 
     def rewind(self, length: int) -> None:
         """Keep positions [0, length) of every row live, as if nothing after them had been written."""
-        self.sums.copy_(sum_positions(self.k, self.v, self.visible_start(length), length))
+        self.sums.copy_(self.sum_positions(slice(None), self.visible_start(length), length))
         self.live_length.fill_(length)
         self.ragged = False
 
     def broadcast_row(self, n_rows: int) -> None:
         """Copy batch row 0 into rows 1..n_rows-1 (every row then holds the same prompt)."""
-        for buffer in (self.k, self.k_t, self.v, self.sums, self.live_length):
+        for buffer in self._buffers.values():
             if buffer is not None:
                 buffer[1:n_rows].copy_(buffer[:1].expand_as(buffer[1:n_rows]))
 
+    def sum_positions(self, rows: slice, start: int, end: int) -> Tensor:
+        """position_sums over positions [start, end) of batch rows `rows` -> (rows, n_kv, 3, d), of the
+        values as stored, SUM_CHUNK positions at a time: never a whole fp32 copy of the cache (4.3 GB
+        per layer at Llama-2's shape, B = 8, 32k)."""
+        k = self.k[rows]
+        total = torch.zeros(k.shape[0], k.shape[1], 3, k.shape[3], dtype=torch.float32, device=k.device)
+        for s in range(start, end, SUM_CHUNK):
+            total += position_sums(*self.read(rows, s, min(s + SUM_CHUNK, end)))
+        return total
+
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (self.k, self.v, self.k_t, self.sums) if b is not None)
+        """Bytes of every buffer as allocated (K, V, K^T, scales, sums; K's scales once when K^T shares them)."""
+        return sum(b.numel() * b.element_size() for name, b in self._buffers.items()
+                   if b is not None and name != "live_length")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,11 +704,35 @@ class DecodePolicy(nn.Module):
         """Elements of K/V moved per KV head per decode step over seq_len visible positions."""
         raise NotImplementedError
 
+    def step1_reads(self, seq_len: int, head_dim: int) -> tuple[int, int]:
+        """(positions, rows): the part of transfer_elements that scans K^T (SparQ's step 1: S positions
+        of r rows), which the cache may store in another format than K and V; (0, 0) for the others."""
+        return 0, 0
+
+    def transfer_bytes(self, seq_len: int, head_dim: int, fmt: KVFormat, activation: torch.dtype) -> float:
+        """transfer_elements in bytes as the cache stores them (`fmt`, activations in `activation`):
+        step 1's K^T elements at K^T's size plus one scale per position scanned, every other element
+        at K and V's size plus one scale per row of head_dim."""
+        positions, rows = self.step1_reads(seq_len, head_dim)
+        kt = positions * rows
+        rest = self.transfer_elements(seq_len, head_dim) - kt
+        return (kt * fmt.kt_bytes_per_element(activation) + positions * fmt.kt_scale_bytes(activation)
+                + rest * fmt.bytes_per_element(activation) + rest / head_dim * fmt.row_scale_bytes(activation))
+
     def verify(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         """T queries per row at each row's last T live positions (speculative verification): q
         (B, n_kv, g, T, d) -> (B, n_kv, g, T, d), query j attending to its row's positions up to its
         own. Only dense attention verifies (DenseDecode.verify)."""
         raise NotImplementedError(f"{self.name} attention cannot verify speculative tokens")
+
+
+def dense_decode(attend: Callable, fused: bool, q: Tensor, cache: KVCache, length: int) -> Tensor:
+    """Dense attention of q (B, n_kv, g, d) over cache.view(length) with `attend`: a fused kernel reads
+    the cache as stored (an int8 one with its scales), the torch path the values in the activations' dtype."""
+    view = cache.view(length, q.shape[0], stored=fused)
+    if view.scales is not None:
+        return attend(q, view.k, view.v, view.length, view.live_length, scales=view.scales)
+    return attend(q, view.k, view.v, view.length, view.live_length)
 
 
 class DenseDecode(DecodePolicy):
@@ -510,12 +744,12 @@ class DenseDecode(DecodePolicy):
         super().__init__()
         # soft-capped models get no attention kernels (resolve_kernels): the cap binds to the torch path
         self.attend = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
+        self.fused = kernels.dense_attention is not None  # reads the cache as stored (resolve_kernels: it can)
         self.verify_kernel = kernels.dense_verify  # None: the torch path of verify()
         self.cap = cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        view = cache.view(length, q.shape[0])
-        return self.attend(q, view.k, view.v, view.length, view.live_length)
+        return dense_decode(self.attend, self.fused, q, cache, length)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Paper, Appendix G: 2Sd + 2d (read K and V, write the new k and v)."""
@@ -530,9 +764,10 @@ class DenseDecode(DecodePolicy):
         B, n_kv, g, T, d = q.shape
         window = cache.window
         if self.verify_kernel is not None and window is None:
-            return self.verify_kernel(q, cache.k, cache.v, length, cache.live_length[:B])
+            view = cache.view(length, B, stored=True)
+            return self.verify_kernel(q, view.k, view.v, length, cache.live_length[:B], scales=view.scales)
         lo = 0 if window is None else max(0, length - T - window + 1)
-        k, v = cache.k[:B, :, lo:length], cache.v[:B, :, lo:length]  # (B, n_kv, S, d)
+        k, v = cache.read(slice(0, B), lo, length)  # (B, n_kv, S, d)
         q_pos = cache.live_length[:B, None] - T + torch.arange(T, device=q.device)  # (B, T)
         k_pos = torch.arange(lo, length, device=q.device)
         allowed = k_pos <= q_pos[..., None]  # (B, T, S)
@@ -667,16 +902,16 @@ class Attention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)  # (B, heads, T, d)
-        self.kv_cache.update(input_pos, k, v, row)
+        self.kv_cache.update(input_pos, k, v, row, prompt_lengths)
         if T > 1 and input_pos.dim() == 2:  # T queries per row at its own positions: speculative verification
             q = q.view(B, n_kv, H // n_kv, T, d)
             y = self.decode_attention.verify(q, self.kv_cache, kv_end).view(B, H, T, d)
         elif T > 1 or row is not None:  # a prefill chunk (of one row: even one token): positions [kv_end - T, kv_end)
             rows = slice(0, B) if row is None else slice(row, row + 1)  # the cache rows of x's rows
             k_start = 0 if self.window is None else max(0, kv_end - T - self.window + 1)
-            keys, values = self.kv_cache.k[rows, :, k_start:kv_end], self.kv_cache.v[rows, :, k_start:kv_end]
+            keys, values = self.kv_cache.read(rows, k_start, kv_end)
             y = prefill_attention(q, keys, values, kv_end - T, self.window, self.cap)  # (B, H, T, d)
-            self.decode_attention.observe_prefill(q, self.kv_cache.k[rows, :, :kv_end], lengths=prompt_lengths,
+            self.decode_attention.observe_prefill(q, self.kv_cache.read(rows, 0, kv_end)[0], lengths=prompt_lengths,
                                                    window=self.window)
         else:  # a decode step reads kv_end positions
             q = q.view(B, n_kv, H // n_kv, d)  # query heads grouped by the KV head they share
@@ -756,17 +991,24 @@ class Transformer(nn.Module):
         return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else self.activation_dtype
 
     @staticmethod
-    def cache_bytes(args: ModelArgs, batch: int, seq_len: int, layout: str, dtype: torch.dtype) -> int:
-        """Bytes setup_caches allocates: K, V (and K^T with layout "twice") per layer, plus the V sums."""
-        per_layer = batch * args.n_kv_head * args.head_dim * (seq_len * (3 if layout == "twice" else 2)
-                                                              * dtype.itemsize + 4)
-        return per_layer * args.n_layer
+    def cache_bytes(args: ModelArgs, batch: int, seq_len: int, fmt: KVFormat, dtype: torch.dtype) -> int:
+        """Bytes setup_caches allocates (activations in `dtype`), as KVCache.nbytes counts them: K and V,
+        K^T with layout "twice", their scales, the channel scales and the running sums, per layer."""
+        d = args.head_dim
+        per_position = 2 * (d * fmt.bytes_per_element(dtype) + fmt.row_scale_bytes(dtype))
+        kt = fmt.kt_storage(dtype)
+        if kt is not None:
+            shared = kt == "int8" and fmt.kv_storage(dtype) == "int8"  # K^T shares K's scales
+            per_position += d * fmt.kt_bytes_per_element(dtype) + (0 if shared else fmt.kt_scale_bytes(dtype))
+        quantized = fmt.kv_storage(dtype) in QMAX or kt in QMAX
+        per_row = seq_len * per_position + 3 * d * 4 + (d * 4 if quantized else 0) + (d if kt == "int4" else 0)
+        return round(batch * args.n_kv_head * per_row) * args.n_layer
 
     CACHE_ALIGN = 64  # cache positions are allocated in multiples of this: K^T rows stay 16-byte aligned
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_layout: str = "twice",
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_format: KVFormat = KVFormat(),
                      length_bucket: int = 1) -> None:
-        """Allocate the static KV caches (in the activation dtype, on the model's device) for at least
+        """Allocate the static KV caches (stored as kv_format says, on the model's device) for at least
         max_seq_length positions, rounded up to CACHE_ALIGN so that every row of K^T starts 16-byte
         aligned (vectorised loads); see KVCache for length_bucket."""
         args, dtype = self.args, self.cache_dtype
@@ -774,7 +1016,8 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = KVCache(max_batch_size, allocated, args.n_kv_head, args.head_dim, dtype,
-                                               kv_layout, length_bucket, args.window(i)).to(self.device)
+                                               kv_format.layout, length_bucket, args.window(i), kv_format.kv_dtype,
+                                               kv_format.kt_dtype).to(self.device)
         rotary_dim = args.rotary_dim or args.head_dim
         self.rope = rope_cache(rotary_dim, args.rope_base, args.rope_scaling, allocated).to(self.device)
         if args.rope_local_base is not None:
@@ -807,9 +1050,10 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             policy = layer.attention.decode_attention if policies is None else policies[i]
             cache = layer.attention.kv_cache
-            per_head = policy.transfer_elements(cache.visible_length(seq_len), self.args.head_dim)
-            total += per_head * self.args.n_kv_head * batch_size * cache.k.element_size()
-        return total
+            per_head = policy.transfer_bytes(cache.visible_length(seq_len), self.args.head_dim, cache.format,
+                                             cache.dtype)
+            total += per_head * self.args.n_kv_head * batch_size
+        return round(total)
 
     def weight_bytes(self) -> int:
         """Bytes of every weight a decode step reads: parameters and weight buffers (packed quantized

@@ -35,7 +35,8 @@ import data
 from cli import UserError
 from decoding import compiled_decode_step, decode_step
 from engine import Engine, QueueFull, Request, Stopped, run_alone
-from generate import (DTYPES, kernels_for, load_checkpoint, load_tokenizer, model_args, setup, solve_compression)
+from generate import (DTYPES, add_cache_flags, cache_format, kernels_for, load_checkpoint, load_tokenizer, model_args,
+                      setup, solve_compression)
 from kernels import KERNEL_CHOICES
 from policies import add_attention_flags, attention_settings, describe_layers
 
@@ -362,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--kernel", choices=KERNEL_CHOICES, default="auto")
-    p.add_argument("--kv-layout", choices=["twice", "once"], default="twice")
+    add_cache_flags(p)
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     add_attention_flags(p)
     return p
@@ -384,7 +385,7 @@ def load(args: argparse.Namespace) -> Served:
     if max_seq_length > config.max_context:
         raise UserError(f"--max-seq-length {max_seq_length} exceeds the model's context of {config.max_context}")
     length_bucket = 256 if args.device == "cuda" and args.compile else 1
-    kernels = kernels_for(args.kernel, args.device, config, length_bucket)
+    kernels = kernels_for(args.kernel, args.device, config, length_bucket, cache_format(args))
     model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels)
     tokenizer = load_tokenizer(args.checkpoint)
     settings = solve_compression(settings, max_seq_length, config)

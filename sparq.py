@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from kernels import TORCH_KERNELS, Kernels
-from model import DecodePolicy, DenseDecode, KVCache, beyond_live, dense_attention_torch, per_row, softcap
+from model import DecodePolicy, DenseDecode, KVCache, beyond_live, dense_attention_torch, dense_decode, per_row, softcap
 
 
 @dataclass
@@ -405,12 +405,13 @@ class SparQAdaptiveDecode(DecodePolicy):
         self.compression, self.k_max, self.mean_v = compression, k_max, mean_v
         self.attend = kernels.sparq_adaptive or partial(sparq_adaptive_attention_torch, cap=cap)
         self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
+        self.dense_fused = kernels.dense_attention is not None
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B = q.shape[0]
+        if cache.visible_length(length) <= self.k_max:
+            return dense_decode(self.attend_dense, self.dense_fused, q, cache, length)
         view = cache.view(length, B)
-        if view.length <= self.k_max:
-            return self.attend_dense(q, view.k, view.v, view.length, view.live_length)
         spread = key_spread(view.k_moments[:B], view.length if view.live_length is None else view.live_length)
         return self.attend(q, view.k, view.k_t, view.v, view.v_sum, spread, view.length, view.live_length,
                            self.compression, self.k_max, self.mean_v)
@@ -422,6 +423,11 @@ class SparQAdaptiveDecode(DecodePolicy):
             return DenseDecode().transfer_elements(seq_len, head_dim)
         r, k = adaptive_split(seq_len, head_dim, self.compression, self.k_max)
         return seq_len * r + 2 * k * head_dim + 6 * head_dim
+
+    def step1_reads(self, seq_len: int, head_dim: int) -> tuple[int, int]:
+        if seq_len <= self.k_max:
+            return 0, 0
+        return seq_len, adaptive_split(seq_len, head_dim, self.compression, self.k_max)[0]
 
 
 class SparQDecode(DecodePolicy):
@@ -441,12 +447,14 @@ class SparQDecode(DecodePolicy):
         # soft-capped models get no attention kernels (resolve_kernels): the cap binds to the torch paths
         self.attend = kernels.sparq_attention or partial(sparq_attention_torch, cap=cap)
         self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
+        self.dense_fused = kernels.dense_attention is not None
         self.dense_when_short = dense_when_short
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        c, view = self.config, cache.view(length, q.shape[0])
-        if self.dense_when_short and view.length <= c.k_top:
-            return self.attend_dense(q, view.k, view.v, view.length, view.live_length)
+        c = self.config
+        if self.dense_when_short and cache.visible_length(length) <= c.k_top:
+            return dense_decode(self.attend_dense, self.dense_fused, q, cache, length)
+        view = cache.view(length, q.shape[0])
         return self.attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
                            c.r, c.k_top, c.local, c.mean_v)
 
@@ -457,3 +465,8 @@ class SparQDecode(DecodePolicy):
             return DenseDecode().transfer_elements(seq_len, head_dim)
         k = min(self.config.k_top, seq_len)
         return seq_len * self.config.r + 2 * k * head_dim + 4 * head_dim
+
+    def step1_reads(self, seq_len: int, head_dim: int) -> tuple[int, int]:
+        if self.dense_when_short and seq_len <= self.config.k_top:
+            return 0, 0
+        return seq_len, self.config.r

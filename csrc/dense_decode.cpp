@@ -3,9 +3,13 @@
 //
 // Registered as the CPU kernel of sparq::dense_cpu, whose schema (and fake implementation, for
 // torch.compile) kernels.py defines:
-//   dense_cpu(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor
+//   dense_cpu(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1,
+//             Tensor? k_scale=None, Tensor? v_scale=None, Tensor? chan=None) -> Tensor
 // lengths: None (every row reads positions [0, length)) or (B,) int: row b reads [0, lengths[b])
 // (ragged batches: a short row costs only what it reads).
+// An int8 cache (model.KVCache with --kv-dtype int8) is read as stored: K[p] = k[p] k_scale[p] chan,
+// V[p] = v[p] v_scale[p], with k_scale, v_scale (B_max, n_kv, S_max) and chan (B_max, n_kv, d) fp32:
+// chan is folded into q, k_scale into each position's logit, v_scale into its softmax weight.
 // queries: T > 1 query tokens per row (speculative verification), q's g = heads x T (head-major):
 // query t of a row of length n attends to positions [0, n - T + 1 + t), as the one-token step at
 // its position would; every K and V row is still read once, for all of them.
@@ -38,6 +42,9 @@ struct DenseProblem {
   int64_t B, H, g, d, S;  // S: the longest row's length
   int64_t T;              // query tokens per row (g = heads x T)
   int64_t qs0, qs1, qs2, qs3, ks0, ks1, ks2, vs0, vs1, vs2;
+  // an int8 cache's scales (nullptr otherwise): per position (strides ss0, ss1; positions contiguous), per channel
+  const float *k_scale = nullptr, *v_scale = nullptr, *chan = nullptr;
+  int64_t kss0 = 0, kss1 = 0, vss0 = 0, vss1 = 0, cs0 = 0, cs1 = 0;
   int64_t cs;                      // chunk length (a multiple of 64)
   const int64_t* len;              // (B,) live length of each row
   std::vector<int64_t> unit0;      // (B * H + 1,) first unit of each bh: bh owns ceil(len / cs) chunks
@@ -194,6 +201,15 @@ static bool blocked_pv(const float* L, int64_t ldL, int64_t g, int64_t d, const 
   return false;
 }
 
+// L[hh][s] *= scale[s] for the g heads and n positions (an int8 cache's per-position scales).
+static inline void scale_positions(float* L, int64_t ldL, int64_t g, const float* scale, int64_t n) {
+  for (int64_t s = 0; s < n; s += 16) {
+    const M mk = tail_mask(n - s);
+    const V c = load(scale + s, mk);
+    for (int64_t hh = 0; hh < g; ++hh) store(L + hh * ldL + s, vmul(load(L + hh * ldL + s, mk), c), mk);
+  }
+}
+
 // One unit: positions [p0, p1) of bh. Writes y (g x d, unnormalised) and mz = [m(g), Z(g)].
 template <typename KT, typename QT>
 static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT* v, int64_t bh, int64_t p0,
@@ -201,9 +217,10 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
   const int64_t g = P.g, d = P.d, b = bh / P.H, h = bh % P.H;
   const float scale = 1.0f / std::sqrt((float)d);
   const QT* qb = q + b * P.qs0 + h * P.qs1;
+  const float* chan = P.chan ? P.chan + b * P.cs0 + h * P.cs1 : nullptr;
   for (int64_t hh = 0; hh < g; ++hh)
     for (int64_t j = 0; j < d; ++j) {
-      const float x = to_f(qb[hh * P.qs2 + j * P.qs3]);
+      const float x = to_f(qb[hh * P.qs2 + j * P.qs3]) * (chan ? chan[j] : 1.0f);
       const bf16 hi(x);
       w.qf[hh * d + j] = x;
       w.qh[hh * d + j] = hi;
@@ -218,6 +235,7 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
       const KT* row = kb + (p0 + s) * P.ks2;
       for (int64_t hh = 0; hh < g; ++hh) L[hh * ldL + s] = dot_d(w.qf + hh * d, row, d) * scale;
     }
+  if (P.k_scale) scale_positions(L, ldL, g, P.k_scale + b * P.kss0 + h * P.kss1 + p0, n);
   // T queries per row: query t's future (positions >= n - T + 1 + t, the last T - 1 at most) is masked
   if (P.T > 1)
     for (int64_t hh = 0; hh < g; ++hh)
@@ -228,7 +246,8 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
     mz[hh] = m;
     mz[g + hh] = sum;
   }
-  // y = e @ V
+  // y = e @ V (an int8 V's scales folded into the weights, after their sum)
+  if (P.v_scale) scale_positions(L, ldL, g, P.v_scale + b * P.vss0 + h * P.vss1 + p0, n);
   if (blocked_pv<KT>(L, ldL, g, d, vb, P.vs2, p0, n, y)) return;
   std::fill(y, y + g * d, 0.f);
   for (int64_t s = 0; s < n; ++s) add_weighted_row(L + s, ldL, g, vb + (p0 + s) * P.vs2, d, y);
@@ -292,7 +311,8 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
 }
 
 at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
-                     const std::optional<at::Tensor>& lengths, int64_t queries) {
+                     const std::optional<at::Tensor>& lengths, int64_t queries, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& chan) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "sparq::dense_cpu: expected q (B, n_kv, g, d), k/v (B_max, n_kv, S_max, d)");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
@@ -303,7 +323,21 @@ at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "sparq::dense_cpu: k and v must be contiguous in the head dim");
   TORCH_CHECK(1 <= length && length <= k.size(2), "sparq::dense_cpu: length ", length, " outside [1, ", k.size(2), "]");
   const auto kdt = k.scalar_type(), qdt = q.scalar_type();
-  TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf, "sparq::dense_cpu: unsupported cache dtype");
+  const bool int8 = kdt == at::kChar;
+  TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf || int8, "sparq::dense_cpu: unsupported cache dtype");
+  const bool scaled = k_scale.has_value() && k_scale->defined();
+  TORCH_CHECK(scaled == int8 && scaled == (v_scale.has_value() && v_scale->defined()) &&
+                  scaled == (chan.has_value() && chan->defined()),
+              "sparq::dense_cpu: an int8 cache needs k_scale, v_scale and chan (and only an int8 cache takes them)");
+  if (int8) {
+    for (const at::Tensor* t : {&*k_scale, &*v_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) >= B && t->size(1) == H &&
+                      t->size(2) >= length && t->stride(2) == 1,
+                  "sparq::dense_cpu: k_scale and v_scale must be fp32 (B_max, n_kv, S_max), positions contiguous");
+    TORCH_CHECK(chan->scalar_type() == at::kFloat && chan->dim() == 3 && chan->size(0) >= B && chan->size(1) == H &&
+                    chan->size(2) == d && chan->stride(2) == 1,
+                "sparq::dense_cpu: chan must be fp32 (B_max, n_kv, d)");
+  }
   TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, "sparq::dense_cpu: unsupported q dtype");
   const std::vector<int64_t> len = row_lengths(lengths, B, length, "sparq::dense_cpu");
   TORCH_CHECK(queries >= 1 && g % queries == 0, "sparq::dense_cpu: queries ", queries, " does not divide g ", g);
@@ -313,6 +347,11 @@ at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   P.qs0 = q.stride(0); P.qs1 = q.stride(1); P.qs2 = q.stride(2); P.qs3 = q.stride(3);
   P.ks0 = k.stride(0); P.ks1 = k.stride(1); P.ks2 = k.stride(2);
   P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
+  if (int8) {
+    P.k_scale = k_scale->data_ptr<float>(); P.kss0 = k_scale->stride(0); P.kss1 = k_scale->stride(1);
+    P.v_scale = v_scale->data_ptr<float>(); P.vss0 = v_scale->stride(0); P.vss1 = v_scale->stride(1);
+    P.chan = chan->data_ptr<float>(); P.cs0 = chan->stride(0); P.cs1 = chan->stride(1);
+  }
   // chunks: balance the threads, and bound the logits buffer (g x cs floats per thread). The bound
   // counts one query token's heads: T queries per row split their positions as the one-token step
   // at each of them would (one chunk per row where it reads one), so each is that step's bit for bit.
@@ -327,6 +366,7 @@ at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   else SPARQ_RUN(KT, f16);
   if (kdt == at::kFloat) { SPARQ_Q(float) }
   else if (kdt == at::kBFloat16) { SPARQ_Q(bf16) }
+  else if (int8) { SPARQ_Q(int8_t) }
   else { SPARQ_Q(f16) }
 #undef SPARQ_Q
 #undef SPARQ_RUN

@@ -355,6 +355,10 @@ static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #undef SPARQ_LANES
 #endif
 
+// int8 rows of a quantized KV cache load as the other cache dtypes do (their scales are applied by the caller)
+static inline V load(const int8_t* p) { return load_i8(p); }
+static inline V load(const int8_t* p, M m) { return load_i8(p, m); }
+
 template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
 template <typename T> static inline T from_f(float x) { return static_cast<T>(x); }
 

@@ -50,7 +50,7 @@ from evals.journal import Journal, journal_path
 from evals.report import budget_records, budget_summary, no_selection, plot_title, print_results, report, write_json
 from evals.runner import Cell, Results, Runner, evaluate_batch
 from evals.tasks import TASKS, Example, TaskOptions
-from generate import DTYPES, kernels_for, load_checkpoint, load_tokenizer, model_args
+from generate import DTYPES, add_cache_flags, cache_format, kernels_for, load_checkpoint, load_tokenizer, model_args
 from kernels import KERNEL_CHOICES
 from policies import DENSE, POLICIES, AttentionSettings, fraction_label, parse_compression
 
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mean-value reallocation (auto: on for MHA, off for GQA)")
     p.add_argument("--kernel", choices=[k for k in KERNEL_CHOICES if k != "triton"], default="auto",
                    help="decode kernels, as in generate.py")
-    p.add_argument("--kv-layout", choices=["twice", "once"], default="twice")
+    add_cache_flags(p)
     p.add_argument("--bpc-tokens", type=cli.positive_int, default=64, help="continuation tokens scored by the bpc task")
     p.add_argument("--repetition-chars", type=cli.positive_int, default=256, help="continuation characters the repetition task checks")
     p.add_argument("--repetition-passage", type=int, default=256,
@@ -145,6 +145,9 @@ def run_identity(args: argparse.Namespace, tasks: list[str], methods: list[str],
     for flag in ("examples", "batch_size", "seed", "dtype", "kernel", "kv_layout", "sparq_r", "sparq_k", "sparq_mean_v",
                  "bpc_tokens", "repetition_chars", "repetition_passage", "retrieval_keys"):
         run[flag] = getattr(args, flag)
+    for flag, default in (("kv_dtype", "auto"), ("kt_dtype", "same")):  # absent from the journals of earlier runs
+        if getattr(args, flag) != default:
+            run[flag] = getattr(args, flag)
     return json.loads(json.dumps(run))  # as the journal's header reads back
 
 
@@ -214,10 +217,15 @@ def run(args: argparse.Namespace) -> int:
     from_journal = [journal.check(done, task, length, len(batch)) if journal else None  # before the model loads
                     for done, (task, length, batch) in enumerate(work, 1)]
 
-    kernels = kernels_for(args.kernel, "cpu", model_config)
+    kv_format = cache_format(args)
+    kernels = kernels_for(args.kernel, "cpu", model_config, kv_format=kv_format)
     model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels)
+    try:
+        kv_format.kv_storage(model.cache_dtype)  # a float --kv-dtype other than the activations' is refused
+    except ValueError as e:
+        raise UserError(str(e)) from None
     runner = Runner(model, AttentionSettings(sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v),
-                    args.kv_layout)
+                    kv_format)
     results = Results()
     replayed = 0
     start = time.perf_counter()
@@ -226,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
         return {"checkpoint": str(args.checkpoint), "tasks": tasks, "attention": methods,
                 "compression": [fraction_label(t) for t in targets], "lengths": lengths,
                 "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
-                "kernels": kernels.name, "kv_layout": args.kv_layout, "sparq_k": args.sparq_k,
+                "kernels": kernels.name, "kv_layout": args.kv_layout, "kv_dtype": args.kv_dtype,
+                "kt_dtype": args.kt_dtype, "sparq_k": args.sparq_k,
                 "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,
                 "batches_from_journal": replayed, "budgets": budget_records(results.budgets)}
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from evals.tasks import TASKS, Example, Outcome, Task
 from decoding import decode_step, prefill, sample
-from model import DecodePolicy, Transformer
+from model import DecodePolicy, KVFormat, Transformer
 from policies import (DENSE, AttentionSettings, Budget, fraction_label, model_compression, policy_factory,
                       selection_agreement, solve_budget)
 
@@ -75,10 +75,11 @@ class Config:
 class Runner:
     """Prefill a batch once (dense), then decode it with each configuration in turn."""
 
-    def __init__(self, model: Transformer, base: AttentionSettings = AttentionSettings(), kv_layout: str = "twice"):
+    def __init__(self, model: Transformer, base: AttentionSettings = AttentionSettings(),
+                 kv_format: KVFormat = KVFormat()):
         self.model = model
         self.base = base  # sparq_k and mean-V for every budget
-        self.kv_layout = kv_layout
+        self.kv_format = kv_format
         self.device = model.device
         self._cache_shape: Optional[tuple[int, int]] = None
         self._snapshots: list[dict] = []
@@ -104,7 +105,7 @@ class Runner:
 
     def ensure_cache(self, batch: int, max_len: int) -> None:
         if self._cache_shape != (batch, max_len):
-            self.model.setup_caches(batch, max_len, kv_layout=self.kv_layout)
+            self.model.setup_caches(batch, max_len, self.kv_format)
             self._cache_shape = (batch, max_len)
 
     @torch.no_grad()

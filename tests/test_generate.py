@@ -13,7 +13,7 @@ from conftest import REPO, assert_one_line_error, read_json, run_python
 import kernels
 from decoding import Generator
 from kernels import TORCH_KERNELS
-from model import DenseDecode, load_model
+from model import DenseDecode, KVFormat, load_model
 from sparq import SparQConfig, SparQDecode
 
 
@@ -39,7 +39,7 @@ def smollm2(smollm2_checkpoint):
 
 
 def greedy(model, prompt_ids, new_tokens, policy_factory, stop_ids=frozenset(), batch_size=1, kv_layout="twice"):
-    model.setup_caches(batch_size, len(prompt_ids) + new_tokens, kv_layout=kv_layout)
+    model.setup_caches(batch_size, len(prompt_ids) + new_tokens, KVFormat(kv_layout))
     model.set_decode_attention(policy_factory)
     generator = Generator(model, stop_ids=set(stop_ids))
     rows, _ = generator.generate(torch.tensor([prompt_ids] * batch_size), new_tokens)
@@ -297,7 +297,7 @@ def test_warm_up_compiles_every_step_variant_before_the_timed_run():
 
 
 def test_rewind_sums_v_in_chunks_without_an_fp32_copy_of_the_cache():
-    """KVCache.rewind recomputes the running V sum a chunk of positions at a time (model.sum_positions):
+    """KVCache.rewind recomputes the running V sum a chunk of positions at a time (KVCache.sum_positions):
     equal to the direct fp32 sum over a length that spans several chunks."""
     from model import SUM_CHUNK, KVCache
 
