@@ -62,9 +62,10 @@ class KVScales:
     K[p] = k[p] k_scale[p] chan, V[p] = v[p] v_scale[p]; k_scale, v_scale (B_max, n_kv, S_max) and
     chan (B_max, n_kv, d), fp32."""
 
-    k_scale: Tensor
-    v_scale: Tensor
+    k_scale: Optional[Tensor]  # None: K and V stored as floats (only K^T quantized)
+    v_scale: Optional[Tensor]
     chan: Tensor
+    kt_scale: Optional[Tensor] = None  # a quantized K^T's per-position scales (K's own when it is K's int8 transposed)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Kernels:
     linear: Optional[Callable] = None  # None: F.linear
     packed_quantized: bool = False  # quantized linears: packed int4/int8 kernels, else dequantize + F.linear
     reads_int8_kv: bool = False  # dense_attention and dense_verify take an int8 cache as stored (scales=KVScales)
+    sparq_reads_quantized: bool = False  # sparq_attention takes int8 K/V and an int8/int4 K^T as stored (scales=)
     describe: str = "plain PyTorch"
 
 
@@ -174,12 +176,18 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     torch.library.define("sparq::decode_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
                                               "SymInt length, int r, int k_top, int local, bool mean_v, "
                                               "Tensor? lengths=None) -> Tensor")
+    # A quantized cache's ops (csrc/dense_decode.cpp says why they are apart): every argument given
+    torch.library.define("sparq::decode_quant_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
+                                                    "SymInt length, int r, int k_top, int local, bool mean_v, "
+                                                    "Tensor? lengths, Tensor? k_scale, Tensor? v_scale, Tensor chan, "
+                                                    "Tensor? kt_scale) -> Tensor")
+    torch.library.define("sparq::dense_quant_cpu", "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths, "
+                                                   "int queries, Tensor k_scale, Tensor v_scale, Tensor chan) -> Tensor")
     torch.library.define("sparq::adaptive_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
                                                 "Tensor spread, SymInt length, float compression, int k_max, "
                                                 "bool mean_v, Tensor? lengths=None) -> Tensor")
     torch.library.define("sparq::dense_cpu",
-                         "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1, "
-                         "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? chan=None) -> Tensor")
+                         "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor")
     torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
     torch.library.define("sparq::linear_cpu_isa", "() -> str")  # the GEMV's instruction set in this build
     # weight-only quantized GEMVs (quantize.py's stored formats; see csrc/linear_quant.cpp)
@@ -191,6 +199,18 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         _load_for_first_call("decode_cpu")
         return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths)
 
+    @torch.library.impl("sparq::decode_quant_cpu", "CompositeExplicitAutograd")
+    def _decode_quant_cpu_first_call(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths, k_scale, v_scale,
+                                     chan, kt_scale):
+        _load_for_first_call("decode_quant_cpu")
+        return torch.ops.sparq.decode_quant_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths,
+                                                        k_scale, v_scale, chan, kt_scale)
+
+    @torch.library.impl("sparq::dense_quant_cpu", "CompositeExplicitAutograd")
+    def _dense_quant_cpu_first_call(q, k, v, length, lengths, queries, k_scale, v_scale, chan):
+        _load_for_first_call("dense_quant_cpu")
+        return torch.ops.sparq.dense_quant_cpu.default(q, k, v, length, lengths, queries, k_scale, v_scale, chan)
+
     @torch.library.impl("sparq::adaptive_cpu", "CompositeExplicitAutograd")
     def _adaptive_cpu_first_call(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths=None):
         _load_for_first_call("adaptive_cpu")
@@ -198,9 +218,9 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
                                                     lengths)
 
     @torch.library.impl("sparq::dense_cpu", "CompositeExplicitAutograd")
-    def _dense_cpu_first_call(q, k, v, length, lengths=None, queries=1, k_scale=None, v_scale=None, chan=None):
+    def _dense_cpu_first_call(q, k, v, length, lengths=None, queries=1):
         _load_for_first_call("dense_cpu")
-        return torch.ops.sparq.dense_cpu.default(q, k, v, length, lengths, queries, k_scale, v_scale, chan)
+        return torch.ops.sparq.dense_cpu.default(q, k, v, length, lengths, queries)
 
     @torch.library.impl("sparq::linear_cpu", "CompositeExplicitAutograd")
     def _linear_cpu_first_call(x, w):
@@ -226,7 +246,17 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::dense_cpu")
-    def _dense_cpu_fake(q, k, v, length, lengths=None, queries=1, k_scale=None, v_scale=None, chan=None):
+    @torch.library.register_fake("sparq::dense_quant_cpu")
+    def _dense_quant_cpu_fake(q, k, v, length, lengths, queries, k_scale, v_scale, chan):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("sparq::decode_quant_cpu")
+    def _decode_quant_cpu_fake(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths, k_scale, v_scale, chan,
+                               kt_scale):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("sparq::dense_cpu")
+    def _dense_cpu_fake(q, k, v, length, lengths=None, queries=1):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::linear_cpu")
@@ -283,10 +313,10 @@ def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_lengt
     is read once for the g heads that share it. Exact lengths only: live_length None or (B,). An int8
     cache is read as stored, its scales applied in the kernel."""
     _check_exact_lengths(live_length)
-    if scales is None:
+    if scales is None or scales.k_scale is None:  # a float K and V (a quantized K^T is not read)
         return torch.ops.sparq.dense_cpu.default(q, k, v, length, live_length)
-    return torch.ops.sparq.dense_cpu.default(q, k, v, length, live_length, 1, scales.k_scale, scales.v_scale,
-                                             scales.chan)
+    return torch.ops.sparq.dense_quant_cpu.default(q, k, v, length, live_length, 1, scales.k_scale, scales.v_scale,
+                                                   scales.chan)
 
 
 def dense_verify_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Tensor,
@@ -294,17 +324,27 @@ def dense_verify_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: 
     """dense_verify (the module docstring) with the fused C++ kernel: the T queries of a row fold into
     its query heads (head-major), each K/V row read once for all of them."""
     B, n_kv, g, T, d = q.shape
-    s = (None, None, None) if scales is None else (scales.k_scale, scales.v_scale, scales.chan)
-    out = torch.ops.sparq.dense_cpu.default(q.reshape(B, n_kv, g * T, d), k, v, length, live_length, T, *s)
+    qs = q.reshape(B, n_kv, g * T, d)
+    if scales is None or scales.k_scale is None:
+        out = torch.ops.sparq.dense_cpu.default(qs, k, v, length, live_length, T)
+    else:
+        out = torch.ops.sparq.dense_quant_cpu.default(qs, k, v, length, live_length, T, scales.k_scale, scales.v_scale,
+                                                      scales.chan)
     return out.view(B, n_kv, g, T, d)
 
 
 def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                        live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+                        live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
+                        scales: Optional[KVScales] = None) -> Tensor:
     """sparq_attention (the module docstring) with the fused C++ kernel; bad settings are a
-    RuntimeError. Exact lengths only: live_length None or (B,). Threads: torch.get_num_threads()."""
+    RuntimeError. Exact lengths only: live_length None or (B,). Threads: torch.get_num_threads().
+    A quantized cache is read as stored, its scales applied in the kernel."""
     _check_exact_lengths(live_length)
-    return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, live_length)
+    if scales is None:
+        return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, live_length)
+    kt_scale = None if scales.kt_scale is scales.k_scale else scales.kt_scale  # K's int8 transposed: K's scales
+    return torch.ops.sparq.decode_quant_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, live_length,
+                                                    scales.k_scale, scales.v_scale, scales.chan, kt_scale)
 
 
 def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, spread: Tensor,
@@ -331,7 +371,7 @@ def _check_exact_lengths(live_length: Optional[Tensor]) -> None:
 
 CPU_KERNELS = Kernels("cpu", dense_attention=dense_attention_cpu, dense_verify=dense_verify_cpu,
                       sparq_attention=sparq_attention_cpu, sparq_adaptive=sparq_adaptive_cpu,
-                      linear=linear_cpu, packed_quantized=True, reads_int8_kv=True,
+                      linear=linear_cpu, packed_quantized=True, reads_int8_kv=True, sparq_reads_quantized=True,
                       describe="fused C++ (csrc/): dense, SparQ and adaptive SparQ attention, decode linears")
 TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, dense_verify=dense_verify_triton,
                          sparq_attention=sparq_attention_triton,
@@ -359,14 +399,19 @@ def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int 
                  f"({kernels.name} kernels for the rest)")
         kernels = replace(kernels, dense_attention=None, dense_verify=None, sparq_attention=None, sparq_adaptive=None,
                           describe=kernels.describe + "; attention on the torch path (soft-capped logits)")
-    if (int8_kv or quantized_kt) and (kernels.sparq_attention or kernels.sparq_adaptive):
-        dense_too = int8_kv and not kernels.reads_int8_kv and kernels.dense_attention is not None
-        announce(f"note: the fused SparQ kernels{' and ' + kernels.name + ' dense attention' if dense_too else ''} do "
-                 f"not read a quantized KV cache yet: they run on the torch path, dequantizing the positions they read")
-        kernels = replace(kernels, sparq_attention=None, sparq_adaptive=None,
-                          describe=kernels.describe + "; SparQ on the torch path (quantized KV cache)")
-        if dense_too:
-            kernels = replace(kernels, dense_attention=None, dense_verify=None)
+    if int8_kv or quantized_kt:
+        dropped = {"sparq_adaptive": kernels.sparq_adaptive is not None,
+                   "sparq_attention": kernels.sparq_attention is not None and not kernels.sparq_reads_quantized,
+                   "dense_attention": int8_kv and kernels.dense_attention is not None and not kernels.reads_int8_kv}
+        if dropped["dense_attention"]:
+            dropped["dense_verify"] = kernels.dense_verify is not None
+        names = {"sparq_adaptive": "adaptive SparQ", "sparq_attention": "SparQ", "dense_attention": "dense attention"}
+        said = [names[n] for n in names if dropped[n]]
+        if said:
+            announce(f"note: the {kernels.name} kernels of {' and '.join(said)} do not read a quantized KV cache yet: "
+                     f"they run on the torch path, dequantizing the positions they read")
+            kernels = replace(kernels, **{n: None for n, d in dropped.items() if d},
+                              describe=kernels.describe + f"; {', '.join(said)} on the torch path (quantized KV cache)")
     return kernels
 
 

@@ -499,10 +499,16 @@ class KVCache(nn.Module):
         if self.quantized and not stored:  # what the torch paths read: dequantized copies of the visible positions
             k, v = self.read(slice(0, rows), start, length)
             k_t = self.read_k_t(slice(0, rows), start, length)
-        elif stored and self.kv_storage in QMAX:
+        elif stored and self.quantized:
+            if self.kt_storage == "int4" and start % 2:
+                raise ValueError("an int4 K^T is read from an even position (its bytes hold two)")
             k, v = self.k[:, :, start:], self.v[:, :, start:]
             k_t = None if self.k_t is None else self.k_t[..., start // 2 if self.kt_storage == "int4" else start:]
-            scales = KVScales(self.k_scale[:, :, start:], self.v_scale[:, :, start:], self.chan)
+            k_scale, v_scale, kt_scale = (None if s is None else s[:, :, start:]
+                                          for s in (self.k_scale, self.v_scale, self.kt_scale))
+            if self.shares_k_scale:  # K^T is K's int8 transposed: the same scales (the kernels see it is)
+                kt_scale = k_scale
+            scales = KVScales(k_scale, v_scale, self.chan, kt_scale)
             return CacheView(k, k_t, v, self.v_sum, self.k_moments, length - start, live, start, scales)
         else:
             k, v = self.k[:, :, start:], self.v[:, :, start:]
@@ -730,7 +736,7 @@ def dense_decode(attend: Callable, fused: bool, q: Tensor, cache: KVCache, lengt
     """Dense attention of q (B, n_kv, g, d) over cache.view(length) with `attend`: a fused kernel reads
     the cache as stored (an int8 one with its scales), the torch path the values in the activations' dtype."""
     view = cache.view(length, q.shape[0], stored=fused)
-    if view.scales is not None:
+    if view.scales is not None and view.scales.k_scale is not None:  # int8 K and V (a quantized K^T is not read)
         return attend(q, view.k, view.v, view.length, view.live_length, scales=view.scales)
     return attend(q, view.k, view.v, view.length, view.live_length)
 
@@ -765,7 +771,9 @@ class DenseDecode(DecodePolicy):
         window = cache.window
         if self.verify_kernel is not None and window is None:
             view = cache.view(length, B, stored=True)
-            return self.verify_kernel(q, view.k, view.v, length, cache.live_length[:B], scales=view.scales)
+            if view.scales is not None and view.scales.k_scale is not None:  # int8 K and V
+                return self.verify_kernel(q, view.k, view.v, length, cache.live_length[:B], scales=view.scales)
+            return self.verify_kernel(q, view.k, view.v, length, cache.live_length[:B])
         lo = 0 if window is None else max(0, length - T - window + 1)
         k, v = cache.read(slice(0, B), lo, length)  # (B, n_kv, S, d)
         q_pos = cache.live_length[:B, None] - T + torch.arange(T, device=q.device)  # (B, T)

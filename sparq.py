@@ -445,7 +445,9 @@ class SparQDecode(DecodePolicy):
         super().__init__()
         self.config = config
         # soft-capped models get no attention kernels (resolve_kernels): the cap binds to the torch paths
-        self.attend = kernels.sparq_attention or partial(sparq_attention_torch, cap=cap)
+        self.attend_torch = partial(sparq_attention_torch, cap=cap)
+        self.attend = kernels.sparq_attention or self.attend_torch
+        self.fused = kernels.sparq_attention is not None  # reads the cache as stored (resolve_kernels: it can)
         self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
         self.dense_fused = kernels.dense_attention is not None
         self.dense_when_short = dense_when_short
@@ -454,9 +456,17 @@ class SparQDecode(DecodePolicy):
         c = self.config
         if self.dense_when_short and cache.visible_length(length) <= c.k_top:
             return dense_decode(self.attend_dense, self.dense_fused, q, cache, length)
+        if self.fused and cache.quantized:
+            if not (cache.kt_storage == "int4" and cache.visible_start(length) % 2):
+                view = cache.view(length, q.shape[0], stored=True)
+                return self.attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
+                                   c.r, c.k_top, c.local, c.mean_v, scales=view.scales)
+            attend = self.attend_torch  # a window starting inside an int4 byte: the dequantized positions
+        else:
+            attend = self.attend
         view = cache.view(length, q.shape[0])
-        return self.attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
-                           c.r, c.k_top, c.local, c.mean_v)
+        return attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
+                      c.r, c.k_top, c.local, c.mean_v)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Elements moved per KV head per step at seq_len visible positions (paper, eq. 11): S r + 2 k d + 4 d;

@@ -9,6 +9,7 @@ and cells are medians.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -43,6 +44,10 @@ def add_parser(sub) -> None:
     p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
     p.add_argument("--sparq-mean-v", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"), help="decode kernels (as generate.py)")
+    p.add_argument("--cache-format", default="auto",
+                   help="comma list of KV cache formats KV[/KT] (generate.py's --kv-dtype and --kt-dtype), e.g. "
+                        "auto,int8,int8/int4: every policy runs on each, with its own caches; speedups are over "
+                        "dense on the first")
     p.add_argument("--llamacpp", default=None, metavar="GGUF",
                    help="also time llama.cpp (scripts/llamacpp.py, built on first use) after the same contexts on this GGUF "
                         "(the checkpoint's source), in each --dtype's format, and print it beside our rows")
@@ -76,7 +81,8 @@ def _cache_evictor() -> Callable[[], None]:
 
 
 def _time_decode(step: dict[tuple[int, str], Callable], model, policies: dict[str, list], cases: list[list[int]], steps: int,
-                 warmup: int, progress=None, evict: Optional[Callable[[], None]] = None) -> list[dict[str, float]]:
+                 warmup: int, progress=None, evict: Optional[Callable[[], None]] = None,
+                 caches: Optional[dict[str, list]] = None) -> list[dict[str, float]]:
     """Seconds per decode step (median, after warm-up) of each policy in each case, step[case index,
     policy] its step function; a case is the first decode position of each of its rows (rows alike, or ragged:
     each row at its own live length).
@@ -86,7 +92,8 @@ def _time_decode(step: dict[tuple[int, str], Callable], model, policies: dict[st
     machine (here its speed drifts by up to 2x within an hour) lands on every row of the table alike
     rather than on whichever ran during it. One prefill of the longest prompt serves every case: a
     step rewinds the caches to its own live positions first, then evict() (if given) clears the CPU's
-    caches of what the rewind read."""
+    caches of what the rewind read. caches: each policy's own KV caches (one per layer; a cache format
+    of its own), installed before its steps."""
     import torch
 
     times = [{name: [] for name in policies} for _ in cases]
@@ -97,6 +104,8 @@ def _time_decode(step: dict[tuple[int, str], Callable], model, policies: dict[st
                 token = torch.zeros(B, 1, dtype=torch.long)
                 ragged = len(set(starts)) > 1
                 for name, layers in policies.items():
+                    if caches is not None:
+                        _install_caches(model, caches[name])
                     for cache in model.caches:
                         cache.rewind(top + i)  # positions [0, top + i) live, whatever the last step wrote
                     if ragged:  # every row holds the same essay: row b's live prefix is its first starts[b] + i tokens
@@ -111,6 +120,24 @@ def _time_decode(step: dict[tuple[int, str], Callable], model, policies: dict[st
             if progress is not None:
                 progress.update(1)
     return [{name: statistics.median(t[warmup:]) for name, t in case_times.items()} for case_times in times]
+
+
+def _install_caches(model, caches: list) -> None:
+    for layer, cache in zip(model.layers, caches):
+        layer.attention.kv_cache = cache
+
+
+def _cache_formats(text: str):
+    """--cache-format: [(label, KVFormat)], "KV[/KT]" each (KV a --kv-dtype, KT a --kt-dtype)."""
+    from generate import cache_format
+
+    formats = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        kv, _, kt = item.partition("/")
+        formats.append((item, cache_format(argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same"))))
+    if not formats:
+        raise UserError("--cache-format: give at least one format")
+    return formats
 
 
 def _first_decode_positions(contexts: list[int], max_context: int, steps: int) -> dict[int, int]:
@@ -150,7 +177,7 @@ def run(args) -> int:
     import data
     from decoding import compiled_decode_step, decode_step, own_step, prefill
     from generate import kernels_for, load_checkpoint, load_tokenizer
-    from model import ModelArgs, checkpoint_paths, random_model
+    from model import KVFormat, ModelArgs, checkpoint_paths, random_model
     from policies import AttentionSettings, parse_compression, policy_factory, solve_target
 
     contexts = cli.int_list(args.prompt_tokens, "--prompt-tokens", minimum=0)
@@ -172,7 +199,11 @@ def run(args) -> int:
         tok = load_tokenizer(args.checkpoint)
         model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
     starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps)
-    kernels = kernels_for(args.kernel, "cpu", model_args)  # both policies share the kernel family and the linears
+    formats = _cache_formats(args.cache_format)
+    int8_kv = any(f.kv_dtype == "int8" for _, f in formats)
+    quantized_kt = any(f.kt_storage(torch.float32) in ("int8", "int4") for _, f in formats)
+    kernels = kernels_for(args.kernel, "cpu", model_args, kv_format=KVFormat(
+        kv_dtype="int8" if int8_kv else "auto", kt_dtype="int4" if quantized_kt else "same"))  # one kernel family
     if args.compression and args.sparq_r:
         raise UserError("--compression solves --sparq-r: give one or the other")
     if args.adaptive and not args.compression:
@@ -228,17 +259,27 @@ def run(args) -> int:
     for dtype_name in dtypes:
         model = (random_model(model_args, "cpu", torch_dtype(dtype_name), kernels) if args.random_weights
                  else load_checkpoint(args.checkpoint, "cpu", torch_dtype(dtype_name), kernels))
-        policies = {name: [make(i) for i in range(model_args.n_layer)] for name, make in factories.items()}
-        model.setup_caches(max_rows, cache_length)
-        prefill_tok_s = _time_prefills(model, prompt, contexts, progress) if args.prefill else {}
-        # one dense prefill of the longest prompt serves every shorter context (causal); --prefill's
-        # timed prefill of that whole prompt, when it was one of the contexts, already wrote it
-        if prompt.shape[1] not in prefill_tok_s:
-            with torch.no_grad():
-                progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}")
-                prefill(model, prompt, progress=True)
-        for cache in model.caches:
-            cache.broadcast_row(max_rows)
+        policies, caches, format_of = {}, {}, {}
+        for f, (label, kv_format) in enumerate(formats):
+            try:
+                kv_format.kv_storage(model.cache_dtype)
+            except ValueError as e:
+                raise UserError(f"--cache-format {label}: {e}") from None
+            model.setup_caches(max_rows, cache_length, kv_format)
+            if f == 0:  # prefill speed on the first format's caches
+                prefill_tok_s = _time_prefills(model, prompt, contexts, progress) if args.prefill else {}
+            # one dense prefill of the longest prompt serves every shorter context (causal); --prefill's
+            # timed prefill of that whole prompt, when it was one of the contexts, already wrote it
+            if f or prompt.shape[1] not in prefill_tok_s:
+                with torch.no_grad():
+                    progress.set_postfix_str(f"prefill {prompt.shape[1]} tokens, {dtype_name}, cache {label}")
+                    prefill(model, prompt, progress=True)
+            for cache in model.caches:
+                cache.broadcast_row(max_rows)
+            for name, make in factories.items():  # the first format's policies keep their names
+                key = name if f == 0 else f"{name} {label}"
+                policies[key] = [make(i) for i in range(model_args.n_layer)]
+                caches[key], format_of[key], settings[key] = model.caches, label, settings[name]
         weights = model.weight_bytes()
         step_fns = {(c, name): decode_step for c in range(len(cases)) for name in policies}
         if args.compile:
@@ -253,7 +294,7 @@ def run(args) -> int:
         evict, per_round, their_rounds = _cache_evictor(), [], []
         for round_ in range(args.rounds):
             per_round.append(_time_decode(step_fns, model, policies, [starts_ for _, starts_ in cases], args.steps,
-                                          args.warmup, progress, evict=evict))
+                                          args.warmup, progress, evict=evict, caches=caches))
             if llama is not None:
                 progress.clear()
                 their_rounds.append(llama.time(dtype_name, prefill=args.prefill and round_ == 0))
@@ -266,13 +307,14 @@ def run(args) -> int:
             live = [start + args.warmup + args.steps // 2 + 1 for start in row_starts]  # at the median step
             kv = {}
             for name, layers in policies.items():
+                _install_caches(model, caches[name])
                 model.set_decode_attention(lambda i, layers=layers: layers[i])
                 kv[name] = sum(model.decode_kv_bytes(S, 1) for S in live)  # every row at its own length
             for name in policies:
                 rows.append({
                     "prompt_tokens": label if "/" in label else int(label), "live_length": max(live),
                     "batch_size": B, "dtype": dtype_name,
-                    "attention": name, "sparq_r": settings[name].sparq_r, "kernel": kernels.name, "compiled": args.compile,
+                    "attention": name, "cache_format": format_of[name], "sparq_r": settings[name].sparq_r, "kernel": kernels.name, "compiled": args.compile,
                     "adaptive_compression": (float(settings[name].compression)
                                              if settings[name].policy == "sparq-adaptive" else None),
                     "threads": torch.get_num_threads(),

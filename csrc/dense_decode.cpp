@@ -3,8 +3,11 @@
 //
 // Registered as the CPU kernel of sparq::dense_cpu, whose schema (and fake implementation, for
 // torch.compile) kernels.py defines:
-//   dense_cpu(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1,
-//             Tensor? k_scale=None, Tensor? v_scale=None, Tensor? chan=None) -> Tensor
+//   dense_cpu(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor
+//   dense_quant_cpu(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths, int queries,
+//                   Tensor k_scale, Tensor v_scale, Tensor chan) -> Tensor   (an int8 cache)
+// (Two ops, not optional scales with defaults: inductor's C++ wrapper passes a call's leading
+// arguments only, and the dispatcher then reads the defaulted ones past the end.)
 // lengths: None (every row reads positions [0, length)) or (B,) int: row b reads [0, lengths[b])
 // (ragged batches: a short row costs only what it reads).
 // An int8 cache (model.KVCache with --kv-dtype int8) is read as stored: K[p] = k[p] k_scale[p] chan,
@@ -310,9 +313,9 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
   else run_phases(nt, {units, BH}, fn);
 }
 
-at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
-                     const std::optional<at::Tensor>& lengths, int64_t queries, const std::optional<at::Tensor>& k_scale,
-                     const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& chan) {
+at::Tensor dense_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
+                      const std::optional<at::Tensor>& lengths, int64_t queries, const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& chan) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "sparq::dense_cpu: expected q (B, n_kv, g, d), k/v (B_max, n_kv, S_max, d)");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
@@ -373,9 +376,21 @@ at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
+at::Tensor dense_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
+                     const std::optional<at::Tensor>& lengths, int64_t queries) {
+  return dense_impl(q, k, v, length, lengths, queries, std::nullopt, std::nullopt, std::nullopt);
+}
+
+at::Tensor dense_quant_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length,
+                           const std::optional<at::Tensor>& lengths, int64_t queries, const at::Tensor& k_scale,
+                           const at::Tensor& v_scale, const at::Tensor& chan) {
+  return dense_impl(q, k, v, length, lengths, queries, k_scale, v_scale, chan);
+}
+
 }  // namespace
 }  // namespace sparq_cpu
 
 TORCH_LIBRARY_IMPL(sparq, CPU, m) {
   m.impl("dense_cpu", &sparq_cpu::dense_cpu);
+  m.impl("dense_quant_cpu", &sparq_cpu::dense_quant_cpu);
 }

@@ -131,6 +131,14 @@ static inline V load_i8(const int8_t* p) {
 static inline V load_i8(const int8_t* p, M m) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)))}; }
 // 16 bytes of 4-bit values -> (low nibbles, high nibbles) - 8 as fp32; vpermps reads only the low
 // 4 bits of each index, so the table lookup both masks and converts
+// (even, odd) -> (first, second): the lanes of two vectors holding positions 0, 2, 4, ... and 1, 3,
+// 5, ... of 32 (an int4 row's low and high nibbles) in position order, 0..15 and 16..31.
+static inline void interleave(V even, V odd, V* first, V* second) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  first->x = _mm512_permutex2var_ps(even.x, lo, odd.x);
+  second->x = _mm512_permutex2var_ps(even.x, hi, odd.x);
+}
 static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
@@ -286,6 +294,14 @@ static inline V load_i8(const int8_t* p, M m) {
   return load_i8(static_cast<const int8_t*>(t));
 }
 // 16 bytes of 4-bit values -> (low nibbles, high nibbles) - 8 as fp32
+static inline void interleave(V even, V odd, V* first, V* second) {
+  const __m256 l0 = _mm256_unpacklo_ps(even.lo, odd.lo), h0 = _mm256_unpackhi_ps(even.lo, odd.lo);
+  const __m256 l1 = _mm256_unpacklo_ps(even.hi, odd.hi), h1 = _mm256_unpackhi_ps(even.hi, odd.hi);
+  first->lo = _mm256_permute2f128_ps(l0, h0, 0x20);
+  first->hi = _mm256_permute2f128_ps(l0, h0, 0x31);
+  second->lo = _mm256_permute2f128_ps(l1, h1, 0x20);
+  second->hi = _mm256_permute2f128_ps(l1, h1, 0x31);
+}
 static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
@@ -347,6 +363,12 @@ static inline int compress_store(float* dst_s, int32_t* dst_i, M m, V a, Lanes i
 }
 static inline V load_i8(const int8_t* p) { V r; for (int l = 0; l < 16; ++l) r.x[l] = (float)p[l]; return r; }
 static inline V load_i8(const int8_t* p, M m) { V r; for (int l = 0; l < 16; ++l) r.x[l] = ((m >> l) & 1) ? (float)p[l] : 0.f; return r; }
+static inline void interleave(V even, V odd, V* first, V* second) {
+  for (int l = 0; l < 8; ++l) {
+    first->x[2 * l] = even.x[l]; first->x[2 * l + 1] = odd.x[l];
+    second->x[2 * l] = even.x[8 + l]; second->x[2 * l + 1] = odd.x[8 + l];
+  }
+}
 static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
   for (int l = 0; l < 16; ++l) { lo->x[l] = (float)(p[l] & 15) - 8.f; hi->x[l] = (float)(p[l] >> 4) - 8.f; }
 }

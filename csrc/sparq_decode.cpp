@@ -5,6 +5,8 @@
 // torch.compile) kernels.py defines:
 //   decode_cpu(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, SymInt length,
 //              int r, int k_top, int local, bool mean_v, Tensor? lengths=None) -> Tensor
+//   decode_quant_cpu(..., Tensor? lengths, Tensor? k_scale, Tensor? v_scale, Tensor chan,
+//                    Tensor? kt_scale) -> Tensor   (a quantized cache; no defaults: dense_decode.cpp says why)
 // lengths: None (every row's live length is `length`) or (B,) int: row b's S is lengths[b] (ragged
 // batches: the row reads, selects and averages over its own positions only).
 // decode_cpu computes what sparq.sparq_reference computes, in fp32:
@@ -28,6 +30,12 @@
 //   D. prefetch the selected rows of K and V in one burst, gather them directly from the cache
 //      and attend exactly; mean-V.
 // Positions >= S and batch rows >= B are never loaded (tails use masked loads).
+// A quantized cache (model.KVCache: --kv-dtype int8, --kt-dtype int8/int4) is read as stored: int8 k
+// and v with k_scale, v_scale (B_max, n_kv, S_max) and chan (B_max, n_kv, d), K[p] = k[p] k_scale[p]
+// chan, V[p] = v[p] v_scale[p]; an int8 K^T (int8 k_t) or an int4 one (uint8 k_t (B_max, n_kv, d,
+// S_max / 2 + 1), two positions per byte) with kt_scale (B_max, n_kv, S_max), K^T[c, p] = k_t[c, p]
+// kt_scale[p] chan[c]. chan is folded into q (and q_hat), the per-position scales into the logits of
+// pass A and step 2 and into step 2's softmax weights: nothing is dequantized into memory.
 // Buffers are reused across calls (one workspace that only grows, on huge pages).
 // Threads: torch's OpenMP team, sized by torch.get_num_threads(), claiming units dynamically.
 //
@@ -91,8 +99,8 @@ static Scratch scratch_layout(const Problem& P, int64_t len, bool own_logits) {
   return s;
 }
 
-template <typename KT, typename QT>
-static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const KT* v, QT* out) {
+template <typename KT, typename KTT, typename QT>
+static void run(const Problem& P, const QT* q, const KT* k, const KTT* kt, const KT* v, QT* out) {
   const int64_t BH = P.B * P.H;
   const int64_t units = P.units();
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));  // slots
@@ -119,7 +127,7 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
   struct Slot {
     float *qf, *qhat, *qmask, *sc, *bmax, *ss, *lg, *y, *alpha, *E, *mb;
     int32_t *order, *i1, *si, *pos;
-    const KT** rows;
+    const KTT** rows;
     RunState* st;
   };
   auto slot_of = [&](int slot) {
@@ -129,7 +137,7 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
     x.order = reinterpret_cast<int32_t*>(T + L.order);
     x.i1 = reinterpret_cast<int32_t*>(T + L.i1);
     x.qhat = T + L.qhat;
-    x.rows = reinterpret_cast<const KT**>(T + L.rows);
+    x.rows = reinterpret_cast<const KTT**>(T + L.rows);
     x.qmask = T + L.qmask;
     x.st = reinterpret_cast<RunState*>(T + L.st);
     x.sc = T + L.sc;
@@ -149,7 +157,7 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
     prepare(P, q, b, h, x.qf, x.order, x.i1, x.qhat);
     const KT* kbh = k + b * P.ks0 + h * P.ks1;
     if (P.two_k) {
-      const KT* ktbh = kt + b * P.kts0 + h * P.kts1;
+      const KTT* ktbh = kt + b * P.kts0 + h * P.kts1;
       for (int64_t i = 0; i < P.r; ++i) x.rows[i] = ktbh + (int64_t)x.i1[i] * P.kts2;
     } else {  // q masked to i1, scaled by 1/tau: qhat[i][h] at column i1[i]
       std::fill(x.qmask, x.qmask + g * P.d, 0.f);
@@ -175,7 +183,8 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
       const int64_t nb = (w.S + kBlock - 1) / kBlock;
       const KT* kbh = setup_bh(x, bh);
       reset_state(x);
-      pass_a<KT>(P, P.r, x.rows, kbh, x.qmask, x.qhat, 0, w.S, x.E, ldE, x.st, x.mb, nblk);
+      pass_a<KT, KTT>(P, P.r, x.rows, kbh, x.qmask, x.qhat, 0, w.S, x.E, ldE, x.st, x.mb, nblk,
+                      P.kt_scale_of(bh / P.H, bh % P.H));
       for (int64_t hh = 0; hh < g; ++hh) block_weights(x.mb + hh * nblk, nb, x.st[hh].m, hsum(load(x.st[hh].z)));
       const int64_t nsel = select_top(x.E, ldE, x.mb, nblk, g, 0, w.n_scored, w.m, x.sc, x.bmax, x.ss, x.si);
       locals_into(w, x.pos);
@@ -206,7 +215,8 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
       float* stat = ustat(u);
       const KT* kbh = setup_bh(x, bh);
       reset_state(x);
-      pass_a<KT>(P, P.r, x.rows, kbh, x.qmask, x.qhat, p0, p1, uE(u), ldE, x.st, umb(u), nblk);
+      pass_a<KT, KTT>(P, P.r, x.rows, kbh, x.qmask, x.qhat, p0, p1, uE(u), ldE, x.st, umb(u), nblk,
+                      P.kt_scale_of(bh / P.H, bh % P.H));
       for (int64_t hh = 0; hh < g; ++hh) { stat[hh] = x.st[hh].m; stat[g + hh] = hsum(load(x.st[hh].z)); }
     } else if (phase == 1) {
       const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh);
@@ -255,9 +265,11 @@ static void run(const Problem& P, const QT* q, const KT* k, const KT* kt, const 
   run_phases(nt, {units, units, BH}, fn);
 }
 
-at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
+at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                       const at::Tensor& v, const at::Tensor& v_sum, int64_t length, int64_t r, int64_t k_top,
-                      int64_t local, bool mean_v, const std::optional<at::Tensor>& lengths) {
+                      int64_t local, bool mean_v, const std::optional<at::Tensor>& lengths,
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                      const std::optional<at::Tensor>& chan, const std::optional<at::Tensor>& kt_scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && v_sum.dim() == 3,
               "sparq::decode_cpu: expected q (B, n_kv, g, d), k/v (B_max, n_kv, S_max, d), v_sum (B_max, n_kv, d)");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
@@ -270,6 +282,7 @@ at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optio
   TORCH_CHECK(v_sum.size(0) >= B && v_sum.size(1) == H && v_sum.size(2) == d && v_sum.scalar_type() == at::kFloat,
               "sparq::decode_cpu: v_sum must be fp32 (B_max, n_kv, d)");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "sparq::decode_cpu: k and v dtypes differ");
+  auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && v_sum.stride(2) == 1,
               "sparq::decode_cpu: k, v and v_sum must be contiguous in the head dim");
   TORCH_CHECK(1 <= length && length <= S_max, "sparq::decode_cpu: length ", length, " outside [1, ", S_max, "]");
@@ -279,12 +292,33 @@ at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optio
   const bool two_k = k_t.has_value() && k_t->defined();
   if (two_k) {
     const at::Tensor& t = *k_t;
+    const bool int4 = t.scalar_type() == at::kByte;
     TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(0) >= B && t.size(1) == H && t.size(2) == d &&
-                    t.size(3) >= length && t.scalar_type() == k.scalar_type() && t.stride(3) == 1,
-                "sparq::decode_cpu: k_t must be (B_max, n_kv, d, S_max), S-contiguous, k's dtype");
+                    (int4 ? 2 * t.size(3) >= length : t.size(3) >= length) && t.stride(3) == 1 &&
+                    (t.scalar_type() == k.scalar_type() || t.scalar_type() == at::kChar || int4),
+                "sparq::decode_cpu: k_t must be (B_max, n_kv, d, S_max), S-contiguous, k's dtype or int8 (or uint8: "
+                "int4, two positions per byte)");
   }
+  const bool int8_kv = k.scalar_type() == at::kChar;
+  const bool quantized_kt = two_k && k_t->scalar_type() != k.scalar_type();
+  TORCH_CHECK(given(k_scale) == int8_kv && given(v_scale) == int8_kv,
+              "sparq::decode_cpu: k_scale and v_scale go with an int8 k and v, and only with them");
+  TORCH_CHECK(given(kt_scale) == quantized_kt, "sparq::decode_cpu: kt_scale goes with a k_t quantized apart from k");
+  TORCH_CHECK(given(chan) == (int8_kv || quantized_kt), "sparq::decode_cpu: chan goes with a quantized k or k_t");
+  for (const std::optional<at::Tensor>* s : {&k_scale, &v_scale, &kt_scale})
+    if (given(*s)) {
+      const at::Tensor& t = **s;
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) >= B && t.size(1) == H &&
+                      t.size(2) >= length && t.stride(2) == 1,
+                  "sparq::decode_cpu: k_scale, v_scale and kt_scale must be fp32 (B_max, n_kv, S_max), positions contiguous");
+    }
+  if (given(chan))
+    TORCH_CHECK(chan->scalar_type() == at::kFloat && chan->dim() == 3 && chan->size(0) >= B && chan->size(1) == H &&
+                    chan->size(2) == d && chan->stride(2) == 1,
+                "sparq::decode_cpu: chan must be fp32 (B_max, n_kv, d)");
   const auto kdt = k.scalar_type(), qdt = q.scalar_type();
-  TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf, "sparq::decode_cpu: unsupported cache dtype");
+  TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf || kdt == at::kChar,
+              "sparq::decode_cpu: unsupported cache dtype");
   TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, "sparq::decode_cpu: unsupported q dtype");
 
   const std::vector<int64_t> len = row_lengths(lengths, B, length, "sparq::decode_cpu");
@@ -301,24 +335,57 @@ at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optio
   P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
   P.vss0 = v_sum.stride(0); P.vss1 = v_sum.stride(1);
   P.vsum = v_sum.data_ptr<float>();
+  if (int8_kv) {
+    P.k_scale = k_scale->data_ptr<float>(); P.ksc0 = k_scale->stride(0); P.ksc1 = k_scale->stride(1);
+    P.v_scale = v_scale->data_ptr<float>(); P.vsc0 = v_scale->stride(0); P.vsc1 = v_scale->stride(1);
+  }
+  if (given(chan)) { P.chan = chan->data_ptr<float>(); P.chs0 = chan->stride(0); P.chs1 = chan->stride(1); }
+  // step 1's per-position scales: a quantized K^T's own; an int8 K^T (same dtype as k) or, with
+  // layout "once", an int8 K itself, K's
+  const std::optional<at::Tensor>& step1_scale = quantized_kt ? kt_scale : k_scale;
+  if (given(step1_scale)) {
+    P.kt_scale = step1_scale->data_ptr<float>(); P.ktsc0 = step1_scale->stride(0); P.ktsc1 = step1_scale->stride(1);
+  }
   P.cs = chunk_length(len, H, thread_count(), std::numeric_limits<int64_t>::max());
   split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
 
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
 
-#define SPARQ_RUN(KT, QT)                                                                               \
-  run<KT, QT>(P, q.data_ptr<QT>(), k.data_ptr<KT>(), two_k ? k_t->data_ptr<KT>() : nullptr, v.data_ptr<KT>(), \
-              out.data_ptr<QT>())
-#define SPARQ_Q(KT)                                  \
-  if (qdt == at::kFloat) SPARQ_RUN(KT, float);       \
-  else if (qdt == at::kBFloat16) SPARQ_RUN(KT, bf16); \
-  else SPARQ_RUN(KT, f16);
-  if (kdt == at::kFloat) { SPARQ_Q(float) }
-  else if (kdt == at::kBFloat16) { SPARQ_Q(bf16) }
-  else { SPARQ_Q(f16) }
+#define SPARQ_RUN(KT, KTT, QT)                                                                                  \
+  run<KT, KTT, QT>(P, q.data_ptr<QT>(), k.data_ptr<KT>(),                                                     \
+                   two_k ? reinterpret_cast<const KTT*>(k_t->data_ptr()) : nullptr, v.data_ptr<KT>(), out.data_ptr<QT>())
+#define SPARQ_Q(KT, KTT)                                   \
+  if (qdt == at::kFloat) SPARQ_RUN(KT, KTT, float);        \
+  else if (qdt == at::kBFloat16) SPARQ_RUN(KT, KTT, bf16); \
+  else SPARQ_RUN(KT, KTT, f16);
+  // K^T's element type: K's, or int8 / int4 when quantized apart from it
+#define SPARQ_KT(KT)                                                              \
+  if (!quantized_kt) { SPARQ_Q(KT, KT) }                                          \
+  else if (k_t->scalar_type() == at::kChar) { SPARQ_Q(KT, int8_t) }               \
+  else { SPARQ_Q(KT, int4x2) }
+  if (kdt == at::kFloat) { SPARQ_KT(float) }
+  else if (kdt == at::kBFloat16) { SPARQ_KT(bf16) }
+  else if (kdt == at::kChar) { SPARQ_KT(int8_t) }
+  else { SPARQ_KT(f16) }
+#undef SPARQ_KT
 #undef SPARQ_Q
 #undef SPARQ_RUN
   return out;
+}
+
+at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
+                      const at::Tensor& v, const at::Tensor& v_sum, int64_t length, int64_t r, int64_t k_top,
+                      int64_t local, bool mean_v, const std::optional<at::Tensor>& lengths) {
+  return decode_impl(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths, std::nullopt, std::nullopt,
+                     std::nullopt, std::nullopt);
+}
+
+at::Tensor decode_quant_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
+                            const at::Tensor& v, const at::Tensor& v_sum, int64_t length, int64_t r, int64_t k_top,
+                            int64_t local, bool mean_v, const std::optional<at::Tensor>& lengths,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                            const at::Tensor& chan, const std::optional<at::Tensor>& kt_scale) {
+  return decode_impl(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths, k_scale, v_scale, chan, kt_scale);
 }
 
 }  // namespace
@@ -326,4 +393,5 @@ at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optio
 
 TORCH_LIBRARY_IMPL(sparq, CPU, m) {
   m.impl("decode_cpu", &sparq_cpu::decode_cpu);
+  m.impl("decode_quant_cpu", &sparq_cpu::decode_quant_cpu);
 }

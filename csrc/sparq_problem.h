@@ -26,6 +26,13 @@ struct Problem {
   int64_t vs0, vs1, vs2;
   int64_t vss0, vss1;
   const float* vsum;
+  // A quantized cache (model.KVCache; nullptr otherwise). int8 K and V: K[p] = k[p] k_scale[p] chan,
+  // V[p] = v[p] v_scale[p]. Step 1's source (K^T, or K with layout "once") when quantized: its
+  // per-position scales kt_scale (k_scale for K itself) and chan, folded into q_hat.
+  const float *k_scale = nullptr, *v_scale = nullptr, *chan = nullptr, *kt_scale = nullptr;
+  int64_t ksc0 = 0, ksc1 = 0, vsc0 = 0, vsc1 = 0, chs0 = 0, chs1 = 0, ktsc0 = 0, ktsc1 = 0;
+  const float* chan_of(int64_t b, int64_t h) const { return chan ? chan + b * chs0 + h * chs1 : nullptr; }
+  const float* kt_scale_of(int64_t b, int64_t h) const { return kt_scale ? kt_scale + b * ktsc0 + h * ktsc1 : nullptr; }
   // ragged rows and chunking over S
   const int64_t* len;            // (B,) live length of each row
   int64_t cs;                    // chunk length (multiple of 64)
@@ -50,6 +57,14 @@ static inline Row row_of(const Problem& P, int64_t b) {
 }
 
 constexpr int64_t kBlock = 32;  // positions per block of pass A (two vectors)
+
+// An int4 K^T (model.KVCache, --kt-dtype int4): two positions per byte, the even one in the low
+// nibble, each stored as q + 8. A row pointer of this type points at bytes; position p is in byte p / 2.
+struct int4x2 {
+  uint8_t bits;
+};
+template <typename T> constexpr int64_t kPerElement = 1;  // positions per element of a K^T row
+template <> constexpr int64_t kPerElement<int4x2> = 2;
 
 #define SPARQ_INLINE inline __attribute__((always_inline))
 

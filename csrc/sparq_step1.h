@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #include "parallel.h"
 #include "simd.h"
@@ -53,6 +54,15 @@ static void prepare(const Problem& P, const QT* q, int64_t b, int64_t h, float* 
     const float inv_tau = 1.0f / std::sqrt((float)d * sel / tot);
     for (int64_t i = 0; i < r; ++i) qhat[i * g + hh] = qf[hh * d + i1[i]] * inv_tau;
   }
+  // a quantized step-1 source holds K / chan: chan goes into q_hat; an int8 K (step 2) likewise into q
+  if (const float* chan = P.chan_of(b, h)) {
+    if (P.kt_scale)
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t hh = 0; hh < g; ++hh) qhat[i * g + hh] *= chan[i1[i]];
+    if (P.k_scale)
+      for (int64_t hh = 0; hh < g; ++hh)
+        for (int64_t j = 0; j < d; ++j) qf[hh * d + j] *= chan[j];
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -74,11 +84,21 @@ struct RunState {  // per head of a chunk: running max, running sum (16 lanes)
 };
 
 
+// ps: the block's per-position scales of a quantized step-1 source (nullptr: none)
 template <int G, bool TAIL>
 static SPARQ_INLINE void finish_block(V* acc0, V* acc1, M m0, M m1, float* E, int64_t ldE, RunState* st, float* mb,
-                                int64_t ldmb) {
+                                int64_t ldmb, const float* ps) {
+  V s0 = vset(1.f), s1 = vset(1.f);
+  if (ps) {
+    s0 = TAIL ? load(ps, m0) : load(ps);
+    s1 = TAIL ? load(ps + 16, m1) : load(ps + 16);
+  }
   for (int h = 0; h < G; ++h) {
     V a0 = acc0[h], a1 = acc1[h];
+    if (ps) {
+      a0 = vmul(a0, s0);
+      a1 = vmul(a1, s1);
+    }
     if (TAIL) {
       a0 = vselect(m0, a0, vset(kNegInf));
       a1 = vselect(m1, a1, vset(kNegInf));
@@ -110,12 +130,35 @@ static SPARQ_INLINE void finish_block(V* acc0, V* acc1, M m0, M m1, float* E, in
 // One 32-position block of pass A over the rows [i0, i1): starts from zero (first row group) or
 // from the partial logits the previous group left in E, and ends with finish_block (last group)
 // or by storing the partial logits back.
+// The 32 positions [p, p + n) of a K^T row as two vectors: in position order, or for an int4 row the
+// even positions then the odd ones (block_2k interleaves its sums once, at the end).
+template <typename KT, bool TAIL>
+static SPARQ_INLINE void load_block(const KT* row, int64_t p, int64_t n, M m0, M m1, V* k0, V* k1) {
+  if constexpr (std::is_same_v<KT, int4x2>) {
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + p / 2;
+    if (TAIL) {  // never read past the row's live bytes
+      alignas(16) uint8_t tail[16] = {};
+      std::memcpy(tail, bytes, (size_t)((n + 1) / 2));
+      load_nibbles_minus8(tail, k0, k1);
+    } else {
+      load_nibbles_minus8(bytes, k0, k1);
+    }
+  } else if (TAIL) {
+    *k0 = load(row + p, m0);
+    *k1 = load(row + p + 16, m1);
+  } else {
+    *k0 = load(row + p);
+    *k1 = load(row + p + 16);
+  }
+}
+
 template <int G, typename KT, bool TAIL>
 static SPARQ_INLINE void block_2k(const KT* const* rows, int64_t i0, int64_t i1, const float* qhat, int64_t qstride,
                             int64_t p, int64_t n, bool first, bool last, int64_t pf_i0, int64_t pf_i1, int64_t pf_pos,
-                            float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb) {
+                            float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb, const float* ps) {
+  constexpr bool kInt4 = std::is_same_v<KT, int4x2>;
   for (int64_t i = pf_i0; i < pf_i1; ++i) {  // the stream position kPrefetchAhead bytes ahead
-    prefetch_l2(rows[i] + pf_pos);
+    prefetch_l2(rows[i] + pf_pos / kPerElement<KT>);
     if (sizeof(KT) == 4) prefetch_l2(rows[i] + pf_pos + 16);
   }
   const M m0 = TAIL ? tail_mask(n) : (M)0xFFFF, m1 = TAIL ? tail_mask(std::max<int64_t>(0, n - 16)) : (M)0xFFFF;
@@ -132,15 +175,8 @@ static SPARQ_INLINE void block_2k(const KT* const* rows, int64_t i0, int64_t i1,
     }
   }
   for (int64_t i = i0; i < i1; ++i) {
-    const KT* row = rows[i] + p;
     V k0, k1;
-    if (TAIL) {
-      k0 = load(row, m0);
-      k1 = load(row + 16, m1);
-    } else {
-      k0 = load(row);
-      k1 = load(row + 16);
-    }
+    load_block<KT, TAIL>(rows[i], p, n, m0, m1, &k0, &k1);
     const float* qi = qhat + i * qstride;
 #pragma GCC unroll 8
     for (int h = 0; h < G; ++h) {
@@ -150,7 +186,9 @@ static SPARQ_INLINE void block_2k(const KT* const* rows, int64_t i0, int64_t i1,
     }
   }
   if (last) {
-    finish_block<G, TAIL>(acc0, acc1, m0, m1, E, ldE, st, mb, ldmb);
+    if constexpr (kInt4)  // sums of even and odd positions -> position order
+      for (int h = 0; h < G; ++h) interleave(V(acc0[h]), V(acc1[h]), &acc0[h], &acc1[h]);
+    finish_block<G, TAIL>(acc0, acc1, m0, m1, E, ldE, st, mb, ldmb, ps);
   } else {
     for (int h = 0; h < G; ++h) {
       store(E + h * ldE, acc0[h], m0);
@@ -173,8 +211,8 @@ constexpr int64_t kRowGroup = SPARQ_ROW_GROUP;
 
 template <int G, typename KT>
 static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64_t qstride, int64_t p0, int64_t p1,
-                      int64_t pf_end, float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb) {
-  constexpr int64_t PF = kPrefetchAhead / (int64_t)sizeof(KT);
+                      int64_t pf_end, float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb, const float* ps) {
+  constexpr int64_t PF = kPrefetchAhead * kPerElement<KT> / (int64_t)sizeof(KT);  // positions
   const int64_t ng = (r + kRowGroup - 1) / kRowGroup;
   auto group = [&](int64_t gi, int64_t* i0, int64_t* i1) { *i0 = r * gi / ng; *i1 = r * (gi + 1) / ng; };
   for (int64_t gi = 0; gi < ng; ++gi) {
@@ -196,11 +234,11 @@ static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64
         }
       }
       block_2k<G, KT, false>(rows, i0, i1, qhat, qstride, p, kBlock, first, last, q0, q1, t, E + (p - p0), ldE, st,
-                             mb + (p - p0) / kBlock, ldmb);
+                             mb + (p - p0) / kBlock, ldmb, ps ? ps + p : nullptr);
     }
     if (p < p1)
       block_2k<G, KT, true>(rows, i0, i1, qhat, qstride, p, p1 - p, first, last, 0, 0, 0, E + (p - p0), ldE, st,
-                            mb + (p - p0) / kBlock, ldmb);
+                            mb + (p - p0) / kBlock, ldmb, ps ? ps + p : nullptr);
   }
 }
 
@@ -209,7 +247,7 @@ static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64
 // so each row costs d/16 FMAs and a horizontal sum per head instead of r gathers.
 template <int G, typename KT>
 static void pass_a_1k(const KT* kbh, int64_t stride, const float* qmask, int64_t d, int64_t p0, int64_t p1,
-                      float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb) {
+                      float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb, const float* ps) {
   const int64_t nfull = d / 16, rem = d % 16;
   const M mrem = tail_mask(rem);
   alignas(64) float lt[G][kBlock];
@@ -229,7 +267,8 @@ static void pass_a_1k(const KT* kbh, int64_t stride, const float* qmask, int64_t
         const V kv = load(row + 16 * nfull, mrem);
         for (int h = 0; h < G; ++h) acc[h] = vfma(load(qmask + h * d + 16 * nfull, mrem), kv, acc[h]);
       }
-      for (int h = 0; h < G; ++h) lt[h][s] = hsum(acc[h]);
+      const float sc = ps ? ps[p + s] : 1.0f;  // an int8 K's per-position scale
+      for (int h = 0; h < G; ++h) lt[h][s] = hsum(acc[h]) * sc;
     }
     V acc0[G], acc1[G];
     const M m0 = tail_mask(n), m1 = tail_mask(std::max<int64_t>(0, n - 16));
@@ -237,16 +276,18 @@ static void pass_a_1k(const KT* kbh, int64_t stride, const float* qmask, int64_t
       acc0[h] = load(lt[h], m0);
       acc1[h] = load(lt[h] + 16, m1);
     }
-    if (n < kBlock) finish_block<G, true>(acc0, acc1, m0, m1, E + (p - p0), ldE, st, mb + (p - p0) / kBlock, ldmb);
-    else finish_block<G, false>(acc0, acc1, m0, m1, E + (p - p0), ldE, st, mb + (p - p0) / kBlock, ldmb);
+    if (n < kBlock) finish_block<G, true>(acc0, acc1, m0, m1, E + (p - p0), ldE, st, mb + (p - p0) / kBlock, ldmb, nullptr);
+    else finish_block<G, false>(acc0, acc1, m0, m1, E + (p - p0), ldE, st, mb + (p - p0) / kBlock, ldmb, nullptr);
   }
 }
 
-// r: the rows of K^T streamed (P.r in SparQ; a head's own count in adaptive SparQ).
-template <typename KT>
-static void pass_a(const Problem& P, int64_t r, const KT* const* rows, const KT* kbh, const float* qmask,
+// r: the rows of K^T streamed (P.r in SparQ; a head's own count in adaptive SparQ). KTT: K^T's element
+// type (int8_t or int4x2 for a quantized K^T); ps: the bh's per-position scales of a quantized step-1
+// source (its K^T's, or an int8 K's with layout "once"), nullptr for a float one.
+template <typename KT, typename KTT = KT>
+static void pass_a(const Problem& P, int64_t r, const KTT* const* rows, const KT* kbh, const float* qmask,
                    const float* qhat, int64_t p0, int64_t p1, float* E, int64_t ldE, RunState* st, float* mb,
-                   int64_t ldmb) {
+                   int64_t ldmb, const float* ps = nullptr) {
   // segment by segment; within one, head groups after the first re-read the rows from L2
   for (int64_t a = p0; a < p1; a += kSegment) {
     const int64_t b = std::min(p1, a + kSegment);
@@ -258,8 +299,8 @@ static void pass_a(const Problem& P, int64_t r, const KT* const* rows, const KT*
       RunState* sh = st + h0;
 #define SPARQ_CASE(n)                                                                              \
   case n:                                                                                          \
-    if (P.two_k) pass_a_2k<n, KT>(rows, r, qh, P.g, a, b, p1, Eh, ldE, sh, mbh, ldmb);             \
-    else pass_a_1k<n, KT>(kbh, P.ks2, qmask + h0 * P.d, P.d, a, b, Eh, ldE, sh, mbh, ldmb);        \
+    if (P.two_k) pass_a_2k<n, KTT>(rows, r, qh, P.g, a, b, p1, Eh, ldE, sh, mbh, ldmb, ps);        \
+    else pass_a_1k<n, KT>(kbh, P.ks2, qmask + h0 * P.d, P.d, a, b, Eh, ldE, sh, mbh, ldmb, ps);    \
     break;
       switch (G) {
         SPARQ_CASE(1) SPARQ_CASE(2) SPARQ_CASE(3) SPARQ_CASE(4)

@@ -36,6 +36,20 @@ static void prefetch_rows(const Problem& P, const KT* k, const KT* v, int64_t b,
   const KT* vb = v + b * P.vs0 + h * P.vs1;
   for (int64_t j = 0; j < kk; ++j) prefetch_row_l2(kb + (int64_t)pos[j] * P.ks2, P.d);
   for (int64_t j = 0; j < kk; ++j) prefetch_row_l2(vb + (int64_t)pos[j] * P.vs2, P.d);
+  if (P.k_scale) {  // an int8 cache: each row's scale sits in its own line
+    const float* ks = P.k_scale + b * P.ksc0 + h * P.ksc1;
+    const float* vs = P.v_scale + b * P.vsc0 + h * P.vsc1;
+    for (int64_t j = 0; j < kk; ++j) prefetch_l2(ks + pos[j]);
+    for (int64_t j = 0; j < kk; ++j) prefetch_l2(vs + pos[j]);
+  }
+}
+
+// lg[hh][j] *= scale[pos[j]] for the g heads (an int8 cache's per-position scales)
+static inline void scale_selected(float* lg, int64_t g, int64_t kk, const float* scale, const int32_t* pos) {
+  for (int64_t j = 0; j < kk; ++j) {
+    const float c = scale[pos[j]];
+    for (int64_t hh = 0; hh < g; ++hh) lg[hh * kk + j] *= c;
+  }
 }
 
 // Register-blocked pieces of the exact attention for d = 16 * NV.
@@ -115,12 +129,14 @@ static void attend(const Problem& P, const KT* k, const KT* v, int64_t b, int64_
     const KT* row = kb + (int64_t)pos[j] * P.ks2;
     for (int64_t hh = 0; hh < g; ++hh) lg[hh * kk + j] = dot_d(qf + hh * d, row, d) * scale;
   }
+  if (P.k_scale) scale_selected(lg, g, kk, P.k_scale + b * P.ksc0 + h * P.ksc1, pos);
   // softmax per head
   for (int64_t hh = 0; hh < g; ++hh) {
     float* l = lg + hh * kk;
     const V inv = vset(1.0f / exp_shifted(l, kk).second);
     for (int64_t j = 0; j < kk; j += 16) store(l + j, vmul(load(l + j, tail_mask(kk - j)), inv), tail_mask(kk - j));
   }
+  if (P.v_scale) scale_selected(lg, g, kk, P.v_scale + b * P.vsc0 + h * P.vsc1, pos);  // weights of int8 V rows
   // y = p @ V
   if (blocked) {
     switch (nfull) {

@@ -49,6 +49,22 @@ def test_decode_adaptive_rows_beside_sparq_at_the_same_target(tmp_path, smollm2_
         assert rows[name]["theoretical_kv_speedup"] == pytest.approx(4, rel=0.1)
 
 
+def test_decode_cache_formats_each_run_every_policy_on_its_own_caches(tmp_path, smollm2_checkpoint):
+    """--cache-format auto,int8/int4: dense and SparQ on each format's caches, speedups over dense on the
+    first, each row's KV bytes as its cache stores them (int8 rows of d plus a 4-byte scale)."""
+    out = tmp_path / "decode.json"
+    code = bench_cli.main(["decode", "--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "200",
+                           "--batch-size", "1", "--steps", "2", "--warmup", "0", "--sparq-k", "16",
+                           "--cache-format", "auto,int8/int4", "--json", str(out)])
+    assert code == 0
+    rows = {r["attention"]: r for r in read_json(out)["rows"]}
+    assert set(rows) == {"dense", "sparq", "dense int8/int4", "sparq int8/int4"}
+    assert rows["dense int8/int4"]["cache_format"] == "int8/int4" and rows["dense"]["cache_format"] == "auto"
+    d = 64  # fp32 checkpoint: an int8 row of d moves d + 4 bytes for 4 d
+    assert rows["dense int8/int4"]["theoretical_kv_speedup"] == pytest.approx(4 * d / (d + 4))
+    assert rows["sparq int8/int4"]["theoretical_kv_speedup"] > rows["sparq"]["theoretical_kv_speedup"]
+
+
 def test_decode_near_the_model_context_ends_there(smollm2_checkpoint):
     from model import ModelArgs
 
@@ -81,6 +97,7 @@ def test_attention_json_rows(tmp_path, capsys):
     (["decode", "--batch-size", "0"], "--batch-size"),
     (["attention", "--shape", "gpt5"], "gpt5"),
     (["decode", "--adaptive"], "--compression"),
+    (["decode", "--cache-format", "int9"], "--kv-dtype"),
 ])
 def test_bad_input_is_a_one_line_error(argv, fragment, capsys):
     status = bench_cli.main(argv)

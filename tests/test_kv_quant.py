@@ -293,3 +293,82 @@ def test_a_model_on_an_int8_cache_generates_alike_with_the_fused_and_the_torch_d
         model.set_decode_attention(policy_factory(AttentionSettings("dense"), model.args, kern))
         out[name] = Generator(model).generate(prompt, 20)[0]
     assert out["cpu"] == out["torch"]
+
+
+def dequantized_fp32(cache: KVCache, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K, V (B, n_kv, n, d) and K^T (B, n_kv, d, n) of a quantized cache in fp32, from its buffers."""
+    chan = cache.chan[:, :, None]
+    k, v = cache.k[:, :, :n].float(), cache.v[:, :, :n].float()
+    if cache.kv_storage == "int8":
+        k, v = k * cache.k_scale[:, :, :n, None] * chan, v * cache.v_scale[:, :, :n, None]
+    if cache.k_t is None:
+        return k, v, None
+    q = unpack_int4(cache.k_t, 2 * cache.k_t.shape[-1])[..., :n] if cache.kt_storage == "int4" else cache.k_t[..., :n]
+    return k, v, q.float() * cache.k_t_scale[:, :, None, :n] * chan.transpose(-1, -2)
+
+
+SPARQ_FORMATS = [("once", "int8", "same")] + [("twice", kv, kt) for kv, kt in FORMATS]
+
+
+@pytest.mark.parametrize("layout, kv_dtype, kt_dtype", SPARQ_FORMATS)
+@pytest.mark.parametrize("dtype, d, mean_v", [(torch.float32, 16, True), (torch.float32, 64, False),
+                                              (torch.bfloat16, 64, True), (torch.float32, 40, False)])
+def test_fused_sparq_kernel_reads_a_quantized_cache_as_its_dequantized_copy(fused_cpu_kernels, threads, layout,
+                                                                            kv_dtype, kt_dtype, dtype, d, mean_v):
+    """The C++ SparQ kernel on the stored buffers (int8 K/V, int8 or int4 K^T, their scales) against the
+    torch path on the dequantized values: ragged rows of odd lengths (an int4 byte half used), and one
+    long row split over the threads in chunks."""
+    from kernels import sparq_attention_cpu
+    from sparq import sparq_attention_torch
+
+    torch.set_num_threads(2)
+    B, n_kv, g = 3, 3, 2
+    for S, lengths in ((301, torch.tensor([301, 17, 150])), (4097, None)):
+        rows = B if lengths is not None else 1
+        cache = KVCache(rows, S + 63, n_kv, d, dtype, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+        gen = torch.Generator().manual_seed(S + d)
+        k = torch.randn(rows, n_kv, S, d, generator=gen) * (1 + 4 * (torch.arange(d) == 1))
+        cache.update(torch.arange(S), k.to(dtype), torch.randn(rows, n_kv, S, d, generator=gen).to(dtype))
+        if lengths is not None:
+            cache.set_live_lengths(lengths)
+        q = torch.randn(rows, n_kv, g, d, generator=gen).to(dtype)
+        stored = cache.view(S, rows, stored=True)
+        k, v, k_t = dequantized_fp32(cache, S)  # bf16 copies would round the values the kernel reads exactly
+        live = None if lengths is None else cache.live_length[:rows]
+        args = (S, live, 5, 48, 12, mean_v)
+        fused = sparq_attention_cpu(q, stored.k, stored.k_t, stored.v, stored.v_sum, *args, scales=stored.scales)
+        expected = sparq_attention_torch(q.float(), k, k_t, v, stored.v_sum, *args).to(dtype)
+        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(fused, expected, **tol)
+
+
+def test_a_model_on_a_quantized_cache_generates_alike_with_the_fused_and_the_torch_sparq_paths(fused_cpu_kernels):
+    """Greedy tokens of SparQ on an int8 K/V, int4 K^T cache: the C++ kernels (reading it as stored)
+    give the torch path's tokens (fp32)."""
+    import kernels
+
+    fmt = KVFormat("twice", "int8", "int4")
+    prompt = torch.randint(0, 101, (2, 90), generator=torch.Generator().manual_seed(6)).tolist()
+    out = {}
+    for name, kern in (("torch", kernels.TORCH_KERNELS), ("cpu", kernels.CPU_KERNELS)):
+        model = tiny_model(kernels=kern)
+        model.setup_caches(2, 130, fmt)
+        model.set_decode_attention(policy_factory(AttentionSettings("sparq", sparq_r=6, sparq_k=32), model.args, kern))
+        out[name] = Generator(model).generate(prompt, 30)[0]
+    assert out["cpu"] == out["torch"]
+
+
+@pytest.mark.parametrize("policy", ["dense", "sparq"])
+def test_the_compiled_decode_step_reads_a_quantized_cache_as_the_eager_one(fused_cpu_kernels, policy):
+    """torch.compile (inductor's C++ wrapper) around the quantized cache's kernels: the eager tokens."""
+    import kernels
+
+    model = tiny_model(kernels=kernels.CPU_KERNELS)
+    rows = torch.randint(0, 101, (2, 70), generator=torch.Generator().manual_seed(9)).tolist()
+    settings = AttentionSettings(policy, sparq_r=6 if policy == "sparq" else None, sparq_k=24)
+    out = []
+    for compile_decode in (False, True):
+        model.setup_caches(2, 100, KVFormat("twice", "int8", "int4"))
+        model.set_decode_attention(policy_factory(settings, model.args, kernels.CPU_KERNELS))
+        out.append(Generator(model, compile_decode=compile_decode).generate(rows, 12)[0])
+    assert out[0] == out[1]
