@@ -289,6 +289,12 @@ class KVCache(nn.Module):
     v     (B, n_kv, S_max, d)
     sums  (B, n_kv, 3, d) fp32 running sums over the visible positions of V (`v_sum`: SparQ mean-V),
                                K and K^2 (`k_moments`: the keys' spread per dimension, sparq-adaptive)
+    A quantized cache (KVFormat: --kv-dtype int8, --kt-dtype int8/int4) stores k, v as int8 beside
+    k_scale, v_scale (B, n_kv, S) fp32, K^T as int8 (B, n_kv, d, S) or int4 (uint8 (B, n_kv, d, S/2 + 1),
+    two positions per byte) beside kt_scale (B, n_kv, S) (none when K^T is K's int8 transposed: K's
+    scales), and chan (B, n_kv, d) fp32, K's per-channel scale: K = k k_scale chan, V = v v_scale,
+    K^T = k_t kt_scale chan. view() gives the torch paths dequantized copies, view(stored=True) the
+    kernels that read it the buffers and their scales; the sums are over the values as stored.
     live_length (B,) int64     row b's positions [0, live_length[b]) are live: a device tensor, so
                                a step never syncs with the host. Rows share one live length unless
                                set_live_lengths made them ragged (batches of different prompts).
@@ -312,7 +318,6 @@ class KVCache(nn.Module):
         if window is not None and length_bucket > 1:
             raise ValueError("sliding-window layers read exact lengths: use --length-bucket 1")
         self.format = KVFormat(layout, kv_dtype, kt_dtype)
-        self.layout = layout
         self.length_bucket = length_bucket
         self.window = window
         self.dtype = dtype  # the activations': what reads return
