@@ -408,8 +408,12 @@ def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int 
         names = {"sparq_adaptive": "adaptive SparQ", "sparq_attention": "SparQ", "dense_attention": "dense attention"}
         said = [names[n] for n in names if dropped[n]]
         if said:
-            announce(f"note: the {kernels.name} kernels of {' and '.join(said)} do not read a quantized KV cache yet: "
-                     f"they run on the torch path, dequantizing the positions they read")
+            # adaptive SparQ only in the startup line's kernels (a note for every quantized run would mostly
+            # speak of a policy it does not run); SparQ and dense also in a note of their own
+            loud = [name for name in said if name != "adaptive SparQ"]
+            if loud:
+                announce(f"note: the {kernels.name} kernels of {' and '.join(loud)} do not read a quantized KV cache "
+                         f"yet: they run on the torch path, dequantizing the positions they read")
             kernels = replace(kernels, **{n: None for n, d in dropped.items() if d},
                               describe=kernels.describe + f"; {', '.join(said)} on the torch path (quantized KV cache)")
     return kernels

@@ -372,3 +372,14 @@ def test_the_compiled_decode_step_reads_a_quantized_cache_as_the_eager_one(fused
         model.set_decode_attention(policy_factory(settings, model.args, kernels.CPU_KERNELS))
         out.append(Generator(model, compile_decode=compile_decode).generate(rows, 12)[0])
     assert out[0] == out[1]
+
+
+def test_resolve_kernels_keeps_what_reads_a_quantized_cache_and_says_what_falls_back(fused_cpu_kernels):
+    from kernels import resolve_kernels
+
+    said = []
+    cpu = resolve_kernels("cpu", "cpu", int8_kv=True, quantized_kt=True, announce=said.append)
+    assert cpu.dense_attention is not None and cpu.dense_verify is not None and cpu.sparq_attention is not None
+    assert cpu.sparq_adaptive is None and "adaptive SparQ on the torch path" in cpu.describe
+    assert said == []  # adaptive SparQ only in the startup line's kernels: no note for every quantized run
+    assert resolve_kernels("cpu", "cpu", announce=said.append).sparq_adaptive is not None and said == []
