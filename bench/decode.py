@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--llamacpp-format", default=None,
                    help="llama.cpp's format for every --dtype (scripts/llamacpp.py's formats; default: the dtype's own), "
                         "e.g. q8_0 beside an int8 checkpoint")
+    p.add_argument("--llamacpp-kv", default=None, metavar="TYPE",
+                   help="llama.cpp's KV cache type (llama-bench -ctk/-ctv TYPE -fa 1), e.g. q8_0 beside "
+                        "--cache-format int8")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the timing this many times, ours and llama.cpp taking turns; cells are medians")
     p.add_argument("--ragged", default=None,
@@ -187,8 +190,8 @@ def run(args) -> int:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
     if args.rounds < 1:
         raise UserError("--rounds must be at least 1")
-    if args.llamacpp_format and not args.llamacpp:
-        raise UserError("--llamacpp-format needs --llamacpp GGUF")
+    if (args.llamacpp_format or args.llamacpp_kv) and not args.llamacpp:
+        raise UserError("--llamacpp-format and --llamacpp-kv need --llamacpp GGUF")
     if args.llamacpp and args.random_weights:
         raise UserError("--llamacpp times the checkpoint's GGUF: not with --random-weights")
     if args.threads:
@@ -370,7 +373,7 @@ class _LlamaCpp:
         if fmt not in self.ggufs:
             self.ggufs[fmt] = llamacpp.requantize(Path(self.args.llamacpp), fmt, build_=self.build)
         return llamacpp.time_decode(self.ggufs[fmt], self.contexts, self.args.steps, self.args.threads or 2,
-                                    label=fmt, build_=self.build, prefill=prefill)
+                                    label=fmt, build_=self.build, prefill=prefill, kv_type=self.args.llamacpp_kv)
 
 
 def _median_rounds(rounds: list[list[dict]], dtype: str) -> dict[tuple[str, int], dict]:

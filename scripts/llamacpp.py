@@ -395,11 +395,14 @@ def requantize(src_gguf: Path, fmt: str, cache_dir: Optional[Path] = None, build
 
 
 def bench_commands(bench_bin: Path, gguf: Path, contexts: Sequence[int], n_gen: int = 32, threads: int = 2,
-                   repetitions: int = 3, prefill: bool = True) -> dict[str, list[str]]:
+                   repetitions: int = 3, prefill: bool = True, kv_type: Optional[str] = None) -> dict[str, list[str]]:
     """The two llama-bench command lines: 'prefill' (a prompt of N tokens, empty cache) and 'decode'
     (n_gen tokens after a context of N tokens, via -d/--n-depth). Prefill is left out for N = 0, and
-    altogether when not asked for (-d still prefills each context, untimed)."""
+    altogether when not asked for (-d still prefills each context, untimed). kv_type: llama.cpp's KV
+    cache type for K and V (q8_0, q4_0, ...; its quantized V needs flash attention, so -fa 1 with it)."""
     common = ["-t", str(threads), "-r", str(repetitions), "-o", "json", "--progress"]
+    if kv_type:
+        common += ["-ctk", kv_type, "-ctv", kv_type, "-fa", "1"]
     cmds = {}
     prompts = [c for c in contexts if c > 0] if prefill else []
     if prompts:
@@ -480,7 +483,7 @@ def run_bench(cmd: list[str], desc: str) -> list[dict]:
 
 def time_decode(gguf: Path, contexts: Sequence[int] = DEFAULT_CONTEXTS, n_gen: int = 32, threads: int = 2,
                 repetitions: int = 3, label: Optional[str] = None, cache_dir: Optional[Path] = None,
-                build_: Optional[Build] = None, prefill: bool = True) -> list[dict]:
+                build_: Optional[Build] = None, prefill: bool = True, kv_type: Optional[str] = None) -> list[dict]:
     """llama.cpp's decode tokens/s after a context of N tokens, and its prefill tokens/s of N tokens, per N.
 
     Rows: {format, context, prefill_tok_s, decode_tok_s (and their std over repetitions), n_gen, threads,
@@ -492,7 +495,7 @@ def time_decode(gguf: Path, contexts: Sequence[int] = DEFAULT_CONTEXTS, n_gen: i
         raise UserError(f"GGUF file not found: {gguf}")
     b = build_ or build(cache_dir)
     label = label or gguf_format(gguf) or gguf.stem
-    cmds = bench_commands(b.tool("bench"), gguf, contexts, n_gen, threads, repetitions, prefill)
+    cmds = bench_commands(b.tool("bench"), gguf, contexts, n_gen, threads, repetitions, prefill, kv_type)
     load = os.getloadavg()[0]
     prefill = run_bench(cmds["prefill"], f"{label} prefill") if "prefill" in cmds else []
     load = max(load, os.getloadavg()[0])

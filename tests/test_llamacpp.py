@@ -331,6 +331,9 @@ def test_bench_commands():
     assert "prefill" not in llamacpp.bench_commands(Path("b"), Path("m"), [0])  # context 0: decode only
     decode_only = llamacpp.bench_commands(Path("bin/llama-bench"), Path("m.gguf"), [16, 1024], prefill=False)
     assert list(decode_only) == ["decode"] and "16,1024" in decode_only["decode"]  # --decode-only
+    q8 = llamacpp.bench_commands(Path("bin/llama-bench"), Path("m.gguf"), [16], kv_type="q8_0")
+    for cmd in q8.values():  # its quantized KV cache, with flash attention (which a quantized V needs)
+        assert cmd[-6:] == ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "1"]
 
 
 def test_parse_captured_llama_bench_output():
