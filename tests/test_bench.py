@@ -137,7 +137,7 @@ def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys, tmp_path):
         {"context": c, "decode_tok_s": next(per_round), "prefill_tok_s": 100.0, "load_avg": 0.0} for c in contexts])
 
     def llama_rows(fmt=None):
-        args = argparse.Namespace(llamacpp=str(gguf), llamacpp_format=fmt, steps=4, threads=2)
+        args = argparse.Namespace(llamacpp=str(gguf), llamacpp_format=fmt, llamacpp_kv=None, steps=4, threads=2)
         llama = bench_decode._LlamaCpp(args, [4096])
         return llama, bench_decode._median_rounds([llama.time("bfloat16", prefill=i == 0) for i in range(3)], "bfloat16")
 
