@@ -30,7 +30,7 @@ import resource
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional, TextIO
+from typing import Callable, Optional, Sequence, TextIO
 
 import torch
 
@@ -74,12 +74,12 @@ def model_args(checkpoint: Path) -> ModelArgs:
 
 
 def kernels_for(choice: str, device: str, args: ModelArgs, length_bucket: int = 1,
-                kv_format: KVFormat = KVFormat()) -> Kernels:
-    """resolve_kernels for this model and cache format, with its one-line ValueError as a user error."""
-    int8_kv = kv_format.kv_dtype == "int8"
+                kv_formats: Sequence[KVFormat] = (KVFormat(),)) -> Kernels:
+    """resolve_kernels for this model and the run's cache formats, with its one-line ValueError as a user error."""
     try:
-        return resolve_kernels(choice, device, length_bucket, softcap=args.attn_softcap is not None, int8_kv=int8_kv,
-                               quantized_kt=int8_kv and kv_format.layout == "twice" or kv_format.kt_dtype != "same")
+        return resolve_kernels(choice, device, length_bucket, softcap=args.attn_softcap is not None,
+                               int8_kv=any(f.int8_kv for f in kv_formats),
+                               quantized_kt=any(f.quantized_kt for f in kv_formats))
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     if args.top_k is not None and args.top_k > config.vocab_size:
         raise UserError(f"--top-k {args.top_k} exceeds the vocabulary of {config.vocab_size} tokens")
-    kernels = kernels_for(args.kernel, args.device, config, length_bucket, cache_format(args))
+    kernels = kernels_for(args.kernel, args.device, config, length_bucket, [cache_format(args)])
     if args.random_weights:
         model, tokenizer = random_model(config, args.device, DTYPES[args.dtype], kernels), TokenIds()
     else:
@@ -518,7 +518,7 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
         return Speculator(model, args.speculate_k, verify, [make(i) for i in layers], stop_ids=tokenizer.stop_ids,
                           temperature=args.temperature, top_k=args.top_k, compile=args.compile)
     draft_config = model_args(args.draft_checkpoint)
-    draft_kernels = kernels_for(args.kernel, args.device, draft_config, kv_format=cache_format(args))
+    draft_kernels = kernels_for(args.kernel, args.device, draft_config, kv_formats=[cache_format(args)])
     draft = load_checkpoint(args.draft_checkpoint, args.device, DTYPES[args.dtype], draft_kernels)
     check_same_tokenizer(tokenizer, load_tokenizer(args.draft_checkpoint), draft_config, model.args)
     if max_seq_length > draft_config.max_context:

@@ -200,6 +200,16 @@ class KVFormat:
         if self.layout == "once" and self.kt_dtype != "same":
             raise ValueError("--kt-dtype stores SparQ's copy of K^T, which --kv-layout once does not keep")
 
+    @property
+    def int8_kv(self) -> bool:
+        """K and V are stored as int8 (whatever the activations)."""
+        return self.kv_dtype == "int8"
+
+    @property
+    def quantized_kt(self) -> bool:
+        """SparQ's K^T is stored quantized: int8 or int4, or K's int8 with --kt-dtype same."""
+        return self.layout == "twice" and (self.kt_dtype in QMAX or (self.kt_dtype == "same" and self.int8_kv))
+
     def kv_storage(self, activation: torch.dtype) -> str:
         """K and V's stored format: the activations' dtype's name or "int8". A float cache in another
         dtype than the activations is a ValueError (the torch paths read the cache in theirs)."""
@@ -417,7 +427,7 @@ class KVCache(nn.Module):
         if self.shares_k_scale:
             self.k_t[rows, heads, :, input_pos] = kq
         elif self.kt_storage == "int8":
-            self.k_t[rows, heads, :, input_pos], self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, 127)
+            self.k_t[rows, heads, :, input_pos], self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int8"])
         elif self.kt_storage == "int4":
             q4, self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int4"])
             nibble = (q4 + 8).to(torch.uint8)  # (B, n_kv, T, d)

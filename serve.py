@@ -385,7 +385,7 @@ def load(args: argparse.Namespace) -> Served:
     if max_seq_length > config.max_context:
         raise UserError(f"--max-seq-length {max_seq_length} exceeds the model's context of {config.max_context}")
     length_bucket = 256 if args.device == "cuda" and args.compile else 1
-    kernels = kernels_for(args.kernel, args.device, config, length_bucket, cache_format(args))
+    kernels = kernels_for(args.kernel, args.device, config, length_bucket, [cache_format(args)])
     model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels)
     tokenizer = load_tokenizer(args.checkpoint)
     settings = solve_compression(settings, max_seq_length, config)

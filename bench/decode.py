@@ -180,7 +180,7 @@ def run(args) -> int:
     import data
     from decoding import compiled_decode_step, decode_step, own_step, prefill
     from generate import kernels_for, load_checkpoint, load_tokenizer
-    from model import KVFormat, ModelArgs, checkpoint_paths, random_model
+    from model import ModelArgs, checkpoint_paths, random_model
     from policies import AttentionSettings, parse_compression, policy_factory, solve_target
 
     contexts = cli.int_list(args.prompt_tokens, "--prompt-tokens", minimum=0)
@@ -203,10 +203,7 @@ def run(args) -> int:
         model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
     starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps)
     formats = _cache_formats(args.cache_format)
-    int8_kv = any(f.kv_dtype == "int8" for _, f in formats)
-    quantized_kt = any(f.kt_storage(torch.float32) in ("int8", "int4") for _, f in formats)
-    kernels = kernels_for(args.kernel, "cpu", model_args, kv_format=KVFormat(
-        kv_dtype="int8" if int8_kv else "auto", kt_dtype="int4" if quantized_kt else "same"))  # one kernel family
+    kernels = kernels_for(args.kernel, "cpu", model_args, kv_formats=[f for _, f in formats])  # one kernel family
     if args.compression and args.sparq_r:
         raise UserError("--compression solves --sparq-r: give one or the other")
     if args.adaptive and not args.compression:

@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
                     for done, (task, length, batch) in enumerate(work, 1)]
 
     kv_format = cache_format(args)
-    kernels = kernels_for(args.kernel, "cpu", model_config, kv_format=kv_format)
+    kernels = kernels_for(args.kernel, "cpu", model_config, kv_formats=[kv_format])
     model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels)
     try:
         kv_format.kv_storage(model.cache_dtype)  # a float --kv-dtype other than the activations' is refused
