@@ -279,22 +279,6 @@ def test_fused_dense_kernel_reads_an_int8_cache_as_its_dequantized_copy(fused_cp
             torch.testing.assert_close(verified[b:b + 1, :, :, t], one, **tol)
 
 
-def test_a_model_on_an_int8_cache_generates_alike_with_the_fused_and_the_torch_dense_paths(fused_cpu_kernels):
-    """Greedy tokens of a model whose dense decode reads the int8 cache in the C++ kernel equal those
-    of the torch path on its dequantized copy (fp32: the two differ by rounding only)."""
-    import kernels
-
-    fmt = KVFormat("twice", "int8", "same")
-    prompt = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(4)).tolist()
-    out = {}
-    for name, kern in (("torch", kernels.TORCH_KERNELS), ("cpu", kernels.CPU_KERNELS)):
-        model = tiny_model(kernels=kern)
-        model.setup_caches(2, 80, fmt)
-        model.set_decode_attention(policy_factory(AttentionSettings("dense"), model.args, kern))
-        out[name] = Generator(model).generate(prompt, 20)[0]
-    assert out["cpu"] == out["torch"]
-
-
 def dequantized_fp32(cache: KVCache, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K, V (B, n_kv, n, d) and K^T (B, n_kv, d, n) of a quantized cache in fp32, from its buffers."""
     chan = cache.chan[:, :, None]
@@ -342,19 +326,24 @@ def test_fused_sparq_kernel_reads_a_quantized_cache_as_its_dequantized_copy(fuse
         torch.testing.assert_close(fused, expected, **tol)
 
 
-def test_a_model_on_a_quantized_cache_generates_alike_with_the_fused_and_the_torch_sparq_paths(fused_cpu_kernels):
-    """Greedy tokens of SparQ on an int8 K/V, int4 K^T cache: the C++ kernels (reading it as stored)
-    give the torch path's tokens (fp32)."""
+@pytest.mark.parametrize("fmt, settings, prompt_length, new_tokens", [
+    (KVFormat("twice", "int8", "same"), AttentionSettings("dense"), 40, 20),
+    (KVFormat("twice", "int8", "int4"), AttentionSettings("sparq", sparq_r=6, sparq_k=32), 90, 30),
+])
+def test_a_model_on_a_quantized_cache_generates_alike_with_the_fused_and_the_torch_paths(
+        fused_cpu_kernels, fmt, settings, prompt_length, new_tokens):
+    """Greedy tokens of a model whose decode reads the quantized cache in the C++ kernels (dense on int8
+    K/V; SparQ on int8 K/V and an int4 K^T) equal those of the torch path on its dequantized copy (fp32:
+    the two differ by rounding only)."""
     import kernels
 
-    fmt = KVFormat("twice", "int8", "int4")
-    prompt = torch.randint(0, 101, (2, 90), generator=torch.Generator().manual_seed(6)).tolist()
+    prompt = torch.randint(0, 101, (2, prompt_length), generator=torch.Generator().manual_seed(prompt_length)).tolist()
     out = {}
     for name, kern in (("torch", kernels.TORCH_KERNELS), ("cpu", kernels.CPU_KERNELS)):
         model = tiny_model(kernels=kern)
-        model.setup_caches(2, 130, fmt)
-        model.set_decode_attention(policy_factory(AttentionSettings("sparq", sparq_r=6, sparq_k=32), model.args, kern))
-        out[name] = Generator(model).generate(prompt, 30)[0]
+        model.setup_caches(2, prompt_length + new_tokens + 10, fmt)
+        model.set_decode_attention(policy_factory(settings, model.args, kern))
+        out[name] = Generator(model).generate(prompt, new_tokens)[0]
     assert out["cpu"] == out["torch"]
 
 
