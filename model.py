@@ -263,6 +263,12 @@ def channel_scale(k: Tensor, counted: Optional[Tensor] = None) -> Tensor:
     return torch.maximum(a, 1e-3 * a.amax(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).tiny)
 
 
+def dequantize_kv(k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, chan: Tensor) -> tuple[Tensor, Tensor]:
+    """An int8 cache's K and V as stored -> fp32: k, v (..., T, d) int8, their scales (..., T), K's
+    channel scale chan (..., 1, d)."""
+    return k.float() * k_scale[..., None] * chan, v.float() * v_scale[..., None]
+
+
 def unpack_int4(packed: Tensor, n: int) -> Tensor:
     """(..., ceil(n / 2)) uint8, position 2i in the low nibble and 2i + 1 in the high one, each
     stored as q + 8 -> (..., n) int8 in [-7, 7]."""
@@ -419,8 +425,7 @@ class KVCache(nn.Module):
             vq, v_scale = quantize_symmetric(v, QMAX["int8"])
             self.k[rows, heads, input_pos], self.k_scale[rows, heads, input_pos] = kq, k_scale
             self.v[rows, heads, input_pos], self.v_scale[rows, heads, input_pos] = vq, v_scale
-            k = kq.float() * k_scale[..., None] * chan[:, :, None]
-            v = vq.float() * v_scale[..., None]
+            k, v = dequantize_kv(kq, k_scale, vq, v_scale, chan[:, :, None])
         else:
             self.k[rows, heads, input_pos] = k
             self.v[rows, heads, input_pos] = v
@@ -445,9 +450,8 @@ class KVCache(nn.Module):
         """K and V at advanced indices (rows, heads, pos) -> (..., d), as stored (dequantized in fp32)."""
         if self.kv_storage not in QMAX:
             return self.k[rows, heads, pos], self.v[rows, heads, pos]
-        chan = self.chan[rows, heads]  # (B, n_kv, 1, d) for rows (B, 1, 1), heads (1, n_kv, 1)
-        return (self.k[rows, heads, pos].float() * self.k_scale[rows, heads, pos][..., None] * chan,
-                self.v[rows, heads, pos].float() * self.v_scale[rows, heads, pos][..., None])
+        return dequantize_kv(self.k[rows, heads, pos], self.k_scale[rows, heads, pos], self.v[rows, heads, pos],
+                             self.v_scale[rows, heads, pos], self.chan[rows, heads])  # chan: (B, n_kv, 1, d)
 
     def read(self, rows: slice, start: int, end: int) -> tuple[Tensor, Tensor]:
         """K and V (rows, n_kv, end - start, d) at positions [start, end) of batch rows `rows`, in the
@@ -455,8 +459,8 @@ class KVCache(nn.Module):
         k, v = self.k[rows, :, start:end], self.v[rows, :, start:end]
         if self.kv_storage not in QMAX:
             return k, v
-        k = k.float() * self.k_scale[rows, :, start:end, None] * self.chan[rows, :, None]
-        v = v.float() * self.v_scale[rows, :, start:end, None]
+        k, v = dequantize_kv(k, self.k_scale[rows, :, start:end], v, self.v_scale[rows, :, start:end],
+                             self.chan[rows, :, None])
         return k.to(self.dtype), v.to(self.dtype)
 
     def read_k_t(self, rows: slice, start: int, end: int) -> Optional[Tensor]:
