@@ -190,6 +190,7 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
                          "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor")
     torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
     torch.library.define("sparq::linear_cpu_isa", "() -> str")  # the GEMV's instruction set in this build
+    torch.library.define("sparq::dense_int8_path", "() -> str")  # "vnni" or "float" (csrc/dense_decode.cpp)
     # weight-only quantized GEMVs (quantize.py's stored formats; see csrc/linear_quant.cpp)
     torch.library.define("sparq::linear_int8_cpu", "(Tensor x, Tensor w, Tensor scales) -> Tensor")
     torch.library.define("sparq::linear_int4_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor")

@@ -6,13 +6,17 @@
 //   dense_cpu(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor
 //   dense_quant_cpu(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths, int queries,
 //                   Tensor k_scale, Tensor v_scale, Tensor chan) -> Tensor   (an int8 cache)
+//   dense_int8_path() -> str   how this build reads an int8 cache (below)
 // (Two ops, not optional scales with defaults: inductor's C++ wrapper passes a call's leading
 // arguments only, and the dispatcher then reads the defaulted ones past the end.)
 // lengths: None (every row reads positions [0, length)) or (B,) int: row b reads [0, lengths[b])
 // (ragged batches: a short row costs only what it reads).
 // An int8 cache (model.KVCache with --kv-dtype int8) is read as stored: K[p] = k[p] k_scale[p] chan,
 // V[p] = v[p] v_scale[p], with k_scale, v_scale (B_max, n_kv, S_max) and chan (B_max, n_kv, d) fp32:
-// chan is folded into q, k_scale into each position's logit, v_scale into its softmax weight.
+// chan is folded into q, k_scale into each position's logit, v_scale into its softmax weight. With
+// AVX512_VNNI (d = 64, 128, 256) q is quantized to int8 per (head, 4 channels) and the softmax
+// weights to int16 per (head, chunk), as llama.cpp's q8_0 path quantizes its activations; the
+// rounding is tested against a reference that rounds alike (tests/test_kv_quant.py).
 // queries: T > 1 query tokens per row (speculative verification), q's g = heads x T (head-major):
 // query t of a row of length n attends to positions [0, n - T + 1 + t), as the one-token step at
 // its position would; every K and V row is still read once, for all of them.
@@ -23,8 +27,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -118,6 +124,54 @@ static void dense_logits_bf16(const bf16* qh, int64_t g, const bf16* kb, int64_t
 }
 #endif
 
+#ifdef SPARQ_AVX512_VNNI
+// The same for an int8 cache with vpdpbusd, llama.cpp's q8_0 way: q (chan folded in) quantized to
+// int8 once per unit, K rows dotted as stored (64 per instruction, no widening). Lane l of a
+// 64-channel block takes channels 4l..4l+3; q has one scale per (head, lane), shared by the d / 64
+// blocks, so a lane's int32 sum times its scale is exact up to one rounding. vpdpbusd wants
+// unsigned q: it takes q + 128, and 128 x (the lane's sum of k), from the same instruction with
+// all-128 bytes, is taken off once per row for the g heads.
+// q8: g x d bytes (q + 128), qs: g x 16 scales.
+static void quantize_q_lanes(const float* qf, int64_t g, int64_t d, uint8_t* q8, float* qs) {
+  for (int64_t hh = 0; hh < g; ++hh)
+    for (int64_t l = 0; l < 16; ++l) {
+      float m = 0.f;
+      for (int64_t c = 0; c < d; c += 64)
+        for (int64_t j = 0; j < 4; ++j) m = std::max(m, std::fabs(qf[hh * d + c + 4 * l + j]));
+      const float inv = m > 0.f ? 127.0f / m : 0.f;
+      qs[hh * 16 + l] = m / 127.0f;
+      for (int64_t c = 0; c < d; c += 64)
+        for (int64_t j = 0; j < 4; ++j)
+          q8[hh * d + c + 4 * l + j] = (uint8_t)(std::nearbyint(qf[hh * d + c + 4 * l + j] * inv) + 128.0f);
+    }
+}
+
+template <int NB>
+static void dense_logits_vnni(const uint8_t* q8, const float* qs, int64_t g, const int8_t* kb, int64_t ks,
+                              int64_t p0, int64_t n, float scale, float* T, float* L, int64_t ldL) {
+  constexpr int64_t d = 64 * NB;
+  const __m512i all128 = _mm512_set1_epi8((char)0x80);
+  logits_by_16(g, n, scale, T, L, ldL, [&](int64_t s, float* out) {
+    const int8_t* row = kb + (p0 + s) * ks;
+    prefetch(row + 16 * ks);
+    __m512i kv[NB];
+    __m512i off = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < NB; ++c) {
+      kv[c] = _mm512_loadu_si512(row + 64 * c);
+      off = _mm512_dpbusd_epi32(off, all128, kv[c]);
+    }
+    const __m512i neg = _mm512_sub_epi32(_mm512_setzero_si512(), off);  // -128 x (sum of k) per lane
+    for (int64_t hh = 0; hh < g; ++hh) {
+      __m512i a = neg;
+#pragma GCC unroll 4
+      for (int c = 0; c < NB; ++c) a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(q8 + hh * d + 64 * c), kv[c]);
+      _mm512_storeu_ps(out + hh * 256, _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_loadu_ps(qs + hh * 16)));
+    }
+  });
+}
+#endif
+
 // y (g x d) = e @ V for heads [h0, h0 + HB): each V row is widened once for the HB heads, whose
 // HB x DB output vectors stay in registers; the dims go DB vectors at a time.
 template <int NV, int HB, typename KT>
@@ -145,6 +199,87 @@ static void dense_pv_heads(const float* L, int64_t ldL, int64_t h0, const KT* vb
   }
 }
 
+#ifdef SPARQ_AVX512_VNNI
+// y (g x d) = e @ V for an int8 V with vpdpwssd: the weights (e times V's scales) as int16, one scale
+// per head (its largest weight -> 32767), and two positions' rows interleaved byte by byte and widened
+// to int16, so each int32 lane sums position s and s + 1 of one channel; 16 lanes x 4 vectors per
+// 64-channel block and head in registers. The int32 sums go to fp32 every 256 positions (|sum| <=
+// 256 x 32767 x 127 < 2^31). Lane order after the interleave: vector 0 holds channels 0-7 and 16-23,
+// 1: 32-39, 48-55; 2: 8-15, 24-31; 3: 40-47, 56-63 (vpunpck works within 128-bit lanes).
+static void quantize_weights(const float* L, int64_t ldL, int64_t g, int64_t n, int16_t* w16, float* wscale) {
+  const int64_t n2 = round_up(n, 2);
+  for (int64_t hh = 0; hh < g; ++hh) {
+    const float* l = L + hh * ldL;
+    V m = vzero();
+    for (int64_t s = 0; s < n; s += 16) m = vmax(m, load(l + s, tail_mask(n - s)));
+    const float mx = hmax(m);
+    wscale[hh] = mx / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(mx > 0.f ? 32767.0f / mx : 0.f);
+    int16_t* w = w16 + hh * ldL;
+    for (int64_t s = 0; s < n2; s += 16) {
+      const M mk = tail_mask(n - s);
+      const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, l + s), inv));
+      _mm256_mask_storeu_epi16(w + s, tail_mask(n2 - s), _mm512_cvtsepi32_epi16(r));
+    }
+  }
+}
+
+template <int NB, int HB>
+static void dense_pv_vnni_heads(const int16_t* w16, int64_t ldL, const float* wscale, int64_t h0, const int8_t* vb,
+                                int64_t vs, int64_t p0, int64_t n, float* y) {
+  constexpr int64_t d = 64 * NB;
+  for (int64_t hh = h0; hh < h0 + HB; ++hh) std::fill(y + hh * d, y + (hh + 1) * d, 0.f);
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int c = 0; c < NB; ++c)
+    for (int64_t s0 = 0; s0 < n; s0 += 256) {
+      const int64_t s1 = std::min<int64_t>(n, s0 + 256);
+      __m512i acc[HB][4];
+      for (int h = 0; h < HB; ++h)
+        for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_si512();
+      for (int64_t s = s0; s < s1; s += 2) {
+        const int8_t* row = vb + (p0 + s) * vs + 64 * c;
+        const __m512i r0 = _mm512_loadu_si512(row);
+        const __m512i r1 = s + 1 < s1 ? _mm512_loadu_si512(row + vs) : _mm512_setzero_si512();
+        const __m512i lo = _mm512_unpacklo_epi8(r0, r1), hi = _mm512_unpackhi_epi8(r0, r1);
+        const __m512i x[4] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)),
+                              _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
+                              _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi)),
+                              _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
+        for (int h = 0; h < HB; ++h) {
+          int32_t pair;  // weights of positions s and s + 1 (the latter 0 past the end: w16 is padded)
+          std::memcpy(&pair, w16 + (h0 + h) * ldL + s, 4);
+          const __m512i wv = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_dpwssd_epi32(acc[h][j], x[j], wv);
+        }
+      }
+      for (int h = 0; h < HB; ++h) {
+        const __m512 sc = _mm512_set1_ps(wscale[h0 + h]);
+        __m512 f[4];
+        for (int j = 0; j < 4; ++j) f[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[h][j]), sc);
+        // back to channel order: [0-15] = lanes 0-7 of f0, f2; [16-31] = lanes 8-15; [32-63] the same of f1, f3
+        const __m512 out[4] = {_mm512_permutex2var_ps(f[0], lo_idx, f[2]), _mm512_permutex2var_ps(f[0], hi_idx, f[2]),
+                               _mm512_permutex2var_ps(f[1], lo_idx, f[3]), _mm512_permutex2var_ps(f[1], hi_idx, f[3])};
+        float* yh = y + (h0 + h) * d + 64 * c;
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(yh + 16 * j, _mm512_add_ps(_mm512_loadu_ps(yh + 16 * j), out[j]));
+      }
+    }
+}
+
+template <int NB>
+static void dense_pv_vnni(const int16_t* w16, int64_t ldL, const float* wscale, int64_t g, const int8_t* vb,
+                          int64_t vs, int64_t p0, int64_t n, float* y) {
+  for (int64_t h0 = 0; h0 < g;) {
+    switch (std::min<int64_t>(3, g - h0)) {
+      case 1: dense_pv_vnni_heads<NB, 1>(w16, ldL, wscale, h0, vb, vs, p0, n, y); h0 += 1; break;
+      case 2: dense_pv_vnni_heads<NB, 2>(w16, ldL, wscale, h0, vb, vs, p0, n, y); h0 += 2; break;
+      default: dense_pv_vnni_heads<NB, 3>(w16, ldL, wscale, h0, vb, vs, p0, n, y); h0 += 3; break;
+    }
+  }
+}
+#endif
+
 template <int NV, typename KT>
 static void dense_pv_nv(const float* L, int64_t ldL, int64_t g, const KT* vb, int64_t vs, int64_t p0, int64_t n,
                         float* y) {
@@ -158,14 +293,21 @@ static void dense_pv_nv(const float* L, int64_t ldL, int64_t g, const KT* vb, in
   }
 }
 
-// Per-thread scratch of one unit: q in fp32 (g x d), q's bf16 planes (2 x g x d), T (g x 256).
+// Per-thread scratch of one unit: q in fp32 (g x d), q's bf16 planes (2 x g x d) or its int8 bytes
+// (g x d) and lane scales (g x 16), T (g x 256), an int8 V's int16 softmax weights (g x ldL).
 struct DenseScratch {
   float* qf;
   bf16* qh;
+  uint8_t* q8;
+  float* qs;
   float* T;
-  static int64_t floats(int64_t g, int64_t d) { return round_up(g * d, 16) * 2 + g * 256; }
+  int16_t* w16;
+  static int64_t floats(int64_t g, int64_t d, int64_t ldL) {
+    return round_up(g * d, 16) * 2 + g * 16 + g * 256 + g * ldL / 2;
+  }
   DenseScratch(float* base, int64_t g, int64_t d)
-      : qf(base), qh(reinterpret_cast<bf16*>(base + round_up(g * d, 16))), T(base + 2 * round_up(g * d, 16)) {}
+      : qf(base), qh(reinterpret_cast<bf16*>(base + round_up(g * d, 16))), q8(reinterpret_cast<uint8_t*>(qh)),
+        qs(base + 2 * round_up(g * d, 16)), T(qs + g * 16), w16(reinterpret_cast<int16_t*>(T + g * 256)) {}
 };
 
 // The logits of positions [p0, p0 + n) for the g heads into L (g x ldL): true when a blocked path
@@ -174,6 +316,15 @@ template <typename KT, typename QT>
 static bool blocked_logits(const DenseScratch& w, int64_t g, int64_t d, const KT* kb, int64_t ks, int64_t p0,
                            int64_t n, float scale, float* L, int64_t ldL) {
   if (d % 16) return false;
+#ifdef SPARQ_AVX512_VNNI
+  if constexpr (std::is_same_v<KT, int8_t>) {
+    switch (d) {
+#define SPARQ_DLV(n_) case 64 * n_: dense_logits_vnni<n_>(w.q8, w.qs, g, kb, ks, p0, n, scale, w.T, L, ldL); return true;
+      SPARQ_DLV(1) SPARQ_DLV(2) SPARQ_DLV(4)
+#undef SPARQ_DLV
+    }
+  }
+#endif
 #ifdef SPARQ_AVX512_BF16
   if constexpr (std::is_same_v<KT, bf16>) {
     constexpr int NT = std::is_same_v<QT, bf16> ? 1 : 2;
@@ -193,9 +344,22 @@ static bool blocked_logits(const DenseScratch& w, int64_t g, int64_t d, const KT
 }
 
 template <typename KT>
-static bool blocked_pv(const float* L, int64_t ldL, int64_t g, int64_t d, const KT* vb, int64_t vs, int64_t p0,
-                       int64_t n, float* y) {
+static bool blocked_pv(const DenseScratch& w, const float* L, int64_t ldL, int64_t g, int64_t d, const KT* vb,
+                       int64_t vs, int64_t p0, int64_t n, float* y) {
   if (d % 16) return false;
+#ifdef SPARQ_AVX512_VNNI
+  if constexpr (std::is_same_v<KT, int8_t>) {
+    if (d == 64 || d == 128 || d == 256) {
+      float* wscale = w.qs;  // q's lane scales are spent once the logits are taken
+      quantize_weights(L, ldL, g, n, w.w16, wscale);
+      switch (d / 64) {
+        case 1: dense_pv_vnni<1>(w.w16, ldL, wscale, g, vb, vs, p0, n, y); return true;
+        case 2: dense_pv_vnni<2>(w.w16, ldL, wscale, g, vb, vs, p0, n, y); return true;
+        default: dense_pv_vnni<4>(w.w16, ldL, wscale, g, vb, vs, p0, n, y); return true;
+      }
+    }
+  }
+#endif
   switch (d / 16) {
 #define SPARQ_DPV(n_) case n_: dense_pv_nv<n_, KT>(L, ldL, g, vb, vs, p0, n, y); return true;
     SPARQ_DPV(2) SPARQ_DPV(3) SPARQ_DPV(4) SPARQ_DPV(5) SPARQ_DPV(6) SPARQ_DPV(7) SPARQ_DPV(8) SPARQ_DPV(16)
@@ -229,6 +393,9 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
       w.qh[hh * d + j] = hi;
       w.qh[(g + hh) * d + j] = bf16(x - static_cast<float>(hi));
     }
+#ifdef SPARQ_AVX512_VNNI
+  if (std::is_same_v<KT, int8_t> && d % 64 == 0 && d <= 256) quantize_q_lanes(w.qf, g, d, w.q8, w.qs);
+#endif
   const KT* kb = k + b * P.ks0 + h * P.ks1;
   const KT* vb = v + b * P.vs0 + h * P.vs1;
   const int64_t n = p1 - p0;
@@ -251,7 +418,7 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
   }
   // y = e @ V (an int8 V's scales folded into the weights, after their sum)
   if (P.v_scale) scale_positions(L, ldL, g, P.v_scale + b * P.vss0 + h * P.vss1 + p0, n);
-  if (blocked_pv<KT>(L, ldL, g, d, vb, P.vs2, p0, n, y)) return;
+  if (blocked_pv<KT>(w, L, ldL, g, d, vb, P.vs2, p0, n, y)) return;
   std::fill(y, y + g * d, 0.f);
   for (int64_t s = 0; s < n; ++s) add_weighted_row(L + s, ldL, g, vb + (p0 + s) * P.vs2, d, y);
 }
@@ -262,7 +429,7 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
   const bool single = units == BH;  // one chunk per bh: write the output directly
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));
   const int64_t ldL = round_up(P.cs, 16);
-  const int64_t scratch_floats = DenseScratch::floats(g, d);
+  const int64_t scratch_floats = DenseScratch::floats(g, d, ldL);
   const int64_t slot_floats = scratch_floats + g * ldL + round_up(g * d, 16) + round_up(2 * g, 16);
   const int64_t unit_floats = single ? 0 : round_up(g * d + 2 * g, 16);  // y (g x d), m (g), Z (g)
   Workspace& ws = workspace();
@@ -387,10 +554,23 @@ at::Tensor dense_quant_cpu(const at::Tensor& q, const at::Tensor& k, const at::T
   return dense_impl(q, k, v, length, lengths, queries, k_scale, v_scale, chan);
 }
 
+// How this build reads an int8 cache at d = 64, 128, 256: "vnni" (q and the softmax weights
+// quantized, integer dot products) or "float" (rows widened to fp32); other d always "float".
+std::string dense_int8_path() {
+#ifdef SPARQ_AVX512_VNNI
+  return "vnni";
+#else
+  return "float";
+#endif
+}
+
 }  // namespace
 }  // namespace sparq_cpu
 
 TORCH_LIBRARY_IMPL(sparq, CPU, m) {
   m.impl("dense_cpu", &sparq_cpu::dense_cpu);
   m.impl("dense_quant_cpu", &sparq_cpu::dense_quant_cpu);
+}
+TORCH_LIBRARY_IMPL(sparq, CompositeExplicitAutograd, m) {  // no tensor arguments
+  m.impl("dense_int8_path", &sparq_cpu::dense_int8_path);
 }

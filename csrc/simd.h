@@ -21,6 +21,10 @@
 #if defined(SPARQ_AVX512) && defined(__AVX512BF16__)
 #define SPARQ_AVX512_BF16 1
 #endif
+// AVX512_VNNI (vpdpbusd: u8 x s8 quadruples summed into int32 lanes), where the build targets it
+#if defined(SPARQ_AVX512) && defined(__AVX512VNNI__)
+#define SPARQ_AVX512_VNNI 1
+#endif
 #if !defined(SPARQ_AVX512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SPARQ_AVX2 1
 #include <immintrin.h>

@@ -542,9 +542,9 @@ def test_gemv_isa_matches_the_cpu():
 
 
 def test_kernel_variants_without_cpu_features_match_fp64():
-    """The GEMV and dense attention sources built with features turned off (AVX-512 without its bf16 dot products;
-    AVX2 only, x86-64-v3; SSE2 only, the portable vectors), each checked against fp64: the paths
-    other CPUs take stay correct. Each variant is cached in torch's extension dir like the main build."""
+    """The GEMV and dense attention sources built with features turned off (AVX-512 without its bf16
+    and VNNI dot products; AVX2 only, x86-64-v3; SSE2 only, the portable vectors), each checked
+    against fp64: the paths other CPUs take stay correct (an int8 cache read by widening). Each variant is cached in torch's extension dir like the main build."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the variants are x86-64 -march flags")
     cpu = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
@@ -552,7 +552,7 @@ def test_kernel_variants_without_cpu_features_match_fp64():
     if {"avx2", "fma", "f16c"} <= cpu:
         variants.append((["-march=x86-64-v3"], "avx2"))
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
-        variants.append((["-march=native", "-mno-avx512bf16"], "avx512"))
+        variants.append((["-march=native", "-mno-avx512bf16", "-mno-avx512vnni"], "avx512"))
     csrc = Path(kernels.__file__).resolve().parent / "csrc"
     tag = hashlib.sha1(torch.__version__.encode())
     for path in sorted(csrc.iterdir()):
@@ -567,7 +567,7 @@ def test_kernel_variants_without_cpu_features_match_fp64():
     for flags, isa, proc in procs:
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0 and out.rstrip().endswith("OK"), f"{flags}:\n{out[-3000:]}"
-        assert f"ISA {isa}" in out, f"{flags} built the wrong path:\n{out[-3000:]}"
+        assert f"ISA {isa}" in out and "INT8 float" in out, f"{flags} built the wrong path:\n{out[-3000:]}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,7 +2,7 @@
 CPU features turned off, checked against fp64 (a subprocess: a second build of the same ops cannot
 load beside the main one). -O1: these builds check each path's arithmetic, not its speed, and build
 in about half the time of -O3.
-    python tests/variant_check.py NAME FLAG...     (in the repo root; prints "ISA <path>" and "OK")
+    python tests/variant_check.py NAME FLAG...     (in the repo root; prints "ISA <path>", "INT8 <path>" and "OK")
 """
 
 import math
@@ -21,6 +21,7 @@ name, flags = sys.argv[1], sys.argv[2:]
 cpp_extension.load(name=name, sources=SOURCES, extra_cflags=["-O1", *flags, "-fopenmp"],
                    extra_ldflags=["-fopenmp"], is_python_module=False)
 print("ISA", torch.ops.sparq.linear_cpu_isa())
+print("INT8", torch.ops.sparq.dense_int8_path())
 for M, N, K, xd, wd in [(1, 576, 576, "float32", "float32"), (1, 1000, 17, "float32", "bfloat16"),
                         (3, 5, 1536, "float32", "bfloat16"), (16, 961, 576, "bfloat16", "bfloat16"),
                         (2, 4099, 64, "bfloat16", "float32"), (5, 67, 45, "float16", "float16")]:
@@ -58,4 +59,14 @@ for B, H, g, d, S, qd, kd in [(1, 2, 3, 64, 1000, "bfloat16", "bfloat16"), (2, 1
     tol = 1e-5 if q.dtype == torch.float32 else 1e-2
     torch.testing.assert_close(torch.ops.sparq.dense_cpu(q, k, v, S).double(), (p @ v.double()).to(q.dtype).double(),
                                atol=tol, rtol=tol)
+for B, H, g, d, S in [(1, 2, 3, 64, 700), (2, 1, 2, 128, 90)]:  # an int8 cache: the widening path
+    g_ = torch.Generator().manual_seed(S + d)
+    q = torch.randn(B, H, g, d, generator=g_)
+    k, v = (torch.randint(-127, 128, (B, H, S, d), generator=g_, dtype=torch.int8) for _ in range(2))
+    k_scale, v_scale = (torch.rand(B, H, S, generator=g_) / 127 for _ in range(2))
+    chan = torch.rand(B, H, d, generator=g_) + 0.5
+    keys = k.double() * k_scale.double()[..., None] * chan.double()[:, :, None]
+    p = torch.softmax(q.double() @ keys.transpose(2, 3) / math.sqrt(d), dim=-1)
+    out = torch.ops.sparq.dense_quant_cpu(q, k, v, S, None, 1, k_scale, v_scale, chan)
+    torch.testing.assert_close(out.double(), p @ (v.double() * v_scale.double()[..., None]), atol=1e-5, rtol=1e-5)
 print("OK")
