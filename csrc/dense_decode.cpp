@@ -153,7 +153,6 @@ static void dense_logits_vnni(const uint8_t* q8, const float* qs, int64_t g, con
   const __m512i all128 = _mm512_set1_epi8((char)0x80);
   logits_by_16(g, n, scale, T, L, ldL, [&](int64_t s, float* out) {
     const int8_t* row = kb + (p0 + s) * ks;
-    prefetch(row + 16 * ks);
     __m512i kv[NB];
     __m512i off = _mm512_setzero_si512();
 #pragma GCC unroll 4
