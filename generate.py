@@ -45,7 +45,7 @@ from decoding import (DecodeStats, Generator, Speculator, TextStream, expected_t
 from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
 from model import KT_DTYPES, KV_DTYPES, SHAPES, KVFormat, ModelArgs, Transformer, checkpoint_paths, load_model, random_model
 from policies import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
-                      policy_factory, solve_target)
+                      Storage, policy_factory, solve_target)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,13 +84,15 @@ def kernels_for(choice: str, device: str, args: ModelArgs, length_bucket: int = 
         raise UserError(str(e)) from None
 
 
-def solve_compression(settings: AttentionSettings, seq_len: int, config: ModelArgs) -> AttentionSettings:
-    """The settings with the knob a --compression target solves for at seq_len (the longest prompt);
-    said on stderr. Settings without a target come back as they are."""
+def solve_compression(settings: AttentionSettings, seq_len: int, config: ModelArgs,
+                      storage: Storage) -> AttentionSettings:
+    """The settings with the knob a --compression target solves for at seq_len (the longest prompt), in
+    bytes as the cache stores them (`storage`); said on stderr. Settings without a target come back as
+    they are."""
     if settings.compression is None:
         return settings
     try:
-        budget = solve_target(settings, seq_len, config)
+        budget = solve_target(settings, seq_len, config, storage)
     except ValueError as e:  # settings the policy refuses (sparq-fixed-r without --sparq-r)
         raise UserError(str(e)) from None
     print(f"budget: --compression {float(settings.compression):.4g} at {seq_len} tokens (the longest prompt): "
@@ -427,7 +429,7 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
         print(f"note: --max-new-tokens capped at {max_new_tokens}: the cache holds {max_seq_length} positions "
               f"and the longest prompt {longest}", file=sys.stderr)
 
-    settings = solve_compression(settings, longest, config)
+    settings = solve_compression(settings, longest, config, Storage(cache_format(args), model.cache_dtype))
     setup(model, args, settings, len(rows), max_seq_length, length_bucket)
     speculator = (make_speculator(args, model, tokenizer, settings, draft_settings, len(rows), max_seq_length, longest)
                   if args.speculate_k else None)
@@ -502,7 +504,8 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
     layers = range(model.args.n_layer)
     verify = [policy_factory(settings, model.args, model.kernels)(i) for i in layers]
     if draft_settings is not None:
-        draft_settings = solve_compression(draft_settings, longest, model.args)
+        draft_settings = solve_compression(draft_settings, longest, model.args,
+                                           Storage(cache_format(args), model.cache_dtype))
     if draft_settings is not None:
         try:
             probe = policy_factory(draft_settings, model.args, model.kernels)(model.args.n_layer - 1)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 import cli
 from kernels import TORCH_KERNELS, Kernels
-from model import DecodePolicy, DenseDecode, KVCache, ModelArgs, beyond_live, per_row, softcap
+from model import DecodePolicy, DenseDecode, KVCache, KVFormat, ModelArgs, beyond_live, per_row, softcap
 from sparq import (SparQAdaptiveDecode, SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions,
                    sparse_attention)
 
@@ -536,62 +536,85 @@ def _closest(ratio: Callable[[int], float], lo: int, hi: int, target: float) -> 
     return best
 
 
+def visible_lengths(args: ModelArgs, seq_len: int) -> list[int]:
+    """The positions each layer of `args` reads at live length seq_len: min(S, window) on a window layer."""
+    return [seq_len if args.window(layer) is None else min(seq_len, args.window(layer)) for layer in range(args.n_layer)]
+
+
 def layer_transfers(make_policy: Callable[[int], DecodePolicy], args: ModelArgs, seq_len: int) -> int:
     """KV elements one decode step moves per KV head, summed over the layers of `args`, with layer i
     running make_policy(i) over the positions it sees (min(S, window) on a window layer): the
     element count behind Transformer.decode_kv_bytes, from the args alone."""
-    total = 0
-    for layer in range(args.n_layer):
-        window = args.window(layer)
-        visible = seq_len if window is None else min(seq_len, window)
-        total += make_policy(layer).transfer_elements(visible, args.head_dim)
-    return total
+    return sum(make_policy(layer).transfer_elements(visible, args.head_dim)
+               for layer, visible in enumerate(visible_lengths(args, seq_len)))
 
 
-def settings_for_compression(settings: AttentionSettings, target: float, seq_len: int,
-                             args: ModelArgs) -> tuple[AttentionSettings, float]:
+@dataclass(frozen=True)
+class Storage:
+    """How the cache stores K, V and K^T (--kv-dtype / --kt-dtype) for activations in `activation`:
+    what a budget counts, since a quantized K^T makes step 1's rows cheaper than K and V's."""
+
+    fmt: KVFormat = KVFormat()
+    activation: torch.dtype = torch.float32
+
+
+FLOAT_CACHE = Storage()  # any float cache: bytes per element cancel, the ratio is the paper's in elements
+
+
+def layer_bytes(make_policy: Callable[[int], DecodePolicy], args: ModelArgs, seq_len: int, storage: Storage) -> float:
+    """layer_transfers in bytes as `storage` holds them (scales included): DecodePolicy.transfer_bytes
+    summed over the layers, each over the positions it sees."""
+    return sum(make_policy(layer).transfer_bytes(visible, args.head_dim, storage.fmt, storage.activation)
+               for layer, visible in enumerate(visible_lengths(args, seq_len)))
+
+
+def settings_for_compression(settings: AttentionSettings, target: float, seq_len: int, args: ModelArgs,
+                             storage: Storage = FLOAT_CACHE) -> tuple[AttentionSettings, float]:
     """The settings of `settings.policy` whose model-wide transfers at seq_len are closest to target x
     dense, and the compression they achieve. Its registry knob is solved (SparQ: r at fixed k, or k at
     fixed r; the baselines: their budget k); target 1, or a policy without a knob, is dense.
 
     The ratio is over every layer as policy_factory installs them: a sliding-window layer reads only
     min(S, window) positions, and stays dense where the policy would not save there, so on a model
-    with window layers (Gemma 3) the global layers' budget is not the model's compression."""
+    with window layers (Gemma 3) the global layers' budget is not the model's compression. It counts
+    bytes as `storage` holds them, against dense on the same cache: on a float cache, the paper's
+    element ratio; with an int4 K^T, step 1's rows at half a byte (and its scales), so r grows."""
     entry = POLICIES[settings.policy]
     if entry.knob is None or target >= 1:
         return AttentionSettings("dense"), 1.0
     if entry.knob == "compression":
         best = replace(settings, compression=Fraction(target).limit_denominator(1 << 16))
-        return best, _compression_ratio(best, seq_len, args)
-    ratio, lo, hi = _knob_ratio(settings, seq_len, args)
+        return best, _compression_ratio(best, seq_len, args, storage)
+    ratio, lo, hi = _knob_ratio(settings, seq_len, args, storage)
     best = replace(settings, **{entry.knob: _closest(ratio, lo, hi, target)})
     return best, ratio(getattr(best, entry.knob))
 
 
-def _knob_ratio(settings: AttentionSettings, seq_len: int,
-                args: ModelArgs) -> tuple[Callable[[int], float], int, int]:
+def _knob_ratio(settings: AttentionSettings, seq_len: int, args: ModelArgs,
+                storage: Storage) -> tuple[Callable[[int], float], int, int]:
     """(ratio(x): model-wide transfers / dense with the policy's knob at x, the knob's lowest and highest value)."""
     entry = POLICIES[settings.policy]
 
     def ratio(x: int) -> float:
-        return _compression_ratio(replace(settings, **{entry.knob: x}), seq_len, args)
+        return _compression_ratio(replace(settings, **{entry.knob: x}), seq_len, args, storage)
 
     hi = args.head_dim if entry.knob == "sparq_r" else max(seq_len - 1, entry.knob_min)
     return ratio, entry.knob_min, hi
 
 
-def _compression_ratio(settings: AttentionSettings, seq_len: int, args: ModelArgs) -> float:
-    """Model-wide transfers / dense of settings at seq_len."""
-    dense = layer_transfers(lambda layer: DenseDecode(), args, seq_len)
-    return layer_transfers(policy_factory(settings, args), args, seq_len) / dense
+def _compression_ratio(settings: AttentionSettings, seq_len: int, args: ModelArgs, storage: Storage) -> float:
+    """Model-wide transfers / dense of settings at seq_len, in bytes as `storage` holds them."""
+    dense = layer_bytes(lambda layer: DenseDecode(), args, seq_len, storage)
+    return layer_bytes(policy_factory(settings, args), args, seq_len, storage) / dense
 
 
-def reachable_compression(settings: AttentionSettings, seq_len: int, args: ModelArgs) -> tuple[float, float]:
+def reachable_compression(settings: AttentionSettings, seq_len: int, args: ModelArgs,
+                          storage: Storage = FLOAT_CACHE) -> tuple[float, float]:
     """The lowest and highest compression settings.policy reaches at seq_len over its knob's range (a policy
     taking the target itself: from the smallest target, r = k = 1, to 1)."""
     if POLICIES[settings.policy].knob == "compression":
-        return _compression_ratio(replace(settings, compression=Fraction(1, 1 << 16)), seq_len, args), 1.0
-    ratio, lo, hi = _knob_ratio(settings, seq_len, args)
+        return _compression_ratio(replace(settings, compression=Fraction(1, 1 << 16)), seq_len, args, storage), 1.0
+    ratio, lo, hi = _knob_ratio(settings, seq_len, args, storage)
     return ratio(lo), ratio(hi)
 
 
@@ -644,11 +667,12 @@ class Budget:
 
 
 def solve_budget(method: str, target: Fraction, seq_len: int, args: ModelArgs,
-                 base: AttentionSettings = AttentionSettings()) -> Budget:
-    """Budget for `method` whose transfers at seq_len are closest to target x dense (Appendix G)."""
+                 base: AttentionSettings = AttentionSettings(), storage: Storage = FLOAT_CACHE) -> Budget:
+    """Budget for `method` whose transfers at seq_len are closest to target x dense (Appendix G), in
+    bytes as `storage` holds them."""
     flags = POLICIES[method].flags  # the base's sparq_r (fixed-r SparQ) only where the policy reads it
     start = replace(base, policy=method, sparq_r=base.sparq_r if "sparq_r" in flags else None, kv_budget=None)
-    settings, achieved = settings_for_compression(start, float(target), seq_len, args)
+    settings, achieved = settings_for_compression(start, float(target), seq_len, args, storage)
     if settings.policy == "dense":
         return Budget("dense", DENSE, seq_len, settings)
     return Budget(method, target, seq_len, settings, achieved)
@@ -657,15 +681,15 @@ def solve_budget(method: str, target: Fraction, seq_len: int, args: ModelArgs,
 REACH_TOLERANCE = 0.02  # a target this far (relative) beyond what the knob's range reaches is refused
 
 
-def solve_target(settings: AttentionSettings, seq_len: int, args: ModelArgs) -> Budget:
+def solve_target(settings: AttentionSettings, seq_len: int, args: ModelArgs, storage: Storage = FLOAT_CACHE) -> Budget:
     """The budget for settings.compression (generate.py's --compression) at seq_len (a batch's longest
-    prompt). A target outside what the policy reaches is a one-line error naming the range: below it,
-    e.g. FlexGen's top-k (which reads all of K) under 1/2, or SparQ on a model whose window layers
-    stay dense; within it, the closest knob (reported as achieved)."""
-    budget = solve_budget(settings.policy, settings.compression, seq_len, args, settings)
+    prompt), in bytes as `storage` holds them. A target outside what the policy reaches is a one-line
+    error naming the range: below it, e.g. FlexGen's top-k (which reads all of K) under 1/2, or SparQ
+    on a model whose window layers stay dense; within it, the closest knob (reported as achieved)."""
+    budget = solve_budget(settings.policy, settings.compression, seq_len, args, settings, storage)
     if budget.method == "dense":  # a target of 1
         return budget
-    lowest, highest = reachable_compression(budget.settings, seq_len, args)
+    lowest, highest = reachable_compression(budget.settings, seq_len, args, storage)
     target = float(settings.compression)
     if not lowest * (1 - REACH_TOLERANCE) <= target <= highest * (1 + REACH_TOLERANCE):
         raise cli.UserError(f"--compression {fraction_label(settings.compression)} is out of reach of "

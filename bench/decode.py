@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sparq-r", default=None, help="comma list: one SparQ policy per r, each beside dense (default 16)")
     p.add_argument("--compression", default=None,
                    help="comma list of targets (1/8,1/4), instead of --sparq-r: r solved for each at the longest "
-                        "context, as generate.py --compression solves it")
+                        "context, as generate.py --compression solves it (in the bytes of the first --cache-format "
+                        "and --dtype)")
     p.add_argument("--adaptive", action="store_true",
                    help="also time sparq-adaptive at each --compression target (its own split per layer and step)")
     p.add_argument("--sparq-k", type=int, default=128)
@@ -181,7 +182,7 @@ def run(args) -> int:
     from decoding import compiled_decode_step, decode_step, own_step, prefill
     from generate import kernels_for, load_checkpoint, load_tokenizer
     from model import ModelArgs, checkpoint_paths, random_model
-    from policies import AttentionSettings, parse_compression, policy_factory, solve_target
+    from policies import AttentionSettings, Storage, parse_compression, policy_factory, solve_target
 
     contexts = cli.int_list(args.prompt_tokens, "--prompt-tokens", minimum=0)
     batches = cli.int_list(args.batch_size, "--batch-size")
@@ -221,7 +222,8 @@ def run(args) -> int:
     sparq = AttentionSettings("sparq", sparq_k=args.sparq_k, sparq_local=args.sparq_local, sparq_mean_v=args.sparq_mean_v)
     if args.compression:
         targets = [parse_compression(t) for t in args.compression.split(",") if t.strip()]
-        budgets = [solve_target(replace(sparq, compression=t), longest, model_args) for t in targets if t < 1]
+        storage = Storage(formats[0][1], torch_dtype(dtypes[0]))
+        budgets = [solve_target(replace(sparq, compression=t), longest, model_args, storage) for t in targets if t < 1]
         for budget in budgets:
             print(f"budget: {budget.describe()}", file=sys.stderr)
         r_values = list(dict.fromkeys(b.r for b in budgets))

@@ -24,7 +24,7 @@ from evals.tasks import TASKS, Example, Outcome, Task
 from decoding import decode_step, prefill, sample
 from model import DecodePolicy, KVFormat, Transformer
 from policies import (DENSE, AttentionSettings, Budget, fraction_label, model_compression, policy_factory,
-                      selection_agreement, solve_budget)
+                      Storage, selection_agreement, solve_budget)
 
 
 def mean_stderr(values: list[float]) -> tuple[float, Optional[float]]:
@@ -95,7 +95,8 @@ class Runner:
         """Dense first, then every method at every target below 1."""
         args = self.model.args
         budgets = [solve_budget("dense", DENSE, seq_len, args)]
-        budgets += [solve_budget(m, t, seq_len, args, self.base)
+        storage = Storage(self.kv_format, self.model.cache_dtype)  # budgets in the bytes this cache stores
+        budgets += [solve_budget(m, t, seq_len, args, self.base, storage)
                     for m in methods if m != "dense" for t in targets if t != DENSE]
         out = []
         for budget in budgets:

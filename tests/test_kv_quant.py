@@ -7,6 +7,7 @@ values, the bytes it allocates and moves, and the command line."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -235,6 +236,32 @@ def test_int8_kv_with_int4_kt_is_under_seven_tenths_of_a_bf16_cache_with_one_k()
     quantized = Transformer.cache_bytes(args, 4, 32768, KVFormat("twice", "int8", "int4"), torch.bfloat16)
     bf16_once = Transformer.cache_bytes(args, 4, 32768, KVFormat("once"), torch.bfloat16)
     assert quantized <= 0.7 * bf16_once
+
+
+def test_a_compression_target_is_solved_in_the_bytes_the_cache_stores():
+    """--compression on a quantized cache counts stored bytes (scales included) against dense on the same
+    cache: an int4 K^T affords more components than a float one at the same target, the r solved is
+    the closest, and its compression is what the model's own byte count gives with that cache."""
+    from fractions import Fraction
+
+    from policies import AttentionSettings, Storage, model_compression, settings_for_compression, solve_target
+
+    model = tiny_model(head_dim=64, n_layer=2, max_context=2048)
+    S, fmt = 1500, KVFormat("twice", "int8", "int4")
+    storage = Storage(fmt, torch.float32)
+    target = AttentionSettings("sparq", sparq_k=64, compression=Fraction(1, 4))
+    on_floats, on_int4 = solve_target(target, S, model.args), solve_target(target, S, model.args, storage)
+    assert on_int4.r > on_floats.r
+    model.setup_caches(1, S + 8, fmt)
+
+    def achieved(r: int) -> float:
+        settings = replace(on_int4.settings, sparq_r=r)
+        return model_compression(model, S, [policy_factory(settings, model.args)(i) for i in range(2)])
+
+    assert achieved(on_int4.r) == pytest.approx(on_int4.achieved, rel=1e-6)
+    assert all(abs(achieved(r) - 0.25) >= abs(on_int4.achieved - 0.25) for r in (on_int4.r - 1, on_int4.r + 1))
+    assert settings_for_compression(target, 0.25, S, model.args, Storage(KVFormat(), torch.bfloat16))[0] == \
+        on_floats.settings  # a float cache: the paper's element ratio, whatever its dtype
 
 
 def test_generate_runs_on_a_quantized_cache_and_refuses_kt_dtype_with_one_k():
