@@ -314,7 +314,7 @@ def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_lengt
     is read once for the g heads that share it. Exact lengths only: live_length None or (B,). An int8
     cache is read as stored, its scales applied in the kernel."""
     _check_exact_lengths(live_length)
-    if scales is None or scales.k_scale is None:  # a float K and V (a quantized K^T is not read)
+    if scales is None:  # a float K and V
         return torch.ops.sparq.dense_cpu.default(q, k, v, length, live_length)
     return torch.ops.sparq.dense_quant_cpu.default(q, k, v, length, live_length, 1, scales.k_scale, scales.v_scale,
                                                    scales.chan)
@@ -326,7 +326,7 @@ def dense_verify_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: 
     its query heads (head-major), each K/V row read once for all of them."""
     B, n_kv, g, T, d = q.shape
     qs = q.reshape(B, n_kv, g * T, d)
-    if scales is None or scales.k_scale is None:
+    if scales is None:
         out = torch.ops.sparq.dense_cpu.default(qs, k, v, length, live_length, T)
     else:
         out = torch.ops.sparq.dense_quant_cpu.default(qs, k, v, length, live_length, T, scales.k_scale, scales.v_scale,

@@ -515,24 +515,22 @@ class KVCache(nn.Module):
             live = self.live_length[0]  # every row alike: one 0-dim live length
         else:
             live = None
+        scales = None
         if self.quantized and not stored:  # what the torch paths read: dequantized copies of the visible positions
             k, v = self.read(slice(0, rows), start, length)
             k_t = self.read_k_t(slice(0, rows), start, length)
-        elif stored and self.quantized:
+        else:
             if self.kt_storage == "int4" and start % 2:
                 raise ValueError("an int4 K^T is read from an even position (its bytes hold two)")
             k, v = self.k[:, :, start:], self.v[:, :, start:]
             k_t = None if self.k_t is None else self.k_t[..., start // 2 if self.kt_storage == "int4" else start:]
-            k_scale, v_scale, kt_scale = (None if s is None else s[:, :, start:]
-                                          for s in (self.k_scale, self.v_scale, self.kt_scale))
-            if self.shares_k_scale:  # K^T is K's int8 transposed: the same scales (the kernels see it is)
-                kt_scale = k_scale
-            scales = KVScales(k_scale, v_scale, self.chan, kt_scale)
-            return CacheView(k, k_t, v, self.v_sum, self.k_moments, length - start, live, start, scales)
-        else:
-            k, v = self.k[:, :, start:], self.v[:, :, start:]
-            k_t = None if self.k_t is None else self.k_t[:, :, :, start:]
-        return CacheView(k, k_t, v, self.v_sum, self.k_moments, length - start, live, start)
+            if self.quantized:
+                k_scale, v_scale, kt_scale = (None if s is None else s[:, :, start:]
+                                              for s in (self.k_scale, self.v_scale, self.kt_scale))
+                if self.shares_k_scale:  # K^T is K's int8 transposed: the same scales (the kernels see it is)
+                    kt_scale = k_scale
+                scales = KVScales(k_scale, v_scale, self.chan, kt_scale)
+        return CacheView(k, k_t, v, self.v_sum, self.k_moments, length - start, live, start, scales)
 
     def reset(self, row: Optional[int] = None) -> None:
         """Empty the cache, or batch row `row` alone (the other rows keep their state). An emptied
@@ -1019,17 +1017,13 @@ class Transformer(nn.Module):
 
     @staticmethod
     def cache_bytes(args: ModelArgs, batch: int, seq_len: int, fmt: KVFormat, dtype: torch.dtype) -> int:
-        """Bytes setup_caches allocates (activations in `dtype`), as KVCache.nbytes counts them: K and V,
-        K^T with layout "twice", their scales, the channel scales and the running sums, per layer."""
-        d = args.head_dim
-        per_position = 2 * (d * fmt.bytes_per_element(dtype) + fmt.row_scale_bytes(dtype))
-        kt = fmt.kt_storage(dtype)
-        if kt is not None:
-            shared = kt == "int8" and fmt.kv_storage(dtype) == "int8"  # K^T shares K's scales
-            per_position += d * fmt.kt_bytes_per_element(dtype) + (0 if shared else fmt.kt_scale_bytes(dtype))
-        quantized = fmt.kv_storage(dtype) in QMAX or kt in QMAX
-        per_row = seq_len * per_position + 3 * d * 4 + (d * 4 if quantized else 0) + (d if kt == "int4" else 0)
-        return round(batch * args.n_kv_head * per_row) * args.n_layer
+        """Bytes setup_caches(batch, seq_len, fmt) allocates with activations in `dtype` (K, V, K^T, their
+        scales, the sums): one layer's KVCache built on the meta device (nothing allocated), per layer."""
+        allocated = -(-seq_len // Transformer.CACHE_ALIGN) * Transformer.CACHE_ALIGN
+        with torch.device("meta"):
+            cache = KVCache(batch, allocated, args.n_kv_head, args.head_dim, dtype, fmt.layout,
+                            kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype)
+        return cache.nbytes() * args.n_layer
 
     CACHE_ALIGN = 64  # cache positions are allocated in multiples of this: K^T rows stay 16-byte aligned
 
