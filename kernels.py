@@ -375,8 +375,9 @@ CPU_KERNELS = Kernels("cpu", dense_attention=dense_attention_cpu, dense_verify=d
                       linear=linear_cpu, packed_quantized=True, reads_int8_kv=True, sparq_reads_quantized=True,
                       describe="fused C++ (csrc/): dense, SparQ and adaptive SparQ attention, decode linears")
 TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, dense_verify=dense_verify_triton,
-                         sparq_attention=sparq_attention_triton,
-                         packed_quantized=True, describe="Triton dense and SparQ decode attention, the verify pass; linears from PyTorch")
+                         sparq_attention=sparq_attention_triton, packed_quantized=True, reads_int8_kv=True,
+                         sparq_reads_quantized=True,
+                         describe="Triton dense and SparQ decode attention, the verify pass; linears from PyTorch")
 
 
 def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int = 1, softcap: bool = False,

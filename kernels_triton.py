@@ -34,6 +34,12 @@ each K/V row read once for the g heads sharing it; dots on tensor cores in a 16-
 same combine when there are several splits. The verify pass of speculative decoding is the same
 kernel with a row's T queries folded into its heads (g T rows), each masked to its own causal range.
 
+A quantized cache (model.KVCache with --kv-dtype int8 / --kt-dtype int8|int4) is read as stored:
+int8 K and V rows and an int8 K^T are loaded as bytes, an int4 K^T as bytes of two positions (low
+nibble first, stored + 8), and converted in registers; chan (K's per-channel scale) goes into q and
+q_hat, each position's scale into its logits (K, K^T) or its softmax weight (V). The dots are then
+fp32 (tf32x3). The scales are fp32 tensors beside the buffers (kernels.KVScales).
+
 Live lengths (kernels.py docstring): a python int (exact reads), a 0-dim / 1-element device tensor
 (every row), or a (B,) device tensor (ragged rows). With a tensor the shapes and grids follow the
 static `length` (one CUDA graph serves every live length, no host sync) while each program loads
@@ -126,12 +132,14 @@ if HAS_TRITON:
         tl.store(idx_ptr + pid_bh * R + rank, offs_d, mask=d_mask & (rank < R))
 
     @triton.jit
-    def _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, offs_g, g_mask, offs_s,
+    def _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, chan_row, offs_g, g_mask, offs_s,
                           live_s, R, G_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                           USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr, K_TRANSPOSED: tl.constexpr,
-                          MASK_S: tl.constexpr, PRECISION: tl.constexpr):
+                          MASK_S: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
         """sum over the top-r components i of q_hat[:, i] * K^T[i, offs_s]: (G_PAD, BLOCK_S) fp32, and
-        sum |q_hat| per head (tau's numerator). idx_row: the components by rank (step 0)."""
+        sum |q_hat| per head (tau's numerator). idx_row: the components by rank (step 0). QUANT (a
+        quantized step-1 source, K / chan stored): 1 int8, 2 int4 K^T (two positions per byte, low
+        nibble first, stored + 8); chan goes into q_hat, the per-position scales are the caller's."""
         acc = tl.zeros((G_PAD, BLOCK_S), dtype=tl.float32)
         q_hat_abs = tl.zeros((G_PAD,), dtype=tl.float32)
         for r0 in range(0, R, R_BLOCK):
@@ -141,16 +149,27 @@ if HAS_TRITON:
             q_hat = tl.load(q_row + offs_g[:, None] * stride_qg + rows[None, :],
                             mask=g_mask[:, None] & r_mask[None, :], other=0.0)  # (G_PAD, R_BLOCK)
             q_hat_abs += tl.sum(tl.abs(q_hat.to(tl.float32)), axis=1)
+            if QUANT:
+                q_hat = q_hat.to(tl.float32) * tl.load(chan_row + rows, mask=r_mask, other=0.0)[None, :]
             rows = rows.to(tl.int64)
             if K_TRANSPOSED:  # K^T rows: BLOCK_S contiguous elements each (coalesced)
-                k_ptrs = k_base + rows[:, None] * stride_krow + offs_s[None, :]
+                if QUANT == 2:
+                    k_ptrs = k_base + rows[:, None] * stride_krow + (offs_s // 2)[None, :]
+                else:
+                    k_ptrs = k_base + rows[:, None] * stride_krow + offs_s[None, :]
             else:  # 1xK layout: gather r columns of d-contiguous rows
                 k_ptrs = k_base + rows[:, None] + offs_s[None, :].to(tl.int64) * stride_ks
             if MASK_S:
                 k_mask = r_mask[:, None] & live_s[None, :]
             else:
                 k_mask = r_mask[:, None]
-            k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0)  # (R_BLOCK, BLOCK_S)
+            if QUANT == 2:
+                byte = tl.load(k_ptrs, mask=k_mask, other=8).to(tl.int32)
+                k_tile = (((byte >> ((offs_s % 2) * 4)[None, :]) & 15) - 8).to(tl.float32)  # (R_BLOCK, BLOCK_S)
+            elif QUANT:
+                k_tile = tl.load(k_ptrs, mask=k_mask, other=0).to(tl.float32)
+            else:
+                k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0)  # (R_BLOCK, BLOCK_S)
             if USE_DOT:  # GQA: tensor cores, g padded to G_PAD >= 16 rows
                 if DOT_NATIVE:  # bf16/fp16 q and K: exact products, fp32 accumulation
                     acc = tl.dot(q_hat, k_tile, acc)
@@ -165,14 +184,17 @@ if HAS_TRITON:
         q_ptr, stride_qb, stride_qh, stride_qg,  # q (B, n_kv, G, D), D unit-stride
         idx_ptr,  # (B * n_kv, R) int32: step 0's components by rank
         k_ptr, stride_kb, stride_kh, stride_krow, stride_ks,  # k_t (rows = d, S unit-stride) or k (S, d unit-stride)
+        ps_ptr, stride_psb, stride_psh,  # QUANT: the step-1 source's per-position scales (S unit-stride)
+        chan_ptr, stride_cb, stride_ch,  # QUANT: the per-channel scales (D unit-stride)
         logits_ptr,  # (B * n_kv, G, S_bound) fp32: written at live positions only
         bmax_ptr, bsum_ptr,  # (B * n_kv, G, NB) fp32: each block's max of the logits, and sum of exp(logit - max)
         live, n_kv, G, D, R, S_bound, NB,
         G_PAD: tl.constexpr, D_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr, K_TRANSPOSED: tl.constexpr, LIVE: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, QUANT: tl.constexpr,
     ):
-        """One program per (batch row, KV head, block of S): approximate logits of all G heads."""
+        """One program per (batch row, KV head, block of S): approximate logits of all G heads (QUANT: on
+        a quantized source, _sparq_step1_rows; each position's logits times its scale)."""
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // n_kv
@@ -190,21 +212,28 @@ if HAS_TRITON:
             idx_row = idx_ptr + pid_bh * R
 
             k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+            chan_row = chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
             offs_s = start + tl.arange(0, BLOCK_S)
             live_s = offs_s < n
             rows_g = (pid_bh * G + offs_g).to(tl.int64)
             out_ptrs = logits_ptr + rows_g[:, None] * S_bound + offs_s[None, :]
             if start + BLOCK_S <= n:  # fully live block: no mask along S, so loads and stores vectorize
-                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, offs_g,
-                                                   g_mask, offs_s, live_s, R, G_PAD, R_BLOCK, BLOCK_S, USE_DOT,
-                                                   DOT_NATIVE, K_TRANSPOSED, False, PRECISION)
+                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, chan_row,
+                                                   offs_g, g_mask, offs_s, live_s, R, G_PAD, R_BLOCK, BLOCK_S, USE_DOT,
+                                                   DOT_NATIVE, K_TRANSPOSED, False, PRECISION, QUANT)
+                if QUANT:
+                    acc = acc * tl.load(ps_ptr + b.to(tl.int64) * stride_psb + h.to(tl.int64) * stride_psh
+                                        + offs_s)[None, :]
                 tau = tl.where(g_mask, tl.sqrt(D * q_hat_abs / total), 1.0)
                 logits = acc / tau[:, None]
                 tl.store(out_ptrs, logits, mask=g_mask[:, None])
             else:  # the block holding the live end
-                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, offs_g,
-                                                   g_mask, offs_s, live_s, R, G_PAD, R_BLOCK, BLOCK_S, USE_DOT,
-                                                   DOT_NATIVE, K_TRANSPOSED, True, PRECISION)
+                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, chan_row,
+                                                   offs_g, g_mask, offs_s, live_s, R, G_PAD, R_BLOCK, BLOCK_S, USE_DOT,
+                                                   DOT_NATIVE, K_TRANSPOSED, True, PRECISION, QUANT)
+                if QUANT:
+                    acc = acc * tl.load(ps_ptr + b.to(tl.int64) * stride_psb + h.to(tl.int64) * stride_psh + offs_s,
+                                        mask=live_s, other=0.0)[None, :]
                 tau = tl.where(g_mask, tl.sqrt(D * q_hat_abs / total), 1.0)
                 logits = acc / tau[:, None]
                 tl.store(out_ptrs, logits, mask=g_mask[:, None] & live_s[None, :])
@@ -298,6 +327,8 @@ if HAS_TRITON:
         pos_ptr,  # (B * n_kv, KT) int32 selected positions
         k_ptr, stride_kb, stride_kh, stride_ks,  # (B_max, n_kv, S_max, D), D unit-stride
         v_ptr, stride_vb, stride_vh, stride_vs,
+        ks_ptr, vs_ptr, stride_xb, stride_xh,  # INT8_KV: K's and V's per-position scales (S unit-stride)
+        chan_ptr, stride_cb, stride_ch,  # INT8_KV: K's per-channel scales (D unit-stride)
         logits_ptr, stat_ptr,  # step 1's logits and select's (max, sum) per head: alpha (MEAN_V)
         v_sum_ptr, stride_sb, stride_sh,  # (B_max, n_kv, D) fp32, D unit-stride
         out_ptr, stride_ob, stride_oh, stride_og,  # (B, n_kv, G, D) in q's dtype (FINAL)
@@ -305,10 +336,11 @@ if HAS_TRITON:
         live, n_kv, G, D, KT, KS, NSPLIT, S_bound, sm_scale,
         G_PAD: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_DOT: tl.constexpr, MEAN_V: tl.constexpr, FINAL: tl.constexpr, LIVE: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, INT8_KV: tl.constexpr,
     ):
         """One program per (batch row, KV head, split of the selection): exact attention of all G heads
-        over its KS selected rows (online softmax); selected positions past the live length get weight 0."""
+        over its KS selected rows (online softmax); selected positions past the live length get weight 0.
+        INT8_KV: the rows are int8 as stored, K = k k_scale chan (chan into q), V = v v_scale."""
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // n_kv
@@ -320,8 +352,12 @@ if HAS_TRITON:
         d_mask = offs_d < D
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_g[:, None] * stride_qg
                     + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        if INT8_KV:
+            q = q * tl.load(chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + offs_d,
+                            mask=d_mask, other=0.0)[None, :]
         k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
         v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+        x_off = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh  # the scales' row
         rows_g = (pid_bh * G + offs_g).to(tl.int64)
         if MEAN_V:
             m_hat = tl.load(stat_ptr + pid_bh * 2 * G + offs_g, mask=g_mask, other=0.0)
@@ -345,12 +381,16 @@ if HAS_TRITON:
                 s = tl.dot(q, tl.trans(k_sel), input_precision=PRECISION)  # (G_PAD, BLOCK_K)
             else:
                 s = tl.sum(q[:, None, :] * k_sel[None, :, :], axis=2)
+            if INT8_KV:
+                s = s * tl.load(ks_ptr + x_off + pos, mask=valid, other=0.0)[None, :]
             s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             correction = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * correction + tl.sum(p, axis=1)
             v_sel = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            if INT8_KV:
+                v_sel = v_sel * tl.load(vs_ptr + x_off + pos, mask=valid, other=0.0)[:, None]
             if USE_DOT:
                 pv = tl.dot(p, v_sel, input_precision=PRECISION)  # (G_PAD, D_PAD)
             else:
@@ -373,18 +413,22 @@ if HAS_TRITON:
         q_ptr, stride_qb, stride_qh, stride_qg,  # (B, n_kv, G, D), D unit-stride
         k_ptr, stride_kb, stride_kh, stride_ks,  # (B_max, n_kv, S_max, D), D unit-stride
         v_ptr, stride_vb, stride_vh, stride_vs,
+        ks_ptr, vs_ptr, stride_xb, stride_xh,  # INT8_KV: K's and V's per-position scales (S unit-stride)
+        chan_ptr, stride_cb, stride_ch,  # INT8_KV: K's per-channel scales (D unit-stride)
         out_ptr, stride_ob, stride_oh, stride_og,  # (B, n_kv, G, D) in q's dtype (FINAL)
         part_acc_ptr, part_ml_ptr,  # partials (not FINAL)
         live, n_kv, G, D, S_bound, SPLIT, NSPLIT, sm_scale, QUERIES,
         G_PAD: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr, FINAL: tl.constexpr, LIVE: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, INT8_KV: tl.constexpr,
     ):
         """Flash-decoding: one program per (batch row, KV head, SPLIT positions); exact attention of all G
         heads over the live positions of its range (each K and V row read once). Splits past the live
         length do nothing (the combine skips them). QUERIES = T > 1 (speculative verification): the G
         rows are heads x T, head-major, and row i, query t = i % T, sees positions below n - T + 1 + t
-        (a split wholly in its future leaves it the empty softmax (m = -1e30, l = 0) the combine weighs 0)."""
+        (a split wholly in its future leaves it the empty softmax (m = -1e30, l = 0) the combine weighs 0).
+        INT8_KV: K and V int8 as stored, K = k k_scale chan (chan into q, k_scale into the logits), V =
+        v v_scale (into the weights), in fp32."""
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // n_kv
@@ -401,8 +445,12 @@ if HAS_TRITON:
                         + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
             if not DOT_NATIVE:
                 q = q.to(tl.float32)
+            if INT8_KV:
+                q = q * tl.load(chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + offs_d,
+                                mask=d_mask, other=0.0)[None, :]
             k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
             v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+            x_off = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh  # the scales' row
             m_i = tl.full((G_PAD,), -1.0e30, dtype=tl.float32)
             l_i = tl.zeros((G_PAD,), dtype=tl.float32)
             acc = tl.zeros((G_PAD, D_PAD), dtype=tl.float32)
@@ -423,12 +471,16 @@ if HAS_TRITON:
                         s = tl.dot(q, tl.trans(k_blk.to(tl.float32)), input_precision=PRECISION)
                 else:
                     s = tl.sum(q.to(tl.float32)[:, None, :] * k_blk.to(tl.float32)[None, :, :], axis=2)
+                if INT8_KV:
+                    s = s * tl.load(ks_ptr + x_off + rows, mask=valid, other=0.0)[None, :]
                 seen = valid[None, :] & (offs_n[None, :] < (n - QUERIES + 1 + offs_g % QUERIES)[:, None])
                 s = tl.where(seen, s * sm_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 correction = tl.exp(m_i - m_new)
                 p = tl.exp(s - m_new[:, None])
                 l_i = l_i * correction + tl.sum(p, axis=1)
+                if INT8_KV:  # V's scales into the weights (fp32 dot below)
+                    p = p * tl.load(vs_ptr + x_off + rows, mask=valid, other=0.0)[None, :]
                 if USE_DOT:
                     if DOT_NATIVE:  # probabilities in V's dtype, as the torch path multiplies them
                         pv = tl.dot(p.to(v_blk.dtype), v_blk)
@@ -643,33 +695,63 @@ def _check_layout(q: Tensor, *tensors: Optional[Tensor]) -> None:
         raise ValueError("q, k, v and v_sum must be contiguous along d, k_t along S")
 
 
+def _rows_of(t: Optional[Tensor], fallback: Tensor) -> tuple[Tensor, int, int]:
+    """A (B_max, n_kv, ...) scale tensor and its batch and head strides; an absent one: `fallback`
+    (never read: the kernels' constexpr says so) with strides 0."""
+    return (fallback, 0, 0) if t is None else (t, t.stride(0), t.stride(1))
+
+
+def _check_scales(k: Tensor, k_t: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+                  chan: Optional[Tensor], kt_scale: Optional[Tensor]) -> None:
+    """A quantized cache comes with its scales (model.KVCache.view(stored=True)), a float one without."""
+    int8_kv = k.dtype == torch.int8
+    quant_kt = k_t is not None and k_t.dtype in (torch.int8, torch.uint8)
+    if (k_scale is None or v_scale is None) == int8_kv or (chan is None) == (int8_kv or quant_kt) \
+            or (kt_scale is None) == quant_kt:
+        raise ValueError("an int8 K/V needs k_scale, v_scale and chan, a quantized K^T kt_scale and chan; "
+                         "a float cache none")
+    for t in (k_scale, v_scale, kt_scale):
+        if t is not None and (t.dtype != torch.float32 or t.stride(-1) != 1):
+            raise ValueError("the per-position scales must be fp32, positions contiguous")
+
+
 def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                       live: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
-    """The launches behind sparq::sparq_triton (the module docstring): Triton kernels only."""
+                       live: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
+                       k_scale: Optional[Tensor], v_scale: Optional[Tensor], chan: Optional[Tensor],
+                       kt_scale: Optional[Tensor]) -> Tensor:
+    """The launches behind sparq::sparq_triton (the module docstring): Triton kernels only. A quantized
+    cache (int8 K/V with k_scale, v_scale; an int8 or packed int4 K^T with kt_scale; chan with either)
+    is read as stored."""
     _triton_ready(q.device)
     _check_layout(q, k, k_t, v, v_sum)
+    _check_scales(k, k_t, k_scale, v_scale, chan, kt_scale)
     B, n_kv, g, d = q.shape
     if not 1 <= r <= d or k_top < 1 or not 0 <= local:
         raise ValueError(f"bad SparQ settings r={r}, k={k_top}, local={local} for head dim {d}")
     LIVE, live_arg = _live_args(q, length, live)
     S_bound, device, rows = length, q.device, B * n_kv
     KT = min(k_top, S_bound)  # with a tensor live length, selections past it get weight 0
-    plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _native_dot(q, k), _device_sms(device))
+    kk = k if k_t is None else k_t  # step 1's source
+    plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _native_dot(q, kk), _device_sms(device))
     NB, n_chunks, KS, n_split = plan["NB"], plan["n_chunks"], plan["KS"], plan["n_split"]
     f32, i32 = torch.float32, torch.int32
 
     logits = torch.empty((rows, g, S_bound), dtype=f32, device=device)
     block_stats = torch.empty((2, rows, g, NB), dtype=f32, device=device)
     if k_t is not None:
-        kk, k_strides = k_t, (k_t.stride(0), k_t.stride(1), k_t.stride(2), k_t.stride(3))
+        k_strides = (k_t.stride(0), k_t.stride(1), k_t.stride(2), k_t.stride(3))
     else:
-        kk, k_strides = k, (k.stride(0), k.stride(1), k.stride(3), k.stride(2))
+        k_strides = (k.stride(0), k.stride(1), k.stride(3), k.stride(2))
+    # step 1 on a quantized source (K / chan stored): 1 int8, 2 int4 (uint8 bytes of two positions)
+    quant = {torch.int8: 1, torch.uint8: 2}.get(kk.dtype, 0)
+    ps = _rows_of(kt_scale if k_t is not None else k_scale, q)
+    chan_rows = _rows_of(chan, q)
     q_strides = (q.stride(0), q.stride(1), q.stride(2))
     idx = torch.empty((rows, r), dtype=i32, device=device)
     _sparq_rank_kernel[(rows,)](q, *q_strides, idx, n_kv, g, d, r, **plan["rank"])
     _sparq_step1_kernel[(rows, NB)](
-        q, *q_strides, idx, kk, *k_strides, logits, block_stats[0], block_stats[1], live_arg, n_kv, g, d, r, S_bound,
-        NB, K_TRANSPOSED=k_t is not None, LIVE=LIVE, **plan["step1"])
+        q, *q_strides, idx, kk, *k_strides, *ps, *chan_rows, logits, block_stats[0], block_stats[1], live_arg, n_kv,
+        g, d, r, S_bound, NB, K_TRANSPOSED=k_t is not None, LIVE=LIVE, QUANT=quant, **plan["step1"])
 
     stats = torch.empty((rows, 2, g), dtype=f32, device=device)
     if n_chunks == 1:
@@ -693,10 +775,13 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     else:
         part_acc = torch.empty((rows, n_split, g, d), dtype=f32, device=device)
         part_ml = torch.empty((rows, n_split, 3, g), dtype=f32, device=device)
+    int8_kv = k.dtype == torch.int8
+    k_scales, v_scales = _rows_of(k_scale, q), _rows_of(v_scale, q)
     _sparq_step2_kernel[(rows, n_split)](
         q, *q_strides, positions, k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1),
-        v.stride(2), logits, stats, v_sum, v_sum.stride(0), v_sum.stride(1), out, *o_strides, part_acc, part_ml,
-        live_arg, n_kv, g, d, KT, KS, n_split, S_bound, 1.0 / math.sqrt(d), MEAN_V=mean_v, LIVE=LIVE, **plan["step2"])
+        v.stride(2), k_scales[0], v_scales[0], *k_scales[1:], *chan_rows, logits, stats, v_sum, v_sum.stride(0),
+        v_sum.stride(1), out, *o_strides, part_acc, part_ml, live_arg, n_kv, g, d, KT, KS, n_split, S_bound,
+        1.0 / math.sqrt(d), MEAN_V=mean_v, LIVE=LIVE, INT8_KV=int8_kv, **plan["step2"])
     if n_split > 1:
         _combine_kernel[(rows * g,)](
             part_acc, part_ml, v_sum, v_sum.stride(0), v_sum.stride(1), out, *o_strides, live_arg, n_kv, g, d,
@@ -704,12 +789,14 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     return out
 
 
-def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optional[Tensor],
-                       queries: int = 1) -> Tensor:
+def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optional[Tensor], queries: int,
+                       k_scale: Optional[Tensor], v_scale: Optional[Tensor], chan: Optional[Tensor]) -> Tensor:
     """The launches behind sparq::dense_triton: the split kernel, and the combine if it split. queries:
-    T query tokens per row, q's g = heads x T head-major (the kernel's QUERIES)."""
+    T query tokens per row, q's g = heads x T head-major (the kernel's QUERIES). An int8 K/V is read as
+    stored with its k_scale, v_scale and chan."""
     _triton_ready(q.device)
     _check_layout(q, k, v)
+    _check_scales(k, None, k_scale, v_scale, chan, None)
     B, n_kv, g, d = q.shape
     LIVE, live_arg = _live_args(q, length, live)
     S_bound, device, rows = length, q.device, B * n_kv
@@ -722,10 +809,12 @@ def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optio
     else:
         part_acc = torch.empty((rows, n_split, g, d), dtype=torch.float32, device=device)
         part_ml = torch.empty((rows, n_split, 3, g), dtype=torch.float32, device=device)
+    k_scales, v_scales = _rows_of(k_scale, q), _rows_of(v_scale, q)
     _dense_kernel[(rows, n_split)](
         q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
-        v, v.stride(0), v.stride(1), v.stride(2), out, *o_strides, part_acc, part_ml,
-        live_arg, n_kv, g, d, S_bound, SPLIT, n_split, 1.0 / math.sqrt(d), queries, LIVE=LIVE, **plan["dense"])
+        v, v.stride(0), v.stride(1), v.stride(2), k_scales[0], v_scales[0], *k_scales[1:], *_rows_of(chan, q),
+        out, *o_strides, part_acc, part_ml, live_arg, n_kv, g, d, S_bound, SPLIT, n_split, 1.0 / math.sqrt(d),
+        queries, LIVE=LIVE, INT8_KV=k.dtype == torch.int8, **plan["dense"])
     if n_split > 1:
         _combine_kernel[(rows * g,)](
             part_acc, part_ml, out, 0, 0, out, *o_strides, live_arg, n_kv, g, d, n_split, SPLIT, S_bound,
@@ -736,55 +825,65 @@ def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optio
 # torch.compile sees one opaque op per attention call with a fake (shape-only) impl: no tracing into
 # the launch code, no graph break, and CUDA-graph capture (mode="reduce-overhead") records the
 # launches as they are. Everything inside is a Triton kernel (no eager torch op left to fuse).
+# A quantized cache's scales ride along as optional tensors (None for a float cache), always passed.
 @torch.library.custom_op("sparq::sparq_triton", mutates_args=())
 def _sparq_triton_op(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                     live: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
-    return _sparq_triton_impl(q, k, k_t, v, v_sum, length, live, r, k_top, local, mean_v)
+                     live: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool, k_scale: Optional[Tensor],
+                     v_scale: Optional[Tensor], chan: Optional[Tensor], kt_scale: Optional[Tensor]) -> Tensor:
+    return _sparq_triton_impl(q, k, k_t, v, v_sum, length, live, r, k_top, local, mean_v, k_scale, v_scale, chan,
+                              kt_scale)
 
 
 @_sparq_triton_op.register_fake
-def _sparq_triton_fake(q, k, k_t, v, v_sum, length, live, r, k_top, local, mean_v):
+def _sparq_triton_fake(q, k, k_t, v, v_sum, length, live, r, k_top, local, mean_v, k_scale, v_scale, chan, kt_scale):
     return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("sparq::dense_triton", mutates_args=())
-def _dense_triton_op(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optional[Tensor]) -> Tensor:
-    return _dense_triton_impl(q, k, v, length, live)
+def _dense_triton_op(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optional[Tensor], k_scale: Optional[Tensor],
+                     v_scale: Optional[Tensor], chan: Optional[Tensor]) -> Tensor:
+    return _dense_triton_impl(q, k, v, length, live, 1, k_scale, v_scale, chan)
 
 
 @_dense_triton_op.register_fake
-def _dense_triton_fake(q, k, v, length, live):
+def _dense_triton_fake(q, k, v, length, live, k_scale, v_scale, chan):
     return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("sparq::dense_verify_triton", mutates_args=())
-def _dense_verify_triton_op(q: Tensor, k: Tensor, v: Tensor, length: int, live: Tensor, queries: int) -> Tensor:
-    return _dense_triton_impl(q, k, v, length, live, queries)
+def _dense_verify_triton_op(q: Tensor, k: Tensor, v: Tensor, length: int, live: Tensor, queries: int,
+                            k_scale: Optional[Tensor], v_scale: Optional[Tensor], chan: Optional[Tensor]) -> Tensor:
+    return _dense_triton_impl(q, k, v, length, live, queries, k_scale, v_scale, chan)
 
 
 @_dense_verify_triton_op.register_fake
-def _dense_verify_triton_fake(q, k, v, length, live, queries):
+def _dense_verify_triton_fake(q, k, v, length, live, queries, k_scale, v_scale, chan):
     return q.new_empty(q.shape)
 
 
 def sparq_attention_triton(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
-                           live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool) -> Tensor:
+                           live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
+                           scales=None) -> Tensor:
     """sparq_attention (kernels.py's contract) with the Triton kernels. `length` is a Python int (shapes
     and grids follow it); live_length may also be a 0-dim / 1-element device tensor (bucketed reads:
     CUDA-graph safe, no host sync) that `length` bounds. CUDA tensors, or CPU tensors under
-    TRITON_INTERPRET=1."""
-    return _sparq_triton_op(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v)
+    TRITON_INTERPRET=1. scales (kernels.KVScales): a quantized cache's, read as stored."""
+    s = (None,) * 4 if scales is None else (scales.k_scale, scales.v_scale, scales.chan, scales.kt_scale)
+    return _sparq_triton_op(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v, *s)
 
 
-def dense_verify_triton(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Tensor) -> Tensor:
+def dense_verify_triton(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Tensor, scales=None) -> Tensor:
     """dense_verify (kernels.py's contract) with the flash-decoding kernel: a row's T queries fold into its
     query heads (head-major), each K/V row read once for all of them, each query masked to its own
-    causal range. q (B, n_kv, g, T, d) -> (B, n_kv, g, T, d)."""
+    causal range. q (B, n_kv, g, T, d) -> (B, n_kv, g, T, d). scales: an int8 K/V's (kernels.KVScales)."""
     B, n_kv, g, T, d = q.shape
-    return _dense_verify_triton_op(q.reshape(B, n_kv, g * T, d), k, v, length, live_length, T).view(B, n_kv, g, T, d)
+    s = (None,) * 3 if scales is None else (scales.k_scale, scales.v_scale, scales.chan)
+    return _dense_verify_triton_op(q.reshape(B, n_kv, g * T, d), k, v, length, live_length, T, *s).view(B, n_kv, g, T, d)
 
 
-def dense_attention_triton(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None) -> Tensor:
+def dense_attention_triton(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None,
+                           scales=None) -> Tensor:
     """dense_attention (kernels.py's contract) with the Triton flash-decoding kernel, split over S so that
-    B = 1 fills the GPU; lengths as sparq_attention_triton's."""
-    return _dense_triton_op(q, k, v, length, live_length)
+    B = 1 fills the GPU; lengths as sparq_attention_triton's. scales: an int8 K/V's (kernels.KVScales)."""
+    s = (None,) * 3 if scales is None else (scales.k_scale, scales.v_scale, scales.chan)
+    return _dense_triton_op(q, k, v, length, live_length, *s)

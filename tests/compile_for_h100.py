@@ -14,11 +14,17 @@ I32 = {"pos_ptr", "key_ptr", "pos_in_ptr", "key_in_ptr", "idx_ptr"}
 KDT = {"q_ptr", "k_ptr", "v_ptr", "out_ptr"}
 seen = set()
 
-def compile_one(kernel, config, kdt, **constexprs):
+def compile_one(kernel, config, kdt, ptrs=None, **constexprs):
+    """ptrs: pointer types other than the defaults (a quantized cache's k_ptr / v_ptr: i8, or u8 for an int4 K^T)."""
     config = dict(config)
+    ptrs = ptrs or {}
     options = dict(num_warps=config.pop("num_warps"), num_stages=config.pop("num_stages"))
     constexprs.update({k: v for k, v in config.items() if k in kernel.arg_names})
-    key = (kernel.__name__, kdt, tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+    for name, default in (("QUANT", 0), ("INT8_KV", False)):  # a float cache unless said
+        if name in kernel.arg_names:
+            constexprs.setdefault(name, default)
+    key = (kernel.__name__, kdt, tuple(sorted(ptrs.items())), tuple(sorted(constexprs.items())),
+           tuple(sorted(options.items())))
     if key in seen:
         return
     seen.add(key)
@@ -29,7 +35,7 @@ def compile_one(kernel, config, kdt, **constexprs):
         elif name == "live":
             signature[name] = {0: "i32", 1: "*i64", 2: "*i32"}[constexprs["LIVE"]]
         elif name.endswith("_ptr"):
-            signature[name] = "*" + (kdt if name in KDT else "i32" if name in I32 else "fp32")
+            signature[name] = "*" + ptrs.get(name, kdt if name in KDT else "i32" if name in I32 else "fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "sm_scale":
             signature[name] = "fp32"
@@ -79,6 +85,17 @@ for (B, n_kv, g, d, S, k), kdt in SHAPES:
     compile_one(kt._dense_kernel, dp["dense"], kdt, LIVE=1)
     if dp["combine"]:
         compile_one(kt._combine_kernel, dp["combine"], kdt, MEAN_V=False, LIVE=2)
+
+# a quantized cache (int8 K/V; an int8 or int4 K^T, or int8 K as step 1's source with one K): fp32 dots
+for (B, n_kv, g, d, S, k), kdt in (((1, 8, 4, 128, 131072, 128), "bf16"), ((64, 32, 1, 128, 4096, 128), "bf16")):
+    p = kt.sparq_plan(B, n_kv, g, d, S, k, False)
+    for quant, k_transposed, kptr in ((1, True, "i8"), (2, True, "u8"), (1, False, "i8")):
+        compile_one(kt._sparq_step1_kernel, p["step1"], kdt, {"k_ptr": kptr}, K_TRANSPOSED=k_transposed, LIVE=1,
+                    QUANT=quant)
+    compile_one(kt._sparq_step2_kernel, p["step2"], kdt, {"k_ptr": "i8", "v_ptr": "i8"}, MEAN_V=True, LIVE=1,
+                INT8_KV=True)
+    dp = kt.dense_plan(B, n_kv, g, d, S, False)
+    compile_one(kt._dense_kernel, dp["dense"], kdt, {"k_ptr": "i8", "v_ptr": "i8"}, LIVE=1, INT8_KV=True)
 
 # the verify pass (speculative decoding): T = 5 queries folded into the heads, per-row live lengths
 for (B, n_kv, g, d, S), kdt in (((1, 8, 4 * 5, 128, 131072), "bf16"), ((8, 32, 1 * 5, 128, 4096), "bf16")):

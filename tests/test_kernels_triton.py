@@ -453,3 +453,72 @@ def test_kernels_imports_without_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+QUANTIZED_FORMATS = [("twice", "int8", "same"), ("twice", "int8", "int4"), ("twice", "auto", "int4"),
+                     ("twice", "auto", "int8"), ("once", "int8", "same")]
+
+
+@pytest.mark.parametrize("layout, kv_dtype, kt_dtype", QUANTIZED_FORMATS)
+def test_a_quantized_cache_is_read_as_its_dequantized_copy(layout, kv_dtype, kt_dtype):
+    """SparQ, dense and the verify pass on the stored buffers of a quantized cache (int8 K/V, an int8 or
+    int4 K^T, their scales) against the torch paths on the dequantized values (fp32 from the buffers):
+    ragged rows of odd lengths (an int4 byte half used), and one long row (several select chunks)."""
+    from sparq import sparq_attention_torch
+    from test_kv_quant import dequantized_fp32
+
+    B, n_kv, g, d = 3, 2, 4, 64
+    for S, lengths in ((301, [301, 17, 150]), (3001, [3001])):
+        rows = len(lengths)
+        cache = KVCache(rows, S + 63, n_kv, d, torch.float32, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+        gen = torch.Generator().manual_seed(S + len(kv_dtype + kt_dtype + layout))
+        k = torch.randn(rows, n_kv, S, d, generator=gen) * (1 + 4 * (torch.arange(d) == 1))
+        cache.update(torch.arange(S), k, torch.randn(rows, n_kv, S, d, generator=gen))
+        cache.set_live_lengths(torch.tensor(lengths))
+        q = torch.randn(rows, n_kv, g, d, generator=gen)
+        stored = cache.view(S, rows, stored=True)
+        k, v, k_t = dequantized_fp32(cache, S)
+        live = cache.live_length[:rows]
+        to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+        scales = stored.scales
+        if DEVICE != "cpu":
+            scales = type(scales)(*(to(getattr(scales, f)) for f in ("k_scale", "v_scale", "chan", "kt_scale")))
+        tol = dict(rtol=1e-4, atol=1e-5)
+        args = (S, to(live), 8, 48, 12, True)
+        out = kernels_triton.sparq_attention_triton(to(q), to(stored.k), to(stored.k_t), to(stored.v),
+                                                    to(stored.v_sum), *args, scales=scales)
+        expected = sparq_attention_torch(q, k, k_t, v, stored.v_sum, S, live, 8, 48, 12, True)
+        torch.testing.assert_close(out.cpu(), expected, **tol)
+        int8_scales = scales if kv_dtype == "int8" else None  # dense reads K and V, not K^T
+        dense = kernels_triton.dense_attention_triton(to(q), to(stored.k), to(stored.v), S, to(live), scales=int8_scales)
+        torch.testing.assert_close(dense.cpu(), dense_attention_torch(q, k, v, S, live), **tol)
+        if S < 1000:
+            T = 3
+            qv = torch.randn(rows, n_kv, g, T, d, generator=gen)
+            verified = kernels_triton.dense_verify_triton(to(qv), to(stored.k), to(stored.v), S, to(live),
+                                                          scales=int8_scales)
+            for b, n in enumerate(lengths):
+                for t in range(T):
+                    one = dense_attention_torch(qv[b:b + 1, :, :, t], k[b:b + 1], v[b:b + 1], n - T + 1 + t)
+                    torch.testing.assert_close(verified[b:b + 1, :, :, t].cpu(), one, **tol)
+
+
+@pytest.mark.parametrize("kv_dtype, kt_dtype, policy", [("int8", "same", "dense"), ("int8", "int4", "sparq"),
+                                                         ("auto", "int4", "sparq")])
+def test_a_model_on_a_quantized_cache_generates_alike_with_triton_and_torch(kv_dtype, kt_dtype, policy):
+    """Greedy tokens of a model whose decode reads a quantized cache in the Triton kernels equal those of the
+    torch path on its dequantized copy (fp32: the two differ by rounding only); ragged rows."""
+    from decoding import Generator
+    from model import KVFormat
+    from policies import AttentionSettings, policy_factory
+    from test_ragged import tiny_model
+
+    settings = AttentionSettings(policy, sparq_r=6 if policy == "sparq" else None, sparq_k=24)
+    prompts = [torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (50, 33)]
+    out = {}
+    for name, kern in (("torch", kernels.TORCH_KERNELS), ("triton", kernels.TRITON_KERNELS)):
+        model = tiny_model(kernels=kern).to(DEVICE)
+        model.setup_caches(2, 100, KVFormat("twice", kv_dtype, kt_dtype))
+        model.set_decode_attention(policy_factory(settings, model.args, kern))
+        out[name] = Generator(model).generate(prompts, 12)[0]
+    assert out["triton"] == out["torch"]

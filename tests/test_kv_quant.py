@@ -450,3 +450,7 @@ def test_resolve_kernels_keeps_what_reads_a_quantized_cache_and_says_what_falls_
     assert cpu.sparq_adaptive is None and "adaptive SparQ on the torch path" in cpu.describe
     assert said == []  # adaptive SparQ only in the startup line's kernels: no note for every quantized run
     assert resolve_kernels("cpu", "cpu", announce=said.append).sparq_adaptive is not None and said == []
+    import kernels_triton
+    if kernels_triton.HAS_TRITON:  # the Triton kernels read it too (tests/test_kernels_triton.py)
+        triton = resolve_kernels("triton", "cuda", int8_kv=True, quantized_kt=True, announce=said.append)
+        assert triton.dense_attention and triton.dense_verify and triton.sparq_attention and said == []
