@@ -365,18 +365,28 @@ def test_compiles_once_for_a_changing_dense_length():
 
 def test_opcheck():
     """torch.library.opcheck: schema, fake impl and dispatch of sparq::sparq_triton, sparq::dense_triton and
-    sparq::dense_verify_triton."""
+    sparq::dense_verify_triton, on a float cache and on a quantized one (int8 K/V, int4 K^T, their scales)."""
     q, k, k_t, v, v_sum = make_cache(2, 1, 3, 64, 7, 16, torch.float32, seed=4)
     length = torch.tensor(7, device=DEVICE)
     rows = torch.tensor([7, 3], device=DEVICE)
     sparq_op, dense_op = torch.ops.sparq.sparq_triton.default, torch.ops.sparq.dense_triton.default
-    torch.library.opcheck(sparq_op, (q, k, k_t, v, v_sum, 16, length, 8, 4, 1, True))
-    torch.library.opcheck(sparq_op, (q, k, None, v, v_sum, 7, None, 8, 4, 1, False))
-    torch.library.opcheck(sparq_op, (q, k, k_t, v, v_sum, 7, rows, 8, 4, 1, True))
-    torch.library.opcheck(dense_op, (q, k, v, 7, None))
-    torch.library.opcheck(dense_op, (q, k, v, 16, length))
-    torch.library.opcheck(dense_op, (q, k, v, 7, rows))
-    torch.library.opcheck(torch.ops.sparq.dense_verify_triton.default, (q, k, v, 7, rows, 3))  # g 3 = 1 head x 3 queries
+    no3, no4 = (None,) * 3, (None,) * 4  # a float cache: no scales
+    torch.library.opcheck(sparq_op, (q, k, k_t, v, v_sum, 16, length, 8, 4, 1, True, *no4))
+    torch.library.opcheck(sparq_op, (q, k, None, v, v_sum, 7, None, 8, 4, 1, False, *no4))
+    torch.library.opcheck(sparq_op, (q, k, k_t, v, v_sum, 7, rows, 8, 4, 1, True, *no4))
+    torch.library.opcheck(dense_op, (q, k, v, 7, None, *no3))
+    torch.library.opcheck(dense_op, (q, k, v, 16, length, *no3))
+    torch.library.opcheck(dense_op, (q, k, v, 7, rows, *no3))
+    verify_op = torch.ops.sparq.dense_verify_triton.default
+    torch.library.opcheck(verify_op, (q, k, v, 7, rows, 3, *no3))  # g 3 = 1 head x 3 queries
+    cache = KVCache(2, 16, 1, 64, torch.float32, kv_dtype="int8", kt_dtype="int4").to(DEVICE)
+    cache.update(torch.arange(7, device=DEVICE), k[:2, :, :7].float(), v[:2, :, :7].float())
+    s = cache.view(7, 2, stored=True)
+    kv_scales = (s.scales.k_scale, s.scales.v_scale, s.scales.chan)
+    torch.library.opcheck(sparq_op, (q, s.k, s.k_t, s.v, s.v_sum, 7, rows, 8, 4, 1, True, *kv_scales,
+                                     s.scales.kt_scale))
+    torch.library.opcheck(dense_op, (q, s.k, s.v, 7, rows, *kv_scales))
+    torch.library.opcheck(verify_op, (q, s.k, s.v, 7, rows, 3, *kv_scales))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
