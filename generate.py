@@ -73,6 +73,11 @@ def model_args(checkpoint: Path) -> ModelArgs:
     return ModelArgs.from_json(checkpoint_paths(checkpoint)[1] / "config.json")
 
 
+def cache_storage(args: argparse.Namespace, model: Transformer) -> Storage:
+    """How this run's cache stores K, V and K^T (add_cache_flags), for budgets counted in stored bytes."""
+    return Storage(cache_format(args), model.cache_dtype)
+
+
 def kernels_for(choice: str, device: str, args: ModelArgs, length_bucket: int = 1,
                 kv_formats: Sequence[KVFormat] = (KVFormat(),)) -> Kernels:
     """resolve_kernels for this model and the run's cache formats, with its one-line ValueError as a user error."""
@@ -429,7 +434,7 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
         print(f"note: --max-new-tokens capped at {max_new_tokens}: the cache holds {max_seq_length} positions "
               f"and the longest prompt {longest}", file=sys.stderr)
 
-    settings = solve_compression(settings, longest, config, Storage(cache_format(args), model.cache_dtype))
+    settings = solve_compression(settings, longest, config, cache_storage(args, model))
     setup(model, args, settings, len(rows), max_seq_length, length_bucket)
     speculator = (make_speculator(args, model, tokenizer, settings, draft_settings, len(rows), max_seq_length, longest)
                   if args.speculate_k else None)
@@ -505,7 +510,7 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
     verify = [policy_factory(settings, model.args, model.kernels)(i) for i in layers]
     if draft_settings is not None:
         draft_settings = solve_compression(draft_settings, longest, model.args,
-                                           Storage(cache_format(args), model.cache_dtype))
+                                           cache_storage(args, model))
     if draft_settings is not None:
         try:
             probe = policy_factory(draft_settings, model.args, model.kernels)(model.args.n_layer - 1)

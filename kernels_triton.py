@@ -713,6 +713,8 @@ def _check_scales(k: Tensor, k_t: Optional[Tensor], k_scale: Optional[Tensor], v
     for t in (k_scale, v_scale, kt_scale):
         if t is not None and (t.dtype != torch.float32 or t.stride(-1) != 1):
             raise ValueError("the per-position scales must be fp32, positions contiguous")
+    if int8_kv and k_scale.stride()[:2] != v_scale.stride()[:2]:  # the kernels take one pair of strides for both
+        raise ValueError("k_scale and v_scale must share their batch and head strides")
 
 
 def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,

@@ -1019,13 +1019,17 @@ class Transformer(nn.Module):
     def cache_bytes(args: ModelArgs, batch: int, seq_len: int, fmt: KVFormat, dtype: torch.dtype) -> int:
         """Bytes setup_caches(batch, seq_len, fmt) allocates with activations in `dtype` (K, V, K^T, their
         scales, the sums): one layer's KVCache built on the meta device (nothing allocated), per layer."""
-        allocated = -(-seq_len // Transformer.CACHE_ALIGN) * Transformer.CACHE_ALIGN
         with torch.device("meta"):
-            cache = KVCache(batch, allocated, args.n_kv_head, args.head_dim, dtype, fmt.layout,
+            cache = KVCache(batch, Transformer.allocated_length(seq_len), args.n_kv_head, args.head_dim, dtype, fmt.layout,
                             kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype)
         return cache.nbytes() * args.n_layer
 
     CACHE_ALIGN = 64  # cache positions are allocated in multiples of this: K^T rows stay 16-byte aligned
+
+    @staticmethod
+    def allocated_length(max_seq_length: int) -> int:
+        """The positions setup_caches allocates for max_seq_length: rounded up to CACHE_ALIGN."""
+        return -(-max_seq_length // Transformer.CACHE_ALIGN) * Transformer.CACHE_ALIGN
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_format: KVFormat = KVFormat(),
                      length_bucket: int = 1) -> None:
@@ -1033,7 +1037,7 @@ class Transformer(nn.Module):
         max_seq_length positions, rounded up to CACHE_ALIGN so that every row of K^T starts 16-byte
         aligned (vectorised loads); see KVCache for length_bucket."""
         args, dtype = self.args, self.cache_dtype
-        allocated = -(-max_seq_length // self.CACHE_ALIGN) * self.CACHE_ALIGN
+        allocated = self.allocated_length(max_seq_length)
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = KVCache(max_batch_size, allocated, args.n_kv_head, args.head_dim, dtype,

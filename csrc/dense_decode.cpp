@@ -124,6 +124,16 @@ static void dense_logits_bf16(const bf16* qh, int64_t g, const bf16* kb, int64_t
 }
 #endif
 
+// Whether this build reads an int8 cache of head dim d with integer dot products (the VNNI kernels
+// below: whole 64-channel blocks, up to four): the one place that decides it.
+static constexpr bool int8_vnni(int64_t d) {
+#ifdef SPARQ_AVX512_VNNI
+  return d == 64 || d == 128 || d == 256;
+#else
+  return (void)d, false;
+#endif
+}
+
 #ifdef SPARQ_AVX512_VNNI
 // The same for an int8 cache with vpdpbusd, llama.cpp's q8_0 way: q (chan folded in) quantized to
 // int8 once per unit, K rows dotted as stored (64 per instruction, no widening). Lane l of a
@@ -317,10 +327,12 @@ static bool blocked_logits(const DenseScratch& w, int64_t g, int64_t d, const KT
   if (d % 16) return false;
 #ifdef SPARQ_AVX512_VNNI
   if constexpr (std::is_same_v<KT, int8_t>) {
-    switch (d) {
-#define SPARQ_DLV(n_) case 64 * n_: dense_logits_vnni<n_>(w.q8, w.qs, g, kb, ks, p0, n, scale, w.T, L, ldL); return true;
-      SPARQ_DLV(1) SPARQ_DLV(2) SPARQ_DLV(4)
-#undef SPARQ_DLV
+    if (int8_vnni(d)) {
+      switch (d / 64) {
+        case 1: dense_logits_vnni<1>(w.q8, w.qs, g, kb, ks, p0, n, scale, w.T, L, ldL); return true;
+        case 2: dense_logits_vnni<2>(w.q8, w.qs, g, kb, ks, p0, n, scale, w.T, L, ldL); return true;
+        default: dense_logits_vnni<4>(w.q8, w.qs, g, kb, ks, p0, n, scale, w.T, L, ldL); return true;
+      }
     }
   }
 #endif
@@ -348,7 +360,7 @@ static bool blocked_pv(const DenseScratch& w, const float* L, int64_t ldL, int64
   if (d % 16) return false;
 #ifdef SPARQ_AVX512_VNNI
   if constexpr (std::is_same_v<KT, int8_t>) {
-    if (d == 64 || d == 128 || d == 256) {
+    if (int8_vnni(d)) {
       float* wscale = w.qs;  // q's lane scales are spent once the logits are taken
       quantize_weights(L, ldL, g, n, w.w16, wscale);
       switch (d / 64) {
@@ -385,15 +397,16 @@ static void dense_unit(const DenseProblem& P, const QT* q, const KT* k, const KT
   const QT* qb = q + b * P.qs0 + h * P.qs1;
   const float* chan = P.chan ? P.chan + b * P.cs0 + h * P.cs1 : nullptr;
   for (int64_t hh = 0; hh < g; ++hh)
-    for (int64_t j = 0; j < d; ++j) {
-      const float x = to_f(qb[hh * P.qs2 + j * P.qs3]) * (chan ? chan[j] : 1.0f);
-      const bf16 hi(x);
-      w.qf[hh * d + j] = x;
-      w.qh[hh * d + j] = hi;
-      w.qh[(g + hh) * d + j] = bf16(x - static_cast<float>(hi));
+    for (int64_t j = 0; j < d; ++j) w.qf[hh * d + j] = to_f(qb[hh * P.qs2 + j * P.qs3]) * (chan ? chan[j] : 1.0f);
+  if constexpr (std::is_same_v<KT, bf16>) {  // q's bf16 planes: dense_logits_bf16's operand
+    for (int64_t i = 0; i < g * d; ++i) {
+      const bf16 hi(w.qf[i]);
+      w.qh[i] = hi;
+      w.qh[g * d + i] = bf16(w.qf[i] - static_cast<float>(hi));
     }
+  }
 #ifdef SPARQ_AVX512_VNNI
-  if (std::is_same_v<KT, int8_t> && d % 64 == 0 && d <= 256) quantize_q_lanes(w.qf, g, d, w.q8, w.qs);
+  if (std::is_same_v<KT, int8_t> && int8_vnni(d)) quantize_q_lanes(w.qf, g, d, w.q8, w.qs);
 #endif
   const KT* kb = k + b * P.ks0 + h * P.ks1;
   const KT* vb = v + b * P.vs0 + h * P.vs1;
@@ -555,13 +568,7 @@ at::Tensor dense_quant_cpu(const at::Tensor& q, const at::Tensor& k, const at::T
 
 // How this build reads an int8 cache at d = 64, 128, 256: "vnni" (q and the softmax weights
 // quantized, integer dot products) or "float" (rows widened to fp32); other d always "float".
-std::string dense_int8_path() {
-#ifdef SPARQ_AVX512_VNNI
-  return "vnni";
-#else
-  return "float";
-#endif
-}
+std::string dense_int8_path() { return int8_vnni(64) ? "vnni" : "float"; }
 
 }  // namespace
 }  // namespace sparq_cpu
