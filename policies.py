@@ -1,8 +1,9 @@
 """Decode attention policies beside SparQ, and the one registry of them all.
 
 - The paper's baselines on the same cache (Appendix G's transfer counts): the oracle (exact top-k at
-  no transfer cost), FlexGen's top-k, LM-Infinite / StreamingLLM (`local`) and H2O; and a newer
-  selector, Quest (page min/max bounds).
+  no transfer cost), FlexGen's top-k, LM-Infinite / StreamingLLM (`local`) and H2O; and the newer
+  selectors: Quest (page min/max bounds), a RocketKV-style hybrid (those bounds on q's top components)
+  and DoubleSparse (SparQ with channels fixed offline).
 - POLICIES: name -> how to build a layer's policy from AttentionSettings, which flags it reads and
   which knob a target compression solves for. generate.py, bench and evals take names, flags,
   budgets and transfer formulas from here. Adding a policy is one class and one registry entry.
@@ -15,6 +16,8 @@ import argparse
 import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from functools import lru_cache, partial
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -25,7 +28,7 @@ import cli
 from kernels import TORCH_KERNELS, Kernels
 from model import DecodePolicy, DenseDecode, KVCache, KVFormat, ModelArgs, beyond_live, per_row, softcap
 from sparq import (SparQAdaptiveDecode, SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions,
-                   sparse_attention)
+                   sparq_attention_torch, sparse_attention)
 
 # ---------------------------------------------------------------------------------------------
 # Baselines from the paper, as decode policies on the same cache (transfers: paper, Appendix G)
@@ -134,7 +137,8 @@ class LocalDecode(DecodePolicy):
         return 2 * min(self.k_top, seq_len) * head_dim + 2 * head_dim
 
 
-QUEST_PAGE = 16  # positions per page: the min/max metadata costs 2d per page, 1/16 of dense's transfers
+QUEST_PAGE = 16  # positions per page by default: the min/max metadata costs 2d per page, 1/16 of dense's transfers
+QUEST_PAGES = (16, 32, 64)  # --page-size: larger pages cost less metadata per position, so reach lower targets
 
 
 class QuestDecode(DecodePolicy):
@@ -150,11 +154,21 @@ class QuestDecode(DecodePolicy):
     def __init__(self, k: int, page: int = QUEST_PAGE, cap: Optional[float] = None):
         super().__init__()
         if k < page:
-            raise ValueError(f"--kv-budget must cover at least one Quest page of {page} positions, got {k}")
+            raise ValueError(f"--kv-budget must cover at least one page of {page} positions, got {k}")
         self.k_top, self.page, self.cap = k, page, cap
 
     def pages_read(self, seq_len: int) -> int:
         return min(-(-self.k_top // self.page), -(-seq_len // self.page))
+
+    def page_bounds(self, q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
+        """Upper bounds of each page's logits: q (B, n_kv, g, d) fp32, kmin, kmax (B, n_kv, pages, d)
+        -> (B, n_kv, pages), summed over the g query heads."""
+        qf = q[:, :, :, None, :]  # (B, n_kv, g, 1, d)
+        return torch.maximum(qf * kmin[:, :, None], qf * kmax[:, :, None]).sum(-1).sum(2)
+
+    def metadata_elements(self, n_pages: int, head_dim: int) -> int:
+        """Elements of the page summaries one step reads per KV head: min and max of every channel."""
+        return 2 * head_dim * n_pages
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B, n_kv, g, d = q.shape
@@ -167,8 +181,7 @@ class QuestDecode(DecodePolicy):
         alive = (torch.arange(n_pages * P, device=q.device) < live_row)[..., None]  # (B or 1, 1, n_pages P, 1)
         kmax = keys.masked_fill(~alive, float("-inf")).view(B, n_kv, n_pages, P, d).amax(3)  # (B, n_kv, n_pages, d)
         kmin = keys.masked_fill(~alive, float("inf")).view(B, n_kv, n_pages, P, d).amin(3)
-        qf = q.float()[:, :, :, None, :]  # (B, n_kv, g, 1, d)
-        bound = torch.maximum(qf * kmin[:, :, None], qf * kmax[:, :, None]).sum(-1).sum(2)  # (B, n_kv, n_pages)
+        bound = self.page_bounds(q.float(), kmin, kmax)  # (B, n_kv, n_pages)
         page = torch.arange(n_pages, device=q.device)
         bound = torch.where(page == (live_row - 1) // P, float("inf"), bound)  # the newest position's page
         bound = torch.where(page * P >= live_row, float("-inf"), bound)  # pages past a row's live length
@@ -183,7 +196,95 @@ class QuestDecode(DecodePolicy):
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         n_pages = -(-seq_len // self.page)
-        return 2 * head_dim * n_pages + 2 * head_dim * min(self.pages_read(seq_len) * self.page, seq_len) + 2 * head_dim
+        pages = self.metadata_elements(n_pages, head_dim)
+        return pages + 2 * head_dim * min(self.pages_read(seq_len) * self.page, seq_len) + 2 * head_dim
+
+
+class RocketKVHybridDecode(QuestDecode):
+    """RocketKV's decode stage (Behnam et al., 2025), "hybrid sparse attention": Quest's page bounds
+    computed on only the r components of q largest in magnitude (summed over the group, as SparQ's
+    step 1 picks them), so a step reads r of the d rows of the page summaries (2r per page instead of
+    2d) and spends the rest of its budget on more pages. r: --hybrid-r (default d / 4). Like Quest's,
+    the summaries are computed here from the cache and counted as read."""
+
+    name = "rocketkv-hybrid"
+
+    def __init__(self, k: int, r: int, page: int = QUEST_PAGE, cap: Optional[float] = None):
+        super().__init__(k, page, cap)
+        self.r = r
+
+    def page_bounds(self, q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
+        B, n_kv, g, d = q.shape
+        n_pages = kmin.shape[2]
+        i1 = torch.topk(q.abs().sum(2), self.r, dim=-1).indices  # (B, n_kv, r)
+        q_hat = torch.gather(q, 3, i1[:, :, None, :].expand(B, n_kv, g, self.r))  # (B, n_kv, g, r)
+        rows = i1[:, :, None, :].expand(B, n_kv, n_pages, self.r)
+        return super().page_bounds(q_hat, torch.gather(kmin, 3, rows), torch.gather(kmax, 3, rows))
+
+    def metadata_elements(self, n_pages: int, head_dim: int) -> int:
+        return 2 * self.r * n_pages
+
+
+class DoubleSparseDecode(SparQDecode):
+    """DoubleSparse (Yang et al., 2024): step 1 reads a fixed set of r channels of K^T per layer and KV
+    head (its "label cache"), found offline on calibration text (scripts/calibrate_doublesparse.py),
+    instead of the query's top-r components; the rest is SparQ's (temperature, group-summed top-k with
+    the local window, mean-V as --sparq-mean-v), so the two differ only in how the r channels are
+    chosen. Transfers as SparQ's: S r + 2 k d + 4 d. Plain PyTorch (the fused SparQ kernels rank |q|
+    themselves); dense attention while a layer sees at most k positions, as SparQ."""
+
+    name = "doublesparse"
+
+    def __init__(self, config: SparQConfig, channels: Tensor, kernels: Kernels = TORCH_KERNELS,
+                 cap: Optional[float] = None):
+        super().__init__(config, kernels, cap)
+        self.channels = channels  # (n_kv, r) int64: the layer's calibrated channels per KV head
+        self.attend = self.attend_torch = partial(sparq_attention_torch, cap=cap, channels=channels)
+        self.fused = False
+
+
+CHANNELS_FILE = "doublesparse_channels.pt"  # beside the checkpoint: scripts/calibrate_doublesparse.py writes it
+
+
+def default_channels_file(checkpoint: Optional[Path]) -> Optional[Path]:
+    """Where DoubleSparse's calibration of `checkpoint` (a model.pth or its directory) lives by default."""
+    if checkpoint is None:
+        return None
+    return (checkpoint if checkpoint.is_dir() else checkpoint.parent) / CHANNELS_FILE
+
+
+@lru_cache(maxsize=4)
+def load_channel_ranking(path: Path) -> Tensor:
+    """(n_layer, n_kv, d) int64: each layer's and KV head's channels, most important first (the file
+    scripts/calibrate_doublesparse.py writes)."""
+    return torch.load(path, map_location="cpu", weights_only=True)["ranking"].long()
+
+
+def _build_doublesparse(s: AttentionSettings, args: ModelArgs, kernels: Kernels, layer: int) -> DoubleSparseDecode:
+    if s.sparq_r is None:
+        raise ValueError("--attention doublesparse needs --sparq-r (or --compression)")
+    if s.channels is None or not Path(s.channels).exists():
+        where = f" ({s.channels} does not exist)" if s.channels is not None else ""
+        raise ValueError(f"--attention doublesparse needs its calibrated channels{where}: make them with "
+                         f"`python -m scripts.calibrate_doublesparse --checkpoint CHECKPOINT`")
+    ranking = load_channel_ranking(Path(s.channels))
+    expected = (args.n_layer, args.n_kv_head, args.head_dim)
+    if tuple(ranking.shape) != expected:
+        raise ValueError(f"{s.channels} calibrates a model of (layers, KV heads, head dim) {tuple(ranking.shape)}, "
+                         f"not this one's {expected}")
+    config = s.sparq_config(args)
+    return DoubleSparseDecode(config, ranking[layer, :, :config.r].contiguous(), kernels, args.attn_softcap)
+
+
+def _build_quest(s: AttentionSettings, args: ModelArgs, kernels: Kernels, layer: int) -> QuestDecode:
+    return QuestDecode(s.budget, s.page_size, cap=args.attn_softcap)
+
+
+def _build_rocketkv(s: AttentionSettings, args: ModelArgs, kernels: Kernels, layer: int) -> RocketKVHybridDecode:
+    r = max(1, args.head_dim // 4) if s.hybrid_r is None else s.hybrid_r
+    if not 1 <= r <= args.head_dim:
+        raise ValueError(f"--hybrid-r must be in [1, {args.head_dim}] (the head dim), got {r}")
+    return RocketKVHybridDecode(s.budget, r, s.page_size, cap=args.attn_softcap)
 
 
 # Query rows per step of H2O's prefill scores: 32 keeps a step's fp32 logits (g * 32 rows by S keys)
@@ -351,6 +452,9 @@ class AttentionSettings:
     sparq_mean_v: str = "auto"  # "on", "off", or "auto": on for MHA, off for GQA (the paper's choice)
     kv_budget: Optional[int] = None  # baselines: positions attended (None: sparq_k)
     compression: Optional[Fraction] = None  # a target (--compression): solve_target sets the policy's knob
+    page_size: int = QUEST_PAGE  # Quest and the RocketKV hybrid: positions per page
+    hybrid_r: Optional[int] = None  # the RocketKV hybrid: components of q its page bounds use (None: d / 4)
+    channels: Optional[Path] = None  # DoubleSparse: its calibration file (default_channels_file)
 
     @property
     def budget(self) -> int:
@@ -367,15 +471,20 @@ class AttentionSettings:
         return config
 
 
-def _build_sparq(s: AttentionSettings, args: ModelArgs, kernels: Kernels) -> SparQDecode:
+def _build_sparq(s: AttentionSettings, args: ModelArgs, kernels: Kernels, layer: int) -> SparQDecode:
     if s.sparq_r is None:
         raise ValueError("--attention sparq needs --sparq-r")
     return SparQDecode(s.sparq_config(args), kernels, args.attn_softcap)
 
 
-def _build_sparq_adaptive(s: AttentionSettings, args: ModelArgs, kernels: Kernels) -> SparQAdaptiveDecode:
+def _build_sparq_adaptive(s: AttentionSettings, args: ModelArgs, kernels: Kernels,
+                          layer: int) -> SparQAdaptiveDecode:
     compression = ADAPTIVE_DEFAULT if s.compression is None else s.compression
     return SparQAdaptiveDecode(float(compression), s.sparq_k, s.mean_v(args), kernels, args.attn_softcap)
+
+
+# The settings only some policies read (Policy.flags), each with its value when not given
+OPTIONAL_SETTINGS = (("sparq_r", None), ("kv_budget", None), ("page_size", QUEST_PAGE), ("hybrid_r", None))
 
 
 @dataclass(frozen=True)
@@ -383,17 +492,18 @@ class Policy:
     """A registry entry: how to build one layer's policy from settings, and which setting a target
     compression solves for (eval's budgets)."""
 
-    build: Callable[[AttentionSettings, ModelArgs, Kernels], DecodePolicy]
+    build: Callable[[AttentionSettings, ModelArgs, Kernels, int], DecodePolicy]  # (settings, args, kernels, layer)
     help: str
-    flags: tuple[str, ...] = ()  # the optional settings it reads (sparq_r, kv_budget): others given are an error
+    flags: tuple[str, ...] = ()  # the OPTIONAL_SETTINGS it reads: others given are an error
     knob: Optional[str] = None  # the setting a target compression solves for (sparq_r, sparq_k, kv_budget), or
     # "compression": the policy takes the target itself
-    knob_min: int = 1  # smallest value of the knob (LM-Infinite needs more than its sink tokens)
+    knob_min: Callable[[AttentionSettings], int] = lambda s: 1  # the knob's smallest value (LM-Infinite: more than
+    # its sink tokens; Quest: a page)
     reads_buckets: bool = False  # honours bucketed reads (CacheView.live_length): CUDA graphs per bucket
 
 
 POLICIES: dict[str, Policy] = {
-    "dense": Policy(lambda s, args, kernels: DenseDecode(kernels, args.attn_softcap), "exact attention over the live prefix",
+    "dense": Policy(lambda s, args, kernels, layer: DenseDecode(kernels, args.attn_softcap), "exact attention over the live prefix",
                     reads_buckets=True),
     "sparq": Policy(_build_sparq, "SparQ (--sparq-r/-k/-local/-mean-v)", ("sparq_r",), knob="sparq_r",
                     reads_buckets=True),
@@ -404,19 +514,23 @@ POLICIES: dict[str, Policy] = {
     "sparq-adaptive": Policy(_build_sparq_adaptive, "SparQ with r and k per layer and step from --compression "
                              f"(default 1/{ADAPTIVE_DEFAULT.denominator}), shared by a layer's KV heads",
                              knob="compression"),
-    "topk": Policy(lambda s, args, kernels: TopKDecode(s.budget, args.attn_softcap),
+    "topk": Policy(lambda s, args, kernels, layer: TopKDecode(s.budget, args.attn_softcap),
                    "FlexGen top-k: exact scores, top-k values", ("kv_budget",), knob="kv_budget"),
-    "oracle": Policy(lambda s, args, kernels: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget),
+    "oracle": Policy(lambda s, args, kernels, layer: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget),
                                                            args.attn_softcap),
                      "exact top-k at no transfer cost (upper bound)", ("kv_budget",), knob="kv_budget"),
-    "h2o": Policy(lambda s, args, kernels: H2ODecode(s.budget, s.sparq_local, cap=args.attn_softcap),
+    "h2o": Policy(lambda s, args, kernels, layer: H2ODecode(s.budget, s.sparq_local, cap=args.attn_softcap),
                   "H2O: evicting heavy hitters + recent window", ("kv_budget",), knob="kv_budget"),
-    "quest": Policy(lambda s, args, kernels: QuestDecode(s.budget, cap=args.attn_softcap),
-                    f"Quest: page min/max bounds, the top pages of {QUEST_PAGE} read in full", ("kv_budget",),
-                    knob="kv_budget", knob_min=QUEST_PAGE),
-    "local": Policy(lambda s, args, kernels: LocalDecode(s.budget, cap=args.attn_softcap),
+    "quest": Policy(_build_quest, "Quest: page min/max bounds, the top pages (--page-size) read in full",
+                    ("kv_budget", "page_size"), knob="kv_budget", knob_min=lambda s: s.page_size),
+    "rocketkv-hybrid": Policy(_build_rocketkv, "RocketKV's hybrid: Quest's page bounds on the top --hybrid-r "
+                              "components of q (default d/4), the top pages read in full",
+                              ("kv_budget", "hybrid_r", "page_size"), knob="kv_budget", knob_min=lambda s: s.page_size),
+    "doublesparse": Policy(_build_doublesparse, "DoubleSparse: SparQ with r channels per head fixed offline "
+                           "(scripts/calibrate_doublesparse.py)", ("sparq_r",), knob="sparq_r"),
+    "local": Policy(lambda s, args, kernels, layer: LocalDecode(s.budget, cap=args.attn_softcap),
                     "LM-Infinite: 16 sinks + recent window", ("kv_budget",), knob="kv_budget",
-                    knob_min=LocalDecode.SINKS + 1),
+                    knob_min=lambda s: LocalDecode.SINKS + 1),
 }
 
 
@@ -431,11 +545,11 @@ def policy_factory(settings: AttentionSettings, args: ModelArgs,
     if settings.policy not in POLICIES:
         raise ValueError(f"unknown attention policy {settings.policy!r} (choose from {', '.join(POLICIES)})")
     entry = POLICIES[settings.policy]
-    for flag in ("sparq_r", "kv_budget"):
-        if getattr(settings, flag) is not None and flag not in entry.flags:
+    for flag, unset in OPTIONAL_SETTINGS:
+        if getattr(settings, flag) != unset and flag not in entry.flags:
             users = "/".join(name for name, e in POLICIES.items() if flag in e.flags)
             raise ValueError(f"--{flag.replace('_', '-')} applies to --attention {users}, not {settings.policy}")
-    policy = entry.build(settings, args, kernels)  # validate now, not in the middle of a run
+    policy = entry.build(settings, args, kernels, 0)  # validate now, not in the middle of a run
     W = args.sliding_window
     on_windows = W is not None and (
         policy.transfer_elements(W, args.head_dim) < DenseDecode().transfer_elements(W, args.head_dim))
@@ -443,7 +557,7 @@ def policy_factory(settings: AttentionSettings, args: ModelArgs,
     def make(layer: int) -> DecodePolicy:
         if args.layer_kind(layer) == "window" and not on_windows:
             return DenseDecode(kernels, args.attn_softcap)
-        return entry.build(settings, args, kernels)
+        return entry.build(settings, args, kernels, layer)
 
     return make
 
@@ -474,10 +588,23 @@ def add_attention_flags(p: argparse.ArgumentParser) -> None:
                    help="recent positions always kept (default k/4)")
     p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
                    help="mean-value reallocation (auto: on for MHA, off for GQA)")
+    add_selector_flags(p)
     p.add_argument("--compression", type=parse_compression, default=None, metavar="TARGET",
                    help="KV transfers as a fraction of dense (1/8 or 0.125) at the longest prompt: the policy's "
                         "budget solver picks its knob (" + "; ".join(
                             f"{name}: {knob_flag(e.knob)}" for name, e in POLICIES.items() if e.knob) + ")")
+
+
+def add_selector_flags(p: argparse.ArgumentParser) -> None:
+    """The newer selectors' settings (Quest's pages, the hybrid's r, DoubleSparse's calibration), shared by
+    add_attention_flags and python -m evals."""
+    p.add_argument("--page-size", type=int, choices=QUEST_PAGES, default=QUEST_PAGE,
+                   help="positions per page of quest and rocketkv-hybrid (default %(default)s)")
+    p.add_argument("--hybrid-r", type=cli.positive_int, default=None,
+                   help="components of q in rocketkv-hybrid's page bounds (default head dim / 4)")
+    p.add_argument("--doublesparse-channels", type=Path, default=None, metavar="FILE",
+                   help=f"doublesparse's calibrated channels (default: {CHANNELS_FILE} beside --checkpoint; "
+                        "python -m scripts.calibrate_doublesparse makes it)")
 
 
 def knob_flag(knob: str) -> str:
@@ -488,8 +615,10 @@ def knob_flag(knob: str) -> str:
 def attention_settings(args: argparse.Namespace) -> AttentionSettings:
     """AttentionSettings from the flags of add_attention_flags. A --compression target is refused with
     dense attention and beside the flag of the knob it solves (the policy's other settings stay: SparQ's
-    --sparq-k is the k at which r is solved, as --sparq-r is for sparq-fixed-r)."""
+    --sparq-k is the k at which r is solved, as --sparq-r is for sparq-fixed-r). DoubleSparse's calibration
+    defaults to the file beside the run's --checkpoint, where the command has one."""
     target = args.compression
+    checkpoint = None if getattr(args, "checkpoint", None) is None else Path(args.checkpoint)
     policy = args.attention or ("sparq" if args.sparq_r is not None or target is not None else "dense")
     if target is not None:
         knob = POLICIES[policy].knob
@@ -501,7 +630,8 @@ def attention_settings(args: argparse.Namespace) -> AttentionSettings:
     return AttentionSettings(policy=policy, sparq_r=args.sparq_r,
                              sparq_k=DEFAULT_SPARQ_K if args.sparq_k is None else args.sparq_k,
                              sparq_local=args.sparq_local, sparq_mean_v=args.sparq_mean_v, kv_budget=args.kv_budget,
-                             compression=target)
+                             compression=target, page_size=args.page_size, hybrid_r=args.hybrid_r,
+                             channels=args.doublesparse_channels or default_channels_file(checkpoint))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,8 +728,9 @@ def _knob_ratio(settings: AttentionSettings, seq_len: int, args: ModelArgs,
     def ratio(x: int) -> float:
         return _compression_ratio(replace(settings, **{entry.knob: x}), seq_len, args, storage)
 
-    hi = args.head_dim if entry.knob == "sparq_r" else max(seq_len - 1, entry.knob_min)
-    return ratio, entry.knob_min, hi
+    lo = entry.knob_min(settings)
+    hi = args.head_dim if entry.knob == "sparq_r" else max(seq_len - 1, lo)
+    return ratio, lo, hi
 
 
 def _compression_ratio(settings: AttentionSettings, seq_len: int, args: ModelArgs, storage: Storage) -> float:
@@ -670,8 +801,9 @@ def solve_budget(method: str, target: Fraction, seq_len: int, args: ModelArgs,
                  base: AttentionSettings = AttentionSettings(), storage: Storage = FLOAT_CACHE) -> Budget:
     """Budget for `method` whose transfers at seq_len are closest to target x dense (Appendix G), in
     bytes as `storage` holds them."""
-    flags = POLICIES[method].flags  # the base's sparq_r (fixed-r SparQ) only where the policy reads it
-    start = replace(base, policy=method, sparq_r=base.sparq_r if "sparq_r" in flags else None, kv_budget=None)
+    flags = POLICIES[method].flags  # the base's optional settings (fixed-r SparQ's r, a page size) only where
+    unset = {flag: default for flag, default in OPTIONAL_SETTINGS if flag not in flags}  # the policy reads them
+    start = replace(base, **{**unset, "policy": method, "kv_budget": None})
     settings, achieved = settings_for_compression(start, float(target), seq_len, args, storage)
     if settings.policy == "dense":
         return Budget("dense", DENSE, seq_len, settings)

@@ -123,16 +123,21 @@ def selection_has_ties(q: Tensor, K: Tensor, length: int, config: SparQConfig) -
 
 
 def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int, r: int,
-                       mask: Optional[Tensor] = None, cap: Optional[float] = None) -> Tensor:
+                       mask: Optional[Tensor] = None, cap: Optional[float] = None,
+                       channels: Optional[Tensor] = None) -> Tensor:
     """Step 1 for all rows and heads at once: s_hat (B, n_kv, g, S) in fp32.
 
     q (B, n_kv, g, d). With k_t (B, n_kv, d, S_max) the r rows are read S-contiguously; without it
     (layout "once") the r columns are gathered from k (B, n_kv, S_max, d) along d.
     mask (S,): True at positions that are not live (bucketed lengths only).
+    channels (n_kv, r): read these components (DoubleSparse's fixed ones) instead of q's top r.
     """
     B, n_kv, g, d = q.shape
     qf = q.float()
-    i1 = torch.topk(qf.abs().sum(2), r, dim=-1).indices  # (B, n_kv, r)
+    if channels is None:
+        i1 = torch.topk(qf.abs().sum(2), r, dim=-1).indices  # (B, n_kv, r)
+    else:
+        i1 = channels.to(q.device)[None].expand(B, n_kv, r)
     q_hat = torch.gather(qf, 3, i1[:, :, None, :].expand(B, n_kv, g, r))  # (B, n_kv, g, r)
     if k_t is not None:
         rows = torch.gather(k_t[:B, :, :, :length], 2, i1[..., None].expand(B, n_kv, r, length))  # (B, n_kv, r, S)
@@ -191,16 +196,17 @@ def mix_mean_v(y: Tensor, scores: Tensor, positions: Tensor, v_sum: Tensor, leng
 
 def sparq_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
                           live_length: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
-                          cap: Optional[float] = None) -> Tensor:
+                          cap: Optional[float] = None, channels: Optional[Tensor] = None) -> Tensor:
     """SparQ decode attention on the static cache tensors. q (B, n_kv, g, d) -> (B, n_kv, g, d).
 
     k, v (B_max, n_kv, S_max, d), k_t (B_max, n_kv, d, S_max) or None (layout "once"), v_sum
     (B_max, n_kv, d) fp32. Reads positions [0, length); live_length None: all of them are live,
     else a device tensor beyond which they are masked (bucketed lengths or per-row lengths: the
-    kernel contract, kernels.py). cap: logit soft-capping (the kernels take none).
+    kernel contract, kernels.py). cap: logit soft-capping (the kernels take none). channels (n_kv, r):
+    step 1's components fixed (DoubleSparse), not q's top r.
     """
     mask = beyond_live(length, live_length) if live_length is not None else None
-    s_hat = approximate_scores(q, k, k_t, length, r, mask, cap)  # (B, n_kv, g, S)
+    s_hat = approximate_scores(q, k, k_t, length, r, mask, cap, channels)  # (B, n_kv, g, S)
     positions = select_positions(s_hat, length, k_top, local, live_length)  # (B, n_kv, k)
     y = sparse_attention(q, k, v, positions, live_length, cap)  # fp32
     if mean_v:

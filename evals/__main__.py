@@ -52,7 +52,8 @@ from evals.runner import Cell, Results, Runner, evaluate_batch
 from evals.tasks import TASKS, Example, TaskOptions
 from generate import DTYPES, add_cache_flags, cache_format, kernels_for, load_checkpoint, load_tokenizer, model_args
 from kernels import KERNEL_CHOICES
-from policies import DENSE, POLICIES, AttentionSettings, fraction_label, parse_compression
+from policies import (DENSE, POLICIES, QUEST_PAGE, AttentionSettings, add_selector_flags, default_channels_file,
+                      fraction_label, parse_compression)
 
 DEFAULT_LENGTH = 2048
 # 2048 tokens everywhere: it keeps the default run near 20 minutes on a shared 2-core CPU (a 4k batch
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="confusion paragraphs per SQuAD prompt, comma list (default 7; the paper's sweep: 7,15,31,63)")
     p.add_argument("--sparq-r", type=cli.positive_int, default=32,
                    help="r of the fixed-r SparQ variant (--attention sparq-fixed-r, budgeted by k)")
+    add_selector_flags(p)
     p.add_argument("--checkpoint", type=Path, default=data.DEFAULT_CHECKPOINT)
     p.add_argument("--batch-size", type=cli.positive_int, default=8)
     p.add_argument("--seed", type=int, default=0, help="example generation seed")
@@ -145,7 +147,8 @@ def run_identity(args: argparse.Namespace, tasks: list[str], methods: list[str],
     for flag in ("examples", "batch_size", "seed", "dtype", "kernel", "kv_layout", "sparq_r", "sparq_k", "sparq_mean_v",
                  "bpc_tokens", "repetition_chars", "repetition_passage", "retrieval_keys"):
         run[flag] = getattr(args, flag)
-    for flag, default in (("kv_dtype", "auto"), ("kt_dtype", "same")):  # absent from the journals of earlier runs
+    for flag, default in (("kv_dtype", "auto"), ("kt_dtype", "same"), ("page_size", QUEST_PAGE),
+                          ("hybrid_r", None)):  # absent from the journals of earlier runs
         if getattr(args, flag) != default:
             run[flag] = getattr(args, flag)
     return json.loads(json.dumps(run))  # as the journal's header reads back
@@ -224,8 +227,10 @@ def run(args: argparse.Namespace) -> int:
         kv_format.kv_storage(model.cache_dtype)  # a float --kv-dtype other than the activations' is refused
     except ValueError as e:
         raise UserError(str(e)) from None
-    runner = Runner(model, AttentionSettings(sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v),
-                    kv_format)
+    base = AttentionSettings(sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v,
+                             page_size=args.page_size, hybrid_r=args.hybrid_r,
+                             channels=args.doublesparse_channels or default_channels_file(args.checkpoint))
+    runner = Runner(model, base, kv_format)
     results = Results()
     replayed = 0
     start = time.perf_counter()

@@ -104,3 +104,21 @@ def run_python(*args, timeout: int = 600):
     import sys
 
     return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+_CHANNEL_FILES: dict = {}
+
+
+def channels_file(args) -> Path:
+    """A DoubleSparse calibration for models of `args`' shape (what scripts/calibrate_doublesparse.py
+    writes): each layer's and KV head's channels in a seeded random order, in a temporary directory."""
+    import tempfile
+
+    shape = (args.n_layer, args.n_kv_head, args.head_dim)
+    if shape not in _CHANNEL_FILES:
+        gen = torch.Generator().manual_seed(hash(shape) % 1000)
+        ranking = torch.stack([torch.randperm(shape[2], generator=gen) for _ in range(shape[0] * shape[1])])
+        path = Path(tempfile.mkdtemp(prefix="doublesparse")) / "channels.pt"
+        torch.save({"ranking": ranking.view(shape).to(torch.int16)}, path)
+        _CHANNEL_FILES[shape] = path
+    return _CHANNEL_FILES[shape]

@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from conftest import channels_file
 from model import KVCache, dense_attention_torch
 from sparq import SparQConfig
 from policies import H2ODecode, LocalDecode, OracleDecode, QuestDecode, TopKDecode, compression_ratio
@@ -169,7 +170,8 @@ def test_registry_builds_every_policy_and_checks_flags():
     args = ModelArgs(vocab_size=10, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=8)
     for name in POLICIES:
         settings = AttentionSettings(name, sparq_r=8 if "sparq_r" in POLICIES[name].flags else None, sparq_k=32,
-                                     kv_budget=40 if POLICIES[name].knob == "kv_budget" else None)
+                                     kv_budget=40 if POLICIES[name].knob == "kv_budget" else None,
+                                     channels=channels_file(args))
         make = policy_factory(settings, args)
         assert make(0) is not make(1)  # one instance per layer (H2O keeps per-layer state)
         solved, achieved = settings_for_compression(settings, 0.25, 2048, args)
@@ -215,20 +217,24 @@ def test_budgets_count_window_layers_as_the_model_reads_them():
             assert model_compression(model, S) > target + 0.1
 
 
-def quest_loop_reference(q, k, v, length, budget, page=16):
+def quest_loop_reference(q, k, v, length, budget, page=16, r=None):
     """Quest written out per (row, KV head): page bounds from the min and max of each page's keys,
     summed over the query heads; the newest position's page first, then the highest bounds; exact
-    attention over the live positions of the chosen pages."""
+    attention over the live positions of the chosen pages. r: the RocketKV hybrid, whose bounds sum
+    over only the r components of q largest in magnitude (summed over the query heads)."""
     B, n_kv, g, d = q.shape
     out = torch.zeros(B, n_kv, g, d)
     n_pages = -(-length // page)
     for b in range(B):
         for h in range(n_kv):
+            magnitude = [sum(abs(float(q[b, h, j, i])) for j in range(g)) for i in range(d)]
+            used = sorted(range(d), key=lambda i: -magnitude[i])[:d if r is None else r]
             bounds = []
             for p in range(n_pages):
-                keys = k[b, h, p * page:min(length, (p + 1) * page)]
+                keys = k[b, h, p * page:min(length, (p + 1) * page)][:, used]
                 lo, hi = keys.min(0).values, keys.max(0).values
-                bounds.append(sum(float(torch.maximum(q[b, h, j] * lo, q[b, h, j] * hi).sum()) for j in range(g)))
+                bounds.append(sum(float(torch.maximum(q[b, h, j, used] * lo, q[b, h, j, used] * hi).sum())
+                                  for j in range(g)))
             order = [n_pages - 1] + sorted(range(n_pages - 1), key=lambda p: -bounds[p])
             chosen = order[:min(-(-budget // page), n_pages)]
             positions = [i for p in chosen for i in range(p * page, min(length, (p + 1) * page))]
@@ -260,3 +266,140 @@ def test_quest_ragged_rows_each_as_alone():
     torch.testing.assert_close(out[:1], QuestDecode(32)(q[:1], cache_with(k[:1, :, :37], v[:1, :, :37], 64), 37),
                                atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1:], quest_loop_reference(q[1:], k[1:], v[1:], 50, 32), atol=1e-5, rtol=1e-5)
+
+
+def test_quest_and_the_rocketkv_hybrid_at_each_page_size_match_the_loop_reference():
+    """Quest's pages of 16, 32 and 64 positions, and the hybrid's bounds on r of d components, against
+    the loop reference; the hybrid with r = d is Quest."""
+    from policies import RocketKVHybridDecode
+
+    torch.manual_seed(5)
+    k, v = torch.randn(2, 2, 150, 8), torch.randn(2, 2, 150, 8)
+    q = torch.randn(2, 2, 3, 8)
+    cache = cache_with(k, v, 160)
+    for page, budget in ((16, 40), (32, 64), (64, 64)):
+        torch.testing.assert_close(QuestDecode(budget, page)(q, cache, 150),
+                                   quest_loop_reference(q, k, v, 150, budget, page), atol=1e-5, rtol=1e-5)
+        for r in (1, 3):
+            torch.testing.assert_close(RocketKVHybridDecode(budget, r, page)(q, cache, 150),
+                                       quest_loop_reference(q, k, v, 150, budget, page, r), atol=1e-5, rtol=1e-5)
+        assert torch.equal(RocketKVHybridDecode(budget, 8, page)(q, cache, 150), QuestDecode(budget, page)(q, cache, 150))
+
+
+def test_quest_and_hybrid_transfers_count_their_page_summaries():
+    from policies import RocketKVHybridDecode
+
+    S, d, k = 4096, 128, 256
+    dense = 2 * S * d + 2 * d
+    for page in (16, 32, 64):
+        assert compression_ratio(QuestDecode(k, page), S, d) == (2 * d * S // page + 2 * k * d + 2 * d) / dense
+        # the hybrid reads r of the d rows of the summaries
+        assert compression_ratio(RocketKVHybridDecode(k, 32, page), S, d) == (2 * 32 * S // page + 2 * k * d + 2 * d) / dense
+
+
+def doublesparse_loop_reference(q, k, v, length, channels, k_top, local):
+    """DoubleSparse written out per (row, KV head): approximate logits from the fixed channels of K,
+    at SparQ's temperature, softmax per query head and summed over the group; the `local` newest
+    positions and then the best; exact attention over them (mean-V off)."""
+    B, n_kv, g, d = q.shape
+    out = torch.zeros(B, n_kv, g, d)
+    for b in range(B):
+        for h in range(n_kv):
+            c = channels[h]
+            score = torch.zeros(length)
+            for j in range(g):
+                q_hat = q[b, h, j, c]
+                tau = math.sqrt(d * float(q_hat.abs().sum()) / float(q[b, h, j].abs().sum()))
+                score += torch.softmax(k[b, h, :length][:, c] @ q_hat / tau, 0)
+            recent = list(range(length - local, length))
+            rest = [int(i) for i in torch.argsort(score[:length - local], descending=True, stable=True)]
+            positions = recent + rest[:k_top - local]
+            for j in range(g):
+                w = torch.softmax(torch.stack([q[b, h, j] @ k[b, h, i] for i in positions]) / math.sqrt(d), 0)
+                out[b, h, j] = sum(w[t] * v[b, h, i] for t, i in enumerate(positions))
+    return out
+
+
+def test_doublesparse_reads_its_channels_and_matches_the_loop_reference():
+    """Fixed channels per KV head (not the query's): against the loop reference; with the channels q's
+    own top r it is SparQ."""
+    from policies import DoubleSparseDecode
+    from sparq import SparQDecode
+
+    torch.manual_seed(6)
+    k, v = torch.randn(1, 2, 90, 16), torch.randn(1, 2, 90, 16)
+    q = torch.randn(1, 2, 3, 16)
+    cache = cache_with(k, v, 96)
+    config = SparQConfig(r=4, k_top=24, local=6, mean_v=False)
+    channels = torch.tensor([[15, 2, 7, 9], [0, 1, 2, 3]])
+    torch.testing.assert_close(DoubleSparseDecode(config, channels)(q, cache, 90),
+                               doublesparse_loop_reference(q, k, v, 90, channels, 24, 6), atol=1e-5, rtol=1e-5)
+    own = torch.topk(q.abs().sum(2), 4, dim=-1).indices[0]  # (n_kv, r): what SparQ reads for this q
+    assert torch.equal(DoubleSparseDecode(config, own)(q, cache, 90), SparQDecode(config)(q, cache, 90))
+
+
+def test_doublesparse_needs_a_calibration_of_its_model(tmp_path):
+    import pytest
+
+    from model import ModelArgs
+    from policies import AttentionSettings, policy_factory
+
+    args = ModelArgs(vocab_size=10, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=8)
+    for channels, message in [(None, "calibrate_doublesparse"), (tmp_path / "none.pt", "does not exist"),
+                              (channels_file(ModelArgs(**{**vars(args), "n_layer": 3})), "not this one's")]:
+        with pytest.raises(ValueError, match=message):
+            policy_factory(AttentionSettings("doublesparse", sparq_r=4, channels=channels), args)
+    make = policy_factory(AttentionSettings("doublesparse", sparq_r=4, channels=channels_file(args)), args)
+    ranking = torch.load(channels_file(args))["ranking"]
+    assert torch.equal(make(1).channels, ranking[1, :, :4].long())  # each layer its own first r channels
+
+
+def test_calibration_ranks_channels_by_q_and_k_magnitude_over_every_chunk():
+    """The calibration's ranking, accumulated over prefill chunks, against |q| and |K| summed over one
+    prefill of the same tokens that keeps them whole."""
+    from model import DecodePolicy
+    from scripts.calibrate_doublesparse import calibrate
+    from test_ragged import tiny_model
+
+    class Keep(DecodePolicy):
+        def __init__(self):
+            super().__init__()
+            self.q = self.k = None
+
+        def observe_prefill(self, q, k, memo=None, lengths=None, window=None):
+            self.q, self.k = q, k
+
+    model = tiny_model()
+    tokens = torch.randint(0, 101, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    ranking = calibrate(model, tokens, chunk=16)  # 5 chunks
+    kept = [Keep() for _ in model.layers]
+    model.setup_caches(1, 70)
+    model.set_decode_attention(lambda layer: kept[layer])
+    from decoding import prefill
+    with torch.no_grad():
+        prefill(model, torch.tensor([tokens]), chunk=70)
+    n_kv, d = model.args.n_kv_head, model.args.head_dim
+    for layer, keep in enumerate(kept):
+        q_sum = keep.q[0].double().abs().view(n_kv, -1, 70, d).sum(dim=(1, 2))
+        importance = q_sum * keep.k[0].double().abs().sum(1)  # (n_kv, d)
+        expected = torch.sort(importance, dim=-1, descending=True, stable=True).indices
+        assert torch.equal(ranking[layer], expected)
+
+
+def test_generate_names_the_calibration_command_and_runs_the_new_selectors(tmp_path):
+    """doublesparse without its calibration: one line naming the command that makes it; with one (and
+    Quest at pages of 32, the hybrid), generate.py runs."""
+    from conftest import assert_one_line_error
+    from model import ModelArgs
+    from test_generate import run_generate
+
+    common = ["--random-weights", "tiny", "--prompt-tokens", "120", "--max-new-tokens", "4"]
+    assert_one_line_error(run_generate(*common, "--attention", "doublesparse", "--sparq-r", "4"),
+                          "python -m scripts.calibrate_doublesparse")
+    for flags in (["--attention", "doublesparse", "--sparq-r", "4", "--sparq-k", "32",
+                   "--doublesparse-channels", str(channels_file(ModelArgs.from_shape("tiny")))],
+                  ["--attention", "quest", "--kv-budget", "64", "--page-size", "32"],
+                  ["--attention", "rocketkv-hybrid", "--kv-budget", "48", "--hybrid-r", "4"]):
+        result = run_generate(*common, *flags)
+        assert result.returncode == 0, result.stderr
+        assert f"attention: {flags[1]}" in result.stdout + result.stderr

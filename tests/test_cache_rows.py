@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import channels_file
 from decoding import prefill
 from model import KVCache
 from policies import POLICIES, AttentionSettings, policy_factory
@@ -136,7 +137,8 @@ def test_model_rows_after_truncate_reset_and_refill_continue_as_alone(policy):
     entry = POLICIES[policy]
     settings = AttentionSettings(policy, sparq_r=6 if "sparq_r" in entry.flags else None, sparq_k=24,
                                  kv_budget=24 if entry.knob == "kv_budget" else None,
-                                 sparq_mean_v="on")  # SparQ and the oracle read the running V sums
+                                 sparq_mean_v="on",  # SparQ and the oracle read the running V sums
+                                 channels=channels_file(model.args))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (40, 9, 26)]
     model.setup_caches(3, 128)

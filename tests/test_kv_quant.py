@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, channels_file
 from decoding import Generator
 from model import QMAX, KVCache, KVFormat, Transformer, quantize_symmetric, unpack_int4
 from policies import POLICIES, AttentionSettings, policy_factory
@@ -171,7 +171,8 @@ def test_each_policy_on_the_quantized_cache_equals_it_on_a_dequantized_copy(poli
     settings = AttentionSettings(policy, sparq_r=5 if "sparq_r" in POLICIES[policy].flags else None, sparq_k=16,
                                  kv_budget=24 if POLICIES[policy].knob == "kv_budget" else None,
                                  compression=0.25 if policy == "sparq-adaptive" else None)
-    make = policy_factory(settings, args.__class__(**{**vars(args), "head_dim": D, "n_kv_head": N_KV}))
+    args = args.__class__(**{**vars(args), "head_dim": D, "n_kv_head": N_KV})
+    make = policy_factory(replace(settings, channels=channels_file(args)), args)
     q = torch.randn(2, N_KV, 2, D, generator=torch.Generator().manual_seed(3))
     assert torch.equal(make(0)(q, cache, n), make(0)(q, copy, n))
 

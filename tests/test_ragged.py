@@ -13,7 +13,7 @@ import torch
 
 import data
 import kernels
-from conftest import REPO, assert_one_line_error, read_json
+from conftest import REPO, assert_one_line_error, channels_file, read_json
 from decoding import Generator
 from kernels import TORCH_KERNELS
 from model import ModelArgs, Transformer, load_model
@@ -52,7 +52,8 @@ def test_every_row_equals_its_prompt_alone_tiny_model(policy):
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 70, 33)]
     settings = AttentionSettings(policy, sparq_r=6 if "sparq_r" in POLICIES[policy].flags else None, sparq_k=24,
-                                 kv_budget=24 if POLICIES[policy].knob == "kv_budget" else None)
+                                 kv_budget=24 if POLICIES[policy].knob == "kv_budget" else None,
+                                 channels=channels_file(model.args))
     batch = run_rows(model, rows, 14, settings)
     assert batch == alone(model, rows, 14, settings)
     assert len({str(r) for r in batch}) == 3

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 import torch
 
-from conftest import REPO, skip_or_fail
+from conftest import REPO, channels_file, skip_or_fail
 from decoding import Generator
 from engine import Engine, QueueFull, Request, Stopped, run_alone
 from policies import POLICIES, AttentionSettings, policy_factory
@@ -28,7 +28,7 @@ ROW_POLICIES = [name for name, entry in POLICIES.items() if name != "h2o"]  # h2
 def settings_for(policy: str) -> AttentionSettings:
     return AttentionSettings(policy, sparq_r=6 if "sparq_r" in POLICIES[policy].flags else None, sparq_k=24,
                              kv_budget=24 if POLICIES[policy].knob == "kv_budget" else None,
-                             compression=None)
+                             compression=None, channels=channels_file(tiny_model().args))
 
 
 def alone(model, prompt, new_tokens, settings, chunk, max_seq_length=512):
