@@ -4,9 +4,10 @@ ranked by how much they contribute to the attention logits on calibration text.
     python -m scripts.calibrate_doublesparse --checkpoint checkpoints/Qwen2.5-Coder-0.5B-Instruct
 
 Prefills --tokens tokens of the Paul Graham essays (the haystack text of the needle and RULER tasks, never
-their needles or questions; nothing of SQuAD) and ranks channel i of KV head h by |q_i| |k_i| summed over
-the calibration's queries of the group and its keys (DoubleSparse's "qk" outliers; the sums are taken
-apart, sum_t |q_t,i| x sum_s |k_s,i|, as RoPE'd q and K reach the cache). Writes the ranking, every
+their needles or questions; nothing of SQuAD) and ranks channel i of KV head h by sum_t |q_t,i k_t,i|
+over every calibration token t and the group's query heads: each token's query against its own key,
+after RoPE, as the authors' offline calibration scores its "qk" outlier channels (per query head there;
+per KV head here, since a group shares its channels as SparQ's step 1 does). Writes the ranking, every
 channel most important first, to doublesparse_channels.pt beside the checkpoint (--out elsewhere):
 any r reads its first r.
 """
@@ -27,24 +28,21 @@ from policies import CHANNELS_FILE, default_channels_file
 
 
 class ChannelStatistics(DecodePolicy):
-    """A prefill observer: sums of |q| (over the query heads of each KV head) and of |K| per channel."""
+    """A prefill observer: per KV head and channel i, sum_t |q_t,i k_t,i| over the tokens and the group's
+    query heads."""
 
     name = "channel-statistics"
 
     def __init__(self, n_kv: int, head_dim: int):
         super().__init__()
-        self.q_sum = torch.zeros(n_kv, head_dim, dtype=torch.float64)
-        self.k_sum = torch.zeros(n_kv, head_dim, dtype=torch.float64)
-        self.keys_seen = 0
+        self.importance = torch.zeros(n_kv, head_dim, dtype=torch.float64)
 
     def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
                         lengths: Optional[Tensor] = None, window: Optional[int] = None) -> None:
         B, H, T, d = q.shape  # q (1, H, T, d): this chunk's queries; k (1, n_kv, S, d): every key so far
-        n_kv = k.shape[1]
-        self.q_sum += q[0].double().abs().view(n_kv, H // n_kv, T, d).sum(dim=(1, 2))
-        new = k[0, :, self.keys_seen:].double().abs()  # the keys this chunk wrote
-        self.k_sum += new.sum(1)
-        self.keys_seen = k.shape[2]
+        n_kv, S = k.shape[1], k.shape[2]
+        own = k[0, :, S - T:, None].double().transpose(1, 2)  # (n_kv, 1, T, d): the chunk's keys, its queries' own
+        self.importance += (q[0].double().view(n_kv, H // n_kv, T, d) * own).abs().sum(dim=(1, 2))
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         raise RuntimeError("the calibration only prefills")
@@ -54,8 +52,7 @@ class ChannelStatistics(DecodePolicy):
 
     def ranking(self) -> Tensor:
         """(n_kv, d) channels by importance, most important first (ties: the lower channel)."""
-        importance = self.q_sum * self.k_sum
-        return torch.sort(importance, dim=-1, descending=True, stable=True).indices
+        return torch.sort(self.importance, dim=-1, descending=True, stable=True).indices
 
 
 def calibrate(model, tokens: list[int], chunk: int = PREFILL_CHUNK) -> Tensor:
@@ -83,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")  # nothing half-written under the final name
     torch.save({"ranking": ranking.to(torch.int16), "tokens": len(tokens), "text": "Paul Graham essays",
-                "score": "sum_t |q_t,i| x sum_s |k_s,i| per layer and KV head"}, partial)
+                "score": "sum_t |q_t,i k_t,i| per layer and KV head (query heads of the group summed)"}, partial)
     partial.replace(out)
     print(f"wrote {out}: channel ranking of {ranking.shape[0]} layers x {ranking.shape[1]} KV heads x "
           f"{ranking.shape[2]} channels from {len(tokens)} essay tokens")

@@ -355,8 +355,8 @@ def test_doublesparse_needs_a_calibration_of_its_model(tmp_path):
 
 
 def test_calibration_ranks_channels_by_q_and_k_magnitude_over_every_chunk():
-    """The calibration's ranking, accumulated over prefill chunks, against |q| and |K| summed over one
-    prefill of the same tokens that keeps them whole."""
+    """The calibration's ranking, accumulated over prefill chunks, against sum_t |q_t k_t| per channel
+    written out over one prefill of the same tokens that keeps q and K whole."""
     from model import DecodePolicy
     from scripts.calibrate_doublesparse import calibrate
     from test_ragged import tiny_model
@@ -379,9 +379,12 @@ def test_calibration_ranks_channels_by_q_and_k_magnitude_over_every_chunk():
     with torch.no_grad():
         prefill(model, torch.tensor([tokens]), chunk=70)
     n_kv, d = model.args.n_kv_head, model.args.head_dim
+    g = model.args.n_head // n_kv
     for layer, keep in enumerate(kept):
-        q_sum = keep.q[0].double().abs().view(n_kv, -1, 70, d).sum(dim=(1, 2))
-        importance = q_sum * keep.k[0].double().abs().sum(1)  # (n_kv, d)
+        importance = torch.zeros(n_kv, d, dtype=torch.float64)  # each token's query against its own key
+        for h in range(n_kv):
+            for j in range(g):
+                importance[h] += (keep.q[0, h * g + j].double() * keep.k[0, h].double()).abs().sum(0)
         expected = torch.sort(importance, dim=-1, descending=True, stable=True).indices
         assert torch.equal(ranking[layer], expected)
 
