@@ -503,8 +503,8 @@ class Policy:
 
 
 POLICIES: dict[str, Policy] = {
-    "dense": Policy(lambda s, args, kernels, layer: DenseDecode(kernels, args.attn_softcap), "exact attention over the live prefix",
-                    reads_buckets=True),
+    "dense": Policy(lambda s, args, kernels, layer: DenseDecode(kernels, args.attn_softcap),
+                    "exact attention over the live prefix", reads_buckets=True),
     "sparq": Policy(_build_sparq, "SparQ (--sparq-r/-k/-local/-mean-v)", ("sparq_r",), knob="sparq_r",
                     reads_buckets=True),
     # The same policy, budgeted the other way (the paper's length sweep): r fixed, k set by the compression.
@@ -517,7 +517,7 @@ POLICIES: dict[str, Policy] = {
     "topk": Policy(lambda s, args, kernels, layer: TopKDecode(s.budget, args.attn_softcap),
                    "FlexGen top-k: exact scores, top-k values", ("kv_budget",), knob="kv_budget"),
     "oracle": Policy(lambda s, args, kernels, layer: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget),
-                                                           args.attn_softcap),
+                                                                  args.attn_softcap),
                      "exact top-k at no transfer cost (upper bound)", ("kv_budget",), knob="kv_budget"),
     "h2o": Policy(lambda s, args, kernels, layer: H2ODecode(s.budget, s.sparq_local, cap=args.attn_softcap),
                   "H2O: evicting heavy hitters + recent window", ("kv_budget",), knob="kv_budget"),
