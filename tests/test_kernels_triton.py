@@ -477,7 +477,7 @@ def test_a_quantized_cache_is_read_as_its_dequantized_copy(layout, kv_dtype, kt_
     from sparq import sparq_attention_torch
     from test_kv_quant import dequantized_fp32
 
-    B, n_kv, g, d = 3, 2, 4, 64
+    n_kv, g, d = 2, 4, 64
     for S, lengths in ((301, [301, 17, 150]), (3001, [3001])):
         rows = len(lengths)
         cache = KVCache(rows, S + 63, n_kv, d, torch.float32, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
