@@ -28,7 +28,7 @@ import cli
 from kernels import TORCH_KERNELS, Kernels
 from model import DecodePolicy, DenseDecode, KVCache, KVFormat, ModelArgs, beyond_live, per_row, softcap
 from sparq import (SparQAdaptiveDecode, SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions,
-                   sparq_attention_torch, sparse_attention)
+                   sparq_attention_torch, sparse_attention, top_components)
 
 # ---------------------------------------------------------------------------------------------
 # Baselines from the paper, as decode policies on the same cache (transfers: paper, Appendix G)
@@ -216,7 +216,7 @@ class RocketKVHybridDecode(QuestDecode):
     def page_bounds(self, q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
         B, n_kv, g, d = q.shape
         n_pages = kmin.shape[2]
-        i1 = torch.topk(q.abs().sum(2), self.r, dim=-1).indices  # (B, n_kv, r)
+        i1 = top_components(q, self.r)  # (B, n_kv, r)
         q_hat = torch.gather(q, 3, i1[:, :, None, :].expand(B, n_kv, g, self.r))  # (B, n_kv, g, r)
         rows = i1[:, :, None, :].expand(B, n_kv, n_pages, self.r)
         return super().page_bounds(q_hat, torch.gather(kmin, 3, rows), torch.gather(kmax, 3, rows))
@@ -607,6 +607,14 @@ def add_selector_flags(p: argparse.ArgumentParser) -> None:
                         "python -m scripts.calibrate_doublesparse makes it)")
 
 
+def selector_settings(args: argparse.Namespace) -> dict:
+    """The AttentionSettings fields of add_selector_flags' flags: DoubleSparse's calibration defaults to the
+    file beside the run's --checkpoint, where the command has one."""
+    checkpoint = None if getattr(args, "checkpoint", None) is None else Path(args.checkpoint)
+    return dict(page_size=args.page_size, hybrid_r=args.hybrid_r,
+                channels=args.doublesparse_channels or default_channels_file(checkpoint))
+
+
 def knob_flag(knob: str) -> str:
     """The command-line flag of a setting: sparq_r -> --sparq-r."""
     return "--" + knob.replace("_", "-")
@@ -615,10 +623,8 @@ def knob_flag(knob: str) -> str:
 def attention_settings(args: argparse.Namespace) -> AttentionSettings:
     """AttentionSettings from the flags of add_attention_flags. A --compression target is refused with
     dense attention and beside the flag of the knob it solves (the policy's other settings stay: SparQ's
-    --sparq-k is the k at which r is solved, as --sparq-r is for sparq-fixed-r). DoubleSparse's calibration
-    defaults to the file beside the run's --checkpoint, where the command has one."""
+    --sparq-k is the k at which r is solved, as --sparq-r is for sparq-fixed-r)."""
     target = args.compression
-    checkpoint = None if getattr(args, "checkpoint", None) is None else Path(args.checkpoint)
     policy = args.attention or ("sparq" if args.sparq_r is not None or target is not None else "dense")
     if target is not None:
         knob = POLICIES[policy].knob
@@ -630,8 +636,7 @@ def attention_settings(args: argparse.Namespace) -> AttentionSettings:
     return AttentionSettings(policy=policy, sparq_r=args.sparq_r,
                              sparq_k=DEFAULT_SPARQ_K if args.sparq_k is None else args.sparq_k,
                              sparq_local=args.sparq_local, sparq_mean_v=args.sparq_mean_v, kv_budget=args.kv_budget,
-                             compression=target, page_size=args.page_size, hybrid_r=args.hybrid_r,
-                             channels=args.doublesparse_channels or default_channels_file(checkpoint))
+                             compression=target, **selector_settings(args))
 
 
 # ---------------------------------------------------------------------------------------------

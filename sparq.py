@@ -122,6 +122,12 @@ def selection_has_ties(q: Tensor, K: Tensor, length: int, config: SparQConfig) -
 # ---------------------------------------------------------------------------------------------
 
 
+def top_components(q: Tensor, r: int) -> Tensor:
+    """SparQ's choice of step 1's components: each KV head's r largest |q_i| summed over its group of query
+    heads. q (B, n_kv, g, d) -> (B, n_kv, r) indices."""
+    return torch.topk(q.float().abs().sum(2), r, dim=-1).indices
+
+
 def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int, r: int,
                        mask: Optional[Tensor] = None, cap: Optional[float] = None,
                        channels: Optional[Tensor] = None) -> Tensor:
@@ -135,7 +141,7 @@ def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int,
     B, n_kv, g, d = q.shape
     qf = q.float()
     if channels is None:
-        i1 = torch.topk(qf.abs().sum(2), r, dim=-1).indices  # (B, n_kv, r)
+        i1 = top_components(qf, r)  # (B, n_kv, r)
     else:
         i1 = channels.to(q.device)[None].expand(B, n_kv, r)
     q_hat = torch.gather(qf, 3, i1[:, :, None, :].expand(B, n_kv, g, r))  # (B, n_kv, g, r)

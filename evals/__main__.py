@@ -52,8 +52,8 @@ from evals.runner import Cell, Results, Runner, evaluate_batch
 from evals.tasks import TASKS, Example, TaskOptions
 from generate import DTYPES, add_cache_flags, cache_format, kernels_for, load_checkpoint, load_tokenizer, model_args
 from kernels import KERNEL_CHOICES
-from policies import (DENSE, POLICIES, QUEST_PAGE, AttentionSettings, add_selector_flags, default_channels_file,
-                      fraction_label, parse_compression)
+from policies import (DENSE, POLICIES, QUEST_PAGE, AttentionSettings, add_selector_flags, fraction_label,
+                      parse_compression, selector_settings)
 
 DEFAULT_LENGTH = 2048
 # 2048 tokens everywhere: it keeps the default run near 20 minutes on a shared 2-core CPU (a 4k batch
@@ -228,8 +228,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     base = AttentionSettings(sparq_r=args.sparq_r, sparq_k=args.sparq_k, sparq_mean_v=args.sparq_mean_v,
-                             page_size=args.page_size, hybrid_r=args.hybrid_r,
-                             channels=args.doublesparse_channels or default_channels_file(args.checkpoint))
+                             **selector_settings(args))
     runner = Runner(model, base, kv_format)
     results = Results()
     replayed = 0
