@@ -55,9 +55,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # ---------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(checkpoint: Path, device: str, dtype: torch.dtype, kernels: Kernels) -> Transformer:
-    """The model of a float or quantized checkpoint, running `kernels` (bench and evals load this way too)."""
-    return load_model(checkpoint, device=device, dtype=dtype, kernels=kernels, quantized=quantize.LOADING)
+def load_checkpoint(checkpoint: Path, device: str, dtype: torch.dtype, kernels: Kernels,
+                    quantized_kernel: str = "auto") -> Transformer:
+    """The model of a float or quantized checkpoint, running `kernels` (bench and evals load this way too);
+    a quantized one's linears run quantize.finalize_model's `quantized_kernel` (--quantized-kernel)."""
+    return load_model(checkpoint, device=device, dtype=dtype, kernels=kernels,
+                      quantized=quantize.loading(quantized_kernel))
 
 
 def load_tokenizer(checkpoint: Path):
@@ -215,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", choices=KERNEL_CHOICES, default="auto",
                    help="decode kernels: auto = the fused kernels of the device (cpu: C++ dense and SparQ attention "
                         "and linears; cuda: Triton SparQ), torch = plain PyTorch everywhere")
+    p.add_argument("--quantized-kernel", choices=quantize.BACKENDS, default="auto",
+                   help="a quantized checkpoint's linears (quantize.py): auto = the fastest that applies; gemv = the "
+                        "fused GEMVs in fp32 (what auto takes for int4 layers on CPUs without AVX512_VNNI); "
+                        "gemv-q8 = int4 layers round activations to int8 per group (auto's choice with VNNI)")
     add_attention_flags(p)
     spec = p.add_argument_group("speculative decoding (greedy output is the verifier's own; sampled, distributed as its own)")
     spec.add_argument("--speculate-k", type=cli.positive_int, default=None, metavar="N",
@@ -379,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
     if args.random_weights:
         model, tokenizer = random_model(config, args.device, DTYPES[args.dtype], kernels), TokenIds()
     else:
-        model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels)
+        model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels, args.quantized_kernel)
         tokenizer = load_tokenizer(args.checkpoint)
     if args.interactive:
         if tp.world_size() > 1:
@@ -527,7 +534,7 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
                           temperature=args.temperature, top_k=args.top_k, compile=args.compile)
     draft_config = model_args(args.draft_checkpoint)
     draft_kernels = kernels_for(args.kernel, args.device, draft_config, kv_formats=[cache_format(args)])
-    draft = load_checkpoint(args.draft_checkpoint, args.device, DTYPES[args.dtype], draft_kernels)
+    draft = load_checkpoint(args.draft_checkpoint, args.device, DTYPES[args.dtype], draft_kernels, args.quantized_kernel)
     check_same_tokenizer(tokenizer, load_tokenizer(args.draft_checkpoint), draft_config, model.args)
     if max_seq_length > draft_config.max_context:
         raise UserError(f"the draft's context of {draft_config.max_context} tokens is shorter than the "

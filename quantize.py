@@ -43,6 +43,12 @@ Kernels (CPU, torch 2.13).
                             (prefill) dequantize the weight and run F.linear, as fast as the packed
                             aten kernels there. python -m bench linear --quantized compares them with the
                             aten kernels below at decode sizes.
+  int4 layers   "gemv-q8"   the same int4 GEMV with x rounded to int8 per group first (llama.cpp's
+                            Q8_0 activations), then integer dot products (sparq::linear_int4_q8_cpu,
+                            vpdpbusd): "auto"'s choice where the build has AVX512_VNNI
+                            (int4_gemv_kernel), the only path here whose decode numerics are not those
+                            of the dequantized weights: the rounding of x costs SmolLM2 +0.0008 bits per
+                            character, less than llama.cpp's Q4_0 / Q4_1 (docs/NOTES.md).
 aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu are only vectorized for bf16
 activations; with fp32 activations they run a scalar loop, many times slower. So the packed paths cast
 the activations to bf16, run the kernel (fp32 accumulation) and cast back:
@@ -65,6 +71,7 @@ layout differs again. Packing at load takes 1-5 s for the 135M model on this 2-c
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import warnings
@@ -86,7 +93,7 @@ MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 32
 HEAD_CHOICES = ("int8", "int4", "none")
-BACKENDS = ("auto", "gemv", "int4x2", "int8pack", "dequant")  # see Int8Linear; int4 layers: gemv, int4pack
+BACKENDS = ("auto", "gemv", "gemv-q8", "int4x2", "int8pack", "dequant")  # see Int8Linear; int4: gemv(-q8), int4pack
 KERNEL_DTYPE = torch.bfloat16  # the activation dtype the packed kernels are vectorized for
 
 
@@ -198,6 +205,16 @@ def _gemv_available(device: torch.device) -> bool:
     return device.type == "cpu" and kernels.cpu_kernel_error() is None
 
 
+def int4_gemv_kernel(device: torch.device) -> str:
+    """The int4 decode GEMV "auto" picks: "gemv-q8" (x rounded to int8 per group, as llama.cpp's Q8_0,
+    then integer dot products) where this build has its vpdpbusd path, which is faster there; else
+    "gemv" (fp32 activations), where the portable int8 path would be slower. The rounding costs
+    less than llama.cpp's own Q4 formats do (python -m scripts.quant_bpc; docs/NOTES.md)."""
+    if _gemv_available(device) and torch.ops.sparq.linear_int4_q8_path() == "vnni":
+        return "gemv-q8"
+    return "gemv"
+
+
 def _int4pack_mm(x2: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
     if packed.device.type == "cpu":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_and_zeros)
@@ -291,8 +308,8 @@ class Int8Linear(nn.Module):
         Drops the int8 weight when the kernel no longer reads it, unless keep_weight."""
         if self.kernel != "dequant":
             return
-        choices = {"auto": ("gemv", "int4x2", "int8pack"), "gemv": ("gemv",), "int4x2": ("int4x2",),
-                   "int8pack": ("int8pack",), "dequant": ()}[backend or "auto"]
+        choices = {"auto": ("gemv", "int4x2", "int8pack"), "gemv": ("gemv",), "gemv-q8": ("gemv",),
+                   "int4x2": ("int4x2",), "int8pack": ("int8pack",), "dequant": ()}[backend or "auto"]
         for kernel in choices:
             if self.supports(kernel) and _kernel_ok(kernel, self.scales.device, self.group_size or 0, bits=8):
                 self.use_kernel(kernel)
@@ -372,7 +389,7 @@ class Int4Linear(nn.Module):
 
     def supports(self, kernel: str) -> bool:
         device = self.scales.device.type
-        if kernel == "gemv":  # groups of whole 32-column steps (every GROUP_SIZES entry)
+        if kernel in ("gemv", "gemv-q8"):  # groups of whole 32-column steps (every GROUP_SIZES entry)
             return _gemv_available(self.scales.device) and self.group_size % 32 == 0
         if kernel == "int4pack":
             if device == "cpu":  # the kernel's N blocks are 16, 32, 48 or 64 wide
@@ -384,18 +401,23 @@ class Int4Linear(nn.Module):
         if kernel == "int4pack":
             self.packed = pack_int4_for_kernel(unpack_nibbles(self.weight))
             self.scales_and_zeros = _int4_scales_and_zeros(self.scales, self.zeros)
-        elif kernel not in ("gemv", "dequant"):  # gemv reads the stored tensors as they are
+        elif kernel not in ("gemv", "gemv-q8", "dequant"):  # the GEMVs read the stored tensors as they are
             raise ValueError(f"unknown int4 kernel {kernel!r}")
         self.kernel = kernel
 
     def finalize(self, backend: Optional[str] = None, keep_weight: bool = False) -> None:
-        """Pick the kernel: backend None/"auto" = "gemv", else "int4pack", the first that applies and
-        passes the self-check; "gemv" / "int4pack" force one (falling back to dequant); "int4x2" and
-        "int8pack" are int8 kernels: int4 layers then take int4pack as before."""
+        """Pick the kernel: backend None/"auto" = int4_gemv_kernel's GEMV, else "gemv", else "int4pack",
+        the first that applies and passes the self-check; "gemv" / "gemv-q8" / "int4pack" force one
+        (falling back to dequant); "int4x2" and "int8pack" are int8 kernels: int4 layers then take
+        int4pack as before."""
         if self.kernel != "dequant" or backend == "dequant":
             return
-        choices = ("gemv",) if backend == "gemv" else ("int4pack",) if backend in ("int4x2", "int8pack") \
-            else ("gemv", "int4pack")
+        if backend in ("gemv", "gemv-q8"):
+            choices = (backend,)
+        elif backend in ("int4x2", "int8pack"):
+            choices = ("int4pack",)
+        else:
+            choices = tuple(dict.fromkeys((int4_gemv_kernel(self.scales.device), "gemv", "int4pack")))
         for kernel in choices:
             if self.supports(kernel) and _kernel_ok(kernel, self.scales.device, self.group_size, bits=4):
                 self.use_kernel(kernel)
@@ -404,7 +426,7 @@ class Int4Linear(nn.Module):
             self.weight = self.scales = self.zeros = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel == "gemv":
+        if self.kernel in ("gemv", "gemv-q8"):
             y = self.forward_gemv(x)
         elif self.kernel == "int4pack":
             y = self.forward_int4pack(x)
@@ -416,7 +438,8 @@ class Int4Linear(nn.Module):
         x2 = _gemv_rows(x, self.in_features)
         if x2 is None:  # a prefill: a GEMM's work, torch's own
             return self.forward_dequant(x)
-        y = torch.ops.sparq.linear_int4_cpu(x2, self.weight, self.scales, self.zeros)
+        gemv = torch.ops.sparq.linear_int4_q8_cpu if self.kernel == "gemv-q8" else torch.ops.sparq.linear_int4_cpu
+        y = gemv(x2, self.weight, self.scales, self.zeros)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_int4pack(self, x: Tensor) -> Tensor:
@@ -596,8 +619,8 @@ def finalize_model(model: nn.Module, kernels: Kernels, backend: Optional[str] = 
 
     kernels.packed_quantized False (--kernel torch): "dequant" everywhere. Else backend None or
     "auto" = the fastest kernel that applies and passes its self-check (int8: "gemv", else "int4x2",
-    else "int8pack"; int4: "gemv", else "int4pack"), or force "gemv" / "int4x2" / "int8pack" /
-    "dequant" (benchmarks).
+    else "int8pack"; int4: int4_gemv_kernel's, else "gemv", else "int4pack"), or force "gemv" /
+    "gemv-q8" (int4 layers; int8 ones take "gemv") / "int4x2" / "int8pack" / "dequant" (benchmarks).
     Tensors a kernel no longer reads are released; a tied embedding keeps its own reference to the
     head's stored tensors, so the lookup still works.
     """
@@ -787,8 +810,15 @@ def run(args: argparse.Namespace) -> Path:
     return 0
 
 
-# model.load_model(..., quantized=LOADING) reads the checkpoints this module writes.
-LOADING = QuantizedLoading(prepare=prepare_model, finalize=finalize_model)
+def loading(backend: str = "auto") -> QuantizedLoading:
+    """How model.load_model reads the checkpoints this module writes, their kernels picked by
+    finalize_model(backend) (a BACKENDS entry, e.g. "gemv" for fp32 activations in int4 layers)."""
+    if backend not in BACKENDS:
+        raise QuantizationError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    return QuantizedLoading(prepare=prepare_model, finalize=functools.partial(finalize_model, backend=backend))
+
+
+LOADING = loading()  # model.load_model(..., quantized=LOADING): the kernels "auto" picks
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import cli
+import quantize
 from bench.common import DTYPES, last_level_cache_bytes, torch_dtype
 from cli import UserError
 
@@ -45,6 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
     p.add_argument("--sparq-mean-v", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"), help="decode kernels (as generate.py)")
+    p.add_argument("--quantized-kernel", default="auto", choices=quantize.BACKENDS,
+                   help="a quantized checkpoint's linears (as generate.py)")
     p.add_argument("--cache-format", default="auto",
                    help="comma list of KV cache formats KV[/KT] (generate.py's --kv-dtype and --kt-dtype), e.g. "
                         "auto,int8,int8/int4: every policy runs on each, with its own caches; speedups are over "
@@ -260,7 +263,7 @@ def run(args) -> int:
                     file=sys.stderr)
     for dtype_name in dtypes:
         model = (random_model(model_args, "cpu", torch_dtype(dtype_name), kernels) if args.random_weights
-                 else load_checkpoint(args.checkpoint, "cpu", torch_dtype(dtype_name), kernels))
+                 else load_checkpoint(args.checkpoint, "cpu", torch_dtype(dtype_name), kernels, args.quantized_kernel))
         policies, caches, format_of = {}, {}, {}
         for f, (label, kv_format) in enumerate(formats):
             try:

@@ -9,6 +9,9 @@
 //   linear_int4_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor
 //       w (N, K / 2) uint8, two 4-bit values q per byte (low nibble = even column), scales and
 //       zeros (N, G): W[n, k] = (q[n, k] - 8) * scales[n, k / gs] + zeros[n, k / gs]
+//   linear_int4_q8_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor
+//       linear_int4_cpu's weights, x quantized to int8 per group first (below int4_q8_row)
+//   linear_int4_q8_path() -> str     "vnni" (vpdpbusd) or "portable": this build's int4_q8 path
 // y = x @ W^T in fp32 (x any float dtype, returned in x's dtype); scales / zeros bf16 or fp32.
 //
 // Each weight vector is dequantized in registers to exactly the fp32 values quantize.py's
@@ -26,8 +29,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "parallel.h"
@@ -255,6 +260,133 @@ static inline void int4_block_bf16(const X4Planes& xp, int64_t rows, int64_t m0,
 }
 #endif
 
+// ---------------------------------------------------------------------------------------------
+// int4 x int8 (linear_int4_q8_cpu): x quantized to int8 per weight group, as llama.cpp's Q8_0 does
+// for its Q4 dot products: a_g = max|x_g| / 127, xq = round(x * 127 / max|x_g|). Then, with q the
+// stored nibbles in [0, 15],
+//   x . W = sum_g s_g a_g (xq_g . q_g) - s_g (8 a_g sum xq_g) + z_g X_g      (X_g = sum of x_g, exact)
+// so the only approximation is xq's rounding, met by (q - 8): the integer dot product is exact.
+// XQ holds x's side once per call: int8 planes of the even and odd columns (zero-padded to whole
+// 64-byte steps), a per group, 8 a sum(xq) and X per group, and a per int32 lane of a 64-byte step
+// (4 bytes, 8 columns) for the vpdpbusd path.
+// ---------------------------------------------------------------------------------------------
+
+struct XQ {
+  int64_t M = 0, G = 0, K2p = 0;
+  std::vector<int8_t> even, odd;  // (M, K2p)
+  std::vector<float> a, a_lane;   // (M, G), (M, K2p / 4)
+  std::vector<float> X, Xq8;      // (M, G): sum of x, 8 a sum(xq)
+};
+
+static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G) {
+  XQ r;
+  const int64_t gs = K / G, K2 = K / 2;
+  r.M = M, r.G = G, r.K2p = round_up(std::max<int64_t>(K2, 1), 64);
+  r.even.assign(M * r.K2p, 0);
+  r.odd.assign(M * r.K2p, 0);
+  r.a.assign(M * G, 0.f);
+  r.a_lane.assign(M * r.K2p / 4, 0.f);
+  r.X.assign(M * G, 0.f);
+  r.Xq8.assign(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* x = xf + m * K + g * gs;
+      float amax = 0.f, sum = 0.f;
+      for (int64_t i = 0; i < gs; ++i) {
+        amax = std::max(amax, std::fabs(x[i]));
+        sum += x[i];
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f, a = amax / 127.f;
+      int32_t qsum = 0;
+      for (int64_t i = 0; i < gs; i += 2) {  // gs is even: columns pair up into bytes
+        const int8_t qe = (int8_t)std::nearbyint(x[i] * inv), qo = (int8_t)std::nearbyint(x[i + 1] * inv);
+        const int64_t byte = m * r.K2p + (g * gs + i) / 2;
+        r.even[byte] = qe;
+        r.odd[byte] = qo;
+        qsum += qe + qo;
+      }
+      r.a[m * G + g] = a;
+      r.X[m * G + g] = sum;
+      r.Xq8[m * G + g] = 8.f * a * (float)qsum;
+      for (int64_t l = g * gs / 8; l < (g + 1) * gs / 8; ++l) r.a_lane[m * r.K2p / 4 + l] = a;
+    }
+  return r;
+}
+
+// The readable path (every CPU): per weight row and group, the integer dot product, then the formula.
+template <class ST>
+static void int4_q8_row(const XQ& xq, int64_t K2, const uint8_t* w, const ST* s, const ST* z, float* y, int64_t N) {
+  const int64_t G = xq.G, gs2 = K2 / G;
+  for (int64_t m = 0; m < xq.M; ++m) {
+    const int8_t* xe = xq.even.data() + m * xq.K2p;
+    const int8_t* xo = xq.odd.data() + m * xq.K2p;
+    float acc = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t dot = 0;
+      for (int64_t b = g * gs2; b < (g + 1) * gs2; ++b) dot += (w[b] & 15) * xe[b] + (w[b] >> 4) * xo[b];
+      const float sg = to_f(s[g]);
+      acc += sg * xq.a[m * G + g] * (float)dot - sg * xq.Xq8[m * G + g] + to_f(z[g]) * xq.X[m * G + g];
+    }
+    y[m * N] = acc;
+  }
+}
+
+#ifdef SPARQ_AVX512_VNNI
+// The vpdpbusd path (the build's choice where the CPU has AVX512_VNNI): 64 bytes, 128 weights, per
+// step. The low and high nibbles (u8 in [0, 15]) meet the int8 planes of x's even and odd columns;
+// each int32 lane sums 8 products of one group (a group spans a multiple of 16 bytes, 4 lanes), is
+// converted to fp32 and scaled by its group's s (one vpermps from the 16 scales of the window, as
+// int4_block_bf16) times a. About half the instructions per weight of the bf16 path above.
+template <int MB, int RB, class ST>
+static inline void int4_q8_block_vnni(const XQ& xq, int64_t m0, int64_t K2, const int32_t* lane_group, const uint8_t* w,
+                                      int64_t ws, const ST* s, const ST* z, int64_t ss, float* y, int64_t N) {
+  const int64_t G = xq.G, gs2 = K2 / G;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MB][RB];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {  // z X - s (8 a sum xq), 16 groups at a time
+    const M gm = tail_mask(G - g0);
+    for (int r = 0; r < RB; ++r) {
+      const V sv = load(s + r * ss + g0, gm), zv = load(z + r * ss + g0, gm);
+      for (int m = 0; m < MB; ++m) {
+        acc[m][r] = _mm512_fmadd_ps(zv.x, load(xq.X.data() + (m0 + m) * G + g0, gm).x, acc[m][r]);
+        acc[m][r] = _mm512_fnmadd_ps(sv.x, load(xq.Xq8.data() + (m0 + m) * G + g0, gm).x, acc[m][r]);
+      }
+    }
+  }
+  const int64_t window = 16 * gs2;  // the bytes of 16 groups, a multiple of 256
+  for (int64_t b0 = 0; b0 < K2; b0 += window) {
+    const int64_t g0 = b0 / gs2, b1 = std::min(K2, b0 + window);
+    const M gm = tail_mask(G - g0);
+    __m512 sv[RB];
+    for (int r = 0; r < RB; ++r) sv[r] = load(s + r * ss + g0, gm).x;
+    for (int64_t b = b0; b < b1; b += 64) {
+      const __m512i idx = _mm512_loadu_si512(lane_group + (b - b0) / 4);  // each lane's group in the window
+      const __mmask64 bm = b1 - b >= 64 ? ~0ULL : (1ULL << (b1 - b)) - 1ULL;  // x's padding is zero
+      __m512 am[MB];
+      for (int m = 0; m < MB; ++m) am[m] = _mm512_loadu_ps(xq.a_lane.data() + (m0 + m) * (xq.K2p / 4) + b / 4);
+      for (int r = 0; r < RB; ++r) {
+        prefetch_l2(w + (r + SPARQ_QPF) * ws + b);
+        const __m512i bytes = _mm512_maskz_loadu_epi8(bm, w + r * ws + b);
+        const __m512i lo = _mm512_and_si512(bytes, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+        const __m512 sc = _mm512_permutexvar_ps(idx, sv[r]);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xe = xq.even.data() + (m0 + m) * xq.K2p + b;
+          const int8_t* xo = xq.odd.data() + (m0 + m) * xq.K2p + b;
+          __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xe));
+          t = _mm512_dpbusd_epi32(t, hi, _mm512_loadu_si512(xo));
+          acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sc, am[m]), acc[m][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) y[m * N + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+#endif
+
 // Blocks of up to 4 rows of x over rows [n0, n1) of w, 4 weight rows at a time (4 sequential
 // streams for the hardware prefetcher); block(mb, rb, m, n) calls the <MB, RB> kernel.
 template <class Block>
@@ -400,10 +532,60 @@ at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& w, const at::T
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+at::Tensor linear_int4_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros) {
+  const char* op = "sparq::linear_int4_q8_cpu";
+  check_x(x, op);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), K2 = K / 2;
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.scalar_type() == at::kByte && w.stride(1) == 1 &&
+                  K % 2 == 0 && w.size(1) == K2, op, ": w must be uint8 (N, K / 2) contiguous, K = x's");
+  const int64_t G = check_scales(scales, N, op);
+  TORCH_CHECK(scales.dim() == 2 && zeros.sizes() == scales.sizes() && zeros.strides() == scales.strides() &&
+                  zeros.scalar_type() == scales.scalar_type() && zeros.device().is_cpu(),
+              op, ": scales and zeros must be (N, G) alike");
+  TORCH_CHECK(K % G == 0 && (K / G) % 32 == 0, op, ": groups must split K into multiples of 32");
+  const int64_t ss = scales.stride(0), ws = w.stride(0);
+  const std::vector<float> xf = x_f32(x);
+  const XQ xq = quantize_x_int8(xf.data(), M, K, G);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+#ifdef SPARQ_AVX512_VNNI
+  std::vector<int32_t> lane_group(16 * (K2 / G) / 4);  // int32 lane of a window -> its group there
+  for (size_t l = 0; l < lane_group.size(); ++l) lane_group[l] = (int32_t)(l * 4 / (K2 / G));
+  auto run = [&](auto* s, auto* z) {
+    over_weight_rows(N, [&](int64_t n0, int64_t n1) {
+      over_blocks(M, n0, n1, [&](auto mb, auto rb, int64_t m, int64_t n) {
+        int4_q8_block_vnni<decltype(mb)::value, decltype(rb)::value>(xq, m, K2, lane_group.data(), wp + n * ws, ws,
+                                                                    s + n * ss, z + n * ss, ss, yp + m * N + n, N);
+      });
+    });
+  };
+#else
+  auto run = [&](auto* s, auto* z) {
+    over_weight_rows(N, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) int4_q8_row(xq, K2, wp + n * ws, s + n * ss, z + n * ss, yp + n, N);
+    });
+  };
+#endif
+  if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<bf16>(), zeros.data_ptr<bf16>());
+  else run(scales.data_ptr<float>(), zeros.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+#ifdef SPARQ_AVX512_VNNI
+std::string linear_int4_q8_path() { return "vnni"; }
+#else
+std::string linear_int4_q8_path() { return "portable"; }
+#endif
+
 }  // namespace
 }  // namespace sparq_cpu
 
 TORCH_LIBRARY_IMPL(sparq, CPU, m) {
   m.impl("linear_int8_cpu", &sparq_cpu::linear_int8_cpu);
   m.impl("linear_int4_cpu", &sparq_cpu::linear_int4_cpu);
+  m.impl("linear_int4_q8_cpu", &sparq_cpu::linear_int4_q8_cpu);
+}
+TORCH_LIBRARY_IMPL(sparq, CompositeExplicitAutograd, m) {  // no tensor arguments
+  m.impl("linear_int4_q8_path", &sparq_cpu::linear_int4_q8_path);
 }

@@ -93,14 +93,15 @@ static inline int thread_count() {
   return at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
 }
 
-// The GEMVs' split: rows [0, N) of a weight in units of up to 64 rows (a multiple of 4, so blocks
-// of 4 rows stay whole), at least 4 units per thread so a late thread is not waited on; fn(n0, n1)
-// runs on torch's threads.
+// The GEMVs' split: rows [0, N) of a weight in two units of contiguous rows per thread (a multiple
+// of 4 rows, so blocks of 4 rows stay whole; a thread that starts late leaves its second unit to the
+// others); fn(n0, n1) runs on torch's threads. Long contiguous units keep each thread's stream
+// sequential for the prefetchers: units of at most 64 rows, taken in turn by the threads, streamed a
+// 17.7 MB int4 weight at 17 GB/s, two units per thread at 38 (docs/NOTES.md).
 template <class F>
 static void over_weight_rows(int64_t N, F&& fn) {
   const int nt = thread_count();
-  int64_t rows = 64;
-  while (rows > 4 && (N + rows - 1) / rows < 4 * nt) rows /= 2;
+  const int64_t rows = round_up((N + 2 * nt - 1) / (2 * nt), 4);
   const int64_t units = (N + rows - 1) / rows;
   auto unit = [&](int, int64_t u, int) { fn(u * rows, std::min(N, (u + 1) * rows)); };
   run_phases(nt, {units}, unit);

@@ -528,6 +528,53 @@ def test_fused_int4_linear_matches_fp64(M, N, K, group, x_dtype, scale_dtype, n_
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-2 if x.dtype != torch.float32 else 1e-5)
 
 
+def int4_q8_reference(x, q, s, z, group):
+    """fp64 over x quantized as llama.cpp's Q8_0 does, per group of the weight: xq = round(x * 127 /
+    max|x_g|) (in fp32, ties to even), x ~ xq * max|x_g| / 127; the weights W = (q - 8) s + z, with the
+    zero points' term on x itself (what sparq::linear_int4_q8_cpu documents)."""
+    M, K = x.shape
+    xg = x.float().reshape(M, K // group, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    xq = torch.round(xg * torch.where(amax > 0, 127 / amax, 0)).double() * (amax / 127).double()
+    rep = lambda t: t.double().repeat_interleave(group, 1)  # noqa: E731
+    return xq.reshape(M, K) @ ((q.double() - 8) * rep(s)).T + x.double() @ rep(z).T
+
+
+@pytest.mark.parametrize("M,N,K,group,x_dtype,scale_dtype,n_threads", [
+    (1, 576, 576, 32, "float32", "bfloat16", 2), (3, 5, 64, 32, "float32", "float32", 1),
+    (16, 961, 576, 64, "bfloat16", "bfloat16", 2), (2, 1027, 1536, 256, "float32", "bfloat16", 2),
+    (7, 67, 768, 128, "float16", "float32", 1), (1, 130, 4160, 32, "float32", "bfloat16", 2)])
+def test_int4_with_int8_activations_matches_fp64(M, N, K, group, x_dtype, scale_dtype, n_threads, threads):
+    """sparq::linear_int4_q8_cpu: linear_int4_cpu's weights, x quantized to int8 per group (the
+    integer dot products are exact, so only fp32 rounding separates it from the fp64 reference).
+    K = 4160: more than 16 groups of 32 (a second scale window) and a last 64-byte step half full.
+    Some rows of x hold a zero group (scale 0)."""
+    threads(n_threads)
+    gen = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=gen)
+    x[0, :group] = 0
+    x = x.to(getattr(torch, x_dtype))
+    q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+    s = (torch.rand(N, K // group, generator=gen) + 0.01).to(getattr(torch, scale_dtype))
+    z = torch.randn(N, K // group, generator=gen).to(getattr(torch, scale_dtype))
+    out = torch.ops.sparq.linear_int4_q8_cpu(x, q[:, 0::2] | (q[:, 1::2] << 4), s, z)
+    assert out.dtype == x.dtype and out.shape == (M, N)
+    ref = int4_q8_reference(x, q, s, z, group).to(x.dtype).double()
+    tol = 1e-5 * math.sqrt(K) * float(ref.abs().max()) / 10 if x.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-2 if x.dtype != torch.float32 else 1e-5)
+    # and it is an approximation of the fp32 GEMV, not something else: within the rounding of x to 8 bits
+    w = (q.double() - 8) * s.double().repeat_interleave(group, 1) + z.double().repeat_interleave(group, 1)
+    exact = x.double() @ w.T
+    assert float((out.double() - exact).norm() / exact.norm()) < 0.02
+
+
+def test_int4_q8_path_matches_the_cpu():
+    """The int8-activation int4 GEMV uses vpdpbusd where the build targets AVX512_VNNI (-march=native)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
+    assert torch.ops.sparq.linear_int4_q8_path() == ("vnni" if avx512 else "portable")
+
+
 def test_gemv_isa_matches_the_cpu():
     """The GEMV's instruction set is fixed at build time (-march=native): bf16 dot products where
     the CPU has them."""
@@ -567,7 +614,8 @@ def test_kernel_variants_without_cpu_features_match_fp64():
     for flags, isa, proc in procs:
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0 and out.rstrip().endswith("OK"), f"{flags}:\n{out[-3000:]}"
-        assert f"ISA {isa}" in out and "INT8 float" in out, f"{flags} built the wrong path:\n{out[-3000:]}"
+        assert f"ISA {isa}" in out and "INT8 float" in out and "INT4_Q8 portable" in out, \
+            f"{flags} built the wrong path:\n{out[-3000:]}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -22,6 +22,7 @@ cpp_extension.load(name=name, sources=SOURCES, extra_cflags=["-O1", *flags, "-fo
                    extra_ldflags=["-fopenmp"], is_python_module=False)
 print("ISA", torch.ops.sparq.linear_cpu_isa())
 print("INT8", torch.ops.sparq.dense_int8_path())
+print("INT4_Q8", torch.ops.sparq.linear_int4_q8_path())
 for M, N, K, xd, wd in [(1, 576, 576, "float32", "float32"), (1, 1000, 17, "float32", "bfloat16"),
                         (3, 5, 1536, "float32", "bfloat16"), (16, 961, 576, "bfloat16", "bfloat16"),
                         (2, 4099, 64, "bfloat16", "float32"), (5, 67, 45, "float16", "float16")]:
@@ -50,6 +51,13 @@ for M, N, K, group in [(1, 100, 576, 32), (9, 37, 256, 128)]:
     out = torch.ops.sparq.linear_int4_cpu(x, q[:, 0::2] | (q[:, 1::2] << 4), s, z)
     torch.testing.assert_close(out.double(), x.double() @ w.T, atol=1e-4 * float(w.abs().max()) * math.sqrt(K),
                                rtol=1e-5)
+    # x quantized to int8 per group (x * 127 / max|x_g| rounded), the zero points' term on x itself
+    xg = x.reshape(M, K // group, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    xq = (torch.round(xg * (127 / amax)).double() * (amax / 127).double()).reshape(M, K)
+    ref = xq @ ((q.double() - 8) * s.double().repeat_interleave(group, 1)).T + x.double() @ z.double().repeat_interleave(group, 1).T
+    out = torch.ops.sparq.linear_int4_q8_cpu(x, q[:, 0::2] | (q[:, 1::2] << 4), s, z)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4 * float(w.abs().max()) * math.sqrt(K), rtol=1e-5)
 for B, H, g, d, S, qd, kd in [(1, 2, 3, 64, 1000, "bfloat16", "bfloat16"), (2, 1, 4, 128, 300, "float32", "bfloat16"),
                               (1, 1, 2, 256, 70, "float32", "float32"), (1, 2, 5, 80, 33, "float16", "float16")]:
     g_ = torch.Generator().manual_seed(S + d)
