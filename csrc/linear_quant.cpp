@@ -48,6 +48,12 @@ namespace {
 template <class ST>
 static inline float scale_at(const ST* s, int64_t i) { return to_f(s[i]); }
 
+// Software prefetch distance in weight rows: about 6 KB ahead of the stream (SPARQ_QPF to 16 rows),
+// so that short quantized rows (288 bytes for an int4 row of 576) keep enough in flight.
+static inline int64_t prefetch_rows(int64_t ws) {
+  return std::clamp<int64_t>(6144 / std::max<int64_t>(ws, 1), SPARQ_QPF, 16);
+}
+
 // ---------------------------------------------------------------------------------------------
 // int8: MB rows of x (fp32, K apart) against RB rows of w (ws bytes apart), W = q * s. Per output
 // channel the scale multiplies the finished dot product; per group, each group's partial dot
@@ -58,6 +64,7 @@ static inline float scale_at(const ST* s, int64_t i) { return to_f(s[i]); }
 template <int MB, int RB, class ST>
 static inline void int8_block(const float* x, int64_t K, const int8_t* w, int64_t ws, const ST* s, int64_t ss,
                               int64_t G, float* y, int64_t N) {
+  const int64_t pf = prefetch_rows(ws);
   V acc[MB][RB];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < RB; ++r) acc[m][r] = vzero();
@@ -65,7 +72,7 @@ static inline void int8_block(const float* x, int64_t K, const int8_t* w, int64_
     const int64_t kfull = K / 16 * 16;
     for (int64_t k = 0; k < kfull; k += 16) {
       if (k % 64 == 0)
-        for (int r = 0; r < RB; ++r) prefetch_l2(w + (r + SPARQ_QPF) * ws + k);
+        for (int r = 0; r < RB; ++r) prefetch_l2(w + (r + pf) * ws + k);
       V wv[RB];
       for (int r = 0; r < RB; ++r) wv[r] = load_i8(w + r * ws + k);
       for (int m = 0; m < MB; ++m) {
@@ -95,7 +102,7 @@ static inline void int8_block(const float* x, int64_t K, const int8_t* w, int64_
         for (int r = 0; r < RB; ++r) t[m][r] = vzero();
       for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
         if (k % 64 == 0)  // the next rows' cache lines, a block ahead of the stream
-          for (int r = 0; r < RB; ++r) prefetch_l2(w + (r + SPARQ_QPF) * ws + k);
+          for (int r = 0; r < RB; ++r) prefetch_l2(w + (r + pf) * ws + k);
         V wv[RB];
         for (int r = 0; r < RB; ++r) wv[r] = load_i8(w + r * ws + k);
         for (int m = 0; m < MB; ++m) {
@@ -123,6 +130,7 @@ static inline void int8_block(const float* x, int64_t K, const int8_t* w, int64_
 template <int MB, int RB, class ST>
 static inline void int4_block(const float* xe, const float* xo, int64_t K2, const float* X, int64_t G,
                               const uint8_t* w, int64_t ws, const ST* s, const ST* z, int64_t ss, float* y, int64_t N) {
+  const int64_t pf = prefetch_rows(ws);
   const int64_t gs2 = K2 / G;  // bytes per group
   V acc[MB][RB];
   for (int m = 0; m < MB; ++m)
@@ -141,7 +149,7 @@ static inline void int4_block(const float* xe, const float* xo, int64_t K2, cons
         if (MB == 1) {  // one row of x: scale the group's partial dot product (fewest operations)
           V t = vzero();
           for (int64_t b = g * gs2; b < (g + 1) * gs2; b += 16) {
-            if (b % 64 == 0) prefetch_l2(w + (r + SPARQ_QPF) * ws + b);
+            if (b % 64 == 0) prefetch_l2(w + (r + pf) * ws + b);
             V lo, hi;
             load_nibbles_minus8(w + r * ws + b, &lo, &hi);
             t = vfma(hi, load(xo + b), vfma(lo, load(xe + b), t));
@@ -149,7 +157,7 @@ static inline void int4_block(const float* xe, const float* xo, int64_t K2, cons
           acc[0][r] = vfma(sg, t, acc[0][r]);
         } else {  // several: scale the weights once, (q - 8) s, shared by every row of x
           for (int64_t b = g * gs2; b < (g + 1) * gs2; b += 16) {
-            if (b % 64 == 0) prefetch_l2(w + (r + SPARQ_QPF) * ws + b);
+            if (b % 64 == 0) prefetch_l2(w + (r + pf) * ws + b);
             V lo, hi;
             load_nibbles_minus8(w + r * ws + b, &lo, &hi);
             lo = vmul(lo, sg);
@@ -216,6 +224,7 @@ template <int MB, int RB, int NT, class ST>
 static inline void int4_block_bf16(const X4Planes& xp, int64_t rows, int64_t m0, int64_t K2, const float* X, int64_t G,
                                    const int32_t* chunk_group, const uint8_t* w, int64_t ws, const ST* s, const ST* z,
                                    int64_t ss, float* y, int64_t N) {
+  const int64_t pf = prefetch_rows(ws);
   const int64_t gs2 = K2 / G;  // bytes per group, a multiple of 16
   const __m512i table = _mm512_loadu_si512(kNibbleBf16.data());
   const __m512i low4 = _mm512_set1_epi16(0x0F);
@@ -239,7 +248,7 @@ static inline void int4_block_bf16(const X4Planes& xp, int64_t rows, int64_t m0,
       const __m512i idx = _mm512_mask_set1_epi32(_mm512_set1_epi32(chunk_group[c]), (__mmask16)0xFF00, chunk_group[c + 1]);
       const __mmask32 bm = b1 - b >= 32 ? 0xFFFFFFFFu : (1u << (b1 - b)) - 1u;  // a last half step: 16 bytes
       for (int r = 0; r < RB; ++r) {
-        if (b % 64 == 0) prefetch_l2(w + (r + SPARQ_QPF) * ws + b);
+        if (b % 64 == 0) prefetch_l2(w + (r + pf) * ws + b);
         const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(bm, w + r * ws + b));
         const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, low4), table);
         const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
@@ -340,6 +349,7 @@ static void int4_q8_row(const XQ& xq, int64_t K2, const uint8_t* w, const ST* s,
 template <int MB, int RB, class ST>
 static inline void int4_q8_block_vnni(const XQ& xq, int64_t m0, int64_t K2, const int32_t* lane_group, const uint8_t* w,
                                       int64_t ws, const ST* s, const ST* z, int64_t ss, float* y, int64_t N) {
+  const int64_t pf = prefetch_rows(ws);
   const int64_t G = xq.G, gs2 = K2 / G;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MB][RB];
@@ -367,7 +377,7 @@ static inline void int4_q8_block_vnni(const XQ& xq, int64_t m0, int64_t K2, cons
       __m512 am[MB];
       for (int m = 0; m < MB; ++m) am[m] = _mm512_loadu_ps(xq.a_lane.data() + (m0 + m) * (xq.K2p / 4) + b / 4);
       for (int r = 0; r < RB; ++r) {
-        prefetch_l2(w + (r + SPARQ_QPF) * ws + b);
+        prefetch_l2(w + (r + pf) * ws + b);
         const __m512i bytes = _mm512_maskz_loadu_epi8(bm, w + r * ws + b);
         const __m512i lo = _mm512_and_si512(bytes, low4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
