@@ -388,6 +388,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels, args.quantized_kernel)
         tokenizer = load_tokenizer(args.checkpoint)
+    if args.quantized_kernel != "auto" and not quantize.is_quantized(model):
+        raise UserError(f"--quantized-kernel {args.quantized_kernel} picks a quantized checkpoint's kernels; "
+                        f"this model is not quantized (make one with quantize.py)")
     if args.interactive:
         if tp.world_size() > 1:
             raise UserError("--interactive runs in one process, not under torchrun")

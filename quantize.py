@@ -354,6 +354,11 @@ class Int8Linear(nn.Module):
         return dequantize_int8(self.weight, self.scales)
 
 
+def is_quantized(model: nn.Module) -> bool:
+    """Some linear layer of the model holds quantized weights (int8 or int4)."""
+    return any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+
+
 def has_int8(model: nn.Module) -> bool:
     """Some linear layer of the model holds int8 weights."""
     return any(isinstance(m, Int8Linear) for m in model.modules())

@@ -201,6 +201,7 @@ def test_generate_chat_answers_sensibly(smollm2_checkpoint):
     (["--max-seq-length", "100000"], "context"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file"),
     (["--attention", "local", "--kv-budget", "8"], "sink"),
+    (["--quantized-kernel", "gemv"], "not quantized"),  # a float checkpoint: the flag would do nothing
 ])
 def test_bad_input_is_a_one_line_error(args, fragment, smollm2_checkpoint):
     assert_one_line_error(run_generate("--checkpoint", str(smollm2_checkpoint), "--max-new-tokens", "2", *args),
