@@ -618,6 +618,12 @@ def prepare_model(model: nn.Module, quantization: dict) -> None:
     model.quantization = dict(quantization)
 
 
+def check_backend(backend: str) -> None:
+    """QuantizationError (one line) unless backend is one of BACKENDS."""
+    if backend not in BACKENDS:
+        raise QuantizationError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+
+
 def finalize_model(model: nn.Module, kernels: Kernels, backend: Optional[str] = None) -> nn.Module:
     """Pick each quantized linear's kernel and pack its weights for the device it is on. Call once
     the model is on its final device (model.load_model does); the packed layouts are device-specific.
@@ -630,8 +636,7 @@ def finalize_model(model: nn.Module, kernels: Kernels, backend: Optional[str] = 
     head's stored tensors, so the lookup still works.
     """
     backend = (backend or "auto") if kernels.packed_quantized else "dequant"
-    if backend not in BACKENDS:
-        raise QuantizationError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    check_backend(backend)
     for module in model.modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
             module.finalize(backend)
@@ -818,8 +823,7 @@ def run(args: argparse.Namespace) -> Path:
 def loading(backend: str = "auto") -> QuantizedLoading:
     """How model.load_model reads the checkpoints this module writes, their kernels picked by
     finalize_model(backend) (a BACKENDS entry, e.g. "gemv" for fp32 activations in int4 layers)."""
-    if backend not in BACKENDS:
-        raise QuantizationError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    check_backend(backend)
     return QuantizedLoading(prepare=prepare_model, finalize=functools.partial(finalize_model, backend=backend))
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import cli
-import quantize
 from bench.common import DTYPES, last_level_cache_bytes, torch_dtype
 from cli import UserError
 
@@ -46,8 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sparq-local", type=int, default=None, help="default k // 4")
     p.add_argument("--sparq-mean-v", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--kernel", default="auto", choices=("auto", "cpu", "torch"), help="decode kernels (as generate.py)")
-    p.add_argument("--quantized-kernel", default="auto", choices=quantize.BACKENDS,
-                   help="a quantized checkpoint's linears (as generate.py)")
+    p.add_argument("--quantized-kernel", default="auto",
+                   help="a quantized checkpoint's linears (as generate.py: quantize.BACKENDS, checked at load)")
     p.add_argument("--cache-format", default="auto",
                    help="comma list of KV cache formats KV[/KT] (generate.py's --kv-dtype and --kt-dtype), e.g. "
                         "auto,int8,int8/int4: every policy runs on each, with its own caches; speedups are over "
@@ -182,6 +181,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     import data
+    import quantize
     from decoding import compiled_decode_step, decode_step, own_step, prefill
     from generate import kernels_for, load_checkpoint, load_tokenizer
     from model import ModelArgs, checkpoint_paths, random_model
@@ -194,6 +194,7 @@ def run(args) -> int:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
     if args.rounds < 1:
         raise UserError("--rounds must be at least 1")
+    quantize.check_backend(args.quantized_kernel)
     if (args.llamacpp_format or args.llamacpp_kv) and not args.llamacpp:
         raise UserError("--llamacpp-format and --llamacpp-kv need --llamacpp GGUF")
     if args.llamacpp and args.random_weights:

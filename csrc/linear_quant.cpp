@@ -448,6 +448,22 @@ static int64_t check_scales(const at::Tensor& s, int64_t N, const char* op) {
   return s.dim() == 1 ? 1 : s.size(1);
 }
 
+// The int4 GEMVs' arguments (x checked too): w (N, K / 2) nibbles, scales and zeros (N, G) alike,
+// groups of whole 32-column steps -> G.
+static int64_t check_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
+                          const char* op) {
+  check_x(x, op);
+  const int64_t K = x.size(1), N = w.size(0), K2 = K / 2;
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.scalar_type() == at::kByte && w.stride(1) == 1 &&
+                  K % 2 == 0 && w.size(1) == K2, op, ": w must be uint8 (N, K / 2) contiguous, K = x's");
+  const int64_t G = check_scales(scales, N, op);
+  TORCH_CHECK(scales.dim() == 2 && zeros.sizes() == scales.sizes() && zeros.strides() == scales.strides() &&
+                  zeros.scalar_type() == scales.scalar_type() && zeros.device().is_cpu(),
+              op, ": scales and zeros must be (N, G) alike");
+  TORCH_CHECK(K % G == 0 && (K / G) % 32 == 0, op, ": groups must split K into multiples of 32");
+  return G;
+}
+
 at::Tensor linear_int8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   const char* op = "sparq::linear_int8_cpu";
   check_x(x, op);
@@ -475,16 +491,8 @@ at::Tensor linear_int8_cpu(const at::Tensor& x, const at::Tensor& w, const at::T
 }
 
 at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros) {
-  const char* op = "sparq::linear_int4_cpu";
-  check_x(x, op);
+  const int64_t G = check_int4(x, w, scales, zeros, "sparq::linear_int4_cpu");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), K2 = K / 2;
-  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.scalar_type() == at::kByte && w.stride(1) == 1 &&
-                  K % 2 == 0 && w.size(1) == K2, op, ": w must be uint8 (N, K / 2) contiguous, K = x's");
-  const int64_t G = check_scales(scales, N, op);
-  TORCH_CHECK(scales.dim() == 2 && zeros.sizes() == scales.sizes() && zeros.strides() == scales.strides() &&
-                  zeros.scalar_type() == scales.scalar_type() && zeros.device().is_cpu(),
-              op, ": scales and zeros must be (N, G) alike");
-  TORCH_CHECK(K % G == 0 && (K / G) % 32 == 0, op, ": groups must split K into multiples of 32");
   const int64_t ss = scales.stride(0), ws = w.stride(0);
   const std::vector<float> xf = x_f32(x);
 #ifdef SPARQ_AVX512_BF16
@@ -543,16 +551,8 @@ at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& w, const at::T
 }
 
 at::Tensor linear_int4_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros) {
-  const char* op = "sparq::linear_int4_q8_cpu";
-  check_x(x, op);
+  const int64_t G = check_int4(x, w, scales, zeros, "sparq::linear_int4_q8_cpu");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), K2 = K / 2;
-  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.scalar_type() == at::kByte && w.stride(1) == 1 &&
-                  K % 2 == 0 && w.size(1) == K2, op, ": w must be uint8 (N, K / 2) contiguous, K = x's");
-  const int64_t G = check_scales(scales, N, op);
-  TORCH_CHECK(scales.dim() == 2 && zeros.sizes() == scales.sizes() && zeros.strides() == scales.strides() &&
-                  zeros.scalar_type() == scales.scalar_type() && zeros.device().is_cpu(),
-              op, ": scales and zeros must be (N, G) alike");
-  TORCH_CHECK(K % G == 0 && (K / G) % 32 == 0, op, ": groups must split K into multiples of 32");
   const int64_t ss = scales.stride(0), ws = w.stride(0);
   const std::vector<float> xf = x_f32(x);
   const XQ xq = quantize_x_int8(xf.data(), M, K, G);
