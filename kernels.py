@@ -195,7 +195,7 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     torch.library.define("sparq::linear_int8_cpu", "(Tensor x, Tensor w, Tensor scales) -> Tensor")
     torch.library.define("sparq::linear_int4_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor")
     # the same with x quantized to int8 per group, integer dot products (quantize.py's "gemv-q8")
-    torch.library.define("sparq::linear_int4_q8_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor")
+    torch.library.define("sparq::linear_int4_q8_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros, int N) -> Tensor")
     torch.library.define("sparq::linear_int4_q8_path", "() -> str")  # "vnni" or "portable" in this build
 
     @torch.library.impl("sparq::decode_cpu", "CompositeExplicitAutograd")
@@ -242,9 +242,9 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         return torch.ops.sparq.linear_int4_cpu.default(x, w, scales, zeros)
 
     @torch.library.impl("sparq::linear_int4_q8_cpu", "CompositeExplicitAutograd")
-    def _linear_int4_q8_cpu_first_call(x, w, scales, zeros):
+    def _linear_int4_q8_cpu_first_call(x, w, scales, zeros, N):
         _load_for_first_call("linear_int4_q8_cpu")
-        return torch.ops.sparq.linear_int4_q8_cpu.default(x, w, scales, zeros)
+        return torch.ops.sparq.linear_int4_q8_cpu.default(x, w, scales, zeros, N)
 
     @torch.library.register_fake("sparq::decode_cpu")
     def _decode_cpu_fake(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
@@ -277,9 +277,12 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("sparq::linear_int4_cpu")
-    @torch.library.register_fake("sparq::linear_int4_q8_cpu")
     def _linear_int4_cpu_fake(x, w, scales, zeros):
         return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("sparq::linear_int4_q8_cpu")
+    def _linear_int4_q8_cpu_fake(x, w, scales, zeros, N):
+        return x.new_empty((x.shape[0], N))
 
 
 LINEAR_CPU_MAX_ROWS = 16  # the fused GEMV serves decode steps; prefill-sized inputs go to F.linear

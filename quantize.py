@@ -232,6 +232,25 @@ def pack_int4_for_kernel(q: Tensor) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack(cuda_nibbles, inner_k_tiles)
 
 
+def pack_int4_rows16(weight: Tensor, scales: Tensor, zeros: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The stored nibbles (N, K/2) and scales / zeros (N, G) -> the "rows16" layout sparq::linear_int4_q8_cpu
+    reads (csrc/linear_quant.cpp): rows in blocks of 16, the last padded with zero rows;
+    w16[b, c, r, j] = weight[16 b + r, 4 c + j] (NB, K/8, 16, 4), s16[b, g, r] = scales[16 b + r, g] (NB, G, 16)."""
+    pad = -weight.shape[0] % 16
+
+    def blocks(t: Tensor) -> Tensor:  # (N, X) -> (NB, 16, X), zero rows appended
+        return torch.cat([t, t.new_zeros(pad, t.shape[1])]).view(-1, 16, t.shape[1])
+
+    w16 = blocks(weight).view(-1, 16, weight.shape[1] // 4, 4).transpose(1, 2).contiguous()
+    return w16, blocks(scales).transpose(1, 2).contiguous(), blocks(zeros).transpose(1, 2).contiguous()
+
+
+def unpack_int4_rows16(w16: Tensor, s16: Tensor, z16: Tensor, N: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of pack_int4_rows16: the N rows' nibbles (N, K/2), scales and zeros (N, G)."""
+    weight = w16.transpose(1, 2).reshape(-1, w16.shape[1] * 4)[:N]
+    return weight, s16.transpose(1, 2).reshape(-1, s16.shape[1])[:N], z16.transpose(1, 2).reshape(-1, z16.shape[1])[:N]
+
+
 class Int8Linear(nn.Module):
     """y = x W^T, W = q * s stored int8: buffers weight (N, K) int8 and scales bf16, (N,) per output
     channel or (N, K / group_size) per group of inputs (group_size set: the head).
@@ -369,9 +388,11 @@ class Int4Linear(nn.Module):
 
     Stored (persistent): weight (N, K/2) uint8 portable nibbles, scales and zeros (N, K/gs) bf16.
     Kernels: "gemv" (sparq::linear_int4_cpu on the stored tensors for decode-sized inputs, dequantize
-    + F.linear for more rows), "int4pack" (aten int4 kernel; finalize packs the weight for this
-    machine into `packed` / `scales_and_zeros` and drops the portable tensors unless keep_weight) or
-    "dequant".
+    + F.linear for more rows), "gemv-q8" (sparq::linear_int4_q8_cpu: finalize repacks the three into
+    rows16 / rows16_scales / rows16_zeros, pack_int4_rows16, and drops the portable tensors unless
+    keep_weight; prefill dequantizes from the repacked ones), "int4pack" (aten int4 kernel; finalize
+    packs the weight for this machine into `packed` / `scales_and_zeros` and drops the portable tensors
+    unless keep_weight) or "dequant".
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int, device=None, bias: bool = False):
@@ -385,6 +406,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.bfloat16, device=device))
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
+        self.register_buffer("rows16", None, persistent=False)
+        self.register_buffer("rows16_scales", None, persistent=False)
+        self.register_buffer("rows16_zeros", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None  # float, added after
         self.kernel = "dequant"
 
@@ -406,7 +430,9 @@ class Int4Linear(nn.Module):
         if kernel == "int4pack":
             self.packed = pack_int4_for_kernel(unpack_nibbles(self.weight))
             self.scales_and_zeros = _int4_scales_and_zeros(self.scales, self.zeros)
-        elif kernel not in ("gemv", "gemv-q8", "dequant"):  # the GEMVs read the stored tensors as they are
+        elif kernel == "gemv-q8":
+            self.rows16, self.rows16_scales, self.rows16_zeros = pack_int4_rows16(self.weight, self.scales, self.zeros)
+        elif kernel not in ("gemv", "dequant"):  # the GEMV reads the stored tensors as they are
             raise ValueError(f"unknown int4 kernel {kernel!r}")
         self.kernel = kernel
 
@@ -427,7 +453,7 @@ class Int4Linear(nn.Module):
             if self.supports(kernel) and _kernel_ok(kernel, self.scales.device, self.group_size, bits=4):
                 self.use_kernel(kernel)
                 break
-        if self.kernel == "int4pack" and not keep_weight:  # the packed copies replace them (weight_bytes counts once)
+        if self.kernel in ("int4pack", "gemv-q8") and not keep_weight:  # the packed copies replace them (weight_bytes counts once)
             self.weight = self.scales = self.zeros = None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -443,8 +469,10 @@ class Int4Linear(nn.Module):
         x2 = _gemv_rows(x, self.in_features)
         if x2 is None:  # a prefill: a GEMM's work, torch's own
             return self.forward_dequant(x)
-        gemv = torch.ops.sparq.linear_int4_q8_cpu if self.kernel == "gemv-q8" else torch.ops.sparq.linear_int4_cpu
-        y = gemv(x2, self.weight, self.scales, self.zeros)
+        if self.kernel == "gemv-q8":
+            y = torch.ops.sparq.linear_int4_q8_cpu(x2, self.rows16, self.rows16_scales, self.rows16_zeros, self.out_features)
+        else:
+            y = torch.ops.sparq.linear_int4_cpu(x2, self.weight, self.scales, self.zeros)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_int4pack(self, x: Tensor) -> Tensor:
@@ -455,6 +483,9 @@ class Int4Linear(nn.Module):
         return F.linear(x, self.dequantized_weight().to(x.dtype))
 
     def dequantized_weight(self) -> Tensor:
+        if self.weight is None and self.rows16 is not None:
+            weight, scales, zeros = unpack_int4_rows16(self.rows16, self.rows16_scales, self.rows16_zeros, self.out_features)
+            return dequantize_int4(unpack_nibbles(weight), scales, zeros)
         if self.weight is None:
             raise RuntimeError("the portable int4 weight was dropped after packing (finalize keep_weight=False)")
         return dequantize_int4(unpack_nibbles(self.weight), self.scales, self.zeros)

@@ -261,11 +261,6 @@ static XRows prepare_x(const XT* x, int64_t M, int64_t K, int64_t xs, bool bf16_
   return r;
 }
 
-template <class YT>
-static inline void store_row(const float* src, YT* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = YT(src[i]);
-}
-
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "sparq::linear_cpu: expected x (M, K) and w (N, K), got ", x.sizes(), " and ", w.sizes());
@@ -285,26 +280,12 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) {
   if (xdt == at::kFloat) xr = prepare_x(x.data_ptr<float>(), M, K, x.stride(0), planes);
   else if (xdt == at::kBFloat16) xr = prepare_x(x.data_ptr<bf16>(), M, K, x.stride(0), planes);
   else xr = prepare_x(x.data_ptr<f16>(), M, K, x.stride(0), planes);
-  // y in x's dtype, written by the threads: fp32 straight from the accumulators, 16-bit through a
-  // small fp32 block per unit of weight rows (no fp32 (M, N) intermediate and no second pass).
   at::Tensor y = at::empty({M, N}, x.options());
   const int64_t ws = w.stride(0);
-  auto rows = [&](auto* wp, int64_t n0, int64_t n1) {
-    if (xdt == at::kFloat) return linear_rows(xr, wp, ws, n0, n1, y.data_ptr<float>(), N);
-    float block[16 * 64];  // M <= 16 rows of x by 64 weight rows
-    for (int64_t b0 = n0; b0 < n1; b0 += 64) {
-      const int64_t nb = std::min<int64_t>(64, n1 - b0);
-      linear_rows(xr, wp + b0 * ws, ws, 0, nb, block, nb);
-      for (int64_t m = 0; m < M; ++m) {
-        if (xdt == at::kBFloat16) store_row(block + m * nb, y.data_ptr<bf16>() + m * N + b0, nb);
-        else store_row(block + m * nb, y.data_ptr<f16>() + m * N + b0, nb);
-      }
-    }
-  };
-  over_weight_rows(N, [&](int64_t n0, int64_t n1) {
-    if (wdt == at::kFloat) rows(w.data_ptr<float>(), n0, n1);
-    else if (wdt == at::kBFloat16) rows(w.data_ptr<bf16>(), n0, n1);
-    else rows(w.data_ptr<f16>(), n0, n1);
+  over_weight_rows_into(y, [&](int64_t n0, int64_t n1, float* out, int64_t ldo) {
+    if (wdt == at::kFloat) linear_rows(xr, w.data_ptr<float>() + n0 * ws, ws, 0, n1 - n0, out, ldo);
+    else if (wdt == at::kBFloat16) linear_rows(xr, w.data_ptr<bf16>() + n0 * ws, ws, 0, n1 - n0, out, ldo);
+    else linear_rows(xr, w.data_ptr<f16>() + n0 * ws, ws, 0, n1 - n0, out, ldo);
   });
   return y;
 }

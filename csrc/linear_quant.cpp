@@ -9,8 +9,9 @@
 //   linear_int4_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor
 //       w (N, K / 2) uint8, two 4-bit values q per byte (low nibble = even column), scales and
 //       zeros (N, G): W[n, k] = (q[n, k] - 8) * scales[n, k / gs] + zeros[n, k / gs]
-//   linear_int4_q8_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor
-//       linear_int4_cpu's weights, x quantized to int8 per group first (below int4_q8_row)
+//   linear_int4_q8_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros, int N) -> Tensor
+//       linear_int4_cpu's weights repacked in rows of 16 (below int4_q8_rows16_ref; N rows), x
+//       quantized to int8 per group first (below XQ)
 //   linear_int4_q8_path() -> str     "vnni" (vpdpbusd) or "portable": this build's int4_q8 path
 // y = x @ W^T in fp32 (x any float dtype, returned in x's dtype); scales / zeros bf16 or fp32.
 //
@@ -276,14 +277,13 @@ static inline void int4_block_bf16(const X4Planes& xp, int64_t rows, int64_t m0,
 //   x . W = sum_g s_g a_g (xq_g . q_g) - s_g (8 a_g sum xq_g) + z_g X_g      (X_g = sum of x_g, exact)
 // so the only approximation is xq's rounding, met by (q - 8): the integer dot product is exact.
 // XQ holds x's side once per call: int8 planes of the even and odd columns (zero-padded to whole
-// 64-byte steps), a per group, 8 a sum(xq) and X per group, and a per int32 lane of a 64-byte step
-// (4 bytes, 8 columns) for the vpdpbusd path.
+// 64-byte steps), and per group a, 8 a sum(xq) and X.
 // ---------------------------------------------------------------------------------------------
 
 struct XQ {
   int64_t M = 0, G = 0, K2p = 0;
   std::vector<int8_t> even, odd;  // (M, K2p)
-  std::vector<float> a, a_lane;   // (M, G), (M, K2p / 4)
+  std::vector<float> a;           // (M, G)
   std::vector<float> X, Xq8;      // (M, G): sum of x, 8 a sum(xq)
 };
 
@@ -294,7 +294,6 @@ static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G) {
   r.even.assign(M * r.K2p, 0);
   r.odd.assign(M * r.K2p, 0);
   r.a.assign(M * G, 0.f);
-  r.a_lane.assign(M * r.K2p / 4, 0.f);
   r.X.assign(M * G, 0.f);
   r.Xq8.assign(M * G, 0.f);
   for (int64_t m = 0; m < M; ++m)
@@ -317,83 +316,96 @@ static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G) {
       r.a[m * G + g] = a;
       r.X[m * G + g] = sum;
       r.Xq8[m * G + g] = 8.f * a * (float)qsum;
-      for (int64_t l = g * gs / 8; l < (g + 1) * gs / 8; ++l) r.a_lane[m * r.K2p / 4 + l] = a;
     }
   return r;
 }
 
-// The readable path (every CPU): per weight row and group, the integer dot product, then the formula.
+// The weights in rows of 16 ("rows16", quantize.pack_int4_rows16, made at load): the N rows in
+// blocks of 16 (the last padded with zero rows), each block's bytes in chunks of 4 along K / 2,
+//   w16[b, c, r, j] = w[16 b + r, 4 c + j]      (NB, C = K / 8, 16, 4) uint8
+//   s16[b, g, r] = scales[16 b + r, g]          (NB, G, 16), zeros alike
+// so one 64-byte load holds 8 columns of 16 rows, one int32 lane per row: vpdpbusd against 4 bytes
+// of x broadcast adds 4 products to every row's lane at once, and the per-group formula runs on 16
+// rows per vector. No horizontal sums, no per-row scale shuffles, and a block's bytes are one
+// sequential stream (llama.cpp repacks Q4_0 at load for the same reasons).
+
+// The readable path (every CPU): per row and group, the integer dot product, then the formula.
+// y[m * ldy + r] for the rows r < rows of block w16 (its s16 / z16).
 template <class ST>
-static void int4_q8_row(const XQ& xq, int64_t K2, const uint8_t* w, const ST* s, const ST* z, float* y, int64_t N) {
-  const int64_t G = xq.G, gs2 = K2 / G;
+static void int4_q8_rows16_ref(const XQ& xq, int64_t C, const uint8_t* w16, const ST* s16, const ST* z16, int rows,
+                               float* y, int64_t ldy) {
+  const int64_t G = xq.G, cpg = C / G;  // chunks of 4 bytes per group
   for (int64_t m = 0; m < xq.M; ++m) {
     const int8_t* xe = xq.even.data() + m * xq.K2p;
     const int8_t* xo = xq.odd.data() + m * xq.K2p;
-    float acc = 0.f;
-    for (int64_t g = 0; g < G; ++g) {
-      int32_t dot = 0;
-      for (int64_t b = g * gs2; b < (g + 1) * gs2; ++b) dot += (w[b] & 15) * xe[b] + (w[b] >> 4) * xo[b];
-      const float sg = to_f(s[g]);
-      acc += sg * xq.a[m * G + g] * (float)dot - sg * xq.Xq8[m * G + g] + to_f(z[g]) * xq.X[m * G + g];
+    for (int r = 0; r < rows; ++r) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t dot = 0;
+        for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t byte = w16[(c * 16 + r) * 4 + j];
+            dot += (byte & 15) * xe[4 * c + j] + (byte >> 4) * xo[4 * c + j];
+          }
+        const float sg = to_f(s16[g * 16 + r]);
+        acc += sg * xq.a[m * G + g] * (float)dot - sg * xq.Xq8[m * G + g] + to_f(z16[g * 16 + r]) * xq.X[m * G + g];
+      }
+      y[m * ldy + r] = acc;
     }
-    y[m * N] = acc;
   }
 }
 
 #ifdef SPARQ_AVX512_VNNI
-// The vpdpbusd path (the build's choice where the CPU has AVX512_VNNI): 64 bytes, 128 weights, per
-// step. The low and high nibbles (u8 in [0, 15]) meet the int8 planes of x's even and odd columns;
-// each int32 lane sums 8 products of one group (a group spans a multiple of 16 bytes, 4 lanes), is
-// converted to fp32 and scaled by its group's s (one vpermps from the 16 scales of the window, as
-// int4_block_bf16) times a. About half the instructions per weight of the bf16 path above.
-template <int MB, int RB, class ST>
-static inline void int4_q8_block_vnni(const XQ& xq, int64_t m0, int64_t K2, const int32_t* lane_group, const uint8_t* w,
-                                      int64_t ws, const ST* s, const ST* z, int64_t ss, float* y, int64_t N) {
-  const int64_t pf = prefetch_rows(ws);
-  const int64_t G = xq.G, gs2 = K2 / G;
+// The vpdpbusd path (the build's choice where the CPU has AVX512_VNNI): MB rows of x (from m0)
+// against NBK blocks of 16 weight rows (C * 64 bytes apart), all 16 rows of each written to
+// y[m * ldy + 16 b + r]. Per group and block: even and odd int32 sums (two dependency chains of cpg
+// vpdpbusd), then s (a dot - 8 a sum xq) + z X on 16 rows at once.
+template <int MB, int NBK, class ST>
+static inline void int4_q8_rows16_vnni(const XQ& xq, int64_t m0, int64_t C, const uint8_t* w16, const ST* s16,
+                                       const ST* z16, float* y, int64_t ldy) {
+  const int64_t G = xq.G, cpg = C / G, bs = C * 64, pf = NBK * bs;  // prefetch: the next blocks, same offset
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[MB][RB];
+  __m512 acc[MB][NBK];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < RB; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t g0 = 0; g0 < G; g0 += 16) {  // z X - s (8 a sum xq), 16 groups at a time
-    const M gm = tail_mask(G - g0);
-    for (int r = 0; r < RB; ++r) {
-      const V sv = load(s + r * ss + g0, gm), zv = load(z + r * ss + g0, gm);
+    for (int b = 0; b < NBK; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i te[MB][NBK], to[MB][NBK];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NBK; ++b) te[m][b] = to[m][b] = _mm512_setzero_si512();
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+      __m512i xe[MB], xo[MB];
       for (int m = 0; m < MB; ++m) {
-        acc[m][r] = _mm512_fmadd_ps(zv.x, load(xq.X.data() + (m0 + m) * G + g0, gm).x, acc[m][r]);
-        acc[m][r] = _mm512_fnmadd_ps(sv.x, load(xq.Xq8.data() + (m0 + m) * G + g0, gm).x, acc[m][r]);
+        int32_t e, o;
+        std::memcpy(&e, xq.even.data() + (m0 + m) * xq.K2p + 4 * c, 4);
+        std::memcpy(&o, xq.odd.data() + (m0 + m) * xq.K2p + 4 * c, 4);
+        xe[m] = _mm512_set1_epi32(e);
+        xo[m] = _mm512_set1_epi32(o);
       }
-    }
-  }
-  const int64_t window = 16 * gs2;  // the bytes of 16 groups, a multiple of 256
-  for (int64_t b0 = 0; b0 < K2; b0 += window) {
-    const int64_t g0 = b0 / gs2, b1 = std::min(K2, b0 + window);
-    const M gm = tail_mask(G - g0);
-    __m512 sv[RB];
-    for (int r = 0; r < RB; ++r) sv[r] = load(s + r * ss + g0, gm).x;
-    for (int64_t b = b0; b < b1; b += 64) {
-      const __m512i idx = _mm512_loadu_si512(lane_group + (b - b0) / 4);  // each lane's group in the window
-      const __mmask64 bm = b1 - b >= 64 ? ~0ULL : (1ULL << (b1 - b)) - 1ULL;  // x's padding is zero
-      __m512 am[MB];
-      for (int m = 0; m < MB; ++m) am[m] = _mm512_loadu_ps(xq.a_lane.data() + (m0 + m) * (xq.K2p / 4) + b / 4);
-      for (int r = 0; r < RB; ++r) {
-        prefetch_l2(w + (r + pf) * ws + b);
-        const __m512i bytes = _mm512_maskz_loadu_epi8(bm, w + r * ws + b);
+      for (int b = 0; b < NBK; ++b) {
+        const uint8_t* p = w16 + b * bs + c * 64;
+        prefetch_l2(p + pf);
+        const __m512i bytes = _mm512_loadu_si512(p);
         const __m512i lo = _mm512_and_si512(bytes, low4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-        const __m512 sc = _mm512_permutexvar_ps(idx, sv[r]);
         for (int m = 0; m < MB; ++m) {
-          const int8_t* xe = xq.even.data() + (m0 + m) * xq.K2p + b;
-          const int8_t* xo = xq.odd.data() + (m0 + m) * xq.K2p + b;
-          __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xe));
-          t = _mm512_dpbusd_epi32(t, hi, _mm512_loadu_si512(xo));
-          acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sc, am[m]), acc[m][r]);
+          te[m][b] = _mm512_dpbusd_epi32(te[m][b], lo, xe[m]);
+          to[m][b] = _mm512_dpbusd_epi32(to[m][b], hi, xo[m]);
         }
       }
     }
+    for (int b = 0; b < NBK; ++b) {
+      const __m512 sv = load(s16 + (b * G + g) * 16).x, zv = load(z16 + (b * G + g) * 16).x;
+      for (int m = 0; m < MB; ++m) {
+        const int64_t mg = (m0 + m) * G + g;
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(te[m][b], to[m][b]));
+        const __m512 u = _mm512_fmsub_ps(dot, _mm512_set1_ps(xq.a[mg]), _mm512_set1_ps(xq.Xq8[mg]));
+        acc[m][b] = _mm512_fmadd_ps(sv, u, acc[m][b]);
+        acc[m][b] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xq.X[mg]), acc[m][b]);
+      }
+    }
   }
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < RB; ++r) y[m * N + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int b = 0; b < NBK; ++b) _mm512_storeu_ps(y + m * ldy + 16 * b, acc[m][b]);
 }
 #endif
 
@@ -474,20 +486,19 @@ at::Tensor linear_int8_cpu(const at::Tensor& x, const at::Tensor& w, const at::T
   TORCH_CHECK(K % G == 0 && (G == 1 || (K / G) % 16 == 0), op, ": groups must split K into multiples of 16");
   const int64_t ss = scales.dim() == 1 ? 1 : scales.stride(0), ws = w.stride(0);
   const std::vector<float> xf = x_f32(x);
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
+  at::Tensor y = at::empty({M, N}, x.options());  // x's dtype, written by over_weight_rows_into
   const int8_t* wp = w.data_ptr<int8_t>();
   auto run = [&](auto* s) {
-    over_weight_rows(N, [&](int64_t n0, int64_t n1) {
+    over_weight_rows_into(y, [&](int64_t n0, int64_t n1, float* out, int64_t ldo) {
       over_blocks(M, n0, n1, [&](auto mb, auto rb, int64_t m, int64_t n) {
         int8_block<decltype(mb)::value, decltype(rb)::value>(xf.data() + m * K, K, wp + n * ws, ws, s + n * ss, ss, G,
-                                                            yp + m * N + n, N);
+                                                            out + m * ldo + (n - n0), ldo);
       });
     });
   };
   if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<bf16>());
   else run(scales.data_ptr<float>());
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
 at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros) {
@@ -517,69 +528,111 @@ at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& w, const at::T
       X[m * G + g] = sum;
     }
   }
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
+  at::Tensor y = at::empty({M, N}, x.options());  // x's dtype, written by over_weight_rows_into
   const uint8_t* wp = w.data_ptr<uint8_t>();
 #ifdef SPARQ_AVX512_BF16
   const X4Planes xp = x4_planes(xf.data(), M, K, x.scalar_type() == at::kBFloat16);
   std::vector<int32_t> chunk_group(std::min(16 * K2 / G, round_up(K2, 32)) / 16);  // within a window of 16 groups
   for (size_t c = 0; c < chunk_group.size(); ++c) chunk_group[c] = (int32_t)(c * 16 / (K2 / G));
   auto run = [&](auto* s, auto* z) {
-    over_weight_rows(N, [&](int64_t n0, int64_t n1) {
+    over_weight_rows_into(y, [&](int64_t n0, int64_t n1, float* out, int64_t ldo) {
       over_blocks(M, n0, n1, [&](auto mb, auto rb, int64_t m, int64_t n) {
         constexpr int MB = decltype(mb)::value, RB = decltype(rb)::value;
         if (xp.nt == 1)
-          int4_block_bf16<MB, RB, 1>(xp, M, m, K2, X, G, chunk_group.data(), wp + n * ws, ws, s + n * ss, z + n * ss, ss, yp + m * N + n, N);
+          int4_block_bf16<MB, RB, 1>(xp, M, m, K2, X, G, chunk_group.data(), wp + n * ws, ws, s + n * ss, z + n * ss, ss, out + m * ldo + (n - n0), ldo);
         else
-          int4_block_bf16<MB, RB, 2>(xp, M, m, K2, X, G, chunk_group.data(), wp + n * ws, ws, s + n * ss, z + n * ss, ss, yp + m * N + n, N);
+          int4_block_bf16<MB, RB, 2>(xp, M, m, K2, X, G, chunk_group.data(), wp + n * ws, ws, s + n * ss, z + n * ss, ss, out + m * ldo + (n - n0), ldo);
       });
     });
   };
 #else
   auto run = [&](auto* s, auto* z) {
-    over_weight_rows(N, [&](int64_t n0, int64_t n1) {
+    over_weight_rows_into(y, [&](int64_t n0, int64_t n1, float* out, int64_t ldo) {
       over_blocks(M, n0, n1, [&](auto mb, auto rb, int64_t m, int64_t n) {
         int4_block<decltype(mb)::value, decltype(rb)::value>(xe + m * K2, xo + m * K2, K2, X + m * G, G, wp + n * ws, ws,
-                                                            s + n * ss, z + n * ss, ss, yp + m * N + n, N);
+                                                            s + n * ss, z + n * ss, ss, out + m * ldo + (n - n0), ldo);
       });
     });
   };
 #endif
   if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<bf16>(), zeros.data_ptr<bf16>());
   else run(scales.data_ptr<float>(), zeros.data_ptr<float>());
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
-at::Tensor linear_int4_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros) {
-  const int64_t G = check_int4(x, w, scales, zeros, "sparq::linear_int4_q8_cpu");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), K2 = K / 2;
-  const int64_t ss = scales.stride(0), ws = w.stride(0);
+// linear_int4_q8_cpu's arguments: w16 (NB, K / 8, 16, 4) uint8, scales and zeros (NB, G, 16) alike,
+// 16 NB - 16 < N <= 16 NB, groups of whole 32-column steps -> G.
+static int64_t check_int4_rows16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                                 const at::Tensor& zeros, int64_t N, const char* op) {
+  check_x(x, op);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(w.dim() == 4 && w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  K % 8 == 0 && w.size(1) == K / 8 && w.size(2) == 16 && w.size(3) == 4,
+              op, ": w must be uint8 (NB, K / 8, 16, 4) contiguous (quantize.pack_int4_rows16), K = x's");
+  const int64_t NB = w.size(0);
+  TORCH_CHECK(N > 16 * (NB - 1) && N <= 16 * NB, op, ": N = ", N, " is not a weight of ", NB, " blocks of 16 rows");
+  TORCH_CHECK(scales.dim() == 3 && scales.device().is_cpu() && scales.is_contiguous() && scales.size(0) == NB &&
+                  scales.size(2) == 16 && (scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kFloat) &&
+                  zeros.sizes() == scales.sizes() && zeros.is_contiguous() && zeros.scalar_type() == scales.scalar_type() &&
+                  zeros.device().is_cpu(),
+              op, ": scales and zeros must be CPU bf16 or fp32 (NB, G, 16) contiguous, alike");
+  const int64_t G = scales.size(1);
+  TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, op, ": groups must split K into multiples of 32");
+  return G;
+}
+
+at::Tensor linear_int4_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
+                              int64_t N) {
+  const int64_t G = check_int4_rows16(x, w, scales, zeros, N, "sparq::linear_int4_q8_cpu");
+  const int64_t M = x.size(0), K = x.size(1), C = K / 8;
   const std::vector<float> xf = x_f32(x);
   const XQ xq = quantize_x_int8(xf.data(), M, K, G);
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
+  at::Tensor y = at::empty({M, N}, x.options());  // x's dtype, written by over_weight_rows_into
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  // blocks [n0 / 16, ...) of a unit (n0 a multiple of 16); a last block of fewer than 16 live rows
+  // goes through a small buffer so that nothing is written past row N
+  auto run = [&](auto* s, auto* z) {
+    over_weight_rows_into(y, [&](int64_t n0, int64_t n1, float* out, int64_t ldo) {
+      for (int64_t n = n0; n < n1; n += 16) {
+        const int64_t b = n / 16;
+        const int rows = (int)std::min<int64_t>(16, n1 - n);
+        const uint8_t* wb = wp + b * C * 64;
+        const auto* sb = s + b * G * 16;
+        const auto* zb = z + b * G * 16;
 #ifdef SPARQ_AVX512_VNNI
-  std::vector<int32_t> lane_group(16 * (K2 / G) / 4);  // int32 lane of a window -> its group there
-  for (size_t l = 0; l < lane_group.size(); ++l) lane_group[l] = (int32_t)(l * 4 / (K2 / G));
-  auto run = [&](auto* s, auto* z) {
-    over_weight_rows(N, [&](int64_t n0, int64_t n1) {
-      over_blocks(M, n0, n1, [&](auto mb, auto rb, int64_t m, int64_t n) {
-        int4_q8_block_vnni<decltype(mb)::value, decltype(rb)::value>(xq, m, K2, lane_group.data(), wp + n * ws, ws,
-                                                                    s + n * ss, z + n * ss, ss, yp + m * N + n, N);
-      });
-    });
-  };
+        if (rows == 16 && n + 32 <= n1) {  // two blocks at a time: more independent chains
+          for (int64_t m = 0; m < M; m += 4) {
+            float* o = out + m * ldo + (n - n0);
+            switch (std::min<int64_t>(4, M - m)) {
+              case 1: int4_q8_rows16_vnni<1, 2>(xq, m, C, wb, sb, zb, o, ldo); break;
+              case 2: int4_q8_rows16_vnni<2, 2>(xq, m, C, wb, sb, zb, o, ldo); break;
+              case 3: int4_q8_rows16_vnni<3, 2>(xq, m, C, wb, sb, zb, o, ldo); break;
+              default: int4_q8_rows16_vnni<4, 2>(xq, m, C, wb, sb, zb, o, ldo); break;
+            }
+          }
+          n += 16;
+          continue;
+        }
+        float part[4 * 16];
+        for (int64_t m = 0; m < M; m += 4) {
+          const int64_t mb = std::min<int64_t>(4, M - m);
+          switch (mb) {
+            case 1: int4_q8_rows16_vnni<1, 1>(xq, m, C, wb, sb, zb, part, 16); break;
+            case 2: int4_q8_rows16_vnni<2, 1>(xq, m, C, wb, sb, zb, part, 16); break;
+            case 3: int4_q8_rows16_vnni<3, 1>(xq, m, C, wb, sb, zb, part, 16); break;
+            default: int4_q8_rows16_vnni<4, 1>(xq, m, C, wb, sb, zb, part, 16); break;
+          }
+          for (int64_t i = 0; i < mb; ++i) std::memcpy(out + (m + i) * ldo + (n - n0), part + i * 16, rows * sizeof(float));
+        }
 #else
-  auto run = [&](auto* s, auto* z) {
-    over_weight_rows(N, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) int4_q8_row(xq, K2, wp + n * ws, s + n * ss, z + n * ss, yp + n, N);
-    });
-  };
+        int4_q8_rows16_ref(xq, C, wb, sb, zb, rows, out + (n - n0), ldo);
 #endif
+      }
+    }, 16);
+  };
   if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<bf16>(), zeros.data_ptr<bf16>());
   else run(scales.data_ptr<float>(), zeros.data_ptr<float>());
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
 #ifdef SPARQ_AVX512_VNNI

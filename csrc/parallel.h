@@ -94,17 +94,49 @@ static inline int thread_count() {
 }
 
 // The GEMVs' split: rows [0, N) of a weight in two units of contiguous rows per thread (a multiple
-// of 4 rows, so blocks of 4 rows stay whole; a thread that starts late leaves its second unit to the
-// others); fn(n0, n1) runs on torch's threads. Long contiguous units keep each thread's stream
+// of `align` rows, 4 by default, so the kernels' blocks of rows stay whole; a thread that starts late
+// leaves its second unit to the others); fn(n0, n1) runs on torch's threads. Long contiguous units keep each thread's stream
 // sequential for the prefetchers: units of at most 64 rows, taken in turn by the threads, streamed a
 // 17.7 MB int4 weight at 17 GB/s, two units per thread at 38 (docs/NOTES.md).
 template <class F>
-static void over_weight_rows(int64_t N, F&& fn) {
+static void over_weight_rows(int64_t N, F&& fn, int64_t align = 4) {
   const int nt = thread_count();
-  const int64_t rows = round_up((N + 2 * nt - 1) / (2 * nt), 4);
+  const int64_t rows = round_up((N + 2 * nt - 1) / (2 * nt), align);
   const int64_t units = (N + rows - 1) / rows;
   auto unit = [&](int, int64_t u, int) { fn(u * rows, std::min(N, (u + 1) * rows)); };
   run_phases(nt, {units}, unit);
+}
+
+// The GEMVs' output y (M, N), in its own dtype (x's), written by the threads unit by unit:
+// rows(n0, n1, out, ldo) computes weight rows [n0, n1) in fp32 into out[m * ldo + (n - n0)]. An fp32 y
+// is written in place; a 16-bit y through a small fp32 block of 64 weight rows, so no fp32 (M, N)
+// intermediate, no second pass and no conversion op after the call.
+template <class Rows>
+static void over_weight_rows_into(at::Tensor& y, Rows&& rows, int64_t align = 4) {
+  const int64_t M = y.size(0), N = y.size(1);
+  const auto t = y.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, "GEMV output: fp32, bf16 or fp16");
+  over_weight_rows(N, [&](int64_t n0, int64_t n1) {
+    if (t == at::kFloat) return rows(n0, n1, y.data_ptr<float>() + n0, N);
+    constexpr int64_t kRows = 64;
+    float stack[16 * kRows];
+    std::vector<float> heap(M > 16 ? M * kRows : 0);
+    float* block = M > 16 ? heap.data() : stack;
+    for (int64_t b0 = n0; b0 < n1; b0 += kRows) {
+      const int64_t nb = std::min<int64_t>(kRows, n1 - b0);
+      rows(b0, b0 + nb, block, nb);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* src = block + m * nb;
+        if (t == at::kBFloat16) {
+          c10::BFloat16* dst = y.data_ptr<c10::BFloat16>() + m * N + b0;
+          for (int64_t i = 0; i < nb; ++i) dst[i] = c10::BFloat16(src[i]);
+        } else {
+          c10::Half* dst = y.data_ptr<c10::Half>() + m * N + b0;
+          for (int64_t i = 0; i < nb; ++i) dst[i] = c10::Half(src[i]);
+        }
+      }
+    }
+  }, align);
 }
 
 // ---------------------------------------------------------------------------------------------

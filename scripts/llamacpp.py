@@ -105,6 +105,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def check_toolchain() -> None:
     """UserError (one line) unless cmake and a C and C++ compiler are on PATH."""
     if not shutil.which("cmake"):
@@ -129,6 +138,8 @@ def find_build(cache_dir: Optional[Path] = None, version: str = LLAMA_CPP_PYTHON
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if found.cpu != cpu_model() or not all(found.tool(role).is_file() for role in found.binaries):
+        return None
+    if found.cmake_args != cmake_options(source_dir(found.root, version)):  # configured otherwise than now
         return None
     if any(role not in found.binaries for role in roles):
         return None
@@ -203,6 +214,11 @@ def download_sdist(wheels: Path, version: str) -> Path:
     if subprocess.run(cmd).returncode != 0 or not sdist.is_file():
         raise BuildError(f"could not download llama-cpp-python=={version} (command: {shlex.join(cmd)})")
     return sdist
+
+
+def source_dir(root: Path, version: str) -> Path:
+    """Where build() extracts llama.cpp's source in the cache directory root (the sdist's own layout)."""
+    return Path(root) / "src" / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
 
 
 def extract_llama_cpp(sdist: Path, dest: Path) -> tuple[Path, str]:
@@ -395,20 +411,36 @@ def requantize(src_gguf: Path, fmt: str, cache_dir: Optional[Path] = None, build
 
 
 def bench_commands(bench_bin: Path, gguf: Path, contexts: Sequence[int], n_gen: int = 32, threads: int = 2,
-                   repetitions: int = 3, prefill: bool = True, kv_type: Optional[str] = None) -> dict[str, list[str]]:
+                   repetitions: int = 3, prefill: bool = True, kv_type: Optional[str] = None,
+                   avoid_amx_tiles: bool = False) -> dict[str, list[str]]:
     """The two llama-bench command lines: 'prefill' (a prompt of N tokens, empty cache) and 'decode'
     (n_gen tokens after a context of N tokens, via -d/--n-depth). Prefill is left out for N = 0, and
     altogether when not asked for (-d still prefills each context, untimed). kv_type: llama.cpp's KV
-    cache type for K and V (q8_0, q4_0, ...; its quantized V needs flash attention, so -fa 1 with it)."""
+    cache type for K and V (q8_0, q4_0, ...; its quantized V needs flash attention, so -fa 1 with it).
+    avoid_amx_tiles (see amx_tiles_avoided): decode's untimed -d prefill one token per batch (-ub 1),
+    prefill without ggml's extra buffer types (--repack 0: no AMX, and no repacked GEMM either)."""
     common = ["-t", str(threads), "-r", str(repetitions), "-o", "json", "--progress"]
     if kv_type:
         common += ["-ctk", kv_type, "-ctv", kv_type, "-fa", "1"]
     cmds = {}
     prompts = [c for c in contexts if c > 0] if prefill else []
     if prompts:
-        cmds["prefill"] = [str(bench_bin), "-m", str(gguf), "-p", _join(prompts), "-n", "0", *common]
-    cmds["decode"] = [str(bench_bin), "-m", str(gguf), "-p", "0", "-n", str(n_gen), "-d", _join(contexts), *common]
+        cmds["prefill"] = [str(bench_bin), "-m", str(gguf), "-p", _join(prompts), "-n", "0", *common,
+                           *(["--repack", "0"] if avoid_amx_tiles else [])]
+    cmds["decode"] = [str(bench_bin), "-m", str(gguf), "-p", "0", "-n", str(n_gen), "-d", _join(contexts), *common,
+                      *(["-ub", "1"] if avoid_amx_tiles else [])]
     return cmds
+
+
+def amx_tiles_avoided() -> bool:
+    """Whether the runs keep ggml off its AMX tiles (bench_commands' avoid_amx_tiles): on CPUs with
+    AMX. On an Intel Xeon VM (Firecracker, 2026-11-26) ggml's AMX matmul died with SIGILL at its first
+    tile instruction in every batch of more than one token (-p, or -d's prefill), while a plain AMX
+    test program ran there. Its one-row path (M = 1: AVX512-VNNI over the AMX buffer's packed weights)
+    is llama.cpp's fastest decode on that CPU (Q4_0 ~2.2x a build without AMX), so the build keeps AMX:
+    decode runs prefill their context one token per batch (untimed), and prefill runs go without the
+    extra buffer types, which understates llama.cpp's prefill of quantized GGUFs there."""
+    return "amx_tile" in cpu_flags()
 
 
 def _join(values: Iterable[int]) -> str:
@@ -495,7 +527,8 @@ def time_decode(gguf: Path, contexts: Sequence[int] = DEFAULT_CONTEXTS, n_gen: i
         raise UserError(f"GGUF file not found: {gguf}")
     b = build_ or build(cache_dir)
     label = label or gguf_format(gguf) or gguf.stem
-    cmds = bench_commands(b.tool("bench"), gguf, contexts, n_gen, threads, repetitions, prefill, kv_type)
+    cmds = bench_commands(b.tool("bench"), gguf, contexts, n_gen, threads, repetitions, prefill, kv_type,
+                          avoid_amx_tiles=amx_tiles_avoided())
     load = os.getloadavg()[0]
     prefill = run_bench(cmds["prefill"], f"{label} prefill") if "prefill" in cmds else []
     load = max(load, os.getloadavg()[0])

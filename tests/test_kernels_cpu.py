@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels  # noqa: E402
 from model import KVCache  # noqa: E402
+from quantize import pack_int4_rows16, unpack_int4_rows16  # noqa: E402
 from sparq import SparQConfig, selection_has_ties, sparq_reference  # noqa: E402
 
 
@@ -545,10 +546,10 @@ def int4_q8_reference(x, q, s, z, group):
     (16, 961, 576, 64, "bfloat16", "bfloat16", 2), (2, 1027, 1536, 256, "float32", "bfloat16", 2),
     (7, 67, 768, 128, "float16", "float32", 1), (1, 130, 4160, 32, "float32", "bfloat16", 2)])
 def test_int4_with_int8_activations_matches_fp64(M, N, K, group, x_dtype, scale_dtype, n_threads, threads):
-    """sparq::linear_int4_q8_cpu: linear_int4_cpu's weights, x quantized to int8 per group (the
-    integer dot products are exact, so only fp32 rounding separates it from the fp64 reference).
-    K = 4160: more than 16 groups of 32 (a second scale window) and a last 64-byte step half full.
-    Some rows of x hold a zero group (scale 0)."""
+    """sparq::linear_int4_q8_cpu: linear_int4_cpu's weights in rows of 16 (quantize.pack_int4_rows16),
+    x quantized to int8 per group (the integer dot products are exact, so only fp32 rounding separates
+    it from the fp64 reference). N = 5, 67, 130, 961, 1027: a last block of fewer than 16 rows, odd
+    pairs of blocks, units of threads. Some rows of x hold a zero group (scale 0)."""
     threads(n_threads)
     gen = torch.Generator().manual_seed(M * N + K)
     x = torch.randn(M, K, generator=gen)
@@ -557,7 +558,8 @@ def test_int4_with_int8_activations_matches_fp64(M, N, K, group, x_dtype, scale_
     q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
     s = (torch.rand(N, K // group, generator=gen) + 0.01).to(getattr(torch, scale_dtype))
     z = torch.randn(N, K // group, generator=gen).to(getattr(torch, scale_dtype))
-    out = torch.ops.sparq.linear_int4_q8_cpu(x, q[:, 0::2] | (q[:, 1::2] << 4), s, z)
+    rows16 = pack_int4_rows16(q[:, 0::2] | (q[:, 1::2] << 4), s, z)
+    out = torch.ops.sparq.linear_int4_q8_cpu(x, *rows16, N)
     assert out.dtype == x.dtype and out.shape == (M, N)
     ref = int4_q8_reference(x, q, s, z, group).to(x.dtype).double()
     tol = 1e-5 * math.sqrt(K) * float(ref.abs().max()) / 10 if x.dtype == torch.float32 else 1e-2
@@ -566,6 +568,19 @@ def test_int4_with_int8_activations_matches_fp64(M, N, K, group, x_dtype, scale_
     w = (q.double() - 8) * s.double().repeat_interleave(group, 1) + z.double().repeat_interleave(group, 1)
     exact = x.double() @ w.T
     assert float((out.double() - exact).norm() / exact.norm()) < 0.02
+
+
+def test_int4_rows16_layout_round_trips():
+    """pack_int4_rows16: rows in blocks of 16 (zero rows appended), 4 bytes of a row per 64-byte chunk."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randint(0, 256, (37, 72), generator=gen, dtype=torch.uint8)
+    s, z = torch.rand(37, 9, generator=gen), torch.randn(37, 9, generator=gen)
+    w16, s16, z16 = pack_int4_rows16(w, s, z)
+    assert w16.shape == (3, 18, 16, 4) and s16.shape == z16.shape == (3, 9, 16)
+    assert torch.equal(w16[1, 5, 7], w[16 + 7, 20:24]) and s16[2, 4, 4] == s[36, 4]
+    assert not w16[2, :, 5:].any() and not s16[2, :, 5:].any()  # the padding rows
+    for a, b in zip(unpack_int4_rows16(w16, s16, z16, 37), (w, s, z)):
+        assert torch.equal(a, b)
 
 
 def test_int4_q8_path_matches_the_cpu():

@@ -309,7 +309,9 @@ def test_find_build_needs_stamp_binaries_and_same_cpu(tmp_path):
     build_dir = tmp_path / f"build-{llamacpp.LLAMA_CPP_PYTHON}"
     (build_dir / "bin").mkdir(parents=True)
     stamp = {"root": str(tmp_path), "bin_dir": str(build_dir / "bin"), "llama_cpp_python": llamacpp.LLAMA_CPP_PYTHON,
-             "commit": "0" * 40, "binaries": {"bench": "llama-bench"}, "cmake_args": [], "cpu": llamacpp.cpu_model(),
+             "commit": "0" * 40, "binaries": {"bench": "llama-bench"},
+             "cmake_args": llamacpp.cmake_options(llamacpp.source_dir(tmp_path, llamacpp.LLAMA_CPP_PYTHON)),
+             "cpu": llamacpp.cpu_model(),
              "build_seconds": 1.0}
     (build_dir / llamacpp.STAMP).write_text(json.dumps(stamp))
     assert llamacpp.find_build(tmp_path) is None  # binary missing
@@ -318,6 +320,8 @@ def test_find_build_needs_stamp_binaries_and_same_cpu(tmp_path):
     assert llamacpp.find_build(tmp_path, roles=("server",)) is None  # built before llama-server was a target
     (build_dir / llamacpp.STAMP).write_text(json.dumps({**stamp, "cpu": "another CPU"}))
     assert llamacpp.find_build(tmp_path) is None  # -march=native binaries of another machine
+    (build_dir / llamacpp.STAMP).write_text(json.dumps({**stamp, "cmake_args": ["-DGGML_NATIVE=ON", "-DOTHER=1"]}))
+    assert llamacpp.find_build(tmp_path) is None  # configured otherwise than cmake_options now would
 
 
 # --- llama-bench commands and output ----------------------------------------------------------
@@ -331,6 +335,8 @@ def test_bench_commands():
     assert "prefill" not in llamacpp.bench_commands(Path("b"), Path("m"), [0])  # context 0: decode only
     decode_only = llamacpp.bench_commands(Path("bin/llama-bench"), Path("m.gguf"), [16, 1024], prefill=False)
     assert list(decode_only) == ["decode"] and "16,1024" in decode_only["decode"]  # --decode-only
+    amx = llamacpp.bench_commands(Path("bin/llama-bench"), Path("m.gguf"), [16], avoid_amx_tiles=True)
+    assert amx["decode"][-2:] == ["-ub", "1"] and amx["prefill"][-2:] == ["--repack", "0"]  # ggml's AMX tiles
     q8 = llamacpp.bench_commands(Path("bin/llama-bench"), Path("m.gguf"), [16], kv_type="q8_0")
     for cmd in q8.values():  # its quantized KV cache, with flash attention (which a quantized V needs)
         assert cmd[-6:] == ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "1"]

@@ -307,8 +307,10 @@ def test_weights_survive_the_dtype_cast(tmp_path):
     model = load(path, dtype=torch.bfloat16)
     assert model.norm.weight.dtype == torch.bfloat16
     wqkv = model.layers[0].attention.wqkv  # the scales its kernel reads stayed bf16, its q integer
-    if wqkv.kernel in ("gemv", "gemv-q8"):
+    if wqkv.kernel == "gemv":
         assert wqkv.scales.dtype == wqkv.zeros.dtype == torch.bfloat16 and wqkv.weight.dtype == torch.uint8
+    elif wqkv.kernel == "gemv-q8":  # repacked at load (pack_int4_rows16)
+        assert wqkv.rows16_scales.dtype == wqkv.rows16_zeros.dtype == torch.bfloat16 and wqkv.rows16.dtype == torch.uint8
     else:
         assert wqkv.scales_and_zeros.dtype == torch.bfloat16
     assert model.output.scales.dtype == torch.bfloat16 and model.tok_embeddings.weight.dtype == torch.int8

@@ -14,6 +14,7 @@ from torch.utils import cpp_extension
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402  (the op schemas)
+from quantize import pack_int4_rows16  # noqa: E402
 
 CSRC = Path(kernels.__file__).resolve().parent / "csrc"
 SOURCES = [str(CSRC / "linear.cpp"), str(CSRC / "linear_quant.cpp"), str(CSRC / "dense_decode.cpp")]
@@ -56,7 +57,7 @@ for M, N, K, group in [(1, 100, 576, 32), (9, 37, 256, 128)]:
     amax = xg.abs().amax(-1, keepdim=True)
     xq = (torch.round(xg * (127 / amax)).double() * (amax / 127).double()).reshape(M, K)
     ref = xq @ ((q.double() - 8) * s.double().repeat_interleave(group, 1)).T + x.double() @ z.double().repeat_interleave(group, 1).T
-    out = torch.ops.sparq.linear_int4_q8_cpu(x, q[:, 0::2] | (q[:, 1::2] << 4), s, z)
+    out = torch.ops.sparq.linear_int4_q8_cpu(x, *pack_int4_rows16(q[:, 0::2] | (q[:, 1::2] << 4), s, z), N)
     torch.testing.assert_close(out.double(), ref, atol=1e-4 * float(w.abs().max()) * math.sqrt(K), rtol=1e-5)
 for B, H, g, d, S, qd, kd in [(1, 2, 3, 64, 1000, "bfloat16", "bfloat16"), (2, 1, 4, 128, 300, "float32", "bfloat16"),
                               (1, 1, 2, 256, 70, "float32", "float32"), (1, 2, 5, 80, 33, "float16", "float16")]:
