@@ -45,7 +45,8 @@ Kernels (CPU, torch 2.13).
                             aten kernels below at decode sizes.
   int4 layers   "gemv-q8"   the same int4 GEMV with x rounded to int8 per group first (llama.cpp's
                             Q8_0 activations), then integer dot products (sparq::linear_int4_q8_cpu,
-                            vpdpbusd): "auto"'s choice where the build has AVX512_VNNI
+                            vpdpbusd) on the weights repacked at load in rows of 16
+                            (pack_int4_rows16): "auto"'s choice where the build has AVX512_VNNI
                             (int4_gemv_kernel), the only path here whose decode numerics are not those
                             of the dequantized weights: the rounding of x costs SmolLM2 +0.0008 bits per
                             character, less than llama.cpp's Q4_0 / Q4_1 (docs/NOTES.md).

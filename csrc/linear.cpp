@@ -19,7 +19,8 @@
 //   "avx2"         the same with 8-lane AVX2 vectors (CPUs without AVX-512).
 //   "portable"     the reference path on simd.h's portable vectors.
 // (AMX-BF16 would add tile multiplies for many rows; at <= 16 rows the GEMV is bound by the weight
-// stream, which vdpbf16ps already keeps up with, and the CPUs measured here have no AMX.)
+// stream, which vdpbf16ps already keeps up with. Not tried on the one AMX machine seen so far, a VM
+// where llama.cpp's AMX tiles died with SIGILL: docs/NOTES.md.)
 // tests/test_kernels_cpu.py builds this file alone with features turned off and checks each path.
 
 #include <ATen/ATen.h>
