@@ -14,13 +14,14 @@ static. Everything lives in one cache directory, `--cache DIR`, default `$SPARQ_
 
 `bench` times llama.cpp on one GGUF requantized into each format, with `llama-bench`, two runs per
 format (the exact command lines go into --json):
-  prefill: llama-bench -m F.gguf -p 16,1024,4096,8000 -n 0 -t 2 -r 3 -o json
+  prefill: llama-bench -m F.gguf -p 16,1024,4096,8000 -n 0 -t 2 -r 3 -o json -fa 0,1
            -> tokens/s of a prompt of N tokens into an empty cache (N / time of that batch)
-  decode:  llama-bench -m F.gguf -p 0 -n 32 -d 16,1024,4096,8000 -t 2 -r 3 -o json
+  decode:  llama-bench -m F.gguf -p 0 -n 32 -d 16,1024,4096,8000 -t 2 -r 3 -o json -fa 0,1
            -> tokens/s of generating 32 tokens one by one after a context of N tokens (the
               context is prefilled once, untimed, and restored for each repetition)
-llama-bench's defaults hold otherwise (KV cache f16, flash attention auto, batch 2048 / ubatch 512,
-one warm-up run per test). Compare only with figures measured on the same machine in the same hour,
+each N keeping the faster of flash attention off and on (bench_commands). llama-bench's defaults hold
+otherwise (KV cache f16, batch 2048 / ubatch 512, one warm-up run per test; on CPUs with AMX see
+amx_tiles_avoided). Compare only with figures measured on the same machine in the same hour,
 and on an idle one: llama.cpp's worker threads spin at barriers, so when other processes share the
 cores its tokens/s collapse erratically (10x and more) instead of scaling down. The table marks cells
 whose repetitions spread by more than 25% and warns when the load average exceeded the core count.
@@ -416,12 +417,16 @@ def bench_commands(bench_bin: Path, gguf: Path, contexts: Sequence[int], n_gen: 
     """The two llama-bench command lines: 'prefill' (a prompt of N tokens, empty cache) and 'decode'
     (n_gen tokens after a context of N tokens, via -d/--n-depth). Prefill is left out for N = 0, and
     altogether when not asked for (-d still prefills each context, untimed). kv_type: llama.cpp's KV
-    cache type for K and V (q8_0, q4_0, ...; its quantized V needs flash attention, so -fa 1 with it).
+    cache type for K and V (q8_0, q4_0, ...; its quantized V needs flash attention, so -fa 1 with it);
+    otherwise both -fa 0 and -fa 1 run and rows_from_tests keeps the faster per context: llama-bench's
+    default ("auto", on) decoded Q4_0 at 1k context 3x slower than off on an Intel Xeon VM (docs/NOTES.md).
     avoid_amx_tiles (see amx_tiles_avoided): decode's untimed -d prefill one token per batch (-ub 1),
     prefill without ggml's extra buffer types (--repack 0: no AMX, and no repacked GEMM either)."""
     common = ["-t", str(threads), "-r", str(repetitions), "-o", "json", "--progress"]
     if kv_type:
         common += ["-ctk", kv_type, "-ctv", kv_type, "-fa", "1"]
+    else:
+        common += ["-fa", "0,1"]
     cmds = {}
     prompts = [c for c in contexts if c > 0] if prefill else []
     if prompts:
@@ -460,9 +465,16 @@ def parse_bench_json(text: str) -> list[dict]:
 
 def rows_from_tests(prefill: list[dict], decode: list[dict], contexts: Sequence[int], label: str,
                     repetitions: int, build_: Optional[Build] = None) -> list[dict]:
-    """One row per context from llama-bench's test records (prefill: n_prompt = N; decode: n_depth = N)."""
-    pp = {t["n_prompt"]: t for t in prefill if t["n_gen"] == 0}
-    tg = {t["n_depth"]: t for t in decode if t["n_prompt"] == 0}
+    """One row per context from llama-bench's test records (prefill: n_prompt = N; decode: n_depth = N),
+    the fastest record where several configurations ran (flash attention on and off: bench_commands);
+    flash_attn is the decode record's (else the prefill's)."""
+    pp, tg = {}, {}
+    for t in prefill:
+        if t["n_gen"] == 0 and (t["n_prompt"] not in pp or t["avg_ts"] > pp[t["n_prompt"]]["avg_ts"]):
+            pp[t["n_prompt"]] = t
+    for t in decode:
+        if t["n_prompt"] == 0 and (t["n_depth"] not in tg or t["avg_ts"] > tg[t["n_depth"]]["avg_ts"]):
+            tg[t["n_depth"]] = t
     first = (decode or prefill)[0] if (decode or prefill) else {}
     rows = []
     for n in contexts:
@@ -478,7 +490,7 @@ def rows_from_tests(prefill: list[dict], decode: list[dict], contexts: Sequence[
             "threads": first.get("n_threads"),
             "repetitions": repetitions,
             "type_k": first.get("type_k"),
-            "flash_attn": first.get("flash_attn"),
+            "flash_attn": (d or p or first).get("flash_attn"),
             "model_size": first.get("model_size"),
             "cpu": first.get("cpu_info"),
             "llama_cpp_commit": build_.commit if build_ else first.get("build_commit"),

@@ -329,7 +329,7 @@ def test_find_build_needs_stamp_binaries_and_same_cpu(tmp_path):
 
 def test_bench_commands():
     cmds = llamacpp.bench_commands(Path("bin/llama-bench"), Path("m.gguf"), [16, 1024], n_gen=32, threads=2, repetitions=3)
-    common = ["-t", "2", "-r", "3", "-o", "json", "--progress"]
+    common = ["-t", "2", "-r", "3", "-o", "json", "--progress", "-fa", "0,1"]  # the faster of the two kept
     assert cmds["prefill"] == ["bin/llama-bench", "-m", "m.gguf", "-p", "16,1024", "-n", "0", *common]
     assert cmds["decode"] == ["bin/llama-bench", "-m", "m.gguf", "-p", "0", "-n", "32", "-d", "16,1024", *common]
     assert "prefill" not in llamacpp.bench_commands(Path("b"), Path("m"), [0])  # context 0: decode only
@@ -355,6 +355,11 @@ def test_parse_captured_llama_bench_output():
     assert rows[0]["threads"] == 2 and rows[0]["n_gen"] == 4 and rows[0]["llama_cpp_commit"] == decode[0]["build_commit"]
     table = llamacpp.format_table(rows)
     assert "N=16" in table and "q4_1" in table and table.count("\n") == 3
+    # flash attention on and off (bench_commands): each context keeps its faster record
+    fa_on = [{**t, "flash_attn": True, "avg_ts": t["avg_ts"] * (0.5 if t["n_depth"] == 16 else 2)} for t in decode]
+    rows = llamacpp.rows_from_tests(prefill, decode + fa_on, [16, 64], "q4_1", repetitions=1)
+    assert rows[0]["decode_tok_s"] == round(decode[0]["avg_ts"], 2) and rows[0]["flash_attn"] == decode[0]["flash_attn"]
+    assert rows[1]["decode_tok_s"] == round(2 * decode[1]["avg_ts"], 2) and rows[1]["flash_attn"] is True
 
 
 def test_table_marks_noisy_cells_and_busy_machines():
