@@ -407,6 +407,21 @@ static inline void int4_q8_rows16_vnni(const XQ& xq, int64_t m0, int64_t C, cons
   for (int m = 0; m < MB; ++m)
     for (int b = 0; b < NBK; ++b) _mm512_storeu_ps(y + m * ldy + 16 * b, acc[m][b]);
 }
+
+// int4_q8_rows16_vnni for every row of x, up to 4 at a time: all 16 rows of NBK blocks into y.
+template <int NBK, class ST>
+static void int4_q8_rows16_every_x(const XQ& xq, int64_t C, const uint8_t* w16, const ST* s16, const ST* z16, float* y,
+                                   int64_t ldy) {
+  for (int64_t m = 0; m < xq.M; m += 4) {
+    float* o = y + m * ldy;
+    switch (std::min<int64_t>(4, xq.M - m)) {
+      case 1: int4_q8_rows16_vnni<1, NBK>(xq, m, C, w16, s16, z16, o, ldy); break;
+      case 2: int4_q8_rows16_vnni<2, NBK>(xq, m, C, w16, s16, z16, o, ldy); break;
+      case 3: int4_q8_rows16_vnni<3, NBK>(xq, m, C, w16, s16, z16, o, ldy); break;
+      default: int4_q8_rows16_vnni<4, NBK>(xq, m, C, w16, s16, z16, o, ldy); break;
+    }
+  }
+}
 #endif
 
 // Blocks of up to 4 rows of x over rows [n0, n1) of w, 4 weight rows at a time (4 sequential
@@ -601,28 +616,14 @@ at::Tensor linear_int4_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at
         const auto* zb = z + b * G * 16;
 #ifdef SPARQ_AVX512_VNNI
         if (rows == 16 && n + 32 <= n1) {  // two blocks at a time: more independent chains
-          for (int64_t m = 0; m < M; m += 4) {
-            float* o = out + m * ldo + (n - n0);
-            switch (std::min<int64_t>(4, M - m)) {
-              case 1: int4_q8_rows16_vnni<1, 2>(xq, m, C, wb, sb, zb, o, ldo); break;
-              case 2: int4_q8_rows16_vnni<2, 2>(xq, m, C, wb, sb, zb, o, ldo); break;
-              case 3: int4_q8_rows16_vnni<3, 2>(xq, m, C, wb, sb, zb, o, ldo); break;
-              default: int4_q8_rows16_vnni<4, 2>(xq, m, C, wb, sb, zb, o, ldo); break;
-            }
-          }
+          int4_q8_rows16_every_x<2>(xq, C, wb, sb, zb, out + (n - n0), ldo);
           n += 16;
-          continue;
-        }
-        float part[4 * 16];
-        for (int64_t m = 0; m < M; m += 4) {
-          const int64_t mb = std::min<int64_t>(4, M - m);
-          switch (mb) {
-            case 1: int4_q8_rows16_vnni<1, 1>(xq, m, C, wb, sb, zb, part, 16); break;
-            case 2: int4_q8_rows16_vnni<2, 1>(xq, m, C, wb, sb, zb, part, 16); break;
-            case 3: int4_q8_rows16_vnni<3, 1>(xq, m, C, wb, sb, zb, part, 16); break;
-            default: int4_q8_rows16_vnni<4, 1>(xq, m, C, wb, sb, zb, part, 16); break;
-          }
-          for (int64_t i = 0; i < mb; ++i) std::memcpy(out + (m + i) * ldo + (n - n0), part + i * 16, rows * sizeof(float));
+        } else if (rows == 16) {
+          int4_q8_rows16_every_x<1>(xq, C, wb, sb, zb, out + (n - n0), ldo);
+        } else {
+          std::vector<float> part(M * 16);
+          int4_q8_rows16_every_x<1>(xq, C, wb, sb, zb, part.data(), 16);
+          for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * ldo + (n - n0), part.data() + m * 16, rows * sizeof(float));
         }
 #else
         int4_q8_rows16_ref(xq, C, wb, sb, zb, rows, out + (n - n0), ldo);

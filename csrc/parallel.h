@@ -95,8 +95,8 @@ static inline int thread_count() {
 
 // The GEMVs' split: rows [0, N) of a weight in two units of contiguous rows per thread (a multiple
 // of `align` rows, 4 by default, so the kernels' blocks of rows stay whole; a thread that starts late
-// leaves its second unit to the others); fn(n0, n1) runs on torch's threads. Long contiguous units keep each thread's stream
-// sequential for the prefetchers: units of at most 64 rows, taken in turn by the threads, streamed a
+// leaves its second unit to the others); fn(n0, n1) runs on torch's threads. Long contiguous units
+// keep each thread's stream sequential for the prefetchers: units of at most 64 rows, taken in turn by the threads, streamed a
 // 17.7 MB int4 weight at 17 GB/s, two units per thread at 38 (docs/NOTES.md).
 template <class F>
 static void over_weight_rows(int64_t N, F&& fn, int64_t align = 4) {

@@ -97,22 +97,23 @@ def default_cache() -> Path:
     return data.cache_dir().expanduser() / "llama.cpp"
 
 
-def cpu_model() -> str:
-    """The CPU's model name: a -march=native build is only valid on the CPU it was built for."""
+def _cpuinfo(field: str) -> Optional[str]:
+    """The first /proc/cpuinfo line's value for `field` ("model name", "flags"), or None."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name: a -march=native build is only valid on the CPU it was built for."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
+    return set((_cpuinfo("flags") or "").split())
 
 
 def check_toolchain() -> None:
