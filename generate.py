@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and linears; cuda: Triton SparQ), torch = plain PyTorch everywhere")
     p.add_argument("--quantized-kernel", choices=quantize.BACKENDS, default="auto",
                    help="a quantized checkpoint's linears (quantize.py): auto = the fastest that applies; gemv = the "
-                        "fused GEMVs in fp32 (what auto takes for int4 layers on CPUs without AVX512_VNNI); "
-                        "gemv-q8 = int4 layers round activations to int8 per group (auto's choice with VNNI)")
+                        "fused GEMVs in fp32 (what auto takes on CPUs without AVX512_VNNI); "
+                        "gemv-q8 = they round activations to int8 per group first (auto's choice with VNNI)")
     add_attention_flags(p)
     spec = p.add_argument_group("speculative decoding (greedy output is the verifier's own; sampled, distributed as its own)")
     spec.add_argument("--speculate-k", type=cli.positive_int, default=None, metavar="N",

@@ -196,7 +196,8 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     torch.library.define("sparq::linear_int4_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor")
     # the same with x quantized to int8 per group, integer dot products (quantize.py's "gemv-q8")
     torch.library.define("sparq::linear_int4_q8_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros, int N) -> Tensor")
-    torch.library.define("sparq::linear_int4_q8_path", "() -> str")  # "vnni" or "portable" in this build
+    torch.library.define("sparq::linear_int8_q8_cpu", "(Tensor x, Tensor w, Tensor scales, int N) -> Tensor")
+    torch.library.define("sparq::linear_q8_path", "() -> str")  # "vnni" or "portable" in this build
 
     @torch.library.impl("sparq::decode_cpu", "CompositeExplicitAutograd")
     def _decode_cpu_first_call(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
@@ -246,6 +247,11 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         _load_for_first_call("linear_int4_q8_cpu")
         return torch.ops.sparq.linear_int4_q8_cpu.default(x, w, scales, zeros, N)
 
+    @torch.library.impl("sparq::linear_int8_q8_cpu", "CompositeExplicitAutograd")
+    def _linear_int8_q8_cpu_first_call(x, w, scales, N):
+        _load_for_first_call("linear_int8_q8_cpu")
+        return torch.ops.sparq.linear_int8_q8_cpu.default(x, w, scales, N)
+
     @torch.library.register_fake("sparq::decode_cpu")
     def _decode_cpu_fake(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
         return q.new_empty(q.shape)
@@ -282,6 +288,10 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
 
     @torch.library.register_fake("sparq::linear_int4_q8_cpu")
     def _linear_int4_q8_cpu_fake(x, w, scales, zeros, N):
+        return x.new_empty((x.shape[0], N))
+
+    @torch.library.register_fake("sparq::linear_int8_q8_cpu")
+    def _linear_int8_q8_cpu_fake(x, w, scales, N):
         return x.new_empty((x.shape[0], N))
 
 

@@ -1012,8 +1012,9 @@ class Transformer(nn.Module):
     def cache_dtype(self) -> torch.dtype:
         """The KV caches' (and activations') dtype: the embedding's; for quantized embeddings the dtype
         load_model was asked for (activation_dtype)."""
-        dtype = self.tok_embeddings.weight.dtype
-        return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else self.activation_dtype
+        weight = self.tok_embeddings.weight  # None: a quantized embedding reading the head's rows16 tensors
+        floating = weight is not None and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return weight.dtype if floating else self.activation_dtype
 
     @staticmethod
     def cache_bytes(args: ModelArgs, batch: int, seq_len: int, fmt: KVFormat, dtype: torch.dtype) -> int:

@@ -43,13 +43,14 @@ Kernels (CPU, torch 2.13).
                             (prefill) dequantize the weight and run F.linear, as fast as the packed
                             aten kernels there. python -m bench linear --quantized compares them with the
                             aten kernels below at decode sizes.
-  int4 layers   "gemv-q8"   the same int4 GEMV with x rounded to int8 per group first (llama.cpp's
-                            Q8_0 activations), then integer dot products (sparq::linear_int4_q8_cpu,
-                            vpdpbusd) on the weights repacked at load in rows of 16
-                            (pack_int4_rows16): "auto"'s choice where the build has AVX512_VNNI
-                            (int4_gemv_kernel), the only path here whose decode numerics are not those
-                            of the dequantized weights: the rounding of x costs SmolLM2 +0.0008 bits per
-                            character, less than llama.cpp's Q4_0 / Q4_1 (docs/NOTES.md).
+  both          "gemv-q8"   the same GEMVs with x rounded to int8 per group first (llama.cpp's Q8_0
+                            activations; int4: per weight group, int8: per 32 inputs), then integer dot
+                            products (sparq::linear_int4_q8_cpu / linear_int8_q8_cpu, vpdpbusd) on the
+                            weights repacked at load in rows of 16 (pack_int4_rows16 / pack_int8_rows16;
+                            a tied embedding gathers its rows from the head's copy): "auto"'s choice where
+                            the build has AVX512_VNNI (gemv_kernel), the only path here whose decode
+                            numerics are not those of the dequantized weights: the rounding of x costs
+                            SmolLM2 less than llama.cpp's formats lose (docs/NOTES.md).
 aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu are only vectorized for bf16
 activations; with fp32 activations they run a scalar loop, many times slower. So the packed paths cast
 the activations to bf16, run the kernel (fp32 accumulation) and cast back:
@@ -206,12 +207,12 @@ def _gemv_available(device: torch.device) -> bool:
     return device.type == "cpu" and kernels.cpu_kernel_error() is None
 
 
-def int4_gemv_kernel(device: torch.device) -> str:
-    """The int4 decode GEMV "auto" picks: "gemv-q8" (x rounded to int8 per group, as llama.cpp's Q8_0,
-    then integer dot products) where this build has its vpdpbusd path, which is faster there; else
-    "gemv" (fp32 activations), where the portable int8 path would be slower. The rounding costs
-    less than llama.cpp's own Q4 formats do (python -m scripts.quant_bpc; docs/NOTES.md)."""
-    if _gemv_available(device) and torch.ops.sparq.linear_int4_q8_path() == "vnni":
+def gemv_kernel(device: torch.device) -> str:
+    """The decode GEMV "auto" picks for int8 and int4 layers: "gemv-q8" (x rounded to int8 per group,
+    as llama.cpp's Q8_0, then integer dot products) where this build has its vpdpbusd path, which is
+    faster there; else "gemv" (fp32 activations), where the portable integer path would be slower.
+    The rounding costs less than llama.cpp's own formats do (python -m scripts.quant_bpc; docs/NOTES.md)."""
+    if _gemv_available(device) and torch.ops.sparq.linear_q8_path() == "vnni":
         return "gemv-q8"
     return "gemv"
 
@@ -252,6 +253,29 @@ def unpack_int4_rows16(w16: Tensor, s16: Tensor, z16: Tensor, N: int) -> tuple[T
     return weight, s16.transpose(1, 2).reshape(-1, s16.shape[1])[:N], z16.transpose(1, 2).reshape(-1, z16.shape[1])[:N]
 
 
+def pack_int8_rows16(weight: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """The stored int8 weight (N, K) and scales ((N,) per channel or (N, G)) -> the "rows16" layout
+    sparq::linear_int8_q8_cpu reads (csrc/linear_quant.cpp): codes stored unsigned (q + 128), rows in
+    blocks of 16, the last padded with zero rows; w16[b, c, r, j] = weight[16 b + r, 4 c + j] + 128
+    (NB, K/4, 16, 4), s16[b, g, r] = scales[16 b + r, g] (NB, G, 16), G = 1 per channel."""
+    unsigned = (weight.view(torch.uint8) ^ 0x80)  # two's complement q + 128
+    pad = -weight.shape[0] % 16
+    scales = scales.reshape(weight.shape[0], -1)
+
+    def blocks(t: Tensor) -> Tensor:  # (N, X) -> (NB, 16, X), zero rows appended
+        return torch.cat([t, t.new_zeros(pad, t.shape[1])]).view(-1, 16, t.shape[1])
+
+    w16 = blocks(unsigned).view(-1, 16, weight.shape[1] // 4, 4).transpose(1, 2).contiguous()
+    return w16, blocks(scales).transpose(1, 2).contiguous()
+
+
+def unpack_int8_rows16(w16: Tensor, s16: Tensor, N: int, per_channel: bool) -> tuple[Tensor, Tensor]:
+    """Inverse of pack_int8_rows16: the N rows' int8 weight (N, K) and scales ((N,) when per_channel)."""
+    weight = (w16.transpose(1, 2).reshape(-1, w16.shape[1] * 4)[:N] ^ 0x80).view(torch.int8)
+    scales = s16.transpose(1, 2).reshape(-1, s16.shape[1])[:N]
+    return weight, (scales[:, 0] if per_channel else scales)
+
+
 class Int8Linear(nn.Module):
     """y = x W^T, W = q * s stored int8: buffers weight (N, K) int8 and scales bf16, (N,) per output
     channel or (N, K / group_size) per group of inputs (group_size set: the head).
@@ -259,6 +283,9 @@ class Int8Linear(nn.Module):
     Kernels (self.kernel, chosen by finalize):
       "gemv"     sparq::linear_int8_cpu on the stored weight and scales for decode-sized inputs,
                  dequantize + F.linear for more rows (see the module docstring).
+      "gemv-q8"  sparq::linear_int8_q8_cpu (x rounded to int8 per 32 inputs): finalize repacks weight and
+                 scales into rows16 / rows16_scales (pack_int8_rows16) and drops them unless keep_weight;
+                 prefill dequantizes from the repacked ones.
       "int4x2"   q = 16 hi + lo with hi in [-8, 7], lo in [0, 15]: both halves go through the int4
                  kernel as one (N, 2K) matrix -- [hi | lo] with scales 16 s / s and zeros 0 / 8 s --
                  against [x | x]. Exactly the same weights; the int4 kernel is faster than the int8
@@ -278,6 +305,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.empty(scale_shape, dtype=torch.bfloat16, device=device))
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
+        self.register_buffer("rows16", None, persistent=False)
+        self.register_buffer("rows16_scales", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None  # float, added after
         self.split_group_size = 0
         self.kernel = "dequant"  # finalize() picks a packed kernel where one applies
@@ -295,6 +324,9 @@ class Int8Linear(nn.Module):
         cpu = self.scales.device.type == "cpu"
         if kernel == "gemv":  # groups of whole 16-wide vectors
             return _gemv_available(self.scales.device) and (self.group_size is None or self.group_size % 16 == 0)
+        if kernel == "gemv-q8":  # whole groups of 32 inputs (x's groups)
+            return (_gemv_available(self.scales.device) and self.in_features % 32 == 0
+                    and (self.group_size or self.in_features) % 32 == 0)
         if kernel == "int4x2":  # int4 kernel: N in blocks of 16; groups must not straddle hi | lo
             return cpu and self.out_features % 16 == 0 and self._split_group_size() is not None
         if kernel == "int8pack":  # the CPU kernel walks K in steps of 16 (AVX512) with no tail
@@ -316,6 +348,8 @@ class Int8Linear(nn.Module):
             zeros = torch.cat([torch.zeros_like(s), 8 * s], dim=1)
             self.scales_and_zeros = _int4_scales_and_zeros(scales, zeros)
             self.split_group_size = gs
+        elif kernel == "gemv-q8":
+            self.rows16, self.rows16_scales = pack_int8_rows16(self.weight, self.scales)
         elif kernel == "int8pack":
             if self.weight.data_ptr() % 64:  # the kernel uses aligned loads: own, aligned memory
                 self.weight = self.weight.clone()
@@ -328,17 +362,20 @@ class Int8Linear(nn.Module):
         Drops the int8 weight when the kernel no longer reads it, unless keep_weight."""
         if self.kernel != "dequant":
             return
-        choices = {"auto": ("gemv", "int4x2", "int8pack"), "gemv": ("gemv",), "gemv-q8": ("gemv",),
+        auto = tuple(dict.fromkeys((gemv_kernel(self.scales.device), "gemv", "int4x2", "int8pack")))
+        choices = {"auto": auto, "gemv": ("gemv",), "gemv-q8": ("gemv-q8",),
                    "int4x2": ("int4x2",), "int8pack": ("int8pack",), "dequant": ()}[backend or "auto"]
         for kernel in choices:
             if self.supports(kernel) and _kernel_ok(kernel, self.scales.device, self.group_size or 0, bits=8):
                 self.use_kernel(kernel)
                 break
-        if self.kernel == "int4x2" and not keep_weight:
+        if self.kernel in ("int4x2", "gemv-q8") and not keep_weight:  # the packed copies replace it
             self.weight = None
+        if self.kernel == "gemv-q8" and not keep_weight:
+            self.scales = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel == "gemv":
+        if self.kernel in ("gemv", "gemv-q8"):
             y = self.forward_gemv(x)
         elif self.kernel == "int4x2":
             y = self.forward_int4x2(x)
@@ -352,7 +389,11 @@ class Int8Linear(nn.Module):
         x2 = _gemv_rows(x, self.in_features)
         if x2 is None:  # a prefill: a GEMM's work, torch's own
             return self.forward_dequant(x)
-        return torch.ops.sparq.linear_int8_cpu(x2, self.weight, self.scales).reshape(*x.shape[:-1], self.out_features)
+        if self.kernel == "gemv-q8":
+            y = torch.ops.sparq.linear_int8_q8_cpu(x2, self.rows16, self.rows16_scales, self.out_features)
+        else:
+            y = torch.ops.sparq.linear_int8_cpu(x2, self.weight, self.scales)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_int4x2(self, x: Tensor) -> Tensor:
         x2 = _as_2d_bf16(x, self.in_features)
@@ -364,11 +405,14 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def forward_dequant(self, x: Tensor) -> Tensor:
-        if self.group_size is None:
+        if self.group_size is None and self.weight is not None:
             return F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype))
 
     def dequantized_weight(self) -> Tensor:
+        if self.weight is None and self.rows16 is not None:
+            return dequantize_int8(*unpack_int8_rows16(self.rows16, self.rows16_scales, self.out_features,
+                                                       per_channel=self.group_size is None))
         if self.weight is None:
             raise RuntimeError("the int8 weight was released after packing (finalize keep_weight=False)")
         return dequantize_int8(self.weight, self.scales)
@@ -438,7 +482,7 @@ class Int4Linear(nn.Module):
         self.kernel = kernel
 
     def finalize(self, backend: Optional[str] = None, keep_weight: bool = False) -> None:
-        """Pick the kernel: backend None/"auto" = int4_gemv_kernel's GEMV, else "gemv", else "int4pack",
+        """Pick the kernel: backend None/"auto" = gemv_kernel's GEMV, else "gemv", else "int4pack",
         the first that applies and passes the self-check; "gemv" / "gemv-q8" / "int4pack" force one
         (falling back to dequant); "int4x2" and "int8pack" are int8 kernels: int4 layers then take
         int4pack as before."""
@@ -449,7 +493,7 @@ class Int4Linear(nn.Module):
         elif backend in ("int4x2", "int8pack"):
             choices = ("int4pack",)
         else:
-            choices = tuple(dict.fromkeys((int4_gemv_kernel(self.scales.device), "gemv", "int4pack")))
+            choices = tuple(dict.fromkeys((gemv_kernel(self.scales.device), "gemv", "int4pack")))
         for kernel in choices:
             if self.supports(kernel) and _kernel_ok(kernel, self.scales.device, self.group_size, bits=4):
                 self.use_kernel(kernel)
@@ -492,9 +536,16 @@ class Int4Linear(nn.Module):
         return dequantize_int4(unpack_nibbles(self.weight), self.scales, self.zeros)
 
 
+def _rows16_rows(t: Tensor, idx: Tensor) -> Tensor:
+    """Rows idx of a rows16 tensor: (NB, X, 16, ...) -> (*idx.shape, X * ...)."""
+    return t[idx // 16, :, idx % 16].flatten(idx.dim())
+
+
 class Int8Embedding(nn.Module):
     """Embedding rows stored int8 with bf16 scales per row or per group of the row (when tied: the
-    head's own tensors, a row of the embedding being an output channel of the head)."""
+    head's own tensors, a row of the embedding being an output channel of the head). A tied head
+    repacked for gemv-q8 lends its rows16 tensors instead (read_head_rows16): a lookup gathers its B
+    rows from them, so the step holds and counts the head's bytes once."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group_size: Optional[int] = None, device=None):
         super().__init__()
@@ -502,13 +553,24 @@ class Int8Embedding(nn.Module):
         scale_shape = (num_embeddings,) if group_size is None else (num_embeddings, embedding_dim // group_size)
         self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(scale_shape, dtype=torch.bfloat16, device=device))
+        self.register_buffer("rows16", None, persistent=False)
+        self.register_buffer("rows16_scales", None, persistent=False)
+
+    def read_head_rows16(self, head: "Int8Linear") -> None:
+        self.rows16, self.rows16_scales = head.rows16, head.rows16_scales
+        self.weight = self.scales = None
 
     def forward(self, idx: Tensor) -> Tensor:
+        if self.rows16 is not None:
+            q = (_rows16_rows(self.rows16, idx) ^ 0x80).view(torch.int8)  # stored as q + 128
+            scales = _rows16_rows(self.rows16_scales, idx)
+            return dequantize_int8(q, scales if self.group_size else scales[..., 0])
         return dequantize_int8(self.weight[idx], self.scales[idx])
 
 
 class Int4Embedding(nn.Module):
-    """Embedding rows in the Int4Linear portable format (used when an int4 head is tied)."""
+    """Embedding rows in the Int4Linear portable format (used when an int4 head is tied; a head
+    repacked for gemv-q8 lends its rows16 tensors, as Int8Embedding's)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group_size: int, device=None):
         super().__init__()
@@ -517,13 +579,22 @@ class Int4Embedding(nn.Module):
         self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(num_embeddings, groups, dtype=torch.bfloat16, device=device))
         self.register_buffer("zeros", torch.empty(num_embeddings, groups, dtype=torch.bfloat16, device=device))
+        self.register_buffer("rows16", None, persistent=False)
+        self.register_buffer("rows16_scales", None, persistent=False)
+        self.register_buffer("rows16_zeros", None, persistent=False)
+
+    def read_head_rows16(self, head: "Int4Linear") -> None:
+        self.rows16, self.rows16_scales, self.rows16_zeros = head.rows16, head.rows16_scales, head.rows16_zeros
+        self.weight = self.scales = self.zeros = None
 
     def forward(self, idx: Tensor) -> Tensor:
-        q = unpack_nibbles(self.weight[idx]).float()  # (..., D)
+        if self.rows16 is not None:
+            nibbles, scales, zeros = (_rows16_rows(t, idx) for t in (self.rows16, self.rows16_scales, self.rows16_zeros))
+        else:
+            nibbles, scales, zeros = self.weight[idx], self.scales[idx], self.zeros[idx]
+        q = unpack_nibbles(nibbles).float()  # (..., D)
         shape = (*q.shape[:-1], self.embedding_dim // self.group_size, self.group_size)
-        scales = self.scales[idx].float().unsqueeze(-1)
-        zeros = self.zeros[idx].float().unsqueeze(-1)
-        return ((q.reshape(shape) - 8.0) * scales + zeros).flatten(-2)
+        return ((q.reshape(shape) - 8.0) * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)).flatten(-2)
 
 
 QUANTIZED_MODULES = (Int8Linear, Int4Linear, Int8Embedding, Int4Embedding)
@@ -661,17 +732,20 @@ def finalize_model(model: nn.Module, kernels: Kernels, backend: Optional[str] = 
     the model is on its final device (model.load_model does); the packed layouts are device-specific.
 
     kernels.packed_quantized False (--kernel torch): "dequant" everywhere. Else backend None or
-    "auto" = the fastest kernel that applies and passes its self-check (int8: "gemv", else "int4x2",
-    else "int8pack"; int4: int4_gemv_kernel's, else "gemv", else "int4pack"), or force "gemv" /
-    "gemv-q8" (int4 layers; int8 ones take "gemv") / "int4x2" / "int8pack" / "dequant" (benchmarks).
+    "auto" = the fastest kernel that applies and passes its self-check (gemv_kernel's, else "gemv",
+    else int8: "int4x2", "int8pack"; int4: "int4pack"), or force "gemv" / "gemv-q8" / "int4x2" /
+    "int8pack" / "dequant" (benchmarks).
     Tensors a kernel no longer reads are released; a tied embedding keeps its own reference to the
-    head's stored tensors, so the lookup still works.
+    head's stored tensors, so the lookup still works, or reads the head's rows16 copies (gemv-q8).
     """
     backend = (backend or "auto") if kernels.packed_quantized else "dequant"
     check_backend(backend)
     for module in model.modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
             module.finalize(backend)
+    embedding, head = model.tok_embeddings, model.output
+    if model.args.tie_embeddings and isinstance(embedding, (Int8Embedding, Int4Embedding)) and head.rows16 is not None:
+        embedding.read_head_rows16(head)  # the head's stored tensors were dropped for their rows16 copies
     return model
 
 

@@ -37,7 +37,7 @@ def _linear_methods(mode: str, name: str, N: int, K: int, dtype):
     "none": F.linear against the fused GEMV on a float weight of `dtype`; "int8" / "int4": the
     layer as quantize.py stores it (the head int8 in groups of 64 in both modes, as by default),
     torch's packed aten kernels (what quantize.py ran before the fused GEMVs) against the fused
-    quantized GEMV that "auto" runs (int4: on the weights repacked in rows of 16 where it is gemv-q8)."""
+    quantized GEMV that "auto" runs (on the weights repacked in rows of 16 where it is gemv-q8)."""
     import torch
     import torch.nn.functional as F
 
@@ -67,8 +67,8 @@ def _linear_methods(mode: str, name: str, N: int, K: int, dtype):
     stored = N * K if int8 else N * K // 2 + 2 * 2 * N * (K // group)  # bytes, scales (and zeros) included
     if int8:
         stored += 2 * N * (1 if group is None else K // group)
-    # fused: the GEMV "auto" runs (int4: gemv-q8 where the build has VNNI, else gemv; int8: gemv)
-    fused = Q.int4_gemv_kernel(torch.device("cpu"))
+    # fused: the GEMV "auto" runs (gemv-q8 where the build has VNNI, else gemv)
+    fused = Q.gemv_kernel(torch.device("cpu"))
     return {"torch": (layer("int4x2"), lambda m, x: m(x)), "fused": (layer(fused), lambda m, x: m(x))}, stored
 
 

@@ -12,7 +12,10 @@
 //   linear_int4_q8_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros, int N) -> Tensor
 //       linear_int4_cpu's weights repacked in rows of 16 (below int4_q8_rows16_ref; N rows), x
 //       quantized to int8 per group first (below XQ)
-//   linear_int4_q8_path() -> str     "vnni" (vpdpbusd) or "portable": this build's int4_q8 path
+//   linear_int8_q8_cpu(Tensor x, Tensor w, Tensor scales, int N) -> Tensor
+//       linear_int8_cpu's weights repacked in rows of 16 (below int8_q8_rows16_ref), x quantized to
+//       int8 per group of 32 first
+//   linear_q8_path() -> str     "vnni" (vpdpbusd) or "portable": this build's path for both *_q8 ops
 // y = x @ W^T in fp32 (x any float dtype, returned in x's dtype); scales / zeros bf16 or fp32.
 //
 // Each weight vector is dequantized in registers to exactly the fp32 values quantize.py's
@@ -271,31 +274,34 @@ static inline void int4_block_bf16(const X4Planes& xp, int64_t rows, int64_t m0,
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// int4 x int8 (linear_int4_q8_cpu): x quantized to int8 per weight group, as llama.cpp's Q8_0 does
-// for its Q4 dot products: a_g = max|x_g| / 127, xq = round(x * 127 / max|x_g|). Then, with q the
-// stored nibbles in [0, 15],
-//   x . W = sum_g s_g a_g (xq_g . q_g) - s_g (8 a_g sum xq_g) + z_g X_g      (X_g = sum of x_g, exact)
-// so the only approximation is xq's rounding, met by (q - 8): the integer dot product is exact.
-// XQ holds x's side once per call: int8 planes of the even and odd columns (zero-padded to whole
-// 64-byte steps), and per group a, 8 a sum(xq) and X.
+// Integer paths (linear_int4_q8_cpu, linear_int8_q8_cpu): x quantized to int8 per group, as
+// llama.cpp's Q8_0 does for its Q4 / Q8 dot products: a_g = max|x_g| / 127, xq = round(x / a_g).
+// With u the stored unsigned weight codes and u - offset the signed value (int4: nibbles, offset 8;
+// int8: q + 128, offset 128),
+//   x_g . (u_g - offset) ~ a_g (xq_g . u_g) - offset a_g sum(xq_g)
+// where the integer dot product (vpdpbusd: unsigned weights, signed x) is exact, so the only
+// approximation is xq's rounding. XQ holds x's side once per call: int8 planes (int4: the even and
+// odd columns, which meet the low and high nibbles; int8: the columns in order), zero-padded to
+// whole 64-byte steps, and per group a, offset a sum(xq) and X = sum(x) (int4's zero points' term
+// runs on x itself, exactly).
 // ---------------------------------------------------------------------------------------------
 
 struct XQ {
-  int64_t M = 0, G = 0, K2p = 0;
-  std::vector<int8_t> even, odd;  // (M, K2p)
-  std::vector<float> a;           // (M, G)
-  std::vector<float> X, Xq8;      // (M, G): sum of x, 8 a sum(xq)
+  int64_t M = 0, G = 0, Kp = 0;  // rows of x, groups, padded plane width
+  std::vector<int8_t> q;         // (planes, M, Kp)
+  std::vector<float> a, off, X;  // (M, G): scale, offset * a * sum(xq), sum of x
+  const int8_t* plane(int p, int64_t m) const { return q.data() + (p * M + m) * Kp; }
 };
 
-static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G) {
+// planes 2: even / odd columns (int4); 1: columns in order (int8). G groups of K / G columns.
+static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G, int planes, float offset) {
   XQ r;
-  const int64_t gs = K / G, K2 = K / 2;
-  r.M = M, r.G = G, r.K2p = round_up(std::max<int64_t>(K2, 1), 64);
-  r.even.assign(M * r.K2p, 0);
-  r.odd.assign(M * r.K2p, 0);
+  const int64_t gs = K / G;
+  r.M = M, r.G = G, r.Kp = round_up(std::max<int64_t>(K / planes, 1), 64);
+  r.q.assign(planes * M * r.Kp, 0);
   r.a.assign(M * G, 0.f);
+  r.off.assign(M * G, 0.f);
   r.X.assign(M * G, 0.f);
-  r.Xq8.assign(M * G, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       const float* x = xf + m * K + g * gs;
@@ -306,16 +312,15 @@ static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G) {
       }
       const float inv = amax > 0.f ? 127.f / amax : 0.f, a = amax / 127.f;
       int32_t qsum = 0;
-      for (int64_t i = 0; i < gs; i += 2) {  // gs is even: columns pair up into bytes
-        const int8_t qe = (int8_t)std::nearbyint(x[i] * inv), qo = (int8_t)std::nearbyint(x[i + 1] * inv);
-        const int64_t byte = m * r.K2p + (g * gs + i) / 2;
-        r.even[byte] = qe;
-        r.odd[byte] = qo;
-        qsum += qe + qo;
+      for (int64_t i = 0; i < gs; ++i) {  // planes 2: gs is even, columns pair up into bytes
+        const int8_t v = (int8_t)std::nearbyint(x[i] * inv);
+        const int64_t k = g * gs + i;
+        r.q[((k % planes) * M + m) * r.Kp + k / planes] = v;
+        qsum += v;
       }
       r.a[m * G + g] = a;
+      r.off[m * G + g] = offset * a * (float)qsum;
       r.X[m * G + g] = sum;
-      r.Xq8[m * G + g] = 8.f * a * (float)qsum;
     }
   return r;
 }
@@ -330,15 +335,15 @@ static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G) {
 // sequential stream (llama.cpp repacks Q4_0 at load for the same reasons).
 
 // The readable path (every CPU): per row and group, the integer dot product, then the formula.
-// y[m * ldy + r] for the rows r < rows of block w16 (its s16 / z16).
+// y[m * ldy + r] for the 16 rows of block w16 (its s16 / z16).
 template <class ST>
-static void int4_q8_rows16_ref(const XQ& xq, int64_t C, const uint8_t* w16, const ST* s16, const ST* z16, int rows,
-                               float* y, int64_t ldy) {
+static void int4_q8_rows16_ref(const XQ& xq, int64_t C, const uint8_t* w16, const ST* s16, const ST* z16, float* y,
+                               int64_t ldy) {
   const int64_t G = xq.G, cpg = C / G;  // chunks of 4 bytes per group
   for (int64_t m = 0; m < xq.M; ++m) {
-    const int8_t* xe = xq.even.data() + m * xq.K2p;
-    const int8_t* xo = xq.odd.data() + m * xq.K2p;
-    for (int r = 0; r < rows; ++r) {
+    const int8_t* xe = xq.plane(0, m);
+    const int8_t* xo = xq.plane(1, m);
+    for (int r = 0; r < 16; ++r) {
       float acc = 0.f;
       for (int64_t g = 0; g < G; ++g) {
         int32_t dot = 0;
@@ -348,7 +353,7 @@ static void int4_q8_rows16_ref(const XQ& xq, int64_t C, const uint8_t* w16, cons
             dot += (byte & 15) * xe[4 * c + j] + (byte >> 4) * xo[4 * c + j];
           }
         const float sg = to_f(s16[g * 16 + r]);
-        acc += sg * xq.a[m * G + g] * (float)dot - sg * xq.Xq8[m * G + g] + to_f(z16[g * 16 + r]) * xq.X[m * G + g];
+        acc += sg * xq.a[m * G + g] * (float)dot - sg * xq.off[m * G + g] + to_f(z16[g * 16 + r]) * xq.X[m * G + g];
       }
       y[m * ldy + r] = acc;
     }
@@ -376,8 +381,8 @@ static inline void int4_q8_rows16_vnni(const XQ& xq, int64_t m0, int64_t C, cons
       __m512i xe[MB], xo[MB];
       for (int m = 0; m < MB; ++m) {
         int32_t e, o;
-        std::memcpy(&e, xq.even.data() + (m0 + m) * xq.K2p + 4 * c, 4);
-        std::memcpy(&o, xq.odd.data() + (m0 + m) * xq.K2p + 4 * c, 4);
+        std::memcpy(&e, xq.plane(0, m0 + m) + 4 * c, 4);
+        std::memcpy(&o, xq.plane(1, m0 + m) + 4 * c, 4);
         xe[m] = _mm512_set1_epi32(e);
         xo[m] = _mm512_set1_epi32(o);
       }
@@ -398,7 +403,7 @@ static inline void int4_q8_rows16_vnni(const XQ& xq, int64_t m0, int64_t C, cons
       for (int m = 0; m < MB; ++m) {
         const int64_t mg = (m0 + m) * G + g;
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(te[m][b], to[m][b]));
-        const __m512 u = _mm512_fmsub_ps(dot, _mm512_set1_ps(xq.a[mg]), _mm512_set1_ps(xq.Xq8[mg]));
+        const __m512 u = _mm512_fmsub_ps(dot, _mm512_set1_ps(xq.a[mg]), _mm512_set1_ps(xq.off[mg]));
         acc[m][b] = _mm512_fmadd_ps(sv, u, acc[m][b]);
         acc[m][b] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xq.X[mg]), acc[m][b]);
       }
@@ -408,39 +413,138 @@ static inline void int4_q8_rows16_vnni(const XQ& xq, int64_t m0, int64_t C, cons
     for (int b = 0; b < NBK; ++b) _mm512_storeu_ps(y + m * ldy + 16 * b, acc[m][b]);
 }
 
-// int4_q8_rows16_vnni for every row of x, up to 4 at a time: all 16 rows of NBK blocks into y.
-template <int NBK, class ST>
-static void int4_q8_rows16_every_x(const XQ& xq, int64_t C, const uint8_t* w16, const ST* s16, const ST* z16, float* y,
-                                   int64_t ldy) {
-  for (int64_t m = 0; m < xq.M; m += 4) {
-    float* o = y + m * ldy;
-    switch (std::min<int64_t>(4, xq.M - m)) {
-      case 1: int4_q8_rows16_vnni<1, NBK>(xq, m, C, w16, s16, z16, o, ldy); break;
-      case 2: int4_q8_rows16_vnni<2, NBK>(xq, m, C, w16, s16, z16, o, ldy); break;
-      case 3: int4_q8_rows16_vnni<3, NBK>(xq, m, C, w16, s16, z16, o, ldy); break;
-      default: int4_q8_rows16_vnni<4, NBK>(xq, m, C, w16, s16, z16, o, ldy); break;
+#endif
+
+// int8 in rows of 16 (quantize.pack_int8_rows16, made at load), the same layout over K instead of
+// K / 2 with each code stored unsigned:
+//   w16[b, c, r, j] = q[16 b + r, 4 c + j] + 128   (NB, C = K / 4, 16, 4) uint8
+//   s16[b, g, r] = scales[16 b + r, g]             (NB, Gw, 16); Gw = 1: per output channel
+// x's groups are 32 columns (llama.cpp's Q8_0 block; 8 chunks), Gw's a multiple of them:
+//   x . W = sum_gw s_gw (sum_{g in gw} a_g (xq_g . u_g) - 128 a_g sum(xq_g))
+// The readable path (every CPU): y[m * ldy + r] for the 16 rows of block w16.
+template <class ST>
+static void int8_q8_rows16_ref(const XQ& xq, int64_t C, int64_t Gw, const uint8_t* w16, const ST* s16, float* y,
+                               int64_t ldy) {
+  const int64_t G = xq.G, cpg = C / G, gpw = G / Gw;  // chunks per x group, x groups per weight group
+  for (int64_t m = 0; m < xq.M; ++m) {
+    const int8_t* xm = xq.plane(0, m);
+    for (int r = 0; r < 16; ++r) {
+      float acc = 0.f;
+      for (int64_t gw = 0; gw < Gw; ++gw) {
+        float t = 0.f;
+        for (int64_t g = gw * gpw; g < (gw + 1) * gpw; ++g) {
+          int32_t dot = 0;
+          for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c)
+            for (int j = 0; j < 4; ++j) dot += w16[(c * 16 + r) * 4 + j] * xm[4 * c + j];
+          t += xq.a[m * G + g] * (float)dot - xq.off[m * G + g];
+        }
+        acc += to_f(s16[gw * 16 + r]) * t;
+      }
+      y[m * ldy + r] = acc;
     }
   }
 }
+
+#ifdef SPARQ_AVX512_VNNI
+// MB rows of x (from m0) against NBK blocks of 16 rows (C * 64 bytes apart), all 16 rows of each to
+// y[m * ldy + 16 b + r]. Per x group and block: two int32 chains (alternate chunks) of 4 vpdpbusd
+// each, then a dot - 128 a sum xq into the weight group's sum, scaled once per weight group.
+template <int MB, int NBK, class ST>
+static inline void int8_q8_rows16_vnni(const XQ& xq, int64_t m0, int64_t C, int64_t Gw, const uint8_t* w16,
+                                       const ST* s16, float* y, int64_t ldy) {
+  const int64_t G = xq.G, cpg = C / G, gpw = G / Gw, bs = C * 64, pf = NBK * bs;  // cpg = 8
+  __m512 acc[MB][NBK];
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NBK; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t gw = 0; gw < Gw; ++gw) {
+    __m512 t[MB][NBK];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NBK; ++b) t[m][b] = _mm512_setzero_ps();
+    for (int64_t g = gw * gpw; g < (gw + 1) * gpw; ++g) {
+      __m512i d0[MB][NBK], d1[MB][NBK];
+      for (int m = 0; m < MB; ++m)
+        for (int b = 0; b < NBK; ++b) d0[m][b] = d1[m][b] = _mm512_setzero_si512();
+      for (int64_t c = g * cpg; c < (g + 1) * cpg; c += 2) {
+        __m512i x0[MB], x1[MB];
+        for (int m = 0; m < MB; ++m) {
+          int32_t v0, v1;
+          std::memcpy(&v0, xq.plane(0, m0 + m) + 4 * c, 4);
+          std::memcpy(&v1, xq.plane(0, m0 + m) + 4 * c + 4, 4);
+          x0[m] = _mm512_set1_epi32(v0);
+          x1[m] = _mm512_set1_epi32(v1);
+        }
+        for (int b = 0; b < NBK; ++b) {
+          const uint8_t* p = w16 + b * bs + c * 64;
+          prefetch_l2(p + pf);
+          prefetch_l2(p + pf + 64);
+          const __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64);
+          for (int m = 0; m < MB; ++m) {
+            d0[m][b] = _mm512_dpbusd_epi32(d0[m][b], w0, x0[m]);
+            d1[m][b] = _mm512_dpbusd_epi32(d1[m][b], w1, x1[m]);
+          }
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int64_t mg = (m0 + m) * G + g;
+        for (int b = 0; b < NBK; ++b) {
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0[m][b], d1[m][b]));
+          t[m][b] = _mm512_add_ps(t[m][b], _mm512_fmsub_ps(dot, _mm512_set1_ps(xq.a[mg]), _mm512_set1_ps(xq.off[mg])));
+        }
+      }
+    }
+    for (int b = 0; b < NBK; ++b) {
+      const __m512 sv = load(s16 + (b * Gw + gw) * 16).x;
+      for (int m = 0; m < MB; ++m) acc[m][b] = _mm512_fmadd_ps(sv, t[m][b], acc[m][b]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NBK; ++b) _mm512_storeu_ps(y + m * ldy + 16 * b, acc[m][b]);
+}
 #endif
+
+// kernel(mb, m) over the M rows of x, up to 4 at a time (mb: an integral_constant, the block's rows).
+template <class Kernel>
+static inline void over_x_rows(int64_t M, Kernel&& kernel) {
+  for (int64_t m = 0; m < M; m += 4) {
+    switch (std::min<int64_t>(4, M - m)) {
+      case 1: kernel(std::integral_constant<int, 1>{}, m); break;
+      case 2: kernel(std::integral_constant<int, 2>{}, m); break;
+      case 3: kernel(std::integral_constant<int, 3>{}, m); break;
+      default: kernel(std::integral_constant<int, 4>{}, m); break;
+    }
+  }
+}
 
 // Blocks of up to 4 rows of x over rows [n0, n1) of w, 4 weight rows at a time (4 sequential
 // streams for the hardware prefetcher); block(mb, rb, m, n) calls the <MB, RB> kernel.
 template <class Block>
 static inline void over_blocks(int64_t M, int64_t n0, int64_t n1, Block&& block) {
-  auto rows_of_x = [&](auto rb, int64_t n) {
-    for (int64_t m = 0; m < M; m += 4) {
-      switch (std::min<int64_t>(4, M - m)) {
-        case 1: block(std::integral_constant<int, 1>{}, rb, m, n); break;
-        case 2: block(std::integral_constant<int, 2>{}, rb, m, n); break;
-        case 3: block(std::integral_constant<int, 3>{}, rb, m, n); break;
-        default: block(std::integral_constant<int, 4>{}, rb, m, n); break;
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) over_x_rows(M, [&](auto mb, int64_t m) { block(mb, std::integral_constant<int, 4>{}, m, n); });
+  for (; n < n1; ++n) over_x_rows(M, [&](auto mb, int64_t m) { block(mb, std::integral_constant<int, 1>{}, m, n); });
+}
+
+// The rows16 GEMVs' walk over y (M, N): each thread's units of whole blocks of 16 weight rows, two
+// blocks per call where two remain (more independent dependency chains), else one:
+// blocks(b, nbk, out, ldo) writes all 16 nbk rows of blocks b.. to out[m * ldo + r]. A last block of
+// fewer than 16 live rows goes through a small buffer, so that nothing is written past row N.
+template <class Blocks>
+static void over_row_blocks(at::Tensor& y, Blocks&& blocks) {
+  const int64_t M = y.size(0);
+  over_weight_rows_into(y, [&](int64_t n0, int64_t n1, float* out, int64_t ldo) {
+    for (int64_t n = n0; n < n1; n += 16) {
+      if (n + 32 <= n1) {
+        blocks(n / 16, std::integral_constant<int, 2>{}, out + (n - n0), ldo);
+        n += 16;
+      } else if (n + 16 <= n1) {
+        blocks(n / 16, std::integral_constant<int, 1>{}, out + (n - n0), ldo);
+      } else {
+        std::vector<float> part(M * 16);
+        blocks(n / 16, std::integral_constant<int, 1>{}, part.data(), 16);
+        for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * ldo + (n - n0), part.data() + m * 16, (n1 - n) * sizeof(float));
       }
     }
-  };
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) rows_of_x(std::integral_constant<int, 4>{}, n);
-  for (; n < n1; ++n) rows_of_x(std::integral_constant<int, 1>{}, n);
+  }, 16);
 }
 
 template <class XT>
@@ -601,45 +705,77 @@ at::Tensor linear_int4_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at
   const int64_t G = check_int4_rows16(x, w, scales, zeros, N, "sparq::linear_int4_q8_cpu");
   const int64_t M = x.size(0), K = x.size(1), C = K / 8;
   const std::vector<float> xf = x_f32(x);
-  const XQ xq = quantize_x_int8(xf.data(), M, K, G);
+  const XQ xq = quantize_x_int8(xf.data(), M, K, G, 2, 8.f);
   at::Tensor y = at::empty({M, N}, x.options());  // x's dtype, written by over_weight_rows_into
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  // blocks [n0 / 16, ...) of a unit (n0 a multiple of 16); a last block of fewer than 16 live rows
-  // goes through a small buffer so that nothing is written past row N
   auto run = [&](auto* s, auto* z) {
-    over_weight_rows_into(y, [&](int64_t n0, int64_t n1, float* out, int64_t ldo) {
-      for (int64_t n = n0; n < n1; n += 16) {
-        const int64_t b = n / 16;
-        const int rows = (int)std::min<int64_t>(16, n1 - n);
-        const uint8_t* wb = wp + b * C * 64;
-        const auto* sb = s + b * G * 16;
-        const auto* zb = z + b * G * 16;
+    over_row_blocks(y, [&](int64_t b, auto nbk, float* out, int64_t ldo) {
+      const uint8_t* wb = wp + b * C * 64;
+      const auto *sb = s + b * G * 16, *zb = z + b * G * 16;
 #ifdef SPARQ_AVX512_VNNI
-        if (rows == 16 && n + 32 <= n1) {  // two blocks at a time: more independent chains
-          int4_q8_rows16_every_x<2>(xq, C, wb, sb, zb, out + (n - n0), ldo);
-          n += 16;
-        } else if (rows == 16) {
-          int4_q8_rows16_every_x<1>(xq, C, wb, sb, zb, out + (n - n0), ldo);
-        } else {
-          std::vector<float> part(M * 16);
-          int4_q8_rows16_every_x<1>(xq, C, wb, sb, zb, part.data(), 16);
-          for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * ldo + (n - n0), part.data() + m * 16, rows * sizeof(float));
-        }
+      over_x_rows(M, [&](auto mb, int64_t m) {
+        int4_q8_rows16_vnni<decltype(mb)::value, decltype(nbk)::value>(xq, m, C, wb, sb, zb, out + m * ldo, ldo);
+      });
 #else
-        int4_q8_rows16_ref(xq, C, wb, sb, zb, rows, out + (n - n0), ldo);
+      for (int i = 0; i < decltype(nbk)::value; ++i)
+        int4_q8_rows16_ref(xq, C, wb + i * C * 64, sb + i * G * 16, zb + i * G * 16, out + 16 * i, ldo);
 #endif
-      }
-    }, 16);
+    });
   };
   if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<bf16>(), zeros.data_ptr<bf16>());
   else run(scales.data_ptr<float>(), zeros.data_ptr<float>());
   return y;
 }
 
+// linear_int8_q8_cpu's arguments: w16 (NB, K / 4, 16, 4) uint8, scales (NB, Gw, 16), 16 NB - 16 < N
+// <= 16 NB, K in whole x groups of 32, weight groups of whole x groups -> Gw.
+static int64_t check_int8_rows16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t N,
+                                 const char* op) {
+  check_x(x, op);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(w.dim() == 4 && w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  K % 32 == 0 && w.size(1) == K / 4 && w.size(2) == 16 && w.size(3) == 4,
+              op, ": w must be uint8 (NB, K / 4, 16, 4) contiguous (quantize.pack_int8_rows16), K = x's, a multiple of 32");
+  const int64_t NB = w.size(0);
+  TORCH_CHECK(N > 16 * (NB - 1) && N <= 16 * NB, op, ": N = ", N, " is not a weight of ", NB, " blocks of 16 rows");
+  TORCH_CHECK(scales.dim() == 3 && scales.device().is_cpu() && scales.is_contiguous() && scales.size(0) == NB &&
+                  scales.size(2) == 16 && (scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kFloat),
+              op, ": scales must be CPU bf16 or fp32 (NB, Gw, 16) contiguous");
+  const int64_t Gw = scales.size(1);
+  TORCH_CHECK(Gw > 0 && K % Gw == 0 && (K / Gw) % 32 == 0, op, ": weight groups must split K into multiples of 32");
+  return Gw;
+}
+
+at::Tensor linear_int8_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t N) {
+  const int64_t Gw = check_int8_rows16(x, w, scales, N, "sparq::linear_int8_q8_cpu");
+  const int64_t M = x.size(0), K = x.size(1), C = K / 4;
+  const std::vector<float> xf = x_f32(x);
+  const XQ xq = quantize_x_int8(xf.data(), M, K, K / 32, 1, 128.f);
+  at::Tensor y = at::empty({M, N}, x.options());  // x's dtype, written by over_weight_rows_into
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  auto run = [&](auto* s) {
+    over_row_blocks(y, [&](int64_t b, auto nbk, float* out, int64_t ldo) {
+      const uint8_t* wb = wp + b * C * 64;
+      const auto* sb = s + b * Gw * 16;
 #ifdef SPARQ_AVX512_VNNI
-std::string linear_int4_q8_path() { return "vnni"; }
+      over_x_rows(M, [&](auto mb, int64_t m) {
+        int8_q8_rows16_vnni<decltype(mb)::value, decltype(nbk)::value>(xq, m, C, Gw, wb, sb, out + m * ldo, ldo);
+      });
 #else
-std::string linear_int4_q8_path() { return "portable"; }
+      for (int i = 0; i < decltype(nbk)::value; ++i)
+        int8_q8_rows16_ref(xq, C, Gw, wb + i * C * 64, sb + i * Gw * 16, out + 16 * i, ldo);
+#endif
+    });
+  };
+  if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<bf16>());
+  else run(scales.data_ptr<float>());
+  return y;
+}
+
+#ifdef SPARQ_AVX512_VNNI
+std::string linear_q8_path() { return "vnni"; }
+#else
+std::string linear_q8_path() { return "portable"; }
 #endif
 
 }  // namespace
@@ -649,7 +785,8 @@ TORCH_LIBRARY_IMPL(sparq, CPU, m) {
   m.impl("linear_int8_cpu", &sparq_cpu::linear_int8_cpu);
   m.impl("linear_int4_cpu", &sparq_cpu::linear_int4_cpu);
   m.impl("linear_int4_q8_cpu", &sparq_cpu::linear_int4_q8_cpu);
+  m.impl("linear_int8_q8_cpu", &sparq_cpu::linear_int8_q8_cpu);
 }
 TORCH_LIBRARY_IMPL(sparq, CompositeExplicitAutograd, m) {  // no tensor arguments
-  m.impl("linear_int4_q8_path", &sparq_cpu::linear_int4_q8_path);
+  m.impl("linear_q8_path", &sparq_cpu::linear_q8_path);
 }

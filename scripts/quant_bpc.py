@@ -15,9 +15,12 @@ from that fp32 model, which is what the formats compare on: the two fp32 models 
 (the GGUF's F32 is requantized from the same file our checkpoint was converted from), but the two
 tokenizations and BOS conventions can differ slightly, so compare changes, not the absolute columns.
 
-Our rows: fp32, int8 (fused GEMV), int4 (fused GEMV, fp32 activations) and int4-q8 (activations
-quantized to int8 per group, integer dot products: quantize.py's "gemv-q8"). llama.cpp's: f32, q8_0,
-q4_0, q4_1 (llama-quantize from --gguf, cached; python -m scripts.llamacpp build makes the binaries).
+Our rows: fp32, int8 and int4 (fused GEMVs, fp32 activations), int8-q8 and int4-q8 (activations
+quantized to int8 per group, integer dot products: quantize.py's "gemv-q8", the head's too). llama.cpp's:
+f32, q8_0, q4_0, q4_1 (llama-quantize from --gguf, cached; python -m scripts.llamacpp build makes the
+binaries, and cmake --build <its build dir> --target llama-perplexity this one). On CPUs with AMX
+llama-perplexity runs with --no-repack (scripts.llamacpp.amx_tiles_avoided says why); that changes
+which kernels run, not the formats' arithmetic.
 """
 from __future__ import annotations
 
@@ -66,14 +69,15 @@ def our_rows(args, tokens: torch.Tensor) -> list[dict]:
     kernels = resolve_kernels("cpu", "cpu")
     variants = [("fp32", args.checkpoint, None)]
     if args.int8:
-        variants.append(("int8", args.int8, None))
+        variants += [("int8", args.int8, "gemv"), ("int8-q8", args.int8, "gemv-q8")]
     if args.int4:
         variants += [("int4", args.int4, "gemv"), ("int4-q8", args.int4, "gemv-q8")]
     rows = []
-    for name, path, int4_kernel in variants:
-        model = load_checkpoint(Path(path), "cpu", torch.float32, kernels, int4_kernel or "auto")
-        if int4_kernel and any(isinstance(m, quantize.Int4Linear) and m.kernel != int4_kernel for m in model.modules()):
-            raise UserError(f"{path}: the int4 layers cannot run the {int4_kernel} kernel here")
+    for name, path, kernel in variants:
+        model = load_checkpoint(Path(path), "cpu", torch.float32, kernels, kernel or "auto")
+        layers = (quantize.Int8Linear, quantize.Int4Linear)
+        if kernel and any(isinstance(m, layers) and m.kernel != kernel for m in model.modules()):
+            raise UserError(f"{path}: the quantized layers cannot all run the {kernel} kernel here")
         rows.append({"side": "ours", "format": name, "nll": our_nll(model, tokens)})
         print(f"ours {name}: {rows[-1]['nll'] / (tokens.shape[0] * (tokens.shape[1] // 2 - 1)):.4f} nats/token",
               file=sys.stderr)
@@ -97,6 +101,8 @@ def llamacpp_rows(args, text: str, n_scored: int) -> list[dict]:
             gguf = llamacpp.requantize(Path(args.gguf), fmt, build_=b)
             cmd = [str(perplexity), "-m", str(gguf), "-f", f.name, "-c", str(args.ctx), "-b", str(args.ctx),
                    "--chunks", str(args.chunks), "-t", str(args.threads)]
+            if llamacpp.amx_tiles_avoided():
+                cmd.append("--no-repack")
             out = subprocess.run(cmd, capture_output=True, text=True)
             m = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
             if out.returncode != 0 or not m:

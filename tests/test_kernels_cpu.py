@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels  # noqa: E402
 from model import KVCache  # noqa: E402
-from quantize import pack_int4_rows16, unpack_int4_rows16  # noqa: E402
+from quantize import pack_int4_rows16, pack_int8_rows16, unpack_int4_rows16, unpack_int8_rows16  # noqa: E402
 from sparq import SparQConfig, selection_has_ties, sparq_reference  # noqa: E402
 
 
@@ -583,11 +583,63 @@ def test_int4_rows16_layout_round_trips():
         assert torch.equal(a, b)
 
 
+def q8_activations(x, group=32):
+    """x rounded as llama.cpp's Q8_0 does, per group of 32 columns: round(x * 127 / max|x_g|) (fp32, ties
+    to even) times max|x_g| / 127, in fp64."""
+    M, K = x.shape
+    xg = x.float().reshape(M, K // group, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    return (torch.round(xg * torch.where(amax > 0, 127 / amax, 0)).double() * (amax / 127).double()).reshape(M, K)
+
+
+@pytest.mark.parametrize("M,N,K,group,x_dtype,scale_dtype,n_threads", [
+    (1, 576, 576, None, "float32", "bfloat16", 2), (3, 5, 64, None, "float32", "float32", 1),
+    (16, 961, 576, 64, "bfloat16", "bfloat16", 2), (2, 1027, 1536, None, "float32", "bfloat16", 2),
+    (7, 67, 768, 128, "float16", "float32", 1), (1, 49157, 576, 64, "bfloat16", "bfloat16", 2)])
+def test_int8_with_int8_activations_matches_fp64(M, N, K, group, x_dtype, scale_dtype, n_threads, threads):
+    """sparq::linear_int8_q8_cpu: linear_int8_cpu's weights in rows of 16 (quantize.pack_int8_rows16, codes
+    stored as q + 128), x quantized to int8 per group of 32 (the integer dot products are exact, so only
+    fp32 rounding separates it from the fp64 reference over the rounded x). Per channel and grouped
+    scales; N = 5, 67, 961, 1027, 49157: a last block of fewer than 16 rows, odd pairs of blocks, the
+    head's size. Codes at both ends (-127, 127); a zero group of x (scale 0)."""
+    threads(n_threads)
+    gen = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=gen)
+    x[0, :32] = 0
+    x = x.to(getattr(torch, x_dtype))
+    q = torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8)
+    q[0, :8], q[-1, -8:] = -127, 127
+    s = (torch.rand(N, K // (group or K), generator=gen) + 0.01).to(getattr(torch, scale_dtype))
+    s = s[:, 0] if group is None else s
+    w = q.double() * (s.double()[:, None] if group is None else s.double().repeat_interleave(group, 1))
+    out = torch.ops.sparq.linear_int8_q8_cpu(x, *pack_int8_rows16(q, s), N)
+    assert out.dtype == x.dtype and out.shape == (M, N)
+    ref = (q8_activations(x) @ w.T).to(x.dtype).double()
+    tol = (1e-5 * math.sqrt(K) / 10 if x.dtype == torch.float32 else 8e-3) * float(ref.abs().max())  # 16 bits: ulps
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-2 if x.dtype != torch.float32 else 1e-5)
+    exact = x.double() @ w.T  # an approximation of the GEMV, within the rounding of x to 8 bits
+    assert float((out.double() - exact).norm() / exact.norm()) < 0.02
+
+
+def test_int8_rows16_layout_round_trips():
+    """pack_int8_rows16: codes + 128, rows in blocks of 16 (zero rows appended), 4 columns of a row per
+    64-byte chunk; per-channel scales become (NB, 1, 16)."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randint(-128, 128, (37, 64), generator=gen, dtype=torch.int8)
+    for s in (torch.rand(37, generator=gen), torch.rand(37, 2, generator=gen)):
+        w16, s16 = pack_int8_rows16(w, s)
+        assert w16.shape == (3, 16, 16, 4) and s16.shape == (3, s.numel() // 37, 16)
+        assert torch.equal(w16[1, 5, 7].view(torch.int8) ^ -128, w[16 + 7, 20:24]) and s16[2, 0, 4] == s.reshape(37, -1)[36, 0]
+        assert not w16[2, :, 5:].any() and not s16[2, :, 5:].any()  # the padding rows
+        for a, b in zip(unpack_int8_rows16(w16, s16, 37, per_channel=s.dim() == 1), (w, s)):
+            assert torch.equal(a, b)
+
+
 def test_int4_q8_path_matches_the_cpu():
     """The int8-activation int4 GEMV uses vpdpbusd where the build targets AVX512_VNNI (-march=native)."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
-    assert torch.ops.sparq.linear_int4_q8_path() == ("vnni" if avx512 else "portable")
+    assert torch.ops.sparq.linear_q8_path() == ("vnni" if avx512 else "portable")
 
 
 def test_gemv_isa_matches_the_cpu():
@@ -629,7 +681,7 @@ def test_kernel_variants_without_cpu_features_match_fp64():
     for flags, isa, proc in procs:
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0 and out.rstrip().endswith("OK"), f"{flags}:\n{out[-3000:]}"
-        assert f"ISA {isa}" in out and "INT8 float" in out and "INT4_Q8 portable" in out, \
+        assert f"ISA {isa}" in out and "INT8 float" in out and "Q8 portable" in out, \
             f"{flags} built the wrong path:\n{out[-3000:]}"
 
 

@@ -173,7 +173,7 @@ def assert_matches_reference(layer, w_ref, kernel, shape):
 
 
 @pytest.mark.parametrize("group_size", [None, 64])
-@pytest.mark.parametrize("kernel", ["gemv", "int4x2", "int8pack", "dequant"])
+@pytest.mark.parametrize("kernel", ["gemv", "gemv-q8", "int4x2", "int8pack", "dequant"])
 @pytest.mark.parametrize("shape", [(1,), (3,), (8,), (2, 5), (3, 7)])  # 21 rows: gemv's prefill path
 def test_int8_linear_kernels_match_the_dequantized_matmul(group_size, kernel, shape):
     layer, w_ref = int8_layer(96, 576, group_size=group_size)
@@ -297,9 +297,13 @@ def test_loaded_model_computes_its_dequantized_weights(tmp_path, tie, mode, grou
         # gemv-q8 rounds them to int8 per group (~2^-8).
         assert float((got - want).norm() / want.norm()) < (3e-2 if "gemv-q8" in kernels else 1e-2)
     if head != "none":
-        assert fast.tok_embeddings.weight.dtype in (torch.int8, torch.uint8)
-    if tie and head != "none":  # tied: one stored tensor serves both
+        stored = fast.tok_embeddings.weight if fast.tok_embeddings.rows16 is None else fast.tok_embeddings.rows16
+        assert stored.dtype in (torch.int8, torch.uint8)
+    if tie and head != "none":  # tied: one stored tensor serves both (gemv-q8: the head's rows16 copy)
         assert twin.tok_embeddings.weight.data_ptr() == twin.output.weight.data_ptr()
+        if fast.output.kernel == "gemv-q8":
+            assert fast.tok_embeddings.rows16 is fast.output.rows16 and fast.tok_embeddings.weight is None
+        assert torch.equal(fast.tok_embeddings(idx), twin.tok_embeddings(idx))  # the same rows, dequantized
 
 
 def test_weights_survive_the_dtype_cast(tmp_path):
@@ -313,7 +317,9 @@ def test_weights_survive_the_dtype_cast(tmp_path):
         assert wqkv.rows16_scales.dtype == wqkv.rows16_zeros.dtype == torch.bfloat16 and wqkv.rows16.dtype == torch.uint8
     else:
         assert wqkv.scales_and_zeros.dtype == torch.bfloat16
-    assert model.output.scales.dtype == torch.bfloat16 and model.tok_embeddings.weight.dtype == torch.int8
+    head_scales = model.output.scales if model.output.kernel != "gemv-q8" else model.output.rows16_scales
+    head_codes = model.tok_embeddings.weight if model.tok_embeddings.rows16 is None else model.tok_embeddings.rows16
+    assert head_scales.dtype == torch.bfloat16 and head_codes.dtype in (torch.int8, torch.uint8)
     model.setup_caches(1, 8)
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]]), torch.arange(3), 3)
@@ -521,18 +527,19 @@ def test_quantize_out_elsewhere_brings_config_and_tokenizer(tmp_path, smollm2_ch
     assert gen.returncode == 0, gen.stderr
 
 
-def test_int4_auto_kernel_and_the_quantized_kernel_choice(tmp_path):
-    """"auto" gives int4 layers int4_gemv_kernel's GEMV (gemv-q8 where the build has the vpdpbusd path);
-    loading("gemv") / loading("gemv-q8") force one; an unknown backend is a one-line error."""
-    path = quantize_file(tiny_checkpoint(tmp_path, True), "int4", 32)
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_auto_kernel_and_the_quantized_kernel_choice(tmp_path, mode):
+    """"auto" gives int8 and int4 layers gemv_kernel's GEMV (gemv-q8 where the build has the vpdpbusd
+    path); loading("gemv") / loading("gemv-q8") force one; an unknown backend is a one-line error."""
+    path = quantize_file(tiny_checkpoint(tmp_path, True), mode, 32 if mode == "int4" else None)
     if not Q._gemv_available(torch.device("cpu")):
         pytest.skip("the fused GEMVs are not built here")
-    expected = "gemv-q8" if torch.ops.sparq.linear_int4_q8_path() == "vnni" else "gemv"
-    assert Q.int4_gemv_kernel(torch.device("cpu")) == expected
+    expected = "gemv-q8" if torch.ops.sparq.linear_q8_path() == "vnni" else "gemv"
+    assert Q.gemv_kernel(torch.device("cpu")) == expected
     kinds = {}
     for backend in ("auto", "gemv", "gemv-q8"):
         model = M.load_model(path, kernels=PACKED, quantized=Q.loading(backend))
-        kinds[backend] = {m.kernel for m in model.modules() if isinstance(m, Q.Int4Linear)}
+        kinds[backend] = {m.kernel for m in model.modules() if isinstance(m, (Q.Int8Linear, Q.Int4Linear))}
     assert kinds == {"auto": {expected}, "gemv": {"gemv"}, "gemv-q8": {"gemv-q8"}}
     with pytest.raises(Q.QuantizationError, match="unknown backend"):
         Q.loading("fast")

@@ -14,7 +14,7 @@ from torch.utils import cpp_extension
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402  (the op schemas)
-from quantize import pack_int4_rows16  # noqa: E402
+from quantize import pack_int4_rows16, pack_int8_rows16  # noqa: E402
 
 CSRC = Path(kernels.__file__).resolve().parent / "csrc"
 SOURCES = [str(CSRC / "linear.cpp"), str(CSRC / "linear_quant.cpp"), str(CSRC / "dense_decode.cpp")]
@@ -23,7 +23,7 @@ cpp_extension.load(name=name, sources=SOURCES, extra_cflags=["-O1", *flags, "-fo
                    extra_ldflags=["-fopenmp"], is_python_module=False)
 print("ISA", torch.ops.sparq.linear_cpu_isa())
 print("INT8", torch.ops.sparq.dense_int8_path())
-print("INT4_Q8", torch.ops.sparq.linear_int4_q8_path())
+print("Q8", torch.ops.sparq.linear_q8_path())
 for M, N, K, xd, wd in [(1, 576, 576, "float32", "float32"), (1, 1000, 17, "float32", "bfloat16"),
                         (3, 5, 1536, "float32", "bfloat16"), (16, 961, 576, "bfloat16", "bfloat16"),
                         (2, 4099, 64, "bfloat16", "float32"), (5, 67, 45, "float16", "float16")]:
@@ -42,6 +42,12 @@ for M, N, K, group in [(1, 100, 576, None), (4, 33, 100, None), (16, 70, 576, 64
     w = q.double() * (s.double()[:, None] if group is None else s.double().repeat_interleave(group, 1))
     torch.testing.assert_close(torch.ops.sparq.linear_int8_cpu(x, q, s).double(), x.double() @ w.T,
                                atol=1e-4 * float(w.abs().max()) * math.sqrt(K), rtol=1e-5)
+    if K % 32 == 0:  # x quantized to int8 per group of 32 (x * 127 / max|x_g| rounded)
+        xg = x.reshape(M, K // 32, 32)
+        amax = xg.abs().amax(-1, keepdim=True)
+        xq = (torch.round(xg * (127 / amax)).double() * (amax / 127).double()).reshape(M, K)
+        torch.testing.assert_close(torch.ops.sparq.linear_int8_q8_cpu(x, *pack_int8_rows16(q, s), N).double(), xq @ w.T,
+                                   atol=1e-4 * float(w.abs().max()) * math.sqrt(K), rtol=1e-5)
 for M, N, K, group in [(1, 100, 576, 32), (9, 37, 256, 128)]:
     g = torch.Generator().manual_seed(N + K)
     x = torch.randn(M, K, generator=g)
