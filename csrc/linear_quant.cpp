@@ -293,7 +293,61 @@ struct XQ {
   const int8_t* plane(int p, int64_t m) const { return q.data() + (p * M + m) * Kp; }
 };
 
-// planes 2: even / odd columns (int4); 1: columns in order (int8). G groups of K / G columns.
+// One group of x (gs values) -> xq into dst (planes 1: dst[i]; planes 2: even columns to dst[i / 2],
+// odd ones to dst[i / 2 + plane_stride]); returns sum(xq), sets *amax and *sum. Rounding to nearest
+// even, as std::nearbyint in the default rounding mode (and as the AVX-512 conversion below).
+template <int PLANES>
+static inline int32_t quantize_group(const float* x, int64_t gs, int8_t* dst, int64_t plane_stride, float* amax_out,
+                                     float* sum_out) {
+#ifdef SPARQ_AVX512
+  if (gs % 16 == 0) {
+    V mx = vzero(), sm = vzero();
+    for (int64_t i = 0; i < gs; i += 16) {
+      const V v = load(x + i);
+      mx = vmax(mx, vabs(v));
+      sm = vadd(sm, v);
+    }
+    const float amax = hmax(mx);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m512i qsum = _mm512_setzero_si512();
+    // bytes 0, 2, .., 14 then 1, 3, .., 15: a group of 16 columns' even then odd values
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t i = 0; i < gs; i += 16) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv));  // |q| <= 127
+      qsum = _mm512_add_epi32(qsum, q);
+      const __m128i bytes = _mm512_cvtepi32_epi8(q);
+      if (PLANES == 1) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bytes);
+      } else {
+        const __m128i eo = _mm_shuffle_epi8(bytes, split);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2), eo);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2 + plane_stride), _mm_unpackhi_epi64(eo, eo));
+      }
+    }
+    *amax_out = amax;
+    *sum_out = hsum(sm);
+    return _mm512_reduce_add_epi32(qsum);
+  }
+#endif
+  float amax = 0.f, sum = 0.f;
+  for (int64_t i = 0; i < gs; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    sum += x[i];
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t qsum = 0;
+  for (int64_t i = 0; i < gs; ++i) {
+    const int8_t v = (int8_t)std::nearbyint(x[i] * inv);
+    if (PLANES == 1) dst[i] = v;
+    else dst[i / 2 + (i % 2) * plane_stride] = v;
+    qsum += v;
+  }
+  *amax_out = amax;
+  *sum_out = sum;
+  return qsum;
+}
+
+// planes 2: even / odd columns (int4; K / G even); 1: columns in order (int8). G groups of K / G columns.
 static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G, int planes, float offset) {
   XQ r;
   const int64_t gs = K / G;
@@ -304,20 +358,11 @@ static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G, int 
   r.X.assign(M * G, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
-      const float* x = xf + m * K + g * gs;
-      float amax = 0.f, sum = 0.f;
-      for (int64_t i = 0; i < gs; ++i) {
-        amax = std::max(amax, std::fabs(x[i]));
-        sum += x[i];
-      }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f, a = amax / 127.f;
-      int32_t qsum = 0;
-      for (int64_t i = 0; i < gs; ++i) {  // planes 2: gs is even, columns pair up into bytes
-        const int8_t v = (int8_t)std::nearbyint(x[i] * inv);
-        const int64_t k = g * gs + i;
-        r.q[((k % planes) * M + m) * r.Kp + k / planes] = v;
-        qsum += v;
-      }
+      int8_t* dst = r.q.data() + m * r.Kp + g * gs / planes;
+      float amax, sum;
+      const int32_t qsum = planes == 1 ? quantize_group<1>(xf + m * K + g * gs, gs, dst, 0, &amax, &sum)
+                                       : quantize_group<2>(xf + m * K + g * gs, gs, dst, M * r.Kp, &amax, &sum);
+      const float a = amax / 127.f;
       r.a[m * G + g] = a;
       r.off[m * G + g] = offset * a * (float)qsum;
       r.X[m * G + g] = sum;
