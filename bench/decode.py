@@ -91,15 +91,18 @@ def _time_decode(step: dict[tuple[int, str], Callable], model, policies: dict[st
                  caches: Optional[dict[str, list]] = None) -> list[dict[str, float]]:
     """Seconds per decode step (median, after warm-up) of each policy in each case, step[case index,
     policy] its step function; a case is the first decode position of each of its rows (rows alike, or ragged:
-    each row at its own live length).
+    each row at its own live length). Step i of a case times the step at its positions + i + 1.
 
     Cases and policies take turns step by step (case 1 dense step i, case 1 SparQ step i, case 2 dense
     step i, ..., then step i + 1), each policy from the same live positions, so a slow spell of the
     machine (here its speed drifts by up to 2x within an hour) lands on every row of the table alike
     rather than on whichever ran during it. One prefill of the longest prompt serves every case: a
     step rewinds the caches to its own live positions first, then evict() (if given) clears the CPU's
-    caches of what the rewind read. caches: each policy's own KV caches (one per layer; a cache format
-    of its own), installed before its steps."""
+    caches of what the rewind read, then an untimed step of the same policy (the lead-in) leaves in
+    them what a step leaves for the next in generation: the timed step that follows it starts as
+    generation's steps do (warm where weights and the KV it reads fit the caches, as llama-bench's
+    steps are), neither colder (the eviction alone) nor warmer (the rewind's reads). caches: each
+    policy's own KV caches (one per layer; a cache format of its own), installed before its steps."""
     import torch
 
     times = [{name: [] for name in policies} for _ in cases]
@@ -120,8 +123,9 @@ def _time_decode(step: dict[tuple[int, str], Callable], model, policies: dict[st
                     model.set_decode_attention(lambda layer, layers=layers: layers[layer])
                     if evict is not None:
                         evict()
+                    step[c, name](model, token, positions, top + i + 1)  # the lead-in, untimed
                     t0 = time.perf_counter()
-                    step[c, name](model, token, positions, top + i + 1)
+                    step[c, name](model, token, positions + 1, top + i + 2)
                     case_times[name].append(time.perf_counter() - t0)
             if progress is not None:
                 progress.update(1)
@@ -206,7 +210,7 @@ def run(args) -> int:
     else:
         tok = load_tokenizer(args.checkpoint)
         model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
-    starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps)
+    starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps + 1)  # + the lead-in
     formats = _cache_formats(args.cache_format)
     kernels = kernels_for(args.kernel, "cpu", model_args, kv_formats=[f for _, f in formats])  # one kernel family
     if args.compression and args.sparq_r:
@@ -251,13 +255,14 @@ def run(args) -> int:
         prompt = torch.randint(model_args.vocab_size, (1, max(1, longest)), generator=torch.Generator().manual_seed(0))
     else:
         prompt = torch.tensor([data.essay_tokens(tok, max(1, longest))])
-    cache_length = longest + args.warmup + args.steps
+    cache_length = longest + args.warmup + args.steps + 1  # + each timed step's lead-in
 
     llama = _LlamaCpp(args, contexts) if args.llamacpp else None  # checked and built before any output
     source = f"random weights of the {args.random_weights} shape" if args.random_weights else args.checkpoint
     print(f"# decode, {source}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
           f"{'compiled' if args.compile else 'eager'}, SparQ r={','.join(map(str, r_values))} k={config.k_top} local={config.local} "
-          f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}, cases and policies taking turns step by step")
+          f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}, cases and policies taking turns step by step, "
+          f"each timed step after an untimed one of its own")
     print(_DECODE_HEADER, flush=True)
     rows, theirs = [], {}
     progress = tqdm(total=len(dtypes) * args.rounds * (args.warmup + args.steps), desc="decode bench", unit="step",

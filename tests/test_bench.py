@@ -167,9 +167,9 @@ def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys, tmp_path):
 def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
     """_time_decode: step i of every case and policy runs before step i + 1 of any, each from its own
     live positions (the caches rewound to them, ragged rows made ragged, then the CPU's caches
-    cleared), and each case's medians
-    come from its own steps after the warm-up (a fake clock: a step of B rows at step i takes
-    B (dense) or 2B (SparQ) seconds plus i / 10)."""
+    cleared, then an untimed lead-in step of the same policy), and each case's medians come from its
+    own timed steps after the warm-up (a fake clock: a step of B rows at step i takes B (dense) or
+    2B (SparQ) seconds plus i / 10; a lead-in takes 100 more, which no median may see)."""
     import types
 
     calls, clock = [], [0.0]
@@ -190,8 +190,9 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
 
     def step_of(case, name):  # each (case, policy) its own step function
         def step(model, token, positions, length):
-            i = sum(c[0] == "step" for c in calls) // 6  # 3 cases x 2 policies a round
-            clock[0] += token.shape[0] * (2 if calls[-2] == ("policy", "sparq") else 1) + i / 10
+            i = sum(c[0] == "step" for c in calls) // 12  # 3 cases x 2 policies x (lead-in, timed) a round
+            lead_in = calls[-1] == ("evict",)
+            clock[0] += token.shape[0] * (2 if name == "sparq" else 1) + i / 10 + (100 if lead_in else 0)
             calls.append(("step", token.shape[0], positions.flatten().tolist(), length, (case, name)))
         return step
 
@@ -204,11 +205,14 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
         for c, starts in enumerate(cases):
             top = max(starts)
             positions = [s + i for s in starts] if len(set(starts)) > 1 else [top + i]
-            expected += [("step", len(starts), positions, top + i + 1, (c, name)) for name in ("dense", "sparq")]
+            for name in ("dense", "sparq"):  # the lead-in, then the timed step one position on
+                expected += [("step", len(starts), positions, top + i + 1, (c, name)),
+                             ("step", len(starts), [p + 1 for p in positions], top + i + 2, (c, name))]
     assert [c for c in calls if c[0] == "step"] == expected
-    assert calls[:5] == [("rewind", 10), ("policy", "dense"), ("evict",), ("step", 1, [10], 11, (0, "dense")),
-                         ("rewind", 10)]
-    assert all(calls[j - 1] == ("evict",) for j, c in enumerate(calls) if c[0] == "step")  # caches cleared last
+    assert calls[:6] == [("rewind", 10), ("policy", "dense"), ("evict",), ("step", 1, [10], 11, (0, "dense")),
+                         ("step", 1, [11], 12, (0, "dense")), ("rewind", 10)]
+    step_at = [j for j, c in enumerate(calls) if c[0] == "step"]
+    assert all(calls[j - 1] == ("evict",) for j in step_at[0::2])  # caches cleared right before each lead-in
     assert ("live", [5 + 2, 30 + 2]) in calls and ("live", [20, 20]) not in calls
     for s, starts in zip(seconds, cases):  # the median of steps 1 and 2: + 0.15
         B = len(starts)
