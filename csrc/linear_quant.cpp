@@ -1,5 +1,6 @@
-// Decode-step GEMVs over weight-only quantized weights (quantize.py's stored formats, read as they
-// are: no repacking at load), for the few rows of one decode step.
+// Decode-step GEMVs over weight-only quantized weights, for the few rows of one decode step:
+// linear_int8_cpu / linear_int4_cpu read quantize.py's stored formats as they are; the *_q8 ops read
+// them repacked at load in rows of 16 (below XQ) and round x to int8 first.
 //
 // Registered as the CPU kernels of these ops, whose schemas (and fake implementations, for
 // torch.compile) kernels.py defines:
