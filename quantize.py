@@ -369,10 +369,10 @@ class Int8Linear(nn.Module):
             if self.supports(kernel) and _kernel_ok(kernel, self.scales.device, self.group_size or 0, bits=8):
                 self.use_kernel(kernel)
                 break
-        if self.kernel in ("int4x2", "gemv-q8") and not keep_weight:  # the packed copies replace it
+        if self.kernel in ("int4x2", "gemv-q8") and not keep_weight:  # the packed copies replace them
             self.weight = None
-        if self.kernel == "gemv-q8" and not keep_weight:
-            self.scales = None
+            if self.kernel == "gemv-q8":  # rows16_scales holds them (int4x2 keeps its small original)
+                self.scales = None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel in ("gemv", "gemv-q8"):
