@@ -725,22 +725,22 @@ at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& w, const at::T
   return y;
 }
 
-// linear_int4_q8_cpu's arguments: w16 (NB, K / 8, 16, 4) uint8, scales and zeros (NB, G, 16) alike,
-// 16 NB - 16 < N <= 16 NB, groups of whole 32-column steps -> G.
-static int64_t check_int4_rows16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                                 const at::Tensor& zeros, int64_t N, const char* op) {
+// The rows16 GEMVs' arguments (x checked too): w (NB, K / cols, 16, 4) uint8 contiguous, cols columns
+// per 4-byte chunk of a row (int4: 8, int8: 4), 16 NB - 16 < N <= 16 NB; scales (NB, G, 16) CPU bf16
+// or fp32 contiguous, in groups of whole 32 columns -> G.
+static int64_t check_rows16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t N, int64_t cols,
+                            const char* pack, const char* op) {
   check_x(x, op);
   const int64_t K = x.size(1);
   TORCH_CHECK(w.dim() == 4 && w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  K % 8 == 0 && w.size(1) == K / 8 && w.size(2) == 16 && w.size(3) == 4,
-              op, ": w must be uint8 (NB, K / 8, 16, 4) contiguous (quantize.pack_int4_rows16), K = x's");
+                  K % 32 == 0 && w.size(1) == K / cols && w.size(2) == 16 && w.size(3) == 4,
+              op, ": w must be uint8 (NB, K / ", cols, ", 16, 4) contiguous (quantize.", pack,
+              "), K = x's, a multiple of 32");
   const int64_t NB = w.size(0);
   TORCH_CHECK(N > 16 * (NB - 1) && N <= 16 * NB, op, ": N = ", N, " is not a weight of ", NB, " blocks of 16 rows");
   TORCH_CHECK(scales.dim() == 3 && scales.device().is_cpu() && scales.is_contiguous() && scales.size(0) == NB &&
-                  scales.size(2) == 16 && (scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kFloat) &&
-                  zeros.sizes() == scales.sizes() && zeros.is_contiguous() && zeros.scalar_type() == scales.scalar_type() &&
-                  zeros.device().is_cpu(),
-              op, ": scales and zeros must be CPU bf16 or fp32 (NB, G, 16) contiguous, alike");
+                  scales.size(2) == 16 && (scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kFloat),
+              op, ": scales must be CPU bf16 or fp32 (NB, G, 16) contiguous");
   const int64_t G = scales.size(1);
   TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, op, ": groups must split K into multiples of 32");
   return G;
@@ -748,7 +748,10 @@ static int64_t check_int4_rows16(const at::Tensor& x, const at::Tensor& w, const
 
 at::Tensor linear_int4_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
                               int64_t N) {
-  const int64_t G = check_int4_rows16(x, w, scales, zeros, N, "sparq::linear_int4_q8_cpu");
+  const char* op = "sparq::linear_int4_q8_cpu";
+  const int64_t G = check_rows16(x, w, scales, N, 8, "pack_int4_rows16", op);
+  TORCH_CHECK(zeros.sizes() == scales.sizes() && zeros.is_contiguous() && zeros.scalar_type() == scales.scalar_type() &&
+                  zeros.device().is_cpu(), op, ": zeros must be laid out as scales");
   const int64_t M = x.size(0), K = x.size(1), C = K / 8;
   const std::vector<float> xf = x_f32(x);
   const XQ xq = quantize_x_int8(xf.data(), M, K, G, 2, 8.f);
@@ -773,27 +776,8 @@ at::Tensor linear_int4_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at
   return y;
 }
 
-// linear_int8_q8_cpu's arguments: w16 (NB, K / 4, 16, 4) uint8, scales (NB, Gw, 16), 16 NB - 16 < N
-// <= 16 NB, K in whole x groups of 32, weight groups of whole x groups -> Gw.
-static int64_t check_int8_rows16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t N,
-                                 const char* op) {
-  check_x(x, op);
-  const int64_t K = x.size(1);
-  TORCH_CHECK(w.dim() == 4 && w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  K % 32 == 0 && w.size(1) == K / 4 && w.size(2) == 16 && w.size(3) == 4,
-              op, ": w must be uint8 (NB, K / 4, 16, 4) contiguous (quantize.pack_int8_rows16), K = x's, a multiple of 32");
-  const int64_t NB = w.size(0);
-  TORCH_CHECK(N > 16 * (NB - 1) && N <= 16 * NB, op, ": N = ", N, " is not a weight of ", NB, " blocks of 16 rows");
-  TORCH_CHECK(scales.dim() == 3 && scales.device().is_cpu() && scales.is_contiguous() && scales.size(0) == NB &&
-                  scales.size(2) == 16 && (scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kFloat),
-              op, ": scales must be CPU bf16 or fp32 (NB, Gw, 16) contiguous");
-  const int64_t Gw = scales.size(1);
-  TORCH_CHECK(Gw > 0 && K % Gw == 0 && (K / Gw) % 32 == 0, op, ": weight groups must split K into multiples of 32");
-  return Gw;
-}
-
 at::Tensor linear_int8_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t N) {
-  const int64_t Gw = check_int8_rows16(x, w, scales, N, "sparq::linear_int8_q8_cpu");
+  const int64_t Gw = check_rows16(x, w, scales, N, 4, "pack_int8_rows16", "sparq::linear_int8_q8_cpu");
   const int64_t M = x.size(0), K = x.size(1), C = K / 4;
   const std::vector<float> xf = x_f32(x);
   const XQ xq = quantize_x_int8(xf.data(), M, K, K / 32, 1, 128.f);
