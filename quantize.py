@@ -234,23 +234,29 @@ def pack_int4_for_kernel(q: Tensor) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack(cuda_nibbles, inner_k_tiles)
 
 
+def _to_rows16(t: Tensor, chunk: int = 1) -> Tensor:
+    """(N, X) -> rows in blocks of 16, the last padded with zero rows, each block's columns in chunks:
+    out[b, c, r, j] = t[16 b + r, chunk c + j] (NB, X / chunk, 16, chunk); chunk 1: (NB, X, 16)."""
+    padded = torch.cat([t, t.new_zeros(-t.shape[0] % 16, t.shape[1])])
+    blocks = padded.view(-1, 16, t.shape[1] // chunk, chunk).transpose(1, 2).contiguous()
+    return blocks if chunk > 1 else blocks.squeeze(-1)
+
+
+def _from_rows16(t: Tensor, N: int) -> Tensor:
+    """Inverse of _to_rows16: the N rows, (N, X)."""
+    return t.transpose(1, 2).reshape(t.shape[0] * 16, -1)[:N]
+
+
 def pack_int4_rows16(weight: Tensor, scales: Tensor, zeros: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The stored nibbles (N, K/2) and scales / zeros (N, G) -> the "rows16" layout sparq::linear_int4_q8_cpu
     reads (csrc/linear_quant.cpp): rows in blocks of 16, the last padded with zero rows;
     w16[b, c, r, j] = weight[16 b + r, 4 c + j] (NB, K/8, 16, 4), s16[b, g, r] = scales[16 b + r, g] (NB, G, 16)."""
-    pad = -weight.shape[0] % 16
-
-    def blocks(t: Tensor) -> Tensor:  # (N, X) -> (NB, 16, X), zero rows appended
-        return torch.cat([t, t.new_zeros(pad, t.shape[1])]).view(-1, 16, t.shape[1])
-
-    w16 = blocks(weight).view(-1, 16, weight.shape[1] // 4, 4).transpose(1, 2).contiguous()
-    return w16, blocks(scales).transpose(1, 2).contiguous(), blocks(zeros).transpose(1, 2).contiguous()
+    return _to_rows16(weight, 4), _to_rows16(scales), _to_rows16(zeros)
 
 
 def unpack_int4_rows16(w16: Tensor, s16: Tensor, z16: Tensor, N: int) -> tuple[Tensor, Tensor, Tensor]:
     """Inverse of pack_int4_rows16: the N rows' nibbles (N, K/2), scales and zeros (N, G)."""
-    weight = w16.transpose(1, 2).reshape(-1, w16.shape[1] * 4)[:N]
-    return weight, s16.transpose(1, 2).reshape(-1, s16.shape[1])[:N], z16.transpose(1, 2).reshape(-1, z16.shape[1])[:N]
+    return _from_rows16(w16, N), _from_rows16(s16, N), _from_rows16(z16, N)
 
 
 def pack_int8_rows16(weight: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
@@ -258,21 +264,14 @@ def pack_int8_rows16(weight: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
     sparq::linear_int8_q8_cpu reads (csrc/linear_quant.cpp): codes stored unsigned (q + 128), rows in
     blocks of 16, the last padded with zero rows; w16[b, c, r, j] = weight[16 b + r, 4 c + j] + 128
     (NB, K/4, 16, 4), s16[b, g, r] = scales[16 b + r, g] (NB, G, 16), G = 1 per channel."""
-    unsigned = (weight.view(torch.uint8) ^ 0x80)  # two's complement q + 128
-    pad = -weight.shape[0] % 16
-    scales = scales.reshape(weight.shape[0], -1)
-
-    def blocks(t: Tensor) -> Tensor:  # (N, X) -> (NB, 16, X), zero rows appended
-        return torch.cat([t, t.new_zeros(pad, t.shape[1])]).view(-1, 16, t.shape[1])
-
-    w16 = blocks(unsigned).view(-1, 16, weight.shape[1] // 4, 4).transpose(1, 2).contiguous()
-    return w16, blocks(scales).transpose(1, 2).contiguous()
+    unsigned = weight.view(torch.uint8) ^ 0x80  # two's complement q + 128
+    return _to_rows16(unsigned, 4), _to_rows16(scales.reshape(weight.shape[0], -1))
 
 
 def unpack_int8_rows16(w16: Tensor, s16: Tensor, N: int, per_channel: bool) -> tuple[Tensor, Tensor]:
     """Inverse of pack_int8_rows16: the N rows' int8 weight (N, K) and scales ((N,) when per_channel)."""
-    weight = (w16.transpose(1, 2).reshape(-1, w16.shape[1] * 4)[:N] ^ 0x80).view(torch.int8)
-    scales = s16.transpose(1, 2).reshape(-1, s16.shape[1])[:N]
+    weight = (_from_rows16(w16, N) ^ 0x80).view(torch.int8)
+    scales = _from_rows16(s16, N)
     return weight, (scales[:, 0] if per_channel else scales)
 
 
