@@ -8,10 +8,11 @@ first imported), which is how the CPU test suite checks them.
 SparQ, one call = 4 to 6 Triton launches and nothing else (no eager torch kernel in between):
   step 0  grid (B * n_kv,): ranks |q| summed over the group (a d x d comparison, registers only) and
           writes the top-r components in rank order.
-  step 1  grid (B * n_kv, S / BLOCK_S): every program takes step 0's components and its tau, then
-          logits = q[i1] . K^T[i1] / tau for its block of positions, all g heads at once (every
-          element of K^T read once per KV head), written in fp32 with the block's softmax max and
-          sum per head. Blocks past a row's live length do nothing at all.
+  step 1  grid (B * n_kv, S / (BPP BLOCK_S)): every program takes step 0's components, q[i1] and tau
+          once, then for each of its BPP consecutive blocks of positions (loads pipelined across
+          blocks) logits = q[i1] . K^T[i1] / tau, all g heads at once (every element of K^T read
+          once per KV head), written in fp32 with the block's softmax max and sum per head.
+          Blocks past a row's live length do nothing at all.
   select  grid (B * n_kv, chunks). Reduces the block stats to each head's softmax (max, sum), reads
           its chunk of logits once, forms score = sum_g softmax_g (the group sum), forces the local
           window in and dead positions out, and takes the chunk's top-k with an exact radix select
@@ -132,54 +133,59 @@ if HAS_TRITON:
         tl.store(idx_ptr + pid_bh * R + rank, offs_d, mask=d_mask & (rank < R))
 
     @triton.jit
-    def _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, chan_row, offs_g, g_mask, offs_s,
-                          live_s, R, G_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-                          USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr, K_TRANSPOSED: tl.constexpr,
-                          MASK_S: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
-        """sum over the top-r components i of q_hat[:, i] * K^T[i, offs_s]: (G_PAD, BLOCK_S) fp32, and
-        sum |q_hat| per head (tau's numerator). idx_row: the components by rank (step 0). QUANT (a
-        quantized step-1 source, K / chan stored): 1 int8, 2 int4 K^T (two positions per byte, low
-        nibble first, stored + 8); chan goes into q_hat, the per-position scales are the caller's."""
-        acc = tl.zeros((G_PAD, BLOCK_S), dtype=tl.float32)
-        q_hat_abs = tl.zeros((G_PAD,), dtype=tl.float32)
-        for r0 in range(0, R, R_BLOCK):
-            offs_r = r0 + tl.arange(0, R_BLOCK)
-            r_mask = offs_r < R
-            rows = tl.load(idx_row + offs_r, mask=r_mask, other=0)  # ranks r0 .. r0 + R_BLOCK - 1
-            q_hat = tl.load(q_row + offs_g[:, None] * stride_qg + rows[None, :],
-                            mask=g_mask[:, None] & r_mask[None, :], other=0.0)  # (G_PAD, R_BLOCK)
-            q_hat_abs += tl.sum(tl.abs(q_hat.to(tl.float32)), axis=1)
-            if QUANT:
-                q_hat = q_hat.to(tl.float32) * tl.load(chan_row + rows, mask=r_mask, other=0.0)[None, :]
-            rows = rows.to(tl.int64)
-            if K_TRANSPOSED:  # K^T rows: BLOCK_S contiguous elements each (coalesced)
-                if QUANT == 2:
-                    k_ptrs = k_base + rows[:, None] * stride_krow + (offs_s // 2)[None, :]
-                else:
-                    k_ptrs = k_base + rows[:, None] * stride_krow + offs_s[None, :]
-            else:  # 1xK layout: gather r columns of d-contiguous rows
-                k_ptrs = k_base + rows[:, None] + offs_s[None, :].to(tl.int64) * stride_ks
-            if MASK_S:
-                k_mask = r_mask[:, None] & live_s[None, :]
-            else:
-                k_mask = r_mask[:, None]
+    def _sparq_step1_block(q_hat, tau, k_rows, r_mask, ps_row, out_rows, bmax_rows, bsum_rows, g_mask, blk, n,
+                           stride_ks, BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr,
+                           K_TRANSPOSED: tl.constexpr, MASK_S: tl.constexpr, PRECISION: tl.constexpr,
+                           QUANT: tl.constexpr):
+        """One block of BLOCK_S positions: logits = q_hat . K^T[rows, block] / tau for the G_PAD heads,
+        written with the block's softmax max and sum per head. k_rows: (R_PAD, 1) pointers to step 0's
+        rows of the source; MASK_S: the block holds the live end (masked along S; else no masks, so
+        loads and stores vectorize). QUANT (K / chan stored): 1 int8, 2 int4 K^T (two positions per
+        byte, low nibble first, stored + 8); chan is already in q_hat, each position's scale goes in here."""
+        offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
+        live_s = offs_s < n
+        if K_TRANSPOSED:  # K^T rows: BLOCK_S contiguous elements each (coalesced)
             if QUANT == 2:
-                byte = tl.load(k_ptrs, mask=k_mask, other=8).to(tl.int32)
-                k_tile = (((byte >> ((offs_s % 2) * 4)[None, :]) & 15) - 8).to(tl.float32)  # (R_BLOCK, BLOCK_S)
-            elif QUANT:
-                k_tile = tl.load(k_ptrs, mask=k_mask, other=0).to(tl.float32)
+                k_ptrs = k_rows + (offs_s // 2)[None, :]
             else:
-                k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0)  # (R_BLOCK, BLOCK_S)
-            if USE_DOT:  # GQA: tensor cores, g padded to G_PAD >= 16 rows
-                if DOT_NATIVE:  # bf16/fp16 q and K: exact products, fp32 accumulation
-                    acc = tl.dot(q_hat, k_tile, acc)
-                else:
-                    acc = tl.dot(q_hat.to(tl.float32), k_tile.to(tl.float32), acc, input_precision=PRECISION)
-            else:  # MHA (G_PAD = 1): one FMA per K element on CUDA cores
-                acc += tl.sum(q_hat.to(tl.float32)[:, :, None] * k_tile.to(tl.float32)[None, :, :], axis=1)
-        return acc, q_hat_abs
+                k_ptrs = k_rows + offs_s[None, :]
+        else:  # 1xK layout: gather r columns of d-contiguous rows
+            k_ptrs = k_rows + offs_s[None, :].to(tl.int64) * stride_ks
+        if MASK_S:
+            k_mask = r_mask[:, None] & live_s[None, :]
+        else:
+            k_mask = r_mask[:, None]
+        if QUANT == 2:
+            byte = tl.load(k_ptrs, mask=k_mask, other=8).to(tl.int32)
+            k_tile = (((byte >> ((offs_s % 2) * 4)[None, :]) & 15) - 8).to(tl.float32)  # (R_PAD, BLOCK_S)
+        elif QUANT:
+            k_tile = tl.load(k_ptrs, mask=k_mask, other=0).to(tl.float32)
+        else:
+            k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0)  # (R_PAD, BLOCK_S)
+        if USE_DOT:  # GQA: tensor cores, g padded to G_PAD >= 16 rows
+            if DOT_NATIVE:  # bf16/fp16 q and K: exact products, fp32 accumulation
+                acc = tl.dot(q_hat, k_tile)
+            else:
+                acc = tl.dot(q_hat.to(tl.float32), k_tile.to(tl.float32), input_precision=PRECISION)
+        else:  # MHA (G_PAD = 1): one FMA per K element on CUDA cores
+            acc = tl.sum(q_hat.to(tl.float32)[:, :, None] * k_tile.to(tl.float32)[None, :, :], axis=1)
+        if QUANT:
+            if MASK_S:
+                acc = acc * tl.load(ps_row + offs_s, mask=live_s, other=0.0)[None, :]
+            else:
+                acc = acc * tl.load(ps_row + offs_s)[None, :]
+        logits = acc / tau[:, None]  # (G_PAD, BLOCK_S)
+        if MASK_S:
+            tl.store(out_rows + offs_s[None, :], logits, mask=g_mask[:, None] & live_s[None, :])
+            logits = tl.where(live_s[None, :], logits, float("-inf"))
+        else:
+            tl.store(out_rows + offs_s[None, :], logits, mask=g_mask[:, None])
+        m_blk = tl.max(logits, axis=1)  # finite: the block holds a live position
+        l_blk = tl.sum(tl.exp(logits - m_blk[:, None]), axis=1)
+        tl.store(bmax_rows + blk, m_blk, mask=g_mask)
+        tl.store(bsum_rows + blk, l_blk, mask=g_mask)
 
-    @triton.jit(do_not_specialize=["live", "S_bound"])
+    @triton.jit(do_not_specialize=["live", "S_bound", "BPP"])
     def _sparq_step1_kernel(
         q_ptr, stride_qb, stride_qh, stride_qg,  # q (B, n_kv, G, D), D unit-stride
         idx_ptr,  # (B * n_kv, R) int32: step 0's components by rank
@@ -188,60 +194,57 @@ if HAS_TRITON:
         chan_ptr, stride_cb, stride_ch,  # QUANT: the per-channel scales (D unit-stride)
         logits_ptr,  # (B * n_kv, G, S_bound) fp32: written at live positions only
         bmax_ptr, bsum_ptr,  # (B * n_kv, G, NB) fp32: each block's max of the logits, and sum of exp(logit - max)
-        live, n_kv, G, D, R, S_bound, NB,
-        G_PAD: tl.constexpr, D_PAD: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+        live, n_kv, G, D, R, S_bound, NB, BPP,
+        G_PAD: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr, K_TRANSPOSED: tl.constexpr, LIVE: tl.constexpr,
         PRECISION: tl.constexpr, QUANT: tl.constexpr,
     ):
-        """One program per (batch row, KV head, block of S): approximate logits of all G heads (QUANT: on
-        a quantized source, _sparq_step1_rows; each position's logits times its scale)."""
+        """One program per (batch row, KV head, BPP consecutive blocks of S): approximate logits of all G
+        heads. q_hat, tau and the rows' addresses are loaded once per program, before its blocks: the
+        loop's loads depend on nothing the loop computes, so they run num_stages blocks ahead."""
         pid_bh = tl.program_id(0)
-        pid_s = tl.program_id(1)
+        pid_p = tl.program_id(1)
         b = pid_bh // n_kv
         h = pid_bh % n_kv
         n = _live_length(live, b, S_bound, LIVE)
-        start = pid_s * BLOCK_S
-        if start < n:  # blocks past the live length: no work, no traffic (select never reads them)
+        first = pid_p * BPP  # this program's first block
+        if first * BLOCK_S < n:  # blocks past the live length: no work, no traffic (select never reads them)
             offs_g = tl.arange(0, G_PAD)
             offs_d = tl.arange(0, D_PAD)
+            offs_r = tl.arange(0, R_PAD)
             g_mask = offs_g < G
+            r_mask = offs_r < R
             q_row = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
             q = tl.load(q_row + offs_g[:, None] * stride_qg + offs_d[None, :],
                         mask=g_mask[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)  # (G_PAD, D_PAD)
             total = tl.where(g_mask, tl.sum(tl.abs(q), axis=1), 1.0)  # sum |q| per head (padded heads: 1)
-            idx_row = idx_ptr + pid_bh * R
-
+            rows = tl.load(idx_ptr + pid_bh * R + offs_r, mask=r_mask, other=0)  # the top-R components
+            q_hat = tl.load(q_row + offs_g[:, None] * stride_qg + rows[None, :],
+                            mask=g_mask[:, None] & r_mask[None, :], other=0.0)  # (G_PAD, R_PAD)
+            tau = tl.where(g_mask, tl.sqrt(D * tl.sum(tl.abs(q_hat.to(tl.float32)), axis=1) / total), 1.0)
+            if QUANT:
+                chan_row = chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+                q_hat = q_hat.to(tl.float32) * tl.load(chan_row + rows, mask=r_mask, other=0.0)[None, :]
             k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-            chan_row = chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
-            offs_s = start + tl.arange(0, BLOCK_S)
-            live_s = offs_s < n
+            if K_TRANSPOSED:
+                k_rows = k_base + rows.to(tl.int64)[:, None] * stride_krow  # (R_PAD, 1)
+            else:
+                k_rows = k_base + rows.to(tl.int64)[:, None]
+            ps_row = ps_ptr + b.to(tl.int64) * stride_psb + h.to(tl.int64) * stride_psh
             rows_g = (pid_bh * G + offs_g).to(tl.int64)
-            out_ptrs = logits_ptr + rows_g[:, None] * S_bound + offs_s[None, :]
-            if start + BLOCK_S <= n:  # fully live block: no mask along S, so loads and stores vectorize
-                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, chan_row,
-                                                   offs_g, g_mask, offs_s, live_s, R, G_PAD, R_BLOCK, BLOCK_S, USE_DOT,
-                                                   DOT_NATIVE, K_TRANSPOSED, False, PRECISION, QUANT)
-                if QUANT:
-                    acc = acc * tl.load(ps_ptr + b.to(tl.int64) * stride_psb + h.to(tl.int64) * stride_psh
-                                        + offs_s)[None, :]
-                tau = tl.where(g_mask, tl.sqrt(D * q_hat_abs / total), 1.0)
-                logits = acc / tau[:, None]
-                tl.store(out_ptrs, logits, mask=g_mask[:, None])
-            else:  # the block holding the live end
-                acc, q_hat_abs = _sparq_step1_rows(q_row, stride_qg, idx_row, k_base, stride_krow, stride_ks, chan_row,
-                                                   offs_g, g_mask, offs_s, live_s, R, G_PAD, R_BLOCK, BLOCK_S, USE_DOT,
-                                                   DOT_NATIVE, K_TRANSPOSED, True, PRECISION, QUANT)
-                if QUANT:
-                    acc = acc * tl.load(ps_ptr + b.to(tl.int64) * stride_psb + h.to(tl.int64) * stride_psh + offs_s,
-                                        mask=live_s, other=0.0)[None, :]
-                tau = tl.where(g_mask, tl.sqrt(D * q_hat_abs / total), 1.0)
-                logits = acc / tau[:, None]
-                tl.store(out_ptrs, logits, mask=g_mask[:, None] & live_s[None, :])
-            masked = tl.where(live_s[None, :], logits, float("-inf"))
-            m_blk = tl.max(masked, axis=1)  # finite: the block holds a live position
-            l_blk = tl.sum(tl.exp(masked - m_blk[:, None]), axis=1)
-            tl.store(bmax_ptr + rows_g * NB + pid_s, m_blk, mask=g_mask)
-            tl.store(bsum_ptr + rows_g * NB + pid_s, l_blk, mask=g_mask)
+            out_rows = logits_ptr + rows_g[:, None] * S_bound  # (G_PAD, 1)
+            bmax_rows = bmax_ptr + rows_g * NB
+            bsum_rows = bsum_ptr + rows_g * NB
+            left = n - first * BLOCK_S
+            n_full = tl.minimum(BPP, left // BLOCK_S)  # fully live blocks
+            for j in tl.range(0, n_full):
+                _sparq_step1_block(q_hat, tau, k_rows, r_mask, ps_row, out_rows, bmax_rows, bsum_rows, g_mask,
+                                   first + j, n, stride_ks, BLOCK_S, USE_DOT, DOT_NATIVE, K_TRANSPOSED, False,
+                                   PRECISION, QUANT)
+            if n_full < BPP and n_full * BLOCK_S < left:  # the block holding the live end
+                _sparq_step1_block(q_hat, tau, k_rows, r_mask, ps_row, out_rows, bmax_rows, bsum_rows, g_mask,
+                                   first + n_full, n, stride_ks, BLOCK_S, USE_DOT, DOT_NATIVE, K_TRANSPOSED, True,
+                                   PRECISION, QUANT)
 
     @triton.jit(do_not_specialize=["live", "S_bound"])
     def _sparq_select_kernel(
@@ -573,9 +576,12 @@ def _device_sms(device: torch.device) -> int:
         if device.type == "cuda" else _sm_count(None)
 
 
-def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_dot: bool, sms: int = 132) -> dict:
+def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_dot: bool, sms: int = 132,
+               r: int = 32, blocks_per_program: Optional[int] = None) -> dict:
     """Sizes and launch parameters of one SparQ call (see the module docstring for the kernels).
-    native_dot: q and K share a 16-bit dtype (step 1's GQA dot then takes them as they are)."""
+    native_dot: q and K share a 16-bit dtype (step 1's GQA dot then takes them as they are).
+    blocks_per_program: step 1's blocks per program instead of the plan's choice (the GPU check's
+    comparison of launch shapes)."""
     rows = B * n_kv
     target = TARGET_PROGRAMS * sms
     use_dot = g > 1  # GQA: tensor-core dots over g padded to >= 16 rows; MHA: CUDA-core FMAs
@@ -584,10 +590,15 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_
     # Step 0 once per (row, KV head) in its own launch: ranked inside every step-1 program (a
     # bitonic sort each) it was most of step 1's time on an H200 (docs/NOTES.md).
     rank = dict(G_PAD=_pow2(g), D_PAD=D_PAD, num_warps=8, num_stages=1)
-    # Step 1: 256 positions x 16 rows of K^T per loop step; 128 positions when 256 would give < 2 waves.
-    BLOCK_S = 256 if rows * triton.cdiv(S_bound, 256) >= 2 * sms else 128
+    # Step 1: blocks of all r rows x 256 positions of K^T (at most 8192 elements: fewer positions
+    # when r > 32); 128 positions when 256 would give < 2 waves. Each program takes BPP consecutive
+    # blocks, its q_hat and rows loaded once and the blocks' loads pipelined: one block per program
+    # left step 1 latency-bound on an H200 (46% of the read rate at best, README).
+    R_PAD = max(16, _pow2(r))
+    BLOCK_S = min(256 if rows * triton.cdiv(S_bound, 256) >= 2 * sms else 128, max(16, 8192 // R_PAD))
     NB = triton.cdiv(S_bound, BLOCK_S)
-    step1 = dict(G_PAD=G_PAD, D_PAD=D_PAD, R_BLOCK=16, BLOCK_S=BLOCK_S, USE_DOT=use_dot,
+    BPP = blocks_per_program or max(1, min(8, rows * NB // (2 * sms)))
+    step1 = dict(G_PAD=G_PAD, D_PAD=D_PAD, R_PAD=R_PAD, BLOCK_S=BLOCK_S, USE_DOT=use_dot,
                  DOT_NATIVE=use_dot and native_dot, PRECISION=TRITON_DOT_PRECISION, num_warps=8, num_stages=3)
     # Select: chunks of S (powers of two, >= 4 KT); the merge takes the chunks' candidates in one
     # program: at most 4096 of them while chunks stay <= 8192 positions. A select's latency grows
@@ -616,7 +627,7 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_
                  PRECISION=TRITON_DOT_PRECISION, FINAL=n_split == 1, num_warps=8 if use_dot else 4, num_stages=3)
     combine = None if n_split == 1 else dict(D_PAD=D_PAD, SPLIT_BLOCK=min(16, _pow2(n_split)), BY_LENGTH=False,
                                              num_warps=4, num_stages=1)
-    return dict(NB=NB, n_chunks=n_chunks, KS=KS, n_split=n_split, rank=rank, step1=step1, select=select, merge=merge,
+    return dict(NB=NB, BPP=BPP, n_step1=triton.cdiv(NB, BPP), n_chunks=n_chunks, KS=KS, n_split=n_split, rank=rank, step1=step1, select=select, merge=merge,
                 step2=step2, combine=combine)
 
 
@@ -720,10 +731,10 @@ def _check_scales(k: Tensor, k_t: Optional[Tensor], k_scale: Optional[Tensor], v
 def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
                        live: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
                        k_scale: Optional[Tensor], v_scale: Optional[Tensor], chan: Optional[Tensor],
-                       kt_scale: Optional[Tensor]) -> Tensor:
+                       kt_scale: Optional[Tensor], blocks_per_program: Optional[int] = None) -> Tensor:
     """The launches behind sparq::sparq_triton (the module docstring): Triton kernels only. A quantized
     cache (int8 K/V with k_scale, v_scale; an int8 or packed int4 K^T with kt_scale; chan with either)
-    is read as stored."""
+    is read as stored. blocks_per_program: sparq_plan's override (benchmarks)."""
     _triton_ready(q.device)
     _check_layout(q, k, k_t, v, v_sum)
     _check_scales(k, k_t, k_scale, v_scale, chan, kt_scale)
@@ -734,7 +745,7 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     S_bound, device, rows = length, q.device, B * n_kv
     KT = min(k_top, S_bound)  # with a tensor live length, selections past it get weight 0
     kk = k if k_t is None else k_t  # step 1's source
-    plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _native_dot(q, kk), _device_sms(device))
+    plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _native_dot(q, kk), _device_sms(device), r, blocks_per_program)
     NB, n_chunks, KS, n_split = plan["NB"], plan["n_chunks"], plan["KS"], plan["n_split"]
     f32, i32 = torch.float32, torch.int32
 
@@ -751,9 +762,9 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     q_strides = (q.stride(0), q.stride(1), q.stride(2))
     idx = torch.empty((rows, r), dtype=i32, device=device)
     _sparq_rank_kernel[(rows,)](q, *q_strides, idx, n_kv, g, d, r, **plan["rank"])
-    _sparq_step1_kernel[(rows, NB)](
+    _sparq_step1_kernel[(rows, plan["n_step1"])](
         q, *q_strides, idx, kk, *k_strides, *ps, *chan_rows, logits, block_stats[0], block_stats[1], live_arg, n_kv,
-        g, d, r, S_bound, NB, K_TRANSPOSED=k_t is not None, LIVE=LIVE, QUANT=quant, **plan["step1"])
+        g, d, r, S_bound, NB, plan["BPP"], K_TRANSPOSED=k_t is not None, LIVE=LIVE, QUANT=quant, **plan["step1"])
 
     stats = torch.empty((rows, 2, g), dtype=f32, device=device)
     if n_chunks == 1:

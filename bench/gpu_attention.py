@@ -218,6 +218,26 @@ def check_against_reference(shape, copy: dict, sparq: Callable, dense: dict[str,
     return errors
 
 
+def time_blocks_per_program(shape, copies: list[dict], config, timer: Callable, replays: int,
+                            choices=(1, 2, 4, 8, 16)) -> dict:
+    """SparQ's time per call with step 1's blocks per program forced to each of `choices`, side by side
+    with the plan's own choice (sparq_bpp): the launch shape's trade-off, measured on this device."""
+    import kernels_triton
+
+    name, B, n_kv, g, d, S, r, k_top = shape
+    q = copies[0]["q"]
+    plan = kernels_triton.sparq_plan(B, n_kv, g, d, S, min(k_top, S), kernels_triton._native_dot(q, copies[0]["k_t"]),
+                                     kernels_triton._device_sms(q.device), r)
+
+    def call(c, bpp):
+        return kernels_triton._sparq_triton_impl(c["q"], c["k"], c["k_t"], c["v"], c["v_sum"], S, None, r, k_top,
+                                                 config.local, config.mean_v, None, None, None, None,
+                                                 blocks_per_program=bpp)
+
+    by_bpp = {bpp: 1e6 * timer([lambda c=c, bpp=bpp: call(c, bpp) for c in copies], replays) for bpp in choices}
+    return dict(sparq_bpp=plan["BPP"], sparq_us_by_bpp=by_bpp)
+
+
 def attention_row(shape, device: str, dtype=torch.bfloat16, bandwidth: Optional[float] = None,
                   replays: int = 20) -> dict:
     """Check, then time dense (every candidate) and SparQ on one shape; theory from the transfer formulas."""
@@ -250,6 +270,11 @@ def attention_row(shape, device: str, dtype=torch.bfloat16, bandwidth: Optional[
         if profiled is not None:
             row["sparq_kernels"], row["sparq_kernel_us"] = profiled
         row["sparq_gbs"] = row["sparq_bytes"] / (row["sparq_us"] * 1e-6) / 1e9
+        try:  # a comparison: its failure must not cost the row
+            row.update(time_blocks_per_program(shape, copies, config, timer, replays,
+                                               (1, 2, 4, 8, 16) if device == "cuda" else (1, 2)))
+        except Exception as e:
+                row["bpp_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     row["dense_all"] = {}
     for cname, fn in candidates.items():
         if cname in row["reference_errors"]:

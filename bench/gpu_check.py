@@ -176,6 +176,17 @@ def kernel_table(rows: list[dict]) -> str:
     return table(["shape", "graph us", "kernels' sum us", "per kernel us"], out)
 
 
+def bpp_table(rows: list[dict]) -> str:
+    """One line per shape: SparQ's graph time per call at each step-1 blocks-per-program tried."""
+    out = []
+    for r in rows:
+        if "sparq_us_by_bpp" in r:
+            out.append([r["name"]] + [fmt(us) + ("*" if int(bpp) == r.get("sparq_bpp") else "")
+                                      for bpp, us in r["sparq_us_by_bpp"].items()])
+    bpps = next(list(r["sparq_us_by_bpp"]) for r in rows if "sparq_us_by_bpp" in r)
+    return table(["shape"] + [f"BPP={b}" for b in bpps], out)
+
+
 def e2e_table(rows: list[dict]) -> str:
     out = []
     for r in rows:
@@ -268,9 +279,50 @@ def decode_row(generator, B: int, context: int, steps: int) -> dict:
         cache.restore(snapshot)
     kv, seconds = stats.kv_bytes_read / stats.steps, stats.decode_s
     ms = 1e3 * seconds / stats.steps
-    return dict(ms_per_step=ms, tokens_per_s=B * stats.steps / seconds, steps_per_s=stats.steps / seconds,
-                gb_per_s=(model.weight_bytes() + kv) / (ms * 1e-3) / 1e9, kv_bytes_per_step=kv,
-                weight_bytes=model.weight_bytes(), warm_up_s=warm_up_s)
+    row = dict(ms_per_step=ms, tokens_per_s=B * stats.steps / seconds, steps_per_s=stats.steps / seconds,
+               gb_per_s=(model.weight_bytes() + kv) / (ms * 1e-3) / 1e9, kv_bytes_per_step=kv,
+               weight_bytes=model.weight_bytes(), warm_up_s=warm_up_s)
+    try:  # a diagnostic: its failure must not cost the row
+        row.update(profile_decode(generator, token, lengths, min(steps, 8)))
+    except Exception as e:
+        row["profile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+    for cache, snapshot in zip(model.caches, saved):
+        cache.restore(snapshot)
+    return row
+
+
+def profile_decode(generator, token, lengths: list[int], steps: int) -> dict:
+    """Where a decode step's device time goes, and whether the host waits on the device inside it: the
+    profiler over `steps` steps (after the timed ones; CUDA-graph replays show their kernels) ->
+    device us per step of each kernel (the 12 costliest; kernel_us_sum counts all) and the host's
+    synchronizations per step (the Generator looks at the tokens every check_every steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.gpu_attention import kernel_times
+    from decoding import synchronize
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        _, stats = generator.decode(token, lengths, steps + 1)
+        synchronize(token.device)
+    events = list(prof.events())
+    per_step = {name: us / stats.steps for name, us in kernel_times(events).items()}
+    syncs = sum(1 for e in events if "synchronize" in e.name.lower() and e.name.lower().startswith("cuda"))
+    top = dict(sorted(per_step.items(), key=lambda kv: -kv[1])[:12])
+    return dict(step_kernel_us=top, step_kernel_us_sum=sum(per_step.values()),
+                host_syncs_per_step=syncs / stats.steps)
+
+
+def kernel_lines(rows: list[dict]) -> str:
+    """Per e2e row: the device time per step its kernels add up to, and the costliest kernels."""
+    out = []
+    for r in rows:
+        if "step_kernel_us" in r:
+            out.append(f"  {r['model']} {r.get('weights', 'bf16')} B={r['B']} ctx={r['context']} {r['policy']}: "
+                       f"kernels {r['step_kernel_us_sum']:.0f} us/step of {1e3 * r['ms_per_step']:.0f}, "
+                       f"host syncs/step {r['host_syncs_per_step']:.2f}; "
+                       + ", ".join(f"{k[:48]}={v:.0f}" for k, v in r["step_kernel_us"].items()))
+    return "\n".join(out)
 
 
 def e2e_rows(report: Report, section: str, model, name: str, weights: str, batches, contexts, steps: int,
@@ -451,6 +503,9 @@ def run(args: argparse.Namespace) -> int:
                 print("\nSparQ's kernels, device us per call (profiled launches, not graph-replayed; the gap to "
                       "the graph's time is launch gaps and tails):")
                 print(kernel_table(entry["rows"]))
+            if any("sparq_us_by_bpp" in r for r in entry["rows"]):
+                print("\nSparQ us per call by step 1's blocks per program (the plan's choice marked *):")
+                print(bpp_table(entry["rows"]))
             report.goals += attention_goals(entry["rows"])
 
         run_section(report, "attention", attention)
@@ -521,6 +576,9 @@ def end_to_end(report: Report, section: str, args: argparse.Namespace, device: s
     rows = report.sections[section]["rows"]
     if rows:
         print(e2e_table(rows))
+        if any("step_kernel_us" in r for r in rows):
+            print("\nDevice time per decode step (profiled after the timed steps; us):")
+            print(kernel_lines(rows))
 
 
 def environment(device: str) -> dict:

@@ -274,6 +274,31 @@ def test_ragged_rows_match_each_row_alone(case):
     torch.testing.assert_close(dense.cpu(), row_reference(q, k, k_t, v, S_bound, None, live), **TOLERANCE[dtype])
 
 
+# Step 1 with several consecutive 128-position blocks per program (BPP): live ends at the first block
+# of a program, in its middle (600 with BPP 3: block 4 of 3..5) and past its last; programs wholly past
+# a row's end (5); MHA and GQA, both K layouts.
+BLOCKS = [(3, 2, 4, 64, 1200, (1200, 600, 5), 16, 32, "twice", f32),
+          (2, 2, 1, 128, 1000, (1000, 333), 8, 64, "once", bf16)]
+
+
+@pytest.mark.parametrize("bpp", [2, 3, 8])
+@pytest.mark.parametrize("case", BLOCKS, ids=lambda c: f"g{c[2]}-{c[8]}")
+def test_step1_blocks_per_program_match_each_row_alone(case, bpp):
+    """The plan's several blocks per step-1 program (a large GPU's launch shape), forced on small
+    shapes: every row against its own reference, whatever block of a program its live end falls in."""
+    B, n_kv, g, d, S_bound, lives, r, k_top, layout, dtype = case
+    config = SparQConfig(r=r, k_top=k_top, mean_v=True)
+    q, k, k_t, v, v_sum = make_cache(B, n_kv, g, d, S_bound, S_bound + 8, dtype, seed=bpp + sum(lives),
+                                     layout=layout, config=config, lengths=lives)
+    live = torch.tensor(lives, device=DEVICE)
+    plan = kernels_triton.sparq_plan(B, n_kv, g, d, S_bound, k_top, False, r=r, blocks_per_program=bpp)
+    assert plan["step1"]["BLOCK_S"] == 128 and plan["BPP"] == bpp and plan["n_step1"] * bpp >= plan["NB"]
+    out = kernels_triton._sparq_triton_impl(q, k, k_t, v, v_sum, S_bound, live, r, k_top, config.local, True,
+                                            None, None, None, None, blocks_per_program=bpp)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu(), row_reference(q, k, k_t, v, S_bound, config, live), **TOLERANCE[dtype])
+
+
 # (B, n_kv, g, d, S, S_max, dtype, length kind): MHA (CUDA-core path) and GQA (dots), one split and
 # several (combine), head dims off the power-of-two set.
 DENSE = [
