@@ -387,6 +387,12 @@ def run_pytest(timeout: int) -> tuple[Optional[bool], str]:
     # the kernels compile for real here: the sm_90 cross-compile and the no-triton import cases are CI's
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
                "not compile_for_h100 and not imports_without_triton", "tests/test_kernels_triton.py"]
+    try:  # Triton compiles each kernel variant on first use: on a cold cache that is most of the time
+        import xdist  # noqa: F401
+
+        command += ["-n", str(min(8, os.cpu_count() or 1))]
+    except ImportError:
+        pass
     try:
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
