@@ -260,7 +260,6 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     def _adaptive_cpu_fake(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths=None):
         return q.new_empty(q.shape)
 
-    @torch.library.register_fake("sparq::dense_cpu")
     @torch.library.register_fake("sparq::dense_quant_cpu")
     def _dense_quant_cpu_fake(q, k, v, length, lengths, queries, k_scale, v_scale, chan):
         return q.new_empty(q.shape)

@@ -597,7 +597,7 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_
     R_PAD = max(16, _pow2(r))
     BLOCK_S = min(256 if rows * triton.cdiv(S_bound, 256) >= 2 * sms else 128, max(16, 8192 // R_PAD))
     NB = triton.cdiv(S_bound, BLOCK_S)
-    BPP = blocks_per_program or max(1, min(8, rows * NB // (2 * sms)))
+    BPP = blocks_per_program or max(1, min(16, round(rows * NB / (2 * sms))))
     step1 = dict(G_PAD=G_PAD, D_PAD=D_PAD, R_PAD=R_PAD, BLOCK_S=BLOCK_S, USE_DOT=use_dot,
                  DOT_NATIVE=use_dot and native_dot, PRECISION=TRITON_DOT_PRECISION, num_warps=8, num_stages=3)
     # Select: chunks of S (powers of two, >= 4 KT); the merge takes the chunks' candidates in one
