@@ -281,13 +281,21 @@ if HAS_TRITON:
                 score += tl.exp(logit - m_g) / z_g
             key = tl.where(live_c, score.to(tl.int32, bitcast=True) + 1, key)  # scores >= 0: bits are ordered
             key = tl.where(live_c & (offs >= n - LOCAL), 2139095041, key)  # INF_KEY
-        chosen, slot = _topk_select(key, KT)
-        out = (pid_bh * n_chunks + pid_c).to(tl.int64) * KT
-        tl.store(pos_ptr + out + slot, offs, mask=chosen)
-        if not FINAL:
-            tl.store(key_ptr + out + slot, key, mask=chosen)
-            offs_k = tl.arange(0, CHUNK)
+        # Chunk 0 always selects (a row of live length 0 takes dead positions, weighted 0 in step 2;
+        # it alone holds >= KT candidates); a later chunk wholly past the live end (a bucketed bound)
+        # would choose none of its dead positions in the merge, so it skips the passes.
+        if pid_c == 0 or pid_c * CHUNK < n:
+            chosen, slot = _topk_select(key, KT)
             n_chosen = tl.sum(chosen.to(tl.int32), axis=0)
+            out = (pid_bh * n_chunks + pid_c).to(tl.int64) * KT
+            tl.store(pos_ptr + out + slot, offs, mask=chosen)
+            if not FINAL:
+                tl.store(key_ptr + out + slot, key, mask=chosen)
+        else:
+            n_chosen = tl.sum(tl.zeros_like(key), axis=0)
+        if not FINAL:
+            offs_k = tl.arange(0, CHUNK)
+            out = (pid_bh * n_chunks + pid_c).to(tl.int64) * KT
             tl.store(key_ptr + out + offs_k, tl.full((CHUNK,), -1, tl.int32), mask=(offs_k >= n_chosen) & (offs_k < KT))
 
     @triton.jit
@@ -603,12 +611,14 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_
     # Select: chunks of S (powers of two, >= 4 KT); the merge takes the chunks' candidates in one
     # program: at most 4096 of them while chunks stay <= 8192 positions. A select's latency grows
     # with its keys per thread (31 passes over them; on an H200 a 16384-position chunk took 100 us,
-    # 4096 took 17 us), and the merge's with n_chunks KT: chunks of ~sqrt(S KT) balance the two.
+    # 4096 took 17 us), and the merge's with n_chunks KT: chunks of ~sqrt(S KT) balance the two,
+    # rounded down: a bucketed bound just past a power of two (generation at 32k reads 33024) took
+    # 4096-position chunks at 40 us a layer where 2048 took 19 (H200, the e2e profile, README).
     KT_P2 = _pow2(KT)
     if S_bound <= 4096 and rows >= sms or S_bound <= max(1024, 4 * KT_P2):
         CHUNK, n_chunks = max(16, _pow2(S_bound)), 1
     else:
-        CHUNK = max(1024, 4 * KT_P2, _pow2(math.isqrt(S_bound * KT_P2)))
+        CHUNK = max(1024, 4 * KT_P2, 1 << (math.isqrt(S_bound * KT_P2).bit_length() - 1))
         while triton.cdiv(S_bound, CHUNK) * KT > 4096 and CHUNK < 8192 or triton.cdiv(S_bound, CHUNK) * KT > 16384:
             CHUNK *= 2
         n_chunks = triton.cdiv(S_bound, CHUNK)

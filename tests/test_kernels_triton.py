@@ -354,6 +354,9 @@ def test_launch_plans():
     long = kernels_triton.sparq_plan(1, 8, 4, 128, 131072, 128, True)
     assert long["n_chunks"] > 1 and long["n_split"] > 1 and kernels_triton.sparq_launches(long) == 6
     assert long["n_chunks"] * 128 <= 4096  # the merge's candidates stay in one program's registers
+    # generation's bucketed bound just past 32k selects in the chunks an exact 32k gets (not twice as long)
+    assert (kernels_triton.sparq_plan(1, 32, 1, 128, 33024, 128, True)["select"]["CHUNK"]
+            == kernels_triton.sparq_plan(1, 32, 1, 128, 32768, 128, True)["select"]["CHUNK"] == 2048)
     assert 1 * 8 * long["n_chunks"] >= 132 and 1 * 8 * long["n_split"] >= 32  # B = 1 spreads over the GPU
     dense = kernels_triton.dense_plan(1, 8, 4, 128, 131072, True)
     assert dense["n_split"] * 8 >= 2 * 132 and kernels_triton.dense_launches(dense) == 2
