@@ -16,7 +16,8 @@ SparQ, one call = 4 to 6 Triton launches and nothing else (no eager torch kernel
   select  grid (B * n_kv, chunks). Reduces the block stats to each head's softmax (max, sum), reads
           its chunk of logits once, forms score = sum_g softmax_g (the group sum), forces the local
           window in and dead positions out, and takes the chunk's top-k with an exact radix select
-          (31 counting passes over the chunk's keys, then ties to the lower position; no sort).
+          (16 block-wide counting passes over the chunk's keys, two bits each, then ties to the lower
+          position; no sort).
   merge   (only when there are several chunks) grid (B * n_kv,): the same select over the chunks'
           candidates gives the final k positions.
   step 2  grid (B * n_kv, splits): split over the k selected rows (flash-decoding): each program
@@ -90,19 +91,40 @@ if HAS_TRITON:
         return tl.minimum(n, S_bound)
 
     @triton.jit
-    def _topk_select(key, KT):
+    def _topk_select(key, KT, PASS_BITS: tl.constexpr):
         """Exact top-KT of int32 keys >= -1 (-1 = never): (selected mask, its slot 0..KT-1 in key order).
 
-        Finds the KT-th largest key T by 31 counting passes (bit by bit, high to low), takes every
-        key > T and the first (lowest-index) keys == T up to KT. Fewer than KT keys >= 0: all of them.
+        Finds the KT-th largest key T bit by bit, high to low (bits 30..0: keys are non-negative or
+        -1), takes every key > T and the first (lowest-index) keys == T up to KT. Fewer than KT keys
+        >= 0: all of them. PASS_BITS 1: one block-wide count per bit (31 passes); 2: bit 30, then two
+        bits per pass, their three candidates' counts packed into one int64 sum in 21-bit fields
+        (16 passes; each pass is a reduction across the program's warps, whose latency dominates).
         """
         t = tl.sum(tl.zeros_like(key), axis=0)
-        bit = tl.sum(tl.zeros_like(key), axis=0) + (1 << 30)
-        for _ in range(31):
-            cand = t | bit
-            count = tl.sum((key >= cand).to(tl.int32), axis=0)
-            t = tl.where(count >= KT, cand, t)
-            bit = bit >> 1
+        if PASS_BITS == 1:
+            bit = t + (1 << 30)
+            for _ in range(31):
+                cand = t | bit
+                count = tl.sum((key >= cand).to(tl.int32), axis=0)
+                t = tl.where(count >= KT, cand, t)
+                bit = bit >> 1
+        else:
+            cand = t | (1 << 30)
+            t = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= KT, cand, t)
+            hi = t * 0 + (1 << 29)
+            for _ in range(15):
+                lo = hi >> 1
+                c1 = t | lo
+                c2 = t | hi
+                c3 = c2 | lo
+                packed = ((key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 21)
+                          + ((key >= c3).to(tl.int64) << 42))
+                counts = tl.sum(packed, axis=0)
+                n1 = counts & 0x1FFFFF
+                n2 = (counts >> 21) & 0x1FFFFF
+                n3 = counts >> 42
+                t = tl.where(n3 >= KT, c3, tl.where(n2 >= KT, c2, tl.where(n1 >= KT, c1, t)))
+                hi = hi >> 2
         above = key > t
         need = KT - tl.sum(above.to(tl.int32), axis=0)
         tie = key == t
@@ -254,7 +276,7 @@ if HAS_TRITON:
         key_ptr,  # (B * n_kv, n_chunks, KT) int32 out: their keys, -1 past the chunk's candidates (not FINAL)
         live, n_kv, G, S_bound, NB, KT, LOCAL, n_chunks,
         NB_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, LIVE: tl.constexpr,
-        FINAL: tl.constexpr,
+        FINAL: tl.constexpr, PASS_BITS: tl.constexpr,
     ):
         """One program per (batch row, KV head, chunk of S): the chunk's top-KT positions by group score."""
         pid_bh = tl.program_id(0)
@@ -285,7 +307,7 @@ if HAS_TRITON:
         # it alone holds >= KT candidates); a later chunk wholly past the live end (a bucketed bound)
         # would choose none of its dead positions in the merge, so it skips the passes.
         if pid_c == 0 or pid_c * CHUNK < n:
-            chosen, slot = _topk_select(key, KT)
+            chosen, slot = _topk_select(key, KT, PASS_BITS)
             n_chosen = tl.sum(chosen.to(tl.int32), axis=0)
             out = (pid_bh * n_chunks + pid_c).to(tl.int64) * KT
             tl.store(pos_ptr + out + slot, offs, mask=chosen)
@@ -299,14 +321,14 @@ if HAS_TRITON:
             tl.store(key_ptr + out + offs_k, tl.full((CHUNK,), -1, tl.int32), mask=(offs_k >= n_chosen) & (offs_k < KT))
 
     @triton.jit
-    def _sparq_merge_kernel(pos_in_ptr, key_in_ptr, pos_ptr, N, KT, N_PAD: tl.constexpr):
+    def _sparq_merge_kernel(pos_in_ptr, key_in_ptr, pos_ptr, N, KT, N_PAD: tl.constexpr, PASS_BITS: tl.constexpr):
         """One program per (batch row, KV head): the top-KT of the chunks' N candidates (ascending positions)."""
         pid_bh = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, N_PAD)
         mask = offs < N
         key = tl.load(key_in_ptr + pid_bh * N + offs, mask=mask, other=-1)
         pos = tl.load(pos_in_ptr + pid_bh * N + offs, mask=mask, other=0)
-        chosen, slot = _topk_select(key, KT)
+        chosen, slot = _topk_select(key, KT, PASS_BITS)
         tl.store(pos_ptr + pid_bh * KT + slot, pos, mask=chosen)
 
     @triton.jit
@@ -585,11 +607,11 @@ def _device_sms(device: torch.device) -> int:
 
 
 def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_dot: bool, sms: int = 132,
-               r: int = 32, blocks_per_program: Optional[int] = None) -> dict:
+               r: int = 32, blocks_per_program: Optional[int] = None, select_bits: Optional[int] = None) -> dict:
     """Sizes and launch parameters of one SparQ call (see the module docstring for the kernels).
     native_dot: q and K share a 16-bit dtype (step 1's GQA dot then takes them as they are).
-    blocks_per_program: step 1's blocks per program instead of the plan's choice (the GPU check's
-    comparison of launch shapes)."""
+    blocks_per_program, select_bits: step 1's blocks per program and the top-k's bits per counting
+    pass instead of the plan's choices (the GPU check's side-by-side comparisons)."""
     rows = B * n_kv
     target = TARGET_PROGRAMS * sms
     use_dot = g > 1  # GQA: tensor-core dots over g padded to >= 16 rows; MHA: CUDA-core FMAs
@@ -624,9 +646,12 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_
         n_chunks = triton.cdiv(S_bound, CHUNK)
         if n_chunks == 1:
             CHUNK = max(16, _pow2(S_bound))
-    select = dict(NB_PAD=max(16, _pow2(NB)), CHUNK=CHUNK, BLOCK_S=BLOCK_S, FINAL=n_chunks == 1,
+    # The top-k's counting passes, two bits each: 16 block-wide reductions instead of 31.
+    PASS_BITS = select_bits or 2
+    select = dict(NB_PAD=max(16, _pow2(NB)), CHUNK=CHUNK, BLOCK_S=BLOCK_S, FINAL=n_chunks == 1, PASS_BITS=PASS_BITS,
                   num_warps=8 if CHUNK >= 2048 else 4, num_stages=1)
-    merge = None if n_chunks == 1 else dict(N_PAD=_pow2(n_chunks * KT), num_warps=8, num_stages=1)
+    merge = None if n_chunks == 1 else dict(N_PAD=_pow2(n_chunks * KT), PASS_BITS=PASS_BITS, num_warps=8,
+                                            num_stages=1)
     # Step 2: 16 or 32 selected rows of K and V per loop step (64 spills with the dot); split the
     # selection over programs when the rows alone would not fill the GPU.
     BLOCK_K = 16 if KT <= 16 else 32
@@ -741,10 +766,11 @@ def _check_scales(k: Tensor, k_t: Optional[Tensor], k_scale: Optional[Tensor], v
 def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, length: int,
                        live: Optional[Tensor], r: int, k_top: int, local: int, mean_v: bool,
                        k_scale: Optional[Tensor], v_scale: Optional[Tensor], chan: Optional[Tensor],
-                       kt_scale: Optional[Tensor], blocks_per_program: Optional[int] = None) -> Tensor:
+                       kt_scale: Optional[Tensor], blocks_per_program: Optional[int] = None,
+                       select_bits: Optional[int] = None) -> Tensor:
     """The launches behind sparq::sparq_triton (the module docstring): Triton kernels only. A quantized
     cache (int8 K/V with k_scale, v_scale; an int8 or packed int4 K^T with kt_scale; chan with either)
-    is read as stored. blocks_per_program: sparq_plan's override (benchmarks)."""
+    is read as stored. blocks_per_program, select_bits: sparq_plan's overrides (benchmarks)."""
     _triton_ready(q.device)
     _check_layout(q, k, k_t, v, v_sum)
     _check_scales(k, k_t, k_scale, v_scale, chan, kt_scale)
@@ -755,7 +781,8 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     S_bound, device, rows = length, q.device, B * n_kv
     KT = min(k_top, S_bound)  # with a tensor live length, selections past it get weight 0
     kk = k if k_t is None else k_t  # step 1's source
-    plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _native_dot(q, kk), _device_sms(device), r, blocks_per_program)
+    plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _native_dot(q, kk), _device_sms(device), r, blocks_per_program,
+                      select_bits)
     NB, n_chunks, KS, n_split = plan["NB"], plan["n_chunks"], plan["KS"], plan["n_split"]
     f32, i32 = torch.float32, torch.int32
 

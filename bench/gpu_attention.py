@@ -218,10 +218,11 @@ def check_against_reference(shape, copy: dict, sparq: Callable, dense: dict[str,
     return errors
 
 
-def time_blocks_per_program(shape, copies: list[dict], config, timer: Callable, replays: int,
-                            choices=(1, 2, 4, 8, 16)) -> dict:
-    """SparQ's time per call with step 1's blocks per program forced to each of `choices`, side by side
-    with the plan's own choice (sparq_bpp): the launch shape's trade-off, measured on this device."""
+def time_plan_variants(shape, copies: list[dict], config, timer: Callable, replays: int,
+                       bpp_choices=(1, 2, 4, 8, 16)) -> dict:
+    """SparQ's time per call with the plan's choices forced, side by side in one run: step 1's blocks
+    per program at each of `bpp_choices` (the plan's own choice: sparq_bpp), and the top-k's bits per
+    counting pass, 1 and 2 (at the plan's blocks per program; the plan's choice: sparq_select_bits)."""
     import kernels_triton
 
     name, B, n_kv, g, d, S, r, k_top = shape
@@ -229,13 +230,15 @@ def time_blocks_per_program(shape, copies: list[dict], config, timer: Callable, 
     plan = kernels_triton.sparq_plan(B, n_kv, g, d, S, min(k_top, S), kernels_triton._native_dot(q, copies[0]["k_t"]),
                                      kernels_triton._device_sms(q.device), r)
 
-    def call(c, bpp):
-        return kernels_triton._sparq_triton_impl(c["q"], c["k"], c["k_t"], c["v"], c["v_sum"], S, None, r, k_top,
-                                                 config.local, config.mean_v, None, None, None, None,
-                                                 blocks_per_program=bpp)
+    def time(**overrides) -> float:
+        def call(c):
+            return kernels_triton._sparq_triton_impl(c["q"], c["k"], c["k_t"], c["v"], c["v_sum"], S, None, r, k_top,
+                                                     config.local, config.mean_v, None, None, None, None, **overrides)
+        return 1e6 * timer([lambda c=c: call(c) for c in copies], replays)
 
-    by_bpp = {bpp: 1e6 * timer([lambda c=c, bpp=bpp: call(c, bpp) for c in copies], replays) for bpp in choices}
-    return dict(sparq_bpp=plan["BPP"], sparq_us_by_bpp=by_bpp)
+    return dict(sparq_bpp=plan["BPP"], sparq_us_by_bpp={bpp: time(blocks_per_program=bpp) for bpp in bpp_choices},
+                sparq_select_bits=plan["select"]["PASS_BITS"],
+                sparq_us_by_select_bits={bits: time(select_bits=bits) for bits in (1, 2)})
 
 
 def attention_row(shape, device: str, dtype=torch.bfloat16, bandwidth: Optional[float] = None,
@@ -271,8 +274,8 @@ def attention_row(shape, device: str, dtype=torch.bfloat16, bandwidth: Optional[
             row["sparq_kernels"], row["sparq_kernel_us"] = profiled
         row["sparq_gbs"] = row["sparq_bytes"] / (row["sparq_us"] * 1e-6) / 1e9
         try:  # a comparison: its failure must not cost the row
-            row.update(time_blocks_per_program(shape, copies, config, timer, replays,
-                                               (1, 2, 4, 8, 16) if device == "cuda" else (1, 2)))
+            row.update(time_plan_variants(shape, copies, config, timer, replays,
+                                          (1, 2, 4, 8, 16) if device == "cuda" else (1, 2)))
         except Exception as e:
                 row["bpp_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     row["dense_all"] = {}

@@ -176,15 +176,19 @@ def kernel_table(rows: list[dict]) -> str:
     return table(["shape", "graph us", "kernels' sum us", "per kernel us"], out)
 
 
-def bpp_table(rows: list[dict]) -> str:
-    """One line per shape: SparQ's graph time per call at each step-1 blocks-per-program tried."""
+def variants_table(rows: list[dict]) -> str:
+    """One line per shape: SparQ's graph time per call at each step-1 blocks-per-program tried and at
+    each top-k bits-per-pass (the plan's choices marked *)."""
     out = []
     for r in rows:
         if "sparq_us_by_bpp" in r:
             out.append([r["name"]] + [fmt(us) + ("*" if int(bpp) == r.get("sparq_bpp") else "")
-                                      for bpp, us in r["sparq_us_by_bpp"].items()])
-    bpps = next(list(r["sparq_us_by_bpp"]) for r in rows if "sparq_us_by_bpp" in r)
-    return table(["shape"] + [f"BPP={b}" for b in bpps], out)
+                                      for bpp, us in r["sparq_us_by_bpp"].items()]
+                       + [fmt(us) + ("*" if int(bits) == r.get("sparq_select_bits") else "")
+                          for bits, us in r["sparq_us_by_select_bits"].items()])
+    first = next(r for r in rows if "sparq_us_by_bpp" in r)
+    return table(["shape"] + [f"BPP={b}" for b in first["sparq_us_by_bpp"]]
+                 + [f"select {b} bit/pass" for b in first["sparq_us_by_select_bits"]], out)
 
 
 def e2e_table(rows: list[dict]) -> str:
@@ -510,8 +514,9 @@ def run(args: argparse.Namespace) -> int:
                       "the graph's time is launch gaps and tails):")
                 print(kernel_table(entry["rows"]))
             if any("sparq_us_by_bpp" in r for r in entry["rows"]):
-                print("\nSparQ us per call by step 1's blocks per program (the plan's choice marked *):")
-                print(bpp_table(entry["rows"]))
+                print("\nSparQ us per call by step 1's blocks per program and the top-k's bits per counting pass "
+                      "(the plan's choices marked *):")
+                print(variants_table(entry["rows"]))
             report.goals += attention_goals(entry["rows"])
 
         run_section(report, "attention", attention)

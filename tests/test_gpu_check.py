@@ -176,8 +176,9 @@ def test_cpu_smoke_of_the_whole_harness(tmp_path):
     attention = sections["attention"]["rows"]
     assert len(attention) == 2 and all(r["sparq_us"] > 0 and {"sdpa", "triton"} <= set(r["dense_all"])
                                        and r["reference_errors"] == {} for r in attention), attention
-    assert all(set(r["sparq_us_by_bpp"]) == {"1", "2"} and r["sparq_bpp"] >= 1 for r in attention), attention
-    assert "blocks per program" in proc.stdout and "BPP=2" in proc.stdout
+    assert all(set(r["sparq_us_by_bpp"]) == {"1", "2"} and r["sparq_bpp"] >= 1 and
+               set(r["sparq_us_by_select_bits"]) == {"1", "2"} and r["sparq_select_bits"] == 2 for r in attention), attention
+    assert "blocks per program" in proc.stdout and "BPP=2" in proc.stdout and "select 1 bit/pass" in proc.stdout
     for section, weights in (("e2e", ("fp32",)), ("quant", ("int8", "int4"))):
         rows = sections[section]["rows"]
         assert sections[section]["status"] == "done" and not [r for r in rows if "error" in r], rows
@@ -196,3 +197,4 @@ def test_attention_row_on_gpu():
     assert row["sparq_us"] > 0 and row["dense_us"] > 0 and 3 <= row["sparq_kernels"] <= 5
     assert len(row["sparq_kernel_us"]) == row["sparq_kernels"] and "sparq_step1" in row["sparq_kernel_us"]
     assert len(row["sparq_us_by_bpp"]) == 5 and all(us > 0 for us in row["sparq_us_by_bpp"].values())
+    assert sorted(row["sparq_us_by_select_bits"]) == [1, 2]

@@ -172,6 +172,42 @@ def test_static_bound_below_cache_size():
                                **TOLERANCE[torch.float32])
 
 
+if kernels_triton.HAS_TRITON:
+    import triton.language as tl
+
+    @kernels_triton.triton.jit
+    def _topk_probe(key_ptr, chosen_ptr, slot_ptr, KT, N: tl.constexpr, PASS_BITS: tl.constexpr):
+        offs = tl.arange(0, N)
+        chosen, slot = kernels_triton._topk_select(tl.load(key_ptr + offs), KT, PASS_BITS)
+        tl.store(chosen_ptr + offs, chosen.to(tl.int32))
+        tl.store(slot_ptr + offs, slot, mask=chosen)
+
+
+@pytest.mark.parametrize("pass_bits", [1, 2])
+def test_topk_select_is_the_stable_top_k(pass_bits):
+    """The select and merge kernels' top-k of int32 keys, one and two bits per counting pass: the KT
+    largest keys >= 0, ties to the lower index, -1 never (fewer than KT: all the others), slots in
+    index order; against a stable sort. Keys span every bit (the local window's INF_KEY included),
+    or crowd a few values (ties at the threshold)."""
+    gen = torch.Generator().manual_seed(pass_bits)
+    for N, KT, spread in ((256, 1, 2**31 - 1), (256, 64, 2**31 - 1), (256, 64, 5), (256, 200, 3),
+                          (256, 256, 2**20), (4096, 700, 2**31 - 1), (4096, 128, 9)):
+        key = torch.randint(0, spread, (N,), generator=gen, dtype=torch.int32)
+        key[torch.randperm(N, generator=gen)[: N // 5]] = -1
+        key[torch.randperm(N, generator=gen)[:3]] = kernels_triton.INF_KEY
+        chosen = torch.full((N,), -7, dtype=torch.int32)
+        slot = torch.full((N,), -7, dtype=torch.int32)
+        to = lambda t: t.to(DEVICE)  # noqa: E731
+        key_d, chosen_d, slot_d = to(key), to(chosen), to(slot)
+        _topk_probe[(1,)](key_d, chosen_d, slot_d, KT, N=N, PASS_BITS=pass_bits)
+        order = sorted((i for i in range(N) if key[i] >= 0), key=lambda i: (-int(key[i]), i))[:KT]
+        expected = torch.zeros(N, dtype=torch.int32)
+        expected[order] = 1
+        assert torch.equal(chosen_d.cpu(), expected), (N, KT, spread)
+        picked = sorted(order)
+        assert slot_d.cpu()[picked].tolist() == list(range(len(picked)))
+
+
 @pytest.mark.parametrize("length_kind", ["int", "scalar_int64"])
 def test_underflowed_scores_rank_above_dead_positions(length_kind):
     """S < k: every live position is attended, even those whose approximate score underflows to 0."""
