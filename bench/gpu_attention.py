@@ -86,7 +86,7 @@ def time_host(calls: list[Callable[[], object]], replays: int = 2) -> float:
     return (time.perf_counter() - start) / (replays * len(calls))
 
 
-def _kernel_name(name: str) -> str:
+def short_kernel_name(name: str) -> str:
     """A profiler kernel name shortened for the report: Triton's '_sparq_step1_kernel' -> 'sparq_step1'."""
     name = name.split("(")[0].split("<")[0].strip()
     return name.strip("_").removesuffix("_kernel") or name
@@ -103,7 +103,7 @@ def kernel_times(events) -> dict[str, float]:
     first-launch order."""
     times: dict[str, float] = {}
     for e in kernel_events(events):
-        name = _kernel_name(e.name)
+        name = short_kernel_name(e.name)
         times[name] = times.get(name, 0.0) + e.time_range.elapsed_us()
     return times
 

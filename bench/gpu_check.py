@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -302,7 +303,7 @@ def profile_decode(generator, token, lengths: list[int], steps: int) -> dict:
     synchronizations per step (the Generator looks at the tokens every check_every steps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.gpu_attention import kernel_times
+    from bench.gpu_attention import short_kernel_name, kernel_events, kernel_times
     from decoding import synchronize
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -311,10 +312,12 @@ def profile_decode(generator, token, lengths: list[int], steps: int) -> dict:
         synchronize(token.device)
     events = list(prof.events())
     per_step = {name: us / stats.steps for name, us in kernel_times(events).items()}
+    launches = Counter(short_kernel_name(e.name) for e in kernel_events(events))
     syncs = sum(1 for e in events if "synchronize" in e.name.lower() and e.name.lower().startswith("cuda"))
-    top = dict(sorted(per_step.items(), key=lambda kv: -kv[1])[:12])
-    return dict(step_kernel_us=top, step_kernel_us_sum=sum(per_step.values()),
-                host_syncs_per_step=syncs / stats.steps)
+    top = sorted(per_step, key=lambda name: -per_step[name])[:12]
+    return dict(step_kernel_us={name: per_step[name] for name in top},
+                step_kernel_launches={name: launches[name] / stats.steps for name in top},
+                step_kernel_us_sum=sum(per_step.values()), host_syncs_per_step=syncs / stats.steps)
 
 
 def kernel_lines(rows: list[dict]) -> str:
@@ -325,7 +328,8 @@ def kernel_lines(rows: list[dict]) -> str:
             out.append(f"  {r['model']} {r.get('weights', 'bf16')} B={r['B']} ctx={r['context']} {r['policy']}: "
                        f"kernels {r['step_kernel_us_sum']:.0f} us/step of {1e3 * r['ms_per_step']:.0f}, "
                        f"host syncs/step {r['host_syncs_per_step']:.2f}; "
-                       + ", ".join(f"{k[:48]}={v:.0f}" for k, v in r["step_kernel_us"].items()))
+                       + ", ".join(f"{k}={v:.0f} (x{r['step_kernel_launches'][k]:.0f})"
+                                   for k, v in r["step_kernel_us"].items()))
     return "\n".join(out)
 
 

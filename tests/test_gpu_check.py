@@ -54,6 +54,9 @@ def test_kernel_times_sum_each_kernel_and_skip_copies():
     rows = [dict(name="t4", sparq_us=30.0, sparq_kernel_us=times), dict(name="x", error="no")]
     text = gpu_check.kernel_table(rows)
     assert "sparq_step1=22.0" in text and "30.0" in text and "x" not in text.splitlines()[-1]
+    e2e = dict(model="m", B=1, context=64, policy="sparq", ms_per_step=0.5, step_kernel_us_sum=25.0,
+               step_kernel_us={"sparq_step1": 11.0}, step_kernel_launches={"sparq_step1": 2.0}, host_syncs_per_step=0.5)
+    assert "kernels 25 us/step of 500" in gpu_check.kernel_lines([e2e]) and "sparq_step1=11 (x2)" in gpu_check.kernel_lines([e2e])
 
 
 def test_cpu_device_needs_the_interpreter(capsys, monkeypatch):
