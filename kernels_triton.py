@@ -409,7 +409,13 @@ if HAS_TRITON:
                 kv_mask = valid[:, None]
             else:
                 kv_mask = valid[:, None] & d_mask[None, :]
+            # K's, V's and (MEAN_V) the logits' gathers all issued before any use: each depends only on
+            # pos, so their latencies overlap instead of adding up within the iteration
             k_sel = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v_sel = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            if MEAN_V:
+                logit = tl.load(logits_ptr + rows_g[:, None] * S_bound + pos[None, :],
+                                mask=g_mask[:, None] & valid[None, :], other=float("-inf"))
             if USE_DOT:
                 s = tl.dot(q, tl.trans(k_sel), input_precision=PRECISION)  # (G_PAD, BLOCK_K)
             else:
@@ -421,7 +427,6 @@ if HAS_TRITON:
             correction = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * correction + tl.sum(p, axis=1)
-            v_sel = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             if INT8_KV:
                 v_sel = v_sel * tl.load(vs_ptr + x_off + pos, mask=valid, other=0.0)[:, None]
             if USE_DOT:
@@ -431,8 +436,6 @@ if HAS_TRITON:
             acc = acc * correction[:, None] + pv
             m_i = m_new
             if MEAN_V:  # alpha_h = approximate mass of the selection = sum of s_hat_h over it
-                logit = tl.load(logits_ptr + rows_g[:, None] * S_bound + pos[None, :],
-                                mask=g_mask[:, None] & valid[None, :], other=float("-inf"))
                 alpha += tl.sum(tl.exp(logit - m_hat[:, None]) / z_hat[:, None], axis=1)
         if FINAL:
             _write_output(acc / l_i[:, None], alpha, n, v_sum_ptr, stride_sb, stride_sh, out_ptr, stride_ob,
