@@ -48,11 +48,13 @@ static `length` (one CUDA graph serves every live length, no host sync) while ea
 its row's live length and does nothing, or only writes sentinels, past it: the work scales with the
 live length, row by row.
 
-All softmax arithmetic is fp32. SparQ's GQA dots (g padded to the MMA minimum of 16 rows) take
-bf16/fp16 q and K of one dtype directly in step 1 (exact products, fp32 accumulation) and fp32
-operands in input_precision "tf32x3" (about fp32 accurate); MHA (g = 1) uses
-broadcast-multiply-sum on CUDA cores. The dense GQA kernel dots bf16/fp16 operands directly
-(exact products, fp32 accumulation; probabilities cast to V's dtype as the torch path does).
+All softmax arithmetic is fp32. Dots on tensor cores pad the g heads to the MMA minimum of 16 rows
+and take bf16/fp16 operands of one dtype directly (exact products, fp32 accumulation; the
+probabilities cast to V's dtype before the PV dot, as the torch path does), fp32 operands in
+input_precision "tf32x3" (about fp32 accurate). SparQ's step 1 dots for GQA; MHA's step 1
+(r rows of K^T for one query row) is a broadcast-multiply-sum on CUDA cores. Step 2 and dense dot
+whenever the cache is 16-bit (MHA too) and for fp32 GQA; fp32 MHA and int8 K/V keep the FMAs or
+the fp32 dots.
 """
 from __future__ import annotations
 
@@ -368,12 +370,14 @@ if HAS_TRITON:
         part_acc_ptr, part_ml_ptr,  # partials (not FINAL)
         live, n_kv, G, D, KT, KS, NSPLIT, S_bound, sm_scale,
         G_PAD: tl.constexpr, D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_DOT: tl.constexpr, MEAN_V: tl.constexpr, FINAL: tl.constexpr, LIVE: tl.constexpr,
-        PRECISION: tl.constexpr, INT8_KV: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_NATIVE: tl.constexpr, MEAN_V: tl.constexpr, FINAL: tl.constexpr,
+        LIVE: tl.constexpr, PRECISION: tl.constexpr, INT8_KV: tl.constexpr,
     ):
         """One program per (batch row, KV head, split of the selection): exact attention of all G heads
         over its KS selected rows (online softmax); selected positions past the live length get weight 0.
-        INT8_KV: the rows are int8 as stored, K = k k_scale chan (chan into q), V = v v_scale."""
+        INT8_KV: the rows are int8 as stored, K = k k_scale chan (chan into q), V = v v_scale.
+        DOT_NATIVE: q, K and V in one 16-bit dtype dot on tensor cores as they are (MHA too, its one
+        query row padded to G_PAD = 16), the probabilities cast to V's dtype, as the dense kernel does."""
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // n_kv
@@ -384,7 +388,9 @@ if HAS_TRITON:
         g_mask = offs_g < G
         d_mask = offs_d < D
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_g[:, None] * stride_qg
-                    + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                    + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if not DOT_NATIVE:
+            q = q.to(tl.float32)
         if INT8_KV:
             q = q * tl.load(chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + offs_d,
                             mask=d_mask, other=0.0)[None, :]
@@ -411,13 +417,19 @@ if HAS_TRITON:
                 kv_mask = valid[:, None] & d_mask[None, :]
             # K's, V's and (MEAN_V) the logits' gathers all issued before any use: each depends only on
             # pos, so their latencies overlap instead of adding up within the iteration
-            k_sel = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v_sel = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            k_sel = tl.load(k_base + pos[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+            v_sel = tl.load(v_base + pos[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
             if MEAN_V:
                 logit = tl.load(logits_ptr + rows_g[:, None] * S_bound + pos[None, :],
                                 mask=g_mask[:, None] & valid[None, :], other=float("-inf"))
+            if not DOT_NATIVE:
+                k_sel = k_sel.to(tl.float32)
+                v_sel = v_sel.to(tl.float32)
             if USE_DOT:
-                s = tl.dot(q, tl.trans(k_sel), input_precision=PRECISION)  # (G_PAD, BLOCK_K)
+                if DOT_NATIVE:  # bf16/fp16 operands: exact products, fp32 accumulation
+                    s = tl.dot(q, tl.trans(k_sel))  # (G_PAD, BLOCK_K)
+                else:
+                    s = tl.dot(q, tl.trans(k_sel), input_precision=PRECISION)
             else:
                 s = tl.sum(q[:, None, :] * k_sel[None, :, :], axis=2)
             if INT8_KV:
@@ -430,7 +442,10 @@ if HAS_TRITON:
             if INT8_KV:
                 v_sel = v_sel * tl.load(vs_ptr + x_off + pos, mask=valid, other=0.0)[:, None]
             if USE_DOT:
-                pv = tl.dot(p, v_sel, input_precision=PRECISION)  # (G_PAD, D_PAD)
+                if DOT_NATIVE:  # probabilities in V's dtype, as the torch path multiplies them
+                    pv = tl.dot(p.to(v_sel.dtype), v_sel)  # (G_PAD, D_PAD)
+                else:
+                    pv = tl.dot(p, v_sel, input_precision=PRECISION)
             else:
                 pv = tl.sum(p[:, :, None] * v_sel[None, :, :], axis=1)
             acc = acc * correction[:, None] + pv
@@ -610,9 +625,11 @@ def _device_sms(device: torch.device) -> int:
 
 
 def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_dot: bool, sms: int = 132,
-               r: int = 32, blocks_per_program: Optional[int] = None, select_bits: Optional[int] = None) -> dict:
+               r: int = 32, blocks_per_program: Optional[int] = None, select_bits: Optional[int] = None,
+               kv_native_dot: Optional[bool] = None) -> dict:
     """Sizes and launch parameters of one SparQ call (see the module docstring for the kernels).
-    native_dot: q and K share a 16-bit dtype (step 1's GQA dot then takes them as they are).
+    native_dot: q and step 1's source share a 16-bit dtype (step 1's GQA dot then takes them as they
+    are); kv_native_dot: q, K and V do (step 2's dots; default native_dot).
     blocks_per_program, select_bits: step 1's blocks per program and the top-k's bits per counting
     pass instead of the plan's choices (the GPU check's side-by-side comparisons)."""
     rows = B * n_kv
@@ -639,6 +656,7 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_
     # 4096 took 17 us), and the merge's with n_chunks KT: chunks of ~sqrt(S KT) balance the two,
     # rounded down: a bucketed bound just past a power of two (generation at 32k reads 33024) took
     # 4096-position chunks at 40 us a layer where 2048 took 19 (H200, the e2e profile, README).
+    kv_native_dot = native_dot if kv_native_dot is None else kv_native_dot
     KT_P2 = _pow2(KT)
     if S_bound <= 4096 and rows >= sms or S_bound <= max(1024, 4 * KT_P2):
         CHUNK, n_chunks = max(16, _pow2(S_bound)), 1
@@ -661,12 +679,17 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_
     n_split = 1 if rows >= target // 2 else max(1, min(triton.cdiv(KT, BLOCK_K), triton.cdiv(target // 2, rows)))
     KS = triton.cdiv(triton.cdiv(KT, n_split), BLOCK_K) * BLOCK_K
     n_split = triton.cdiv(KT, KS)
-    step2 = dict(G_PAD=G_PAD, D_PAD=D_PAD, EVEN_D=d == D_PAD, BLOCK_K=BLOCK_K, USE_DOT=use_dot,
-                 PRECISION=TRITON_DOT_PRECISION, FINAL=n_split == 1, num_warps=8 if use_dot else 4, num_stages=3)
+    # Tensor cores whenever K and V share q's 16-bit dtype, MHA too (one real row of 16), as in dense:
+    # MHA's broadcast-multiply-sum reduces each row's d products across lanes (224 shuffles a loop
+    # step in its SASS); fp32 or int8 keep the fp32 dots (GQA) and the FMAs (MHA).
+    use_dot2 = use_dot or kv_native_dot
+    step2 = dict(G_PAD=max(16, _pow2(g)) if use_dot2 else 1, D_PAD=D_PAD, EVEN_D=d == D_PAD, BLOCK_K=BLOCK_K,
+                 USE_DOT=use_dot2, DOT_NATIVE=kv_native_dot, PRECISION=TRITON_DOT_PRECISION, FINAL=n_split == 1,
+                 num_warps=8 if use_dot else 4, num_stages=3)
     combine = None if n_split == 1 else dict(D_PAD=D_PAD, SPLIT_BLOCK=min(16, _pow2(n_split)), BY_LENGTH=False,
                                              num_warps=4, num_stages=1)
-    return dict(NB=NB, BPP=BPP, n_step1=triton.cdiv(NB, BPP), n_chunks=n_chunks, KS=KS, n_split=n_split, rank=rank, step1=step1, select=select, merge=merge,
-                step2=step2, combine=combine)
+    return dict(NB=NB, BPP=BPP, n_step1=triton.cdiv(NB, BPP), n_chunks=n_chunks, KS=KS, n_split=n_split, rank=rank,
+                step1=step1, select=select, merge=merge, step2=step2, combine=combine)
 
 
 def dense_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, native_dot: bool, sms: int = 132) -> dict:
@@ -731,12 +754,12 @@ def _live_args(q: Tensor, length: int, live: Optional[Tensor]) -> tuple[int, obj
 
 
 def _native_dot(*tensors: Tensor) -> bool:
-    """Dot bf16/fp16 operands as they are (one dtype, on GPU). Triton's interpreter (CPU tensors)
-    mis-evaluates tl.dot on bf16 operands, so there the same products go through fp32 dots (exact
-    for 16-bit inputs either way)."""
+    """Dot bf16/fp16 operands as they are (one dtype). Triton's interpreter (CPU tensors) mis-evaluates
+    tl.dot on bf16 operands, so there bf16 products go through fp32 dots (exact for 16-bit inputs
+    either way); fp16 it evaluates right, which is how the CPU suite covers the native paths."""
     dtype = tensors[0].dtype
-    return (dtype in (torch.bfloat16, torch.float16) and all(t.dtype == dtype for t in tensors)
-            and tensors[0].device.type == "cuda")
+    return (all(t.dtype == dtype for t in tensors)
+            and (dtype == torch.float16 or dtype == torch.bfloat16 and tensors[0].device.type == "cuda"))
 
 
 def _check_layout(q: Tensor, *tensors: Optional[Tensor]) -> None:
@@ -785,7 +808,7 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     KT = min(k_top, S_bound)  # with a tensor live length, selections past it get weight 0
     kk = k if k_t is None else k_t  # step 1's source
     plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _native_dot(q, kk), _device_sms(device), r, blocks_per_program,
-                      select_bits)
+                      select_bits, _native_dot(q, k, v))
     NB, n_chunks, KS, n_split = plan["NB"], plan["n_chunks"], plan["KS"], plan["n_split"]
     f32, i32 = torch.float32, torch.int32
 

@@ -29,7 +29,10 @@ REPO = Path(__file__).resolve().parent.parent
 # fp32: the kernels compute in fp32 (the interpreter's dots are exact fp32; on GPU tf32x3 is ~fp32).
 # bf16: inputs are identical for both sides and both compute in fp32, so the outputs differ by the
 # final rounding to bf16 (one ulp = 2^-8 relative) plus fp32 noise: atol = rtol = 1e-2.
-TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+# fp16: the kernels' native 16-bit dots (the GPU's bf16 paths; the interpreter evaluates fp16 dots
+# right, not bf16 ones): probabilities cast to V's dtype before the PV dot, as the torch path does.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+             torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
 def untie(gen, q, k, lengths, config) -> None:
@@ -90,7 +93,7 @@ def as_length(S, kind):
 # A sample of the grid (B, n_kv, g, d, S, S_max, r, k, local, mean_v, layout, dtype, length), covering
 # MHA and GQA (g = 1, 3, 4, 8), d = 64 / 80 / 128, B = 1 / 3, S = 1 / 7 / 129 / 1000 (S < k
 # included), r = 1 / 8 / d, mean-V on and off, both K layouts, fp32 and bf16, int and tensor lengths.
-f32, bf16 = torch.float32, torch.bfloat16
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 CASES = [
     (1, 2, 1, 64, 1, 16, 8, 4, None, True, "twice", f32, "int"),
     (3, 2, 1, 128, 129, 160, 1, 16, None, False, "twice", f32, "scalar_int64"),
@@ -111,6 +114,10 @@ CASES = [
     # several select chunks and a merge (S > 1024 at few rows), step 2 split over the selection
     (1, 1, 4, 64, 3000, 3100, 16, 64, None, True, "twice", f32, "scalar_int64"),
     (1, 1, 1, 64, 2500, 2500, 8, 32, 4, False, "once", bf16, "int"),
+    # fp16: the native 16-bit dots of steps 1 and 2 (MHA's step 2 on tensor cores too)
+    (3, 2, 1, 128, 1000, 1024, 32, 128, None, True, "twice", f16, "scalar_int64"),
+    (1, 2, 4, 64, 3000, 3100, 16, 64, None, True, "twice", f16, "int"),
+    (3, 2, 3, 80, 129, 130, 8, 32, None, False, "once", f16, "vec_int32"),
 ]
 
 
@@ -344,6 +351,8 @@ DENSE = [
     (2, 1, 3, 80, 129, 200, bf16, "scalar_int32"),
     (1, 4, 1, 128, 1500, 1600, bf16, "vec_int64"),
     (3, 2, 2, 80, 33, 33, f32, "int"),
+    (1, 4, 1, 128, 1500, 1600, f16, "vec_int64"),
+    (2, 2, 4, 64, 700, 800, f16, "int"),
 ]
 
 
