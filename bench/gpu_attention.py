@@ -24,6 +24,10 @@ ATTENTION_SHAPES = [TABLE4] + [
 QUICK_ATTENTION = [TABLE4, ("llama2-7b B=1 S=32k", 1, 32, 1, 128, 32768, 32, 128),
                    ("llama3-8b B=1 S=32k", 1, 8, 4, 128, 32768, 32, 128)]
 CPU_ATTENTION = [("tiny MHA", 2, 2, 1, 64, 256, 8, 32), ("tiny GQA", 1, 1, 4, 64, 256, 8, 32)]
+# The quantized cache (int8 K and V, an int4 K^T), read as stored by the same kernels
+QUANT_ATTENTION = [(f"{model} B=1 S=32k int8 K/V, int4 K^T", 1, n_kv, g, 128, 32768, 32, 128)
+                   for model, n_kv, g in (("llama2-7b", 32, 1), ("llama3-8b", 8, 4))]
+CPU_QUANT_ATTENTION = [("tiny GQA int8 K/V, int4 K^T", 1, 2, 4, 64, 300, 8, 32)]
 
 
 def transfer_bytes(policy, B: int, n_kv: int, d: int, S: int, elem: int = 2) -> int:
@@ -298,4 +302,63 @@ def attention_row(shape, device: str, dtype=torch.bfloat16, bandwidth: Optional[
         if "dense_us" in row:
             row["dense_theory_pct"] = 100 * row["dense_bytes"] / bandwidth / (row["dense_us"] * 1e-6)
     del copies
+    return row
+
+
+def quantized_attention_row(shape, device: str, bandwidth: Optional[float] = None, replays: int = 20,
+                            kv_dtype: str = "int8", kt_dtype: str = "int4") -> dict:
+    """SparQ and dense on a quantized cache (model.KVCache's stored buffers and scales), bf16
+    activations: dense int8 first checked against the torch path on the cache's dequantized view (the
+    SparQ kernel's check on quantized caches is the tests section's), then both timed from CUDA graphs
+    over rotating caches; bytes as stored (policy.transfer_bytes), beside dense's on a bf16 cache."""
+    import kernels_triton
+    from model import DenseDecode, KVCache, KVFormat, dense_attention_torch
+    from sparq import SparQConfig, SparQDecode
+
+    name, B, n_kv, g, d, S, r, k_top = shape
+    act = torch.bfloat16
+    fmt = KVFormat("twice", kv_dtype, kt_dtype)
+    config = SparQConfig(r=r, k_top=k_top, mean_v=g == 1)
+    heads = B * n_kv
+    sparq_b = heads * SparQDecode(config, dense_when_short=False).transfer_bytes(S, d, fmt, act)
+    dense_b = heads * DenseDecode().transfer_bytes(S, d, fmt, act)
+    bf16_dense_b = heads * DenseDecode().transfer_bytes(S, d, KVFormat("twice", "auto", "same"), act)
+    row = dict(name=name, B=B, n_kv=n_kv, g=g, d=d, S=S, r=r, k=k_top, kv_dtype=kv_dtype, kt_dtype=kt_dtype,
+               sparq_bytes=sparq_b, dense_bytes=dense_b, bf16_dense_bytes=bf16_dense_b)
+    cuda = device == "cuda"
+    n_copies = max(1, min(math.ceil(ROTATE_BYTES / sparq_b), 16)) if cuda else 1
+    gen = torch.Generator(device=device).manual_seed(0)
+    views = []
+    for _ in range(n_copies):
+        cache = KVCache(B, S, n_kv, d, act, kv_dtype=kv_dtype, kt_dtype=kt_dtype).to(device)
+        for start in range(0, S, 4096):
+            shape_kv = (B, n_kv, min(S, start + 4096) - start, d)
+            cache.update(torch.arange(start, start + shape_kv[2], device=device),
+                         torch.randn(shape_kv, generator=gen, device=device, dtype=act),
+                         torch.randn(shape_kv, generator=gen, device=device, dtype=act))
+        views.append((torch.randn(B, n_kv, g, d, generator=gen, device=device, dtype=act), cache))
+    q, cache = views[0]
+    plain = cache.view(S, B)  # dequantized copies, the torch path's
+    stored = cache.view(S, B, stored=True)
+    error = reference_error(kernels_triton.dense_attention_triton(q, stored.k, stored.v, S, None, scales=stored.scales),
+                            dense_attention_torch(q, plain.k, plain.v, S))
+    if error is not None:
+        row["error"] = "dense on the int8 cache differs from the torch path: " + error
+        return row
+    timer = time_cuda_graph if cuda else time_host
+
+    def sparq(q, cache):
+        s = cache.view(S, B, stored=True)
+        return kernels_triton.sparq_attention_triton(q, s.k, s.k_t, s.v, s.v_sum, S, None, r, k_top, config.local,
+                                                     config.mean_v, scales=s.scales)
+
+    def dense(q, cache):
+        s = cache.view(S, B, stored=True)
+        return kernels_triton.dense_attention_triton(q, s.k, s.v, S, None, scales=s.scales)
+
+    row["sparq_us"] = 1e6 * timer([lambda q=q, c=c: sparq(q, c) for q, c in views], replays)
+    row["dense_us"] = 1e6 * timer([lambda q=q, c=c: dense(q, c) for q, c in views], replays)
+    if bandwidth:
+        row["sparq_theory_pct"] = 100 * sparq_b / bandwidth / (row["sparq_us"] * 1e-6)
+        row["dense_theory_pct"] = 100 * dense_b / bandwidth / (row["dense_us"] * 1e-6)
     return row

@@ -19,7 +19,9 @@ most; a section that fails is recorded with its error and the next one runs. Sec
              Triton flash-decoding kernel and FlexAttention) against SparQ (Triton). Each kernel is
              first compared with its reference on this shape (a wrong kernel's time is never
              reported); then time per call from CUDA graphs over rotating cache copies larger than
-             L2, % of the transfer theory (bytes / measured copy bandwidth), kernels per call
+             L2, % of the transfer theory (bytes / measured read bandwidth), kernels per call, the
+             plan's launch choices against their alternatives; then both on a quantized cache (int8
+             K and V, an int4 K^T) at 32k, bytes as stored
   e2e        Llama-2-7B and Llama-3.1-8B shapes, bf16, decode with generate.py's Generator compiled
              as `generate.py --compile` compiles it (CUDA graphs per length bucket, every bucket
              warmed up before the timing): B = 1 and 8 at 4k, 16k, 32k, dense against SparQ
@@ -46,7 +48,8 @@ from typing import Callable, Optional
 import torch
 
 import cli
-from bench.gpu_attention import (ATTENTION_SHAPES, CPU_ATTENTION, QUICK_ATTENTION, TABLE4, attention_row,
+from bench.gpu_attention import (ATTENTION_SHAPES, CPU_ATTENTION, CPU_QUANT_ATTENTION, QUANT_ATTENTION,
+                                  QUICK_ATTENTION, TABLE4, attention_row, quantized_attention_row,
                                   memory_bandwidth)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -175,6 +178,19 @@ def kernel_table(rows: list[dict]) -> str:
         out.append([r["name"], fmt(r.get("sparq_us")), fmt(sum(parts.values())),
                     "  ".join(f"{k}={fmt(v)}" for k, v in parts.items())])
     return table(["shape", "graph us", "kernels' sum us", "per kernel us"], out)
+
+
+def quantized_table(rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append([r["name"], "error: " + r["error"]] + [""] * 5)
+            continue
+        out.append([r["name"], fmt(r["dense_us"]), fmt(r["sparq_us"]), fmt(r["dense_us"] / r["sparq_us"], ".2f") + "x",
+                    fmt(r.get("dense_theory_pct"), ".0f") + "%", fmt(r.get("sparq_theory_pct"), ".0f") + "%",
+                    f"{r['dense_bytes'] / r['bf16_dense_bytes']:.2f} / {r['sparq_bytes'] / r['bf16_dense_bytes']:.3f}"])
+    return table(["shape", "dense us", "SparQ us", "speedup", "dense %th", "SparQ %th",
+                  "bytes vs bf16 dense (dense / SparQ)"], out)
 
 
 def variants_table(rows: list[dict]) -> str:
@@ -522,6 +538,23 @@ def run(args: argparse.Namespace) -> int:
                       "(the plan's choices marked *):")
                 print(variants_table(entry["rows"]))
             report.goals += attention_goals(entry["rows"])
+            entry["quantized_rows"] = []
+            for shape in QUANT_ATTENTION if device == "cuda" else CPU_QUANT_ATTENTION:
+                if over_budget():
+                    report.skipped[f"attention {shape[0]}"] = "time budget"
+                    continue
+                try:
+                    row = quantized_attention_row(shape, device, bandwidth=report.environment.get("read_bandwidth"),
+                                                  replays=20 if device == "cuda" else 1)
+                except Exception as e:  # recorded; the other shapes still run
+                    row = dict(name=shape[0], error=f"{type(e).__name__}: {str(e)[:160]}")
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                entry["quantized_rows"].append({"device": report.environment.get("device"), **row})
+                report.save()
+            if entry["quantized_rows"]:
+                print("\nOn a quantized cache (bytes as stored; dense int8 checked against the torch path first):")
+                print(quantized_table(entry["quantized_rows"]))
 
         run_section(report, "attention", attention)
 

@@ -18,7 +18,7 @@ check() {  # name, timeout s, gpu_check arguments...
     echo "$name: exit $? after $SECONDS s"
 }
 check tests 100 --sections tests
-check attention 100 --sections attention
-check e2e 190 --sections e2e --models llama-2-7b --batches 1 --contexts 32768
-check e2e_llama3 190 --sections e2e --models llama-3.1-8b --batches 1 --contexts 32768
+check attention 120 --sections attention
+check e2e 180 --sections e2e --models llama-2-7b --batches 1 --contexts 32768
+check e2e_llama3 180 --sections e2e --models llama-3.1-8b --batches 1 --contexts 32768
 tail -n 40 "$OUT/attention.log" "$OUT/e2e.log" "$OUT/e2e_llama3.log"

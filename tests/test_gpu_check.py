@@ -182,6 +182,10 @@ def test_cpu_smoke_of_the_whole_harness(tmp_path):
     assert all(set(r["sparq_us_by_bpp"]) == {"1", "2"} and r["sparq_bpp"] >= 1 and
                set(r["sparq_us_by_select_bits"]) == {"1", "2"} and r["sparq_select_bits"] == 2 for r in attention), attention
     assert "blocks per program" in proc.stdout and "BPP=2" in proc.stdout and "select 1 bit/pass" in proc.stdout
+    quantized = sections["attention"]["quantized_rows"]
+    assert len(quantized) == 1 and "error" not in quantized[0], quantized
+    assert quantized[0]["sparq_us"] > 0 and quantized[0]["dense_bytes"] < 0.6 * quantized[0]["bf16_dense_bytes"]
+    assert "On a quantized cache" in proc.stdout
     for section, weights in (("e2e", ("fp32",)), ("quant", ("int8", "int4"))):
         rows = sections[section]["rows"]
         assert sections[section]["status"] == "done" and not [r for r in rows if "error" in r], rows
