@@ -73,6 +73,11 @@ class ModelArgs:
     sliding_window: Optional[int] = None  # positions a window layer attends to, the current one included
     layer_types: Optional[list[str]] = None  # per layer "global" or "window"; None: every layer global
     rope_local_base: Optional[float] = None  # Gemma 3: the RoPE base of window layers (no scaling); None: rope_base
+    # Tensor parallel (tp.shard): this rank's KV heads are the whole model's [kv_head_start,
+    # kv_head_start + n_kv_head) of kv_head_total (None: not sharded, n_kv_head): per-head data made
+    # for the whole model (DoubleSparse's calibrated channels) is sliced by them.
+    kv_head_start: int = 0
+    kv_head_total: Optional[int] = None
 
     def __post_init__(self):
         if self.n_head % self.n_kv_head:

@@ -268,12 +268,13 @@ def _build_doublesparse(s: AttentionSettings, args: ModelArgs, kernels: Kernels,
         raise ValueError(f"--attention doublesparse needs its calibrated channels{where}: make them with "
                          f"`python -m scripts.calibrate_doublesparse --checkpoint CHECKPOINT`")
     ranking = load_channel_ranking(Path(s.channels))
-    expected = (args.n_layer, args.n_kv_head, args.head_dim)
+    expected = (args.n_layer, args.kv_head_total or args.n_kv_head, args.head_dim)  # the whole model's
     if tuple(ranking.shape) != expected:
         raise ValueError(f"{s.channels} calibrates a model of (layers, KV heads, head dim) {tuple(ranking.shape)}, "
                          f"not this one's {expected}")
     config = s.sparq_config(args)
-    return DoubleSparseDecode(config, ranking[layer, :, :config.r].contiguous(), kernels, args.attn_softcap)
+    heads = slice(args.kv_head_start, args.kv_head_start + args.n_kv_head)  # a tensor-parallel rank's own
+    return DoubleSparseDecode(config, ranking[layer, heads, :config.r].contiguous(), kernels, args.attn_softcap)
 
 
 def _build_quest(s: AttentionSettings, args: ModelArgs, kernels: Kernels, layer: int) -> QuestDecode:

@@ -129,7 +129,8 @@ def shard(model: Transformer, rank_: int, world: int) -> Transformer:
             if column is not None:
                 _rows(column, [(f0, f1)])
         mlp.w2 = RowParallelLinear(mlp.w2, f0, f1)
-    model.args = replace(args, n_head=(k1 - k0) * g, n_kv_head=k1 - k0, intermediate_size=f1 - f0)  # this rank's
+    model.args = replace(args, n_head=(k1 - k0) * g, n_kv_head=k1 - k0, intermediate_size=f1 - f0,  # this rank's
+                         kv_head_start=k0, kv_head_total=n_kv)
     model.tp_world = world
     return model
 

@@ -356,6 +356,24 @@ def test_doublesparse_needs_a_calibration_of_its_model(tmp_path):
     assert torch.equal(make(1).channels, ranking[1, :, :4].long())  # each layer its own first r channels
 
 
+def test_doublesparse_under_tensor_parallel_takes_its_ranks_heads():
+    """A rank of tp.shard holds some of the model's KV heads: its DoubleSparse reads those heads' rows of
+    the whole model's calibration (the file's shape is checked against the whole model's)."""
+    import tp
+    from model import ModelArgs, Transformer
+    from policies import AttentionSettings, policy_factory
+
+    args = ModelArgs(vocab_size=10, dim=48, n_layer=2, n_head=3, n_kv_head=3, head_dim=16, intermediate_size=8)
+    ranking = torch.load(channels_file(args))["ranking"].long()
+    settings = AttentionSettings("doublesparse", sparq_r=4, channels=channels_file(args))
+    for rank, heads in ((0, slice(0, 2)), (1, slice(2, 3))):  # 3 KV heads over 2 ranks: 2 + 1
+        shard_args = tp.shard(Transformer(args), rank, 2).args
+        assert (shard_args.kv_head_start, shard_args.n_kv_head, shard_args.kv_head_total) == \
+            (heads.start, heads.stop - heads.start, 3)
+        make = policy_factory(settings, shard_args)
+        assert torch.equal(make(1).channels, ranking[1, heads, :4])
+
+
 def test_calibration_ranks_channels_by_q_and_k_magnitude_over_every_chunk():
     """The calibration's ranking, accumulated over prefill chunks, against sum_t |q_t k_t| per channel
     written out over one prefill of the same tokens that keeps q and K whole."""
