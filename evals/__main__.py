@@ -32,6 +32,7 @@ batches and runs only the rest, and the tables come out as from one uninterrupte
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import re
@@ -151,7 +152,17 @@ def run_identity(args: argparse.Namespace, tasks: list[str], methods: list[str],
                           ("hybrid_r", None)):  # absent from the journals of earlier runs
         if getattr(args, flag) != default:
             run[flag] = getattr(args, flag)
+    if "doublesparse" in methods:  # its channels come from a file: a recalibration is another run
+        run["doublesparse_channels"] = file_identity(selector_settings(args)["channels"])
     return json.loads(json.dumps(run))  # as the journal's header reads back
+
+
+def file_identity(path: Optional[Path]) -> Optional[str]:
+    """A file's path and the start of its content's SHA-256 (None: no file; the policy then says what
+    is missing)."""
+    if path is None or not Path(path).is_file():
+        return None
+    return f"{path} sha256:{hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -721,3 +721,24 @@ def test_ragged_batches_on_a_sliding_window_model_are_refused_up_front(tmp_path,
     (["--examples", "0"], "--examples"), (["--threads", "0"], "--threads"), (["--lengths", "0"], "--lengths")])
 def test_eval_flags_are_one_line_errors(argv, fragment):
     assert_one_line_error(run_python("-m", "evals", *argv, "--quiet"), fragment)
+
+
+def test_a_doublesparse_run_is_identified_by_its_calibration(tmp_path):
+    """A resumed DoubleSparse run must use the channels its journal was made with: the run's identity
+    holds the calibration file's content hash (a recalibration at the same path is another run), and
+    runs without doublesparse keep the identity earlier journals have."""
+    channels = tmp_path / "channels.pt"
+    argv = ["--task", "squad", "--checkpoint", str(tmp_path), "--attention", "dense,doublesparse",
+            "--sparq-r", "4", "--doublesparse-channels", str(channels)]
+
+    def identity(argv):
+        args = evals_cli.build_parser().parse_args(argv)
+        methods = args.attention.split(",")
+        return evals_cli.run_identity(args, ["squad"], methods, [Fraction(1, 4)], {"squad": [0]})
+
+    torch.save({"ranking": torch.arange(12).view(1, 3, 4)}, channels)
+    first = identity(argv)
+    assert str(channels) in first["doublesparse_channels"] and identity(argv) == first
+    torch.save({"ranking": torch.arange(12).flip(0).view(1, 3, 4)}, channels)
+    assert identity(argv)["doublesparse_channels"] != first["doublesparse_channels"]
+    assert "doublesparse_channels" not in identity(argv[:5] + ["dense,sparq"])
