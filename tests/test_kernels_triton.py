@@ -586,6 +586,34 @@ def test_a_quantized_cache_is_read_as_its_dequantized_copy(layout, kv_dtype, kt_
                     torch.testing.assert_close(verified[b:b + 1, :, :, t].cpu(), one, **tol)
 
 
+@pytest.mark.parametrize("layout, kt_dtype", [("twice", "int4"), ("once", "same")])
+def test_a_quantized_step1_source_over_several_blocks_per_program(layout, kt_dtype):
+    """Step 1 on a quantized source (an int4 K^T: bytes of two positions; int8 K, layout once) with 3
+    blocks of 128 positions per program and ragged rows whose live ends fall inside a program (odd
+    ones: an int4 byte half used), against the torch path on the dequantized values."""
+    from sparq import sparq_attention_torch
+    from test_kv_quant import dequantized_fp32
+
+    n_kv, g, d, S, lengths = 2, 4, 64, 1201, [1201, 517, 9]
+    rows = len(lengths)
+    cache = KVCache(rows, S + 63, n_kv, d, torch.float32, layout=layout, kv_dtype="int8", kt_dtype=kt_dtype)
+    gen = torch.Generator().manual_seed(len(layout))
+    cache.update(torch.arange(S), torch.randn(rows, n_kv, S, d, generator=gen),
+                 torch.randn(rows, n_kv, S, d, generator=gen))
+    cache.set_live_lengths(torch.tensor(lengths))
+    q = torch.randn(rows, n_kv, g, d, generator=gen)
+    stored = cache.view(S, rows, stored=True)
+    k, v, k_t = dequantized_fp32(cache, S)
+    live = cache.live_length[:rows]
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    s = stored.scales
+    out = kernels_triton._sparq_triton_impl(to(q), to(stored.k), to(stored.k_t), to(stored.v), to(stored.v_sum), S,
+                                            to(live), 8, 48, 12, True, to(s.k_scale), to(s.v_scale), to(s.chan),
+                                            to(s.kt_scale), blocks_per_program=3)
+    expected = sparq_attention_torch(q, k, k_t, v, stored.v_sum, S, live, 8, 48, 12, True)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_dtype, kt_dtype, policy", [("int8", "same", "dense"), ("int8", "int4", "sparq"),
                                                          ("auto", "int4", "sparq")])
 def test_a_model_on_a_quantized_cache_generates_alike_with_triton_and_torch(kv_dtype, kt_dtype, policy):
