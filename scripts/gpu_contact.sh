@@ -2,9 +2,11 @@
 # One prepared 10-minute command for a lent GPU (issue "The H100 figures"): the GPU check section by
 # section, each with its own timeout and JSON, every report and log under $OUT (8 files at most come
 # back). Run through the device tool as: bash scripts/gpu_contact.sh
-# Sized from the third contact (H200, 2026-11-27, cold caches): tests 63 s, attention 50 s, one
-# model's e2e at one context 140-170 s (dense's compile 80-90 s); a second context of the same model
-# recompiles (a new cache size), so each model runs one context here.
+# Sized from the third contact (H200, 2026-11-27, cold caches): tests 63 s, attention 50 s (now
+# more: the select and quantized-cache rows), one model's e2e at one context 140-170 s (dense's
+# compile 80-90 s, SparQ's 25-50). Contexts of one command share the caches sized for the largest,
+# so 16k after 32k reuses the compiled steps (warm-up 0 s at the second contact); a command per
+# context would recompile for each cache size.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out/gpu}
@@ -17,8 +19,8 @@ check() {  # name, timeout s, gpu_check arguments...
         >> "$OUT/$name.log" 2>&1
     echo "$name: exit $? after $SECONDS s"
 }
-check tests 100 --sections tests
+check tests 90 --sections tests
 check attention 120 --sections attention
-check e2e 180 --sections e2e --models llama-2-7b --batches 1 --contexts 32768
-check e2e_llama3 180 --sections e2e --models llama-3.1-8b --batches 1 --contexts 32768
+check e2e 240 --sections e2e --models llama-2-7b --batches 1 --contexts 32768,16384
+check e2e_llama3 140 --sections e2e --models llama-3.1-8b --batches 1 --contexts 32768
 tail -n 40 "$OUT/attention.log" "$OUT/e2e.log" "$OUT/e2e_llama3.log"
