@@ -189,6 +189,16 @@ def start_ours(rows: int, context: int, extra: list[str]) -> tuple[str, subproce
     return url, proc
 
 
+def llama_server_command(server, gguf, port: int, rows: int, context: int, threads: int,
+                         avoid_amx_tiles: bool) -> list[str]:
+    """llama-server's command line: -np rows of `context` positions each (-c is their total).
+    avoid_amx_tiles (scripts/llamacpp.py's amx_tiles_avoided): --no-repack, without ggml's extra buffer
+    types: the server batches several rows (and a prompt's tokens) in one matmul, where ggml's AMX
+    tiles died with SIGILL on the CPU that saw it (bench decode avoids them the same way)."""
+    return [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(rows),
+            "-c", str(rows * context), "-t", str(threads), *(["--no-repack"] if avoid_amx_tiles else [])]
+
+
 def start_llama_server(rows: int, context: int, fmt: str, threads: int) -> tuple[str, subprocess.Popen, str]:
     """llama-server (scripts/llamacpp.py's build, the source `bench decode --llamacpp` times) on the
     embedded GGUF in `fmt`: -np rows, each with `context` positions (-c is their total)."""
@@ -198,8 +208,7 @@ def start_llama_server(rows: int, context: int, fmt: str, threads: int) -> tuple
     build = llamacpp.build(roles=("server",))
     gguf = llamacpp.requantize(data.DEFAULT_GGUF, fmt, build_=build)
     port = free_port()
-    cmd = [str(build.tool("server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(rows),
-           "-c", str(rows * context), "-t", str(threads)]
+    cmd = llama_server_command(build.tool("server"), gguf, port, rows, context, threads, llamacpp.amx_tiles_avoided())
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/v1"
     wait_healthy(url, proc, "llama-server")

@@ -455,3 +455,13 @@ def test_the_load_generator_measures_a_closed_loop(dense_server):
     assert "C" in serve_load.format_table([{**row, "server": "x", "prompt_tokens": 64}]).splitlines()[0]
     bad = serve_load.stream_completion(dense_server.url, "hi", 0)
     assert not bad.ok and "HTTP 400" in bad.error
+
+
+def test_llama_server_avoids_amx_tiles_where_asked():
+    """bench serve-load's llama-server: -np rows of the context each, and --no-repack on CPUs whose AMX
+    tiles the runs avoid (a batch of more than one row would run on them)."""
+    from bench import serve_load
+
+    cmd = serve_load.llama_server_command("llama-server", "m.gguf", 8080, 4, 1024, 2, avoid_amx_tiles=False)
+    assert cmd[cmd.index("-np") + 1] == "4" and cmd[cmd.index("-c") + 1] == "4096" and "--no-repack" not in cmd
+    assert serve_load.llama_server_command("s", "m", 1, 1, 1, 1, avoid_amx_tiles=True)[-1] == "--no-repack"
