@@ -113,7 +113,7 @@ if HAS_TRITON:
         else:
             cand = t | (1 << 30)
             t = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= KT, cand, t)
-            hi = t * 0 + (1 << 29)
+            hi = tl.zeros_like(t) + (1 << 29)  # a scalar tensor: the loop carries it
             for _ in range(15):
                 lo = hi >> 1
                 c1 = t | lo
