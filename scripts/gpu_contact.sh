@@ -19,8 +19,8 @@ check() {  # name, timeout s, gpu_check arguments...
         >> "$OUT/$name.log" 2>&1
     echo "$name: exit $? after $SECONDS s"
 }
-check tests 90 --sections tests
+check tests 100 --sections tests
 check attention 120 --sections attention
 check e2e 240 --sections e2e --models llama-2-7b --batches 1 --contexts 32768,16384
-check e2e_llama3 140 --sections e2e --models llama-3.1-8b --batches 1 --contexts 32768
+check e2e_llama3 130 --sections e2e --models llama-3.1-8b --batches 1 --contexts 32768
 tail -n 40 "$OUT/attention.log" "$OUT/e2e.log" "$OUT/e2e_llama3.log"
