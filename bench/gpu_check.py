@@ -43,7 +43,7 @@ import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -511,18 +511,24 @@ def run(args: argparse.Namespace) -> int:
         print("\n== attention: one layer's decode attention op, bf16 ==", flush=True)
         shapes = (QUICK_ATTENTION if args.quick else ATTENTION_SHAPES) if device == "cuda" else CPU_ATTENTION
 
-        def attention(entry: dict) -> None:
+        def measured(shapes, measure: Callable) -> Iterator[dict]:
+            """Each shape's row, measure(shape, device, bandwidth=, replays=): past the time budget
+            skipped, a failure recorded as its row (the other shapes still run)."""
             for shape in shapes:
                 if over_budget():
                     report.skipped[f"attention {shape[0]}"] = "time budget"
                     continue
                 try:
-                    row = attention_row(shape, device, bandwidth=report.environment.get("read_bandwidth"),
-                                        replays=20 if device == "cuda" else 1)
-                except Exception as e:  # recorded; the other shapes still run
+                    row = measure(shape, device, bandwidth=report.environment.get("read_bandwidth"),
+                                  replays=20 if device == "cuda" else 1)
+                except Exception as e:
                     row = dict(name=shape[0], B=shape[1], S=shape[5], error=f"{type(e).__name__}: {str(e)[:160]}")
                 if device == "cuda":
                     torch.cuda.empty_cache()
+                yield row
+
+        def attention(entry: dict) -> None:
+            for row in measured(shapes, attention_row):
                 report.add_row("attention", row)
                 print(f"  {row['name']}: " + (row["error"] if "error" in row else
                                               f"dense {fmt(row.get('dense_us'))} us, SparQ {fmt(row.get('sparq_us'))} us")
@@ -539,17 +545,7 @@ def run(args: argparse.Namespace) -> int:
                 print(variants_table(entry["rows"]))
             report.goals += attention_goals(entry["rows"])
             entry["quantized_rows"] = []
-            for shape in QUANT_ATTENTION if device == "cuda" else CPU_QUANT_ATTENTION:
-                if over_budget():
-                    report.skipped[f"attention {shape[0]}"] = "time budget"
-                    continue
-                try:
-                    row = quantized_attention_row(shape, device, bandwidth=report.environment.get("read_bandwidth"),
-                                                  replays=20 if device == "cuda" else 1)
-                except Exception as e:  # recorded; the other shapes still run
-                    row = dict(name=shape[0], error=f"{type(e).__name__}: {str(e)[:160]}")
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+            for row in measured(QUANT_ATTENTION if device == "cuda" else CPU_QUANT_ATTENTION, quantized_attention_row):
                 entry["quantized_rows"].append({"device": report.environment.get("device"), **row})
                 report.save()
             if entry["quantized_rows"]:

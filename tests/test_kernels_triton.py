@@ -542,26 +542,34 @@ QUANTIZED_FORMATS = [("twice", "int8", "same"), ("twice", "int8", "int4"), ("twi
                      ("twice", "auto", "int8"), ("once", "int8", "same")]
 
 
+def filled_quantized_cache(layout, kv_dtype, kt_dtype, S, lengths, gen, k_scale=1.0, n_kv=2, g=4, d=64):
+    """A quantized cache (fp32 activations) holding S random positions per row, live to `lengths`, and a
+    query: (q, the stored view, the fp32 dequantized K, V and K^T from its buffers, the live lengths).
+    k_scale (scalar or per channel) multiplies the keys before they are written."""
+    from test_kv_quant import dequantized_fp32
+
+    rows = len(lengths)
+    cache = KVCache(rows, S + 63, n_kv, d, torch.float32, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+    k = torch.randn(rows, n_kv, S, d, generator=gen) * k_scale
+    cache.update(torch.arange(S), k, torch.randn(rows, n_kv, S, d, generator=gen))
+    cache.set_live_lengths(torch.tensor(lengths))
+    q = torch.randn(rows, n_kv, g, d, generator=gen)
+    return q, cache.view(S, rows, stored=True), dequantized_fp32(cache, S), cache.live_length[:rows]
+
+
 @pytest.mark.parametrize("layout, kv_dtype, kt_dtype", QUANTIZED_FORMATS)
 def test_a_quantized_cache_is_read_as_its_dequantized_copy(layout, kv_dtype, kt_dtype):
     """SparQ, dense and the verify pass on the stored buffers of a quantized cache (int8 K/V, an int8 or
     int4 K^T, their scales) against the torch paths on the dequantized values (fp32 from the buffers):
     ragged rows of odd lengths (an int4 byte half used), and one long row (several select chunks)."""
     from sparq import sparq_attention_torch
-    from test_kv_quant import dequantized_fp32
 
     n_kv, g, d = 2, 4, 64
     for S, lengths in ((301, [301, 17, 150]), (3001, [3001])):
         rows = len(lengths)
-        cache = KVCache(rows, S + 63, n_kv, d, torch.float32, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
         gen = torch.Generator().manual_seed(S + len(kv_dtype + kt_dtype + layout))
-        k = torch.randn(rows, n_kv, S, d, generator=gen) * (1 + 4 * (torch.arange(d) == 1))
-        cache.update(torch.arange(S), k, torch.randn(rows, n_kv, S, d, generator=gen))
-        cache.set_live_lengths(torch.tensor(lengths))
-        q = torch.randn(rows, n_kv, g, d, generator=gen)
-        stored = cache.view(S, rows, stored=True)
-        k, v, k_t = dequantized_fp32(cache, S)
-        live = cache.live_length[:rows]
+        q, stored, (k, v, k_t), live = filled_quantized_cache(layout, kv_dtype, kt_dtype, S, lengths, gen,
+                                                              k_scale=1 + 4 * (torch.arange(d) == 1))
         to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
         scales = stored.scales
         if DEVICE != "cpu":
@@ -592,19 +600,10 @@ def test_a_quantized_step1_source_over_several_blocks_per_program(layout, kt_dty
     blocks of 128 positions per program and ragged rows whose live ends fall inside a program (odd
     ones: an int4 byte half used), against the torch path on the dequantized values."""
     from sparq import sparq_attention_torch
-    from test_kv_quant import dequantized_fp32
 
-    n_kv, g, d, S, lengths = 2, 4, 64, 1201, [1201, 517, 9]
-    rows = len(lengths)
-    cache = KVCache(rows, S + 63, n_kv, d, torch.float32, layout=layout, kv_dtype="int8", kt_dtype=kt_dtype)
-    gen = torch.Generator().manual_seed(len(layout))
-    cache.update(torch.arange(S), torch.randn(rows, n_kv, S, d, generator=gen),
-                 torch.randn(rows, n_kv, S, d, generator=gen))
-    cache.set_live_lengths(torch.tensor(lengths))
-    q = torch.randn(rows, n_kv, g, d, generator=gen)
-    stored = cache.view(S, rows, stored=True)
-    k, v, k_t = dequantized_fp32(cache, S)
-    live = cache.live_length[:rows]
+    S = 1201
+    q, stored, (k, v, k_t), live = filled_quantized_cache(layout, "int8", kt_dtype, S, [1201, 517, 9],
+                                                          torch.Generator().manual_seed(len(layout)))
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     s = stored.scales
     out = kernels_triton._sparq_triton_impl(to(q), to(stored.k), to(stored.k_t), to(stored.v), to(stored.v_sum), S,
