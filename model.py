@@ -742,16 +742,24 @@ class DecodePolicy(nn.Module):
         step 1's K^T elements at K^T's size plus one scale per position scanned, every other element
         at K and V's size plus one scale per row of head_dim."""
         positions, rows = self.step1_reads(seq_len, head_dim)
-        kt = positions * rows
-        rest = self.transfer_elements(seq_len, head_dim) - kt
-        return (kt * fmt.kt_bytes_per_element(activation) + positions * fmt.kt_scale_bytes(activation)
-                + rest * fmt.bytes_per_element(activation) + rest / head_dim * fmt.row_scale_bytes(activation))
+        return stored_bytes(self.transfer_elements(seq_len, head_dim), positions, rows, head_dim, fmt, activation)
 
     def verify(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         """T queries per row at each row's last T live positions (speculative verification): q
         (B, n_kv, g, T, d) -> (B, n_kv, g, T, d), query j attending to its row's positions up to its
         own. Only dense attention verifies (DenseDecode.verify)."""
         raise NotImplementedError(f"{self.name} attention cannot verify speculative tokens")
+
+
+def stored_bytes(elements: int, positions: int, rows: int, head_dim: int, fmt: KVFormat,
+                 activation: torch.dtype) -> float:
+    """`elements` moved per KV head in bytes as `fmt` stores them, `positions` x `rows` of them step 1's
+    K^T elements (at K^T's size, plus one scale per position), the rest K and V elements (plus one
+    scale per row of head_dim)."""
+    kt = positions * rows
+    rest = elements - kt
+    return (kt * fmt.kt_bytes_per_element(activation) + positions * fmt.kt_scale_bytes(activation)
+            + rest * fmt.bytes_per_element(activation) + rest / head_dim * fmt.row_scale_bytes(activation))
 
 
 def dense_decode(attend: Callable, fused: bool, q: Tensor, cache: KVCache, length: int) -> Tensor:

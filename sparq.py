@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from kernels import TORCH_KERNELS, Kernels
-from model import DecodePolicy, DenseDecode, KVCache, beyond_live, dense_attention_torch, dense_decode, per_row, softcap
+from model import (DecodePolicy, DenseDecode, KVCache, KVFormat, beyond_live, dense_attention_torch, dense_decode,
+                   per_row, softcap, stored_bytes)
 
 
 @dataclass
@@ -226,7 +227,8 @@ def sparq_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor
 
 
 def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, config: SparQConfig,
-                             cap: Optional[float] = None, spread: Optional[Tensor] = None) -> Tensor:
+                             cap: Optional[float] = None, spread: Optional[Tensor] = None,
+                             k_t: Optional[Tensor] = None) -> Tensor:
     """Adaptive SparQ with loops, as sparq_reference: a row's n_kv KV heads share the layer's budget of
     n_kv x r components and n_kv x k positions, so the step moves what fixed SparQ moves, but a head whose
     |q| is concentrated, or whose step-1 scores are peaked, lends to one that needs more.
@@ -243,7 +245,8 @@ def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, len
       3. Mean-V (optional) with each head's alpha = its s_hat mass on its own selection.
 
     q (B, n_kv, g, d); k, v (B, n_kv, S_max, d); v_sum (B, n_kv, d); spread (B, n_kv, d), None: all 1
-    (the paper's ranking by |q| alone) -> (B, n_kv, g, d) in q.dtype."""
+    (the paper's ranking by |q| alone); k_t (B, n_kv, d, S_max): the K^T step 1 reads, None: K's
+    (a quantized cache stores its own) -> (B, n_kv, g, d) in q.dtype."""
     B, n_kv, g, d = q.shape
     S = length
     r, kk, n_local = config.r, min(config.k_top, S), min(config.local, S, config.k_top)
@@ -251,6 +254,7 @@ def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, len
     for b in range(B):
         qs = [q[b, h].float() for h in range(n_kv)]  # (g, d) each
         Ks, Vs = [k[b, h, :S].float() for h in range(n_kv)], [v[b, h, :S].float() for h in range(n_kv)]
+        Ks1 = Ks if k_t is None else [k_t[b, h, :, :S].T.float() for h in range(n_kv)]  # step 1's (S, d) each
         # Step 1: the pooled components
         sigma = [torch.ones(d, device=q.device) if spread is None else spread[b, h].float()
                  for h in range(n_kv)]  # (d,) each
@@ -265,7 +269,7 @@ def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, len
         for h, qh in enumerate(qs):
             i1 = torch.tensor(chosen[h], device=q.device)
             tau = torch.sqrt(d * weight[h][:, i1].sum(-1) / weight[h].sum(-1))  # (g,)
-            s_hats.append(torch.softmax(softcap(qh[:, i1] @ Ks[h][:, i1].T / tau[:, None], cap), dim=-1))  # (g, S)
+            s_hats.append(torch.softmax(softcap(qh[:, i1] @ Ks1[h][:, i1].T / tau[:, None], cap), dim=-1))  # (g, S)
         # Step 2: the pooled positions, each head's local window first
         positions = [list(range(S - n_local, S)) for _ in range(n_kv)]
         rest = sorted(((float(s_hats[h].sum(0)[p]), h, p) for h in range(n_kv) for p in range(S - n_local)),
@@ -332,13 +336,14 @@ def pooled_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor 
 
 def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread: Tensor, length: int,
                          live_length: Optional[Tensor], r: Tensor | int, k_top: Tensor | int, local: Tensor | int,
-                         mean_v: bool, cap: Optional[float] = None) -> Tensor:
+                         mean_v: bool, cap: Optional[float] = None, k_t: Optional[Tensor] = None) -> Tensor:
     """sparq_adaptive_reference for all rows at once, with masks where the heads' counts differ: the
-    components a head did not get are zeros of q (so step 1 multiplies all of K here: this path is the
-    readable one, the transfers counted are the policy's), the positions it did not get are -inf
+    components a head did not get are zeros of q (so step 1 multiplies all of K^T here: this path is
+    the readable one, the transfers counted are the policy's), the positions it did not get are -inf
     before the softmax. q (B, n_kv, g, d) -> (B, n_kv, g, d); spread (B, n_kv, d) (key_spread);
     live_length as sparq_attention_torch's; r, k_top, local: ints, or (B,) per row (ragged rows, each
-    at its own split)."""
+    at its own split). Step 1 reads k_t (B_max, n_kv, d, S_max) where given (a quantized cache's K^T
+    holds other values than its K), else K."""
     B, d = q.shape[0], q.shape[-1]
     qf = q.float()
     keys, values = k[:B, :, :length].float(), v[:B, :, :length].float()  # (B, n_kv, S, d)
@@ -350,7 +355,8 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread:
     q_hat = qf * chosen  # (B, n_kv, g, d)
     weight = qf.abs() * spread[:, :, None, :]  # (B, n_kv, g, d)
     tau = torch.sqrt(d * (weight * chosen).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True))  # (B, n_kv, g, 1)
-    logits = softcap((q_hat @ keys.transpose(-1, -2)) / tau, cap)  # (B, n_kv, g, S)
+    keys_t = keys.transpose(-1, -2) if k_t is None else k_t[:B, :, :, :length].float()  # (B, n_kv, d, S)
+    logits = softcap((q_hat @ keys_t) / tau, cap)  # (B, n_kv, g, S)
     if live_length is not None:
         logits = logits.masked_fill(beyond_live(length, live_length), float("-inf"))
     s_hat = torch.softmax(logits, dim=-1)
@@ -368,31 +374,56 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread:
 
 def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor,
                                    spread: Tensor, length: int, live_length: Optional[Tensor], compression: float,
-                                   k_max: int, mean_v: bool, cap: Optional[float] = None) -> Tensor:
+                                   k_max: int, mean_v: bool, cap: Optional[float] = None,
+                                   costs: StepCosts | None = None) -> Tensor:
     """The kernel contract's sparq_adaptive (kernels.py) in PyTorch: each row splits the budget at its own
-    live length (adaptive_split; a row that sees at most k_max positions takes all of them and every
-    component; the host reads the lengths: this is the reference path) and sparq_adaptive_torch runs the
-    rows at their splits. k_t is not read (sparq_adaptive_torch multiplies all of K)."""
+    live length (adaptive_split at `costs`, the cache's: a float cache's by default; a row that sees at
+    most k_max positions takes all of them and every component; the host reads the lengths: this is
+    the reference path) and sparq_adaptive_torch runs the rows at their splits, step 1 on k_t."""
     B, d = q.shape[0], q.shape[-1]
     lengths = [length] * B if live_length is None else live_length.expand(B).tolist()
-    splits = [(d, n) if n <= k_max else adaptive_split(n, d, compression, k_max) for n in lengths]
+    splits = [(d, n) if n <= k_max else adaptive_split(n, d, compression, k_max, costs or ELEMENTS) for n in lengths]
     r, k_top = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
-    return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, k_top // 4, mean_v, cap)
+    return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, k_top // 4, mean_v, cap, k_t)
 
 
-def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int) -> tuple[int, int]:
+@dataclass(frozen=True)
+class StepCosts:
+    """Step 1's reads in units of one K or V element as the cache stores it (its row scale's share
+    included): a K^T element (`kt`) and the scale step 1 reads per position (`kt_scale`). A float
+    cache's K^T is K's dtype: 1 and 0, the paper's element count. An int4 K^T beside bf16 K and V:
+    1/4 and 2 (a 4-byte scale per position), so the same bytes buy about 4x the components."""
+
+    kt: float = 1.0
+    kt_scale: float = 0.0
+
+    @classmethod
+    def of(cls, fmt: KVFormat, activation: torch.dtype, head_dim: int) -> StepCosts:
+        element = fmt.bytes_per_element(activation) + fmt.row_scale_bytes(activation) / head_dim
+        return cls(fmt.kt_bytes_per_element(activation) / element, fmt.kt_scale_bytes(activation) / element)
+
+
+ELEMENTS = StepCosts()  # a float cache
+
+
+def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int,
+                   costs: StepCosts = ELEMENTS) -> tuple[int, int]:
     """(r, k) of one layer's step over seq_len visible positions at `compression` of dense's transfers:
     the positions take half of the budget (k = c S / 2, at most k_max), the components the rest (r in
     [1, d]), and what rounding r down leaves goes back to k, so S r + 2 k d + 6 d (SparQ's transfers
     and the keys' running sums, 2 d) is within 2d of c (2 S d + 2 d). A 512-position window layer of
     Gemma 3 at 1/4 gets k = 64 and r = 61 of 256 where one (r, k) for every layer gave it k = 128 and
     r = 27; SmolLM2 at 1/8 and 1.4k tokens r = 7 at k = 96 instead of r = 4 at k = 128. The fused
-    kernel (csrc/sparq_adaptive.cpp) repeats this arithmetic for each row."""
+    kernel (csrc/sparq_adaptive.cpp) repeats this arithmetic for each row, on float caches only.
+    On a cache whose K^T is stored in fewer bytes than K (`costs`), step 1's S r becomes
+    S (r costs.kt + costs.kt_scale): the same bytes, more components."""
     d = head_dim
     budget = int(compression * (2 * seq_len * d + 2 * d))
     k = max(1, min(k_max, int(compression * seq_len / 2)))
-    r = max(1, min(d, (budget - 2 * k * d - 6 * d) // seq_len))
-    k = max(1, min(seq_len, k + (budget - seq_len * r - 2 * k * d - 6 * d) // (2 * d)))
+    scales = seq_len * costs.kt_scale  # read whatever r is
+    # floats: exact for a float cache's integers (below 2^52), and for an int4 K^T's 1/4 and 2
+    r = max(1, min(d, math.floor((budget - 2 * k * d - 6 * d - scales) / (seq_len * costs.kt))))
+    k = max(1, min(seq_len, k + math.floor((budget - seq_len * r * costs.kt - scales - 2 * k * d - 6 * d) / (2 * d))))
     return r, k
 
 
@@ -415,31 +446,43 @@ class SparQAdaptiveDecode(DecodePolicy):
         if k_max < 1:
             raise ValueError(f"--sparq-k must be at least 1, got {k_max}")
         self.compression, self.k_max, self.mean_v = compression, k_max, mean_v
-        self.attend = kernels.sparq_adaptive or partial(sparq_adaptive_attention_torch, cap=cap)
+        self.attend_torch = partial(sparq_adaptive_attention_torch, cap=cap)
+        self.attend = kernels.sparq_adaptive or self.attend_torch  # a fused kernel splits as a float cache does
         self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
         self.dense_fused = kernels.dense_attention is not None
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        B = q.shape[0]
+        B, d = q.shape[0], q.shape[-1]
         if cache.visible_length(length) <= self.k_max:
             return dense_decode(self.attend_dense, self.dense_fused, q, cache, length)
         view = cache.view(length, B)
         spread = key_spread(view.k_moments[:B], view.length if view.live_length is None else view.live_length)
-        return self.attend(q, view.k, view.k_t, view.v, view.v_sum, spread, view.length, view.live_length,
-                           self.compression, self.k_max, self.mean_v)
+        if cache.quantized:  # the budget in the bytes this cache stores: a float cache's are its elements
+            attend = partial(self.attend_torch, costs=StepCosts.of(cache.format, cache.dtype, d))
+        else:
+            attend = self.attend
+        return attend(q, view.k, view.k_t, view.v, view.v_sum, spread, view.length, view.live_length,
+                      self.compression, self.k_max, self.mean_v)
 
-    def transfer_elements(self, seq_len: int, head_dim: int) -> int:
+    def transfer_elements(self, seq_len: int, head_dim: int, costs: StepCosts = ELEMENTS) -> int:
         """SparQ's (eq. 11) at this step's split, on average over the layer's heads, and the keys' running
         sums of K and K^2: S r + 2 k d + 6 d; dense's while S <= k_max."""
         if seq_len <= self.k_max:
             return DenseDecode().transfer_elements(seq_len, head_dim)
-        r, k = adaptive_split(seq_len, head_dim, self.compression, self.k_max)
+        r, k = adaptive_split(seq_len, head_dim, self.compression, self.k_max, costs)
         return seq_len * r + 2 * k * head_dim + 6 * head_dim
 
-    def step1_reads(self, seq_len: int, head_dim: int) -> tuple[int, int]:
+    def step1_reads(self, seq_len: int, head_dim: int, costs: StepCosts = ELEMENTS) -> tuple[int, int]:
         if seq_len <= self.k_max:
             return 0, 0
-        return seq_len, adaptive_split(seq_len, head_dim, self.compression, self.k_max)[0]
+        return seq_len, adaptive_split(seq_len, head_dim, self.compression, self.k_max, costs)[0]
+
+    def transfer_bytes(self, seq_len: int, head_dim: int, fmt: KVFormat, activation: torch.dtype) -> float:
+        """At the split this cache's bytes give (forward's): more components where K^T is stored smaller."""
+        costs = StepCosts.of(fmt, activation, head_dim)
+        positions, rows = self.step1_reads(seq_len, head_dim, costs)
+        return stored_bytes(self.transfer_elements(seq_len, head_dim, costs), positions, rows, head_dim, fmt,
+                            activation)
 
 
 class SparQDecode(DecodePolicy):

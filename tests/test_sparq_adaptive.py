@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import read_json, run_python
-from model import SHAPES, DenseDecode, KVCache, ModelArgs, dense_attention_torch
+from model import SHAPES, DenseDecode, KVCache, KVFormat, ModelArgs, dense_attention_torch
 from policies import AttentionSettings, layer_transfers, policy_factory, solve_target
-from sparq import (SparQAdaptiveDecode, SparQConfig, adaptive_split, key_spread, pooled_components, pooled_positions,
-                   sparq_adaptive_reference, sparq_adaptive_torch, sparq_reference)
+from sparq import (ELEMENTS, SparQAdaptiveDecode, SparQConfig, StepCosts, adaptive_split, key_spread, pooled_components,
+                   pooled_positions, sparq_adaptive_reference, sparq_adaptive_torch, sparq_reference)
 from test_sparq import filled_cache, random_query
 
 
@@ -53,6 +53,24 @@ def test_torch_path_matches_loop_reference(B, n_kv, g_, d, S, r, k, mean_v):
     config = SparQConfig(r=r_policy, k_top=k_policy, mean_v=mean_v)
     expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread_of(cache.k, [S] * B))
     torch.testing.assert_close(policy(q, cache, S), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_step_1_reads_k_t_where_given():
+    """A quantized cache's K^T holds other values than its K: step 1 ranks positions by the K^T it is
+    given, step 2 attends over K (the loop reference with the same K^T), and the result is not K's."""
+    B, n_kv, g_, d, S = 2, 3, 2, 32, 300
+    cache = scaled_cache(B, n_kv, d, S, S + 5)
+    q = random_query(B, n_kv, g_, d)
+    config = SparQConfig(r=6, k_top=40, mean_v=True)
+    other = cache.k.roll(57, dims=2)  # the same keys at other positions
+    k_t = other.transpose(-1, -2).contiguous()  # (B + 1, n_kv, d, S_max)
+    spread = key_spread(cache.k_moments[:B], S)
+    got = sparq_adaptive_torch(q, cache.k, cache.v, cache.v_sum, spread, S, None, config.r, config.k_top, config.local,
+                               config.mean_v, k_t=k_t)
+    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread_of(cache.k, [S] * B),
+                                        k_t=k_t)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, adaptive(q, cache, S, config), atol=1e-3)
 
 
 def test_key_spread_from_the_running_sums():
@@ -148,6 +166,44 @@ def test_each_step_splits_the_target(S, d, c):
     assert 1 <= r <= d and 1 <= k <= S
     assert moved <= c * dense and (r in (1, d) or moved > c * dense - 2 * d)
     assert k <= 128 + S // (2 * d) + 1  # k_max, and what rounding r down gave back
+
+
+@pytest.mark.parametrize("kv_dtype, kt_dtype", [("auto", "int4"), ("auto", "int8"), ("int8", "int4"), ("int8", "same")])
+def test_a_quantized_k_t_buys_components_at_the_same_bytes(kv_dtype, kt_dtype):
+    """On a cache whose K^T is stored in fewer bytes (scales included), each step's split reads more
+    components (never fewer) for the same target, and the policy's stored bytes are c of dense's on that
+    cache to within one position's K and V rows, as adaptive_split promises in elements on a float cache."""
+    d, c = 64, 1 / 8
+    fmt, act = KVFormat("twice", kv_dtype, kt_dtype), torch.bfloat16
+    costs = StepCosts.of(fmt, act, d)
+    policy = SparQAdaptiveDecode(compression=c, k_max=128)
+    for S in (1400, 8000, 32000):
+        (r, k), (r_float, _) = adaptive_split(S, d, c, 128, costs), adaptive_split(S, d, c, 128)
+        assert policy.step1_reads(S, d, costs) == (S, r)
+        stored, dense = policy.transfer_bytes(S, d, fmt, act), DenseDecode().transfer_bytes(S, d, fmt, act)
+        row = 2 * d * (fmt.bytes_per_element(act) + fmt.row_scale_bytes(act) / d)  # one position's K and V
+        assert stored <= c * dense + 1e-6 and (r in (1, d) or stored > c * dense - row), (S, r, k)
+        if kt_dtype == "int4" and kv_dtype == "auto":
+            assert r >= 3 * r_float  # a quarter of the bytes per component, less the scales'
+    assert StepCosts.of(KVFormat(), act, d) == StepCosts.of(KVFormat("once"), torch.float32, d) == ELEMENTS
+
+
+def test_the_policy_reads_its_split_from_the_cache_it_runs_on():
+    """On an int4 K^T the policy runs the torch path at that cache's split and step 1 on its K^T: the loop
+    reference on the dequantized values at the same (r, k)."""
+    B, n_kv, g_, d, S = 1, 2, 3, 32, 400
+    cache = KVCache(B, S + 4, n_kv, d, torch.float32, kt_dtype="int4")
+    k, v = (torch.randn(B, n_kv, S, d, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    cache.update(torch.arange(S), k * torch.logspace(0, 1, d), v)
+    q = random_query(B, n_kv, g_, d)
+    policy = SparQAdaptiveDecode(compression=1 / 8, k_max=64)
+    r, k_top = adaptive_split(S, d, 1 / 8, 64, StepCosts.of(cache.format, torch.float32, d))
+    assert r > adaptive_split(S, d, 1 / 8, 64)[0]
+    view = cache.view(S, B)  # the dequantized K, V and K^T
+    config = SparQConfig(r=r, k_top=k_top, mean_v=False)
+    expected = sparq_adaptive_reference(q, view.k, view.v, view.v_sum, S, config, spread=spread_of(view.k, [S]),
+                                        k_t=view.k_t)
+    torch.testing.assert_close(policy(q, cache, S), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_the_policy_takes_the_target_and_counts_its_transfers():
