@@ -134,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run whose journal is beside --json: its batches are replayed, the rest run")
     p.add_argument("--plot", type=Path, help="write a PNG of score vs compression per task (vs prompt length for a task at several sizes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--report", type=Path, metavar="JSON",
+    p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
                    help="print the tables (and --plot) of an earlier run's --json, also of one still going; "
-                        "nothing runs")
+                        "several files (one run per length, say) as one run; nothing runs")
     return p
 
 

@@ -354,27 +354,43 @@ def print_results(rows: list[dict], methods: list[str], targets: list[Fraction],
         plot(rows, plot_path, methods, model)
 
 
-def report(path: Path, plot_path: Optional[Path]) -> int:
-    """--report: the tables of a --json results file, also of a run still going (it is rewritten after
-    every batch), without loading a model."""
-    try:  # everything read from the file, so that a file of another shape is one line, not a traceback
-        saved = json.loads(path.read_text())
-        rows, meta = saved["results"], saved["meta"]
-        methods, targets = meta["attention"], [parse_compression(c) for c in meta["compression"]]
-        done = ("complete" if meta.get("complete", True) else
-                f"in progress: {meta['batches_done']} of {meta['batches']} batches")
-        heading = (f"{path}: model {meta['checkpoint']}, {meta['dtype']}, kernels {meta['kernels']}; "
-                   f"{meta['examples']} examples per task and length; {done}; {meta['elapsed_s'] / 60:.1f} min")
-        title = plot_title(Path(meta["checkpoint"]), meta["dtype"])
-        empty = no_selection(meta["budgets"])
-    except FileNotFoundError:
-        raise UserError(f"--report {path}: no such file") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--report {path}: not a python -m evals --json results file ({type(e).__name__}: {e})") from None
-    if not rows:
-        raise UserError(f"--report {path}: no results yet (no batch has finished)")
-    print(heading)
-    print_results(rows, methods, targets, plot_path, title, empty)
+def report(paths: list[Path], plot_path: Optional[Path]) -> int:
+    """--report: the tables of --json results files, also of a run still going (it is rewritten after
+    every batch), without loading a model. Several files (one run per length, say) are reported as one
+    run: they must be of one model and dtype, and a cell two of them hold must hold the same score."""
+    rows: dict[tuple, dict] = {}
+    methods: list[str] = []
+    targets: list[Fraction] = []
+    empty: set[tuple] = set()
+    titles = set()
+    for path in paths:
+        try:  # everything read from the file, so that a file of another shape is one line, not a traceback
+            saved = json.loads(path.read_text())
+            mine, meta = saved["results"], saved["meta"]
+            methods += [m for m in meta["attention"] if m not in methods]
+            targets += [t for t in map(parse_compression, meta["compression"]) if t not in targets]
+            done = ("complete" if meta.get("complete", True) else
+                    f"in progress: {meta['batches_done']} of {meta['batches']} batches")
+            heading = (f"{path}: model {meta['checkpoint']}, {meta['dtype']}, kernels {meta['kernels']}; "
+                       f"{meta['examples']} examples per task and length; {done}; {meta['elapsed_s'] / 60:.1f} min")
+            titles.add(plot_title(Path(meta["checkpoint"]), meta["dtype"]))
+            empty |= no_selection(meta["budgets"])
+            cells = {(r["task"], r["size"], r["metric"], r["attention"], r["compression"]): r for r in mine}
+        except FileNotFoundError:
+            raise UserError(f"--report {path}: no such file") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--report {path}: not a python -m evals --json results file ({type(e).__name__}: {e})") from None
+        if not mine:
+            raise UserError(f"--report {path}: no results yet (no batch has finished)")
+        if len(titles) > 1:
+            raise UserError(f"--report: the files are of different runs' models or dtypes ({', '.join(sorted(titles))})")
+        for cell, row in cells.items():
+            if cell in rows and (rows[cell]["score"], rows[cell]["n"]) != (row["score"], row["n"]):
+                raise UserError(f"--report {path}: {' '.join(map(str, cell))} scores {row['score']:.4g} (n = {row['n']}) "
+                                f"here and {rows[cell]['score']:.4g} (n = {rows[cell]['n']}) in an earlier file")
+            rows.setdefault(cell, row)
+        print(heading)
+    print_results(list(rows.values()), methods, targets, plot_path, titles.pop(), empty)
     return 0
 
 

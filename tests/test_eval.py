@@ -679,6 +679,35 @@ def test_report_prints_the_tables_of_a_finished_or_running_run(tmp_path, monkeyp
         assert_one_line_error((evals_cli.main(["--report", str(path)]), capsys.readouterr().err), message)
 
 
+def test_report_of_several_files_is_one_run_across_their_lengths(tmp_path, capsys):
+    """--report a.json b.json (one run per length): one sweep table and plot over both lengths; a cell
+    both files hold (dense, run again beside a new policy) must score alike; files of two models refuse."""
+    def results(path, size, methods, score, checkpoint="checkpoints/M"):
+        rows = [{"task": "ruler-mk", "size": size, "size_unit": "tokens", "prompt_tokens": float(size),
+                 "metric": "exact_match", "higher_is_better": True, "attention": m, "compression": c,
+                 "compression_label": label, "achieved_compression": c, "score": score[m], "stderr": 0.1, "n": 8}
+                for m in methods for c, label in ((1.0, "1"), (0.125, "1/8")) if (m == "dense") == (c == 1.0)]
+        meta = {"checkpoint": checkpoint, "dtype": "bfloat16", "kernels": "cpu", "examples": 8, "elapsed_s": 60,
+                "attention": methods, "compression": ["1", "1/8"], "budgets": []}
+        path.write_text(json.dumps({"results": rows, "meta": meta}))
+        return path
+
+    short = results(tmp_path / "4k.json", 4096, ["dense", "sparq"], {"dense": 1.0, "sparq": 0.875})
+    long = results(tmp_path / "8k.json", 8192, ["dense", "sparq"], {"dense": 0.75, "sparq": 0.5})
+    beside = results(tmp_path / "4k_quest.json", 4096, ["dense", "quest"], {"dense": 1.0, "quest": 0.25})
+    plot = tmp_path / "sweep.png"
+    assert evals_cli.main(["--report", str(short), str(beside), str(long), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "ruler-mk 4096 tokens" in out and "ruler-mk 8192 tokens" in out and "exact_match (%) against tokens" in out
+    assert re.search(r"quest\s+100\.0±10\.0\s+25\.0", out) and plot.stat().st_size > 0
+    other = results(tmp_path / "again.json", 4096, ["dense"], {"dense": 0.5})
+    assert_one_line_error((evals_cli.main(["--report", str(short), str(other)]), capsys.readouterr().err),
+                          "scores 0.5 (n = 8) here and 1 (n = 8) in an earlier file")
+    model = results(tmp_path / "model.json", 8192, ["dense"], {"dense": 0.75}, checkpoint="checkpoints/N")
+    assert_one_line_error((evals_cli.main(["--report", str(short), str(model)]), capsys.readouterr().err),
+                          "different runs' models or dtypes")
+
+
 def test_length_batches_group_similar_prompts_and_keep_every_example():
     from evals.tasks import Example
 
