@@ -22,7 +22,8 @@ and positions [:length] are read):
   sparq_attention(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v) -> (B, n_kv, g, d)
   sparq_adaptive(q, k, k_t, v, v_sum, spread, length, live_length, compression, k_max, mean_v)
       -> (B, n_kv, g, d): adaptive SparQ, each row at its own split of the budget (spread (B, n_kv, d) fp32,
-      the keys' per-dimension spread; sparq.sparq_adaptive_attention_torch is the reference)
+      the keys' per-dimension spread; sparq.sparq_adaptive_attention_torch is the reference); on a
+      quantized cache also scales= and costs= (sparq.StepCosts)
   linear(x (..., K), weight (N, K), bias (N,) or None) -> (..., N)
 `length` is the number of positions read (the longest row's). `live_length` says which are live:
   None          every row's positions [0, length) are live (exact reads: the CPU default);
@@ -80,7 +81,8 @@ class Kernels:
     linear: Optional[Callable] = None  # None: F.linear
     packed_quantized: bool = False  # quantized linears: packed int4/int8 kernels, else dequantize + F.linear
     reads_int8_kv: bool = False  # dense_attention and dense_verify take an int8 cache as stored (scales=KVScales)
-    sparq_reads_quantized: bool = False  # sparq_attention takes int8 K/V and an int8/int4 K^T as stored (scales=)
+    sparq_reads_quantized: bool = False  # sparq_attention and sparq_adaptive take int8 K/V and an int8/int4 K^T as
+    # stored (scales=; sparq_adaptive also costs=, its split in stored bytes)
     describe: str = "plain PyTorch"
 
 
@@ -186,6 +188,11 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     torch.library.define("sparq::adaptive_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
                                                 "Tensor spread, SymInt length, float compression, int k_max, "
                                                 "bool mean_v, Tensor? lengths=None) -> Tensor")
+    torch.library.define("sparq::adaptive_quant_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
+                                                      "Tensor spread, SymInt length, float compression, int k_max, "
+                                                      "bool mean_v, Tensor? lengths, Tensor? k_scale, Tensor? v_scale, "
+                                                      "Tensor chan, Tensor? kt_scale, float kt_cost, "
+                                                      "float kt_scale_cost) -> Tensor")
     torch.library.define("sparq::dense_cpu",
                          "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor")
     torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
@@ -221,6 +228,14 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         _load_for_first_call("adaptive_cpu")
         return torch.ops.sparq.adaptive_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v,
                                                     lengths)
+
+    @torch.library.impl("sparq::adaptive_quant_cpu", "CompositeExplicitAutograd")
+    def _adaptive_quant_cpu_first_call(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths, k_scale,
+                                       v_scale, chan, kt_scale, kt_cost, kt_scale_cost):
+        _load_for_first_call("adaptive_quant_cpu")
+        return torch.ops.sparq.adaptive_quant_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max,
+                                                          mean_v, lengths, k_scale, v_scale, chan, kt_scale, kt_cost,
+                                                          kt_scale_cost)
 
     @torch.library.impl("sparq::dense_cpu", "CompositeExplicitAutograd")
     def _dense_cpu_first_call(q, k, v, length, lengths=None, queries=1):
@@ -258,6 +273,11 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
 
     @torch.library.register_fake("sparq::adaptive_cpu")
     def _adaptive_cpu_fake(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths=None):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("sparq::adaptive_quant_cpu")
+    def _adaptive_quant_cpu_fake(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths, k_scale,
+                                 v_scale, chan, kt_scale, kt_cost, kt_scale_cost):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::dense_quant_cpu")
@@ -371,12 +391,19 @@ def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, 
 
 def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, spread: Tensor,
                        length: int, live_length: Optional[Tensor], compression: float, k_max: int,
-                       mean_v: bool) -> Tensor:
+                       mean_v: bool, scales: Optional[KVScales] = None, costs=None) -> Tensor:
     """sparq_adaptive (the module docstring) with the fused C++ kernel: each row splits the budget at its
-    own live length inside the kernel, so nothing reaches the host. Exact lengths only."""
+    own live length inside the kernel, so nothing reaches the host. Exact lengths only. A quantized
+    cache is read as stored, its scales applied in the kernel, the budget split at `costs` (sparq.StepCosts:
+    step 1's reads in K/V elements as the cache stores them)."""
     _check_exact_lengths(live_length)
-    return torch.ops.sparq.adaptive_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v,
-                                                live_length)
+    if scales is None:
+        return torch.ops.sparq.adaptive_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v,
+                                                    live_length)
+    kt_scale = None if scales.kt_scale is scales.k_scale else scales.kt_scale  # K's int8 transposed: K's scales
+    return torch.ops.sparq.adaptive_quant_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v,
+                                                      live_length, scales.k_scale, scales.v_scale, scales.chan,
+                                                      kt_scale, costs.kt, costs.kt_scale)
 
 
 def _check_exact_lengths(live_length: Optional[Tensor]) -> None:
@@ -423,7 +450,7 @@ def resolve_kernels(choice: str, device: str | torch.device, length_bucket: int 
         kernels = replace(kernels, dense_attention=None, dense_verify=None, sparq_attention=None, sparq_adaptive=None,
                           describe=kernels.describe + "; attention on the torch path (soft-capped logits)")
     if int8_kv or quantized_kt:
-        dropped = {"sparq_adaptive": kernels.sparq_adaptive is not None,
+        dropped = {"sparq_adaptive": kernels.sparq_adaptive is not None and not kernels.sparq_reads_quantized,
                    "sparq_attention": kernels.sparq_attention is not None and not kernels.sparq_reads_quantized,
                    "dense_attention": int8_kv and kernels.dense_attention is not None and not kernels.reads_int8_kv}
         if dropped["dense_attention"]:

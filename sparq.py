@@ -384,7 +384,8 @@ def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], 
     lengths = [length] * B if live_length is None else live_length.expand(B).tolist()
     splits = [(d, n) if n <= k_max else adaptive_split(n, d, compression, k_max, costs or ELEMENTS) for n in lengths]
     r, k_top = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
-    return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, k_top // 4, mean_v, cap, k_t)
+    local = (k_top // 4).clamp(min=1)  # every head keeps at least its last position, however small k is
+    return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, local, mean_v, cap, k_t)
 
 
 @dataclass(frozen=True)
@@ -433,7 +434,7 @@ class SparQAdaptiveDecode(DecodePolicy):
     get different splits, and the split follows S as it grows) and the layer's KV heads share the
     resulting n_kv r components and n_kv k positions (sparq_adaptive_reference), the components ranked
     by |q_i| times the keys' spread in dimension i (key_spread, from the cache's running sums: Gemma 3's
-    k_norm scales its key dimensions 7-70x apart, which |q| alone does not see). Local window k / 4.
+    k_norm scales its key dimensions 7-70x apart, which |q| alone does not see). Local window k / 4, at least 1.
     Dense attention while a layer sees at most k_max positions, as SparQDecode."""
 
     name = "sparq-adaptive"
@@ -447,7 +448,8 @@ class SparQAdaptiveDecode(DecodePolicy):
             raise ValueError(f"--sparq-k must be at least 1, got {k_max}")
         self.compression, self.k_max, self.mean_v = compression, k_max, mean_v
         self.attend_torch = partial(sparq_adaptive_attention_torch, cap=cap)
-        self.attend = kernels.sparq_adaptive or self.attend_torch  # a fused kernel splits as a float cache does
+        self.attend = kernels.sparq_adaptive or self.attend_torch
+        self.fused = kernels.sparq_adaptive is not None  # reads the cache as stored (resolve_kernels: it can)
         self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
         self.dense_fused = kernels.dense_attention is not None
 
@@ -455,14 +457,24 @@ class SparQAdaptiveDecode(DecodePolicy):
         B, d = q.shape[0], q.shape[-1]
         if cache.visible_length(length) <= self.k_max:
             return dense_decode(self.attend_dense, self.dense_fused, q, cache, length)
-        view = cache.view(length, B)
-        spread = key_spread(view.k_moments[:B], view.length if view.live_length is None else view.live_length)
-        if cache.quantized:  # the budget in the bytes this cache stores: a float cache's are its elements
-            attend = partial(self.attend_torch, costs=StepCosts.of(cache.format, cache.dtype, d))
-        else:
-            attend = self.attend
-        return attend(q, view.k, view.k_t, view.v, view.v_sum, spread, view.length, view.live_length,
-                      self.compression, self.k_max, self.mean_v)
+        if not cache.quantized:  # a float cache: the budget in elements, the paper's
+            view = cache.view(length, B)
+            return self.attend(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
+                               view.live_length, self.compression, self.k_max, self.mean_v)
+        costs = StepCosts.of(cache.format, cache.dtype, d)  # the budget in the bytes this cache stores
+        if self.fused and not (cache.kt_storage == "int4" and cache.visible_start(length) % 2):
+            view = cache.view(length, B, stored=True)
+            return self.attend(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
+                               view.live_length, self.compression, self.k_max, self.mean_v, scales=view.scales,
+                               costs=costs)
+        view = cache.view(length, B)  # the torch path, or a window starting inside an int4 byte: dequantized
+        return self.attend_torch(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
+                                 view.live_length, self.compression, self.k_max, self.mean_v, costs=costs)
+
+    @staticmethod
+    def spread(view, B: int) -> Tensor:
+        """The keys' spread per dimension over the visible live positions of rows [:B]: (B, n_kv, d)."""
+        return key_spread(view.k_moments[:B], view.length if view.live_length is None else view.live_length)
 
     def transfer_elements(self, seq_len: int, head_dim: int, costs: StepCosts = ELEMENTS) -> int:
         """SparQ's (eq. 11) at this step's split, on average over the layer's heads, and the keys' running

@@ -5,9 +5,14 @@
 // torch.compile) kernels.py defines:
 //   adaptive_cpu(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, Tensor spread, SymInt length,
 //                float compression, int k_max, bool mean_v, Tensor? lengths=None) -> Tensor
+//   adaptive_quant_cpu(..., Tensor? lengths, Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale,
+//                      float kt_cost, float kt_scale_cost) -> Tensor
+// the second on a quantized cache, read as stored as decode_quant_cpu reads it (sparq_decode.cpp's
+// header), its budget split in stored bytes (kt_cost, kt_scale_cost: sparq.StepCosts).
 // It computes what sparq.sparq_adaptive_attention_torch computes (sparq.sparq_adaptive_reference at
 // each row's split), in fp32. Per batch row b, of live length S_b:
-//   (r, k) = adaptive_split(S_b, d, compression, k_max), or (d, S_b) when S_b <= k_max; local = k / 4;
+//   (r, k) = adaptive_split(S_b, d, compression, k_max, costs), or (d, S_b) when S_b <= k_max;
+//     local = max(1, k / 4) (a head never ends with no position);
 //   components: w_hi = sum_g |q_hgi| spread_hi, each head's share w_hi / sum_i w_hi; every head keeps
 //     its largest, the other H (r - 1) go to the largest shares over the row's H heads (ties: lower head,
 //     then lower index); head h streams its r_h rows of K^T: s_hat_h = softmax(q[i1_h] . K^T[i1_h] / tau),
@@ -40,6 +45,7 @@
 #include "attend.h"
 #include "parallel.h"
 #include "simd.h"
+#include "sparq_cache.h"
 #include "sparq_problem.h"
 #include "sparq_select.h"
 #include "sparq_step1.h"
@@ -49,17 +55,20 @@
 namespace sparq_cpu {
 namespace {
 
-// sparq.adaptive_split, the same arithmetic (doubles, Python's floor division).
-static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+// sparq.adaptive_split, the same arithmetic in the same order (doubles, floors): kt and kt_scale are
+// sparq.StepCosts (1 and 0 on a float cache, where it is the paper's element count).
 struct Split {
   int64_t r, k;
 };
-static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max) {
+static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max, double kt, double kt_scale) {
   if (S <= k_max) return {d, S};  // the row sees at most k_max positions: all of them, every component
   const int64_t budget = (int64_t)(c * (double)(2 * S * d + 2 * d));
   int64_t k = std::max<int64_t>(1, std::min<int64_t>(k_max, (int64_t)(c * (double)S / 2)));
-  const int64_t r = std::max<int64_t>(1, std::min<int64_t>(d, floor_div(budget - 2 * k * d - 6 * d, S)));
-  k = std::max<int64_t>(1, std::min<int64_t>(S, k + floor_div(budget - S * r - 2 * k * d - 6 * d, 2 * d)));
+  const double scales = (double)S * kt_scale;
+  const int64_t r = std::max<int64_t>(
+      1, std::min<int64_t>(d, (int64_t)std::floor(((double)(budget - 2 * k * d - 6 * d) - scales) / ((double)S * kt))));
+  const double left = (double)budget - (double)(S * r) * kt - scales - (double)(2 * k * d) - (double)(6 * d);
+  k = std::max<int64_t>(1, std::min<int64_t>(S, k + (int64_t)std::floor(left / (double)(2 * d))));
   return {r, k};
 }
 
@@ -112,11 +121,15 @@ static int64_t prepare_pooled(const Adaptive& A, const QT* q, int64_t b, int64_t
     const float inv_tau = 1.0f / std::sqrt((float)d * sel / tot);
     for (int64_t i = 0; i < r_h; ++i) qhat[i * g + gg] = qf[gg * d + i1[i]] * inv_tau;
   }
+  const float* chan = P.chan_of(b, h);  // a quantized step-1 source holds K / chan: chan goes into q_hat
+  if (chan && P.kt_scale)
+    for (int64_t i = 0; i < r_h; ++i)
+      for (int64_t gg = 0; gg < g; ++gg) qhat[i * g + gg] *= chan[i1[i]];
   return r_h;
 }
 
-template <typename KT, typename QT>
-static void run(const Adaptive& A, const QT* q, const KT* k, const KT* kt, const KT* v, QT* out) {
+template <typename KT, typename KTT, typename QT>
+static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, const KT* v, QT* out) {
   const Problem& P = A.P;
   const int64_t H = P.H, g = P.g, d = P.d, BH = P.B * H;
   const int64_t units = P.units();
@@ -185,11 +198,11 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KT* kt, const
       float* qhat = scratch(slot, s_qhat);
       const int64_t r_h = prepare_pooled(A, q, b, h, qf, scratch(slot, s_w),
                                          reinterpret_cast<int32_t*>(scratch(slot, s_wi)), i1, qhat);
-      const KT** rows = reinterpret_cast<const KT**>(scratch(slot, s_rows));
+      const KTT** rows = reinterpret_cast<const KTT**>(scratch(slot, s_rows));
       float* qmask = scratch(slot, s_qmask);
       const KT* kbh = k + b * P.ks0 + h * P.ks1;
       if (P.two_k) {
-        const KT* ktbh = kt + b * P.kts0 + h * P.kts1;
+        const KTT* ktbh = kt + b * P.kts0 + h * P.kts1;
         for (int64_t i = 0; i < r_h; ++i) rows[i] = ktbh + (int64_t)i1[i] * P.kts2;
       } else {  // q masked to i1, scaled by 1/tau
         std::fill(qmask, qmask + g * d, 0.f);
@@ -203,7 +216,7 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KT* kt, const
       }
       float* E = own(u) ? scratch(slot, s_E) : uE(u);
       float* mb = own(u) ? scratch(slot, s_mb) : umb(u);
-      pass_a<KT>(P, r_h, rows, kbh, qmask, qhat, p0, p1, E, ldE, st, mb, nblk);
+      pass_a<KT, KTT>(P, r_h, rows, kbh, qmask, qhat, p0, p1, E, ldE, st, mb, nblk, P.kt_scale_of(b, h));
       float* stat = ustat(u);
       for (int64_t gg = 0; gg < g; ++gg) { stat[gg] = st[gg].m; stat[g + gg] = hsum(load(st[gg].z)); }
       if (own(u)) candidates(u, slot, E, mb);
@@ -249,8 +262,10 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KT* kt, const
         }
       }
       prefetch_rows(P, k, v, b, h, pos, kk);
+      const float* chan = P.k_scale ? P.chan_of(b, h) : nullptr;  // an int8 K holds K / chan: chan goes into q
       for (int64_t gg = 0; gg < g; ++gg)
-        for (int64_t j = 0; j < d; ++j) qf[gg * d + j] = to_f(q[b * P.qs0 + h * P.qs1 + gg * P.qs2 + j * P.qs3]);
+        for (int64_t j = 0; j < d; ++j)
+          qf[gg * d + j] = to_f(q[b * P.qs0 + h * P.qs1 + gg * P.qs2 + j * P.qs3]) * (chan ? chan[j] : 1.0f);
       attend<KT, QT>(P, k, v, b, h, qf, pos, kk, P.mean_v ? alpha : nullptr, scratch(slot, s_lg), scratch(slot, s_y),
                      out);
     }
@@ -258,44 +273,34 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KT* kt, const
   run_phases(nt, {units, units, P.B, BH}, fn);
 }
 
-at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
-                        const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
-                        double compression, int64_t k_max, bool mean_v, const std::optional<at::Tensor>& lengths) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && v_sum.dim() == 3 && spread.dim() == 3,
-              "sparq::adaptive_cpu: expected q (B, n_kv, g, d), k/v (B_max, n_kv, S_max, d), v_sum and spread "
-              "(B_max, n_kv, d)");
+at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
+                         const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
+                         double compression, int64_t k_max, bool mean_v, const std::optional<at::Tensor>& lengths,
+                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                         const std::optional<at::Tensor>& chan, const std::optional<at::Tensor>& kt_scale, double kt_cost,
+                         double kt_scale_cost) {
+  const char* op = "sparq::adaptive_cpu";
+  TORCH_CHECK(q.dim() == 4 && v_sum.dim() == 3 && spread.dim() == 3, op,
+              ": expected q (B, n_kv, g, d), v_sum and spread (B_max, n_kv, d)");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && v_sum.device().is_cpu() &&
-                  spread.device().is_cpu(), "sparq::adaptive_cpu: CPU tensors only");
-  TORCH_CHECK(k.size(0) >= B && k.size(1) == H && k.size(3) == d, "sparq::adaptive_cpu: k shape ", k.sizes(),
-              " does not match q ", q.sizes());
-  TORCH_CHECK(v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(), "sparq::adaptive_cpu: v must match k");
+  TORCH_CHECK(q.device().is_cpu() && v_sum.device().is_cpu() && spread.device().is_cpu(), op, ": CPU tensors only");
   for (const at::Tensor* t : {&v_sum, &spread})
     TORCH_CHECK(t->size(0) >= B && t->size(1) == H && t->size(2) == d && t->scalar_type() == at::kFloat &&
-                    t->stride(2) == 1, "sparq::adaptive_cpu: v_sum and spread must be fp32 (B_max, n_kv, d), "
-                                       "contiguous in d");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "sparq::adaptive_cpu: k and v must be contiguous in the head dim");
-  TORCH_CHECK(1 <= length && length <= k.size(2), "sparq::adaptive_cpu: length ", length, " outside [1, ", k.size(2), "]");
-  TORCH_CHECK(0 < compression && compression <= 1 && k_max >= 1, "sparq::adaptive_cpu: need 0 < compression <= 1, k_max >= 1");
-  TORCH_CHECK(H * length < (int64_t(1) << 31), "sparq::adaptive_cpu: n_kv x length too large");
-  const bool two_k = k_t.has_value() && k_t->defined();
-  if (two_k) {
-    const at::Tensor& t = *k_t;
-    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(0) >= B && t.size(1) == H && t.size(2) == d &&
-                    t.size(3) >= length && t.scalar_type() == k.scalar_type() && t.stride(3) == 1,
-                "sparq::adaptive_cpu: k_t must be (B_max, n_kv, d, S_max), S-contiguous, k's dtype");
-  }
-  const auto kdt = k.scalar_type(), qdt = q.scalar_type();
-  TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf, "sparq::adaptive_cpu: unsupported cache dtype");
-  TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, "sparq::adaptive_cpu: unsupported q dtype");
+                    t->stride(2) == 1, op, ": v_sum and spread must be fp32 (B_max, n_kv, d), contiguous in d");
+  TORCH_CHECK(0 < compression && compression <= 1 && k_max >= 1, op, ": need 0 < compression <= 1, k_max >= 1");
+  TORCH_CHECK(kt_cost > 0 && kt_scale_cost >= 0, op, ": need kt_cost > 0 and kt_scale_cost >= 0");
+  TORCH_CHECK(H * length < (int64_t(1) << 31), op, ": n_kv x length too large");
+  const auto qdt = q.scalar_type();
+  TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, op, ": unsupported q dtype");
 
-  const std::vector<int64_t> len = row_lengths(lengths, B, length, "sparq::adaptive_cpu");
+  const std::vector<int64_t> len = row_lengths(lengths, B, length, op);
   Adaptive A{};
   Problem& P = A.P;
+  const CacheKind cache = bind_cache(P, op, B, H, d, length, k, k_t, v, k_scale, v_scale, chan, kt_scale);
   int64_t most_k = 1;
   for (int64_t b = 0; b < B; ++b) {
-    const Split s = adaptive_split(len[b], d, compression, k_max);
-    const int64_t kk = std::min(s.k, len[b]), n_local = std::min(kk / 4, len[b]);
+    const Split s = adaptive_split(len[b], d, compression, k_max, kt_cost, kt_scale_cost);
+    const int64_t kk = std::min(s.k, len[b]), n_local = std::min(std::max<int64_t>(1, kk / 4), len[b]);
     A.rows.push_back({len[b], s.r, n_local, kk - n_local});
     most_k = std::max(most_k, n_local + H * (kk - n_local));  // one head may take all of the row's positions
   }
@@ -303,11 +308,7 @@ at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::opt
   P.S = *std::max_element(len.begin(), len.end());
   P.kk = most_k;
   P.mean_v = mean_v;
-  P.two_k = two_k;
   P.qs0 = q.stride(0); P.qs1 = q.stride(1); P.qs2 = q.stride(2); P.qs3 = q.stride(3);
-  P.ks0 = k.stride(0); P.ks1 = k.stride(1); P.ks2 = k.stride(2);
-  if (two_k) { P.kts0 = k_t->stride(0); P.kts1 = k_t->stride(1); P.kts2 = k_t->stride(2); }
-  P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
   P.vss0 = v_sum.stride(0); P.vss1 = v_sum.stride(1);
   P.vsum = v_sum.data_ptr<float>();
   A.spread = spread.data_ptr<float>();
@@ -316,19 +317,46 @@ at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::opt
   split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
 
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
-#define SPARQ_RUN(KT, QT)                                                                                    \
-  run<KT, QT>(A, q.data_ptr<QT>(), k.data_ptr<KT>(), two_k ? k_t->data_ptr<KT>() : nullptr, v.data_ptr<KT>(), \
-              out.data_ptr<QT>())
-#define SPARQ_Q(KT)                                  \
-  if (qdt == at::kFloat) SPARQ_RUN(KT, float);       \
-  else if (qdt == at::kBFloat16) SPARQ_RUN(KT, bf16); \
-  else SPARQ_RUN(KT, f16);
-  if (kdt == at::kFloat) { SPARQ_Q(float) }
-  else if (kdt == at::kBFloat16) { SPARQ_Q(bf16) }
-  else { SPARQ_Q(f16) }
+#define SPARQ_RUN(KT, KTT, QT)                                                                            \
+  run<KT, KTT, QT>(A, q.data_ptr<QT>(), k.data_ptr<KT>(),                                               \
+                   cache.two_k ? reinterpret_cast<const KTT*>(k_t->data_ptr()) : nullptr, v.data_ptr<KT>(), \
+                   out.data_ptr<QT>())
+#define SPARQ_Q(KT, KTT)                                   \
+  if (qdt == at::kFloat) SPARQ_RUN(KT, KTT, float);        \
+  else if (qdt == at::kBFloat16) SPARQ_RUN(KT, KTT, bf16); \
+  else SPARQ_RUN(KT, KTT, f16);
+  // K^T's element type: K's, or int8 / int4 when quantized apart from it
+#define SPARQ_KT(KT)                                \
+  if (!cache.quantized_kt) { SPARQ_Q(KT, KT) }      \
+  else if (!cache.int4_kt) { SPARQ_Q(KT, int8_t) }  \
+  else { SPARQ_Q(KT, int4x2) }
+  const auto kdt = k.scalar_type();
+  if (kdt == at::kFloat) { SPARQ_KT(float) }
+  else if (kdt == at::kBFloat16) { SPARQ_KT(bf16) }
+  else if (kdt == at::kChar) { SPARQ_KT(int8_t) }
+  else { SPARQ_KT(f16) }
+#undef SPARQ_KT
 #undef SPARQ_Q
 #undef SPARQ_RUN
   return out;
+}
+
+at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
+                        const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
+                        double compression, int64_t k_max, bool mean_v, const std::optional<at::Tensor>& lengths) {
+  return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths, std::nullopt,
+                       std::nullopt, std::nullopt, std::nullopt, 1.0, 0.0);
+}
+
+// A quantized cache (its scales as decode_quant_cpu's) and step 1's costs in K/V elements (sparq.StepCosts).
+at::Tensor adaptive_quant_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
+                              const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
+                              double compression, int64_t k_max, bool mean_v, const std::optional<at::Tensor>& lengths,
+                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                              const at::Tensor& chan, const std::optional<at::Tensor>& kt_scale, double kt_cost,
+                              double kt_scale_cost) {
+  return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths, k_scale, v_scale, chan,
+                       kt_scale, kt_cost, kt_scale_cost);
 }
 
 }  // namespace
@@ -336,4 +364,5 @@ at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::opt
 
 TORCH_LIBRARY_IMPL(sparq, CPU, m) {
   m.impl("adaptive_cpu", &sparq_cpu::adaptive_cpu);
+  m.impl("adaptive_quant_cpu", &sparq_cpu::adaptive_quant_cpu);
 }

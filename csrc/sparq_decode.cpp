@@ -58,6 +58,7 @@
 #include "attend.h"
 #include "parallel.h"
 #include "simd.h"
+#include "sparq_cache.h"
 #include "sparq_problem.h"
 #include "sparq_select.h"
 #include "sparq_step1.h"
@@ -270,82 +271,29 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const std::opti
                       int64_t local, bool mean_v, const std::optional<at::Tensor>& lengths,
                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                       const std::optional<at::Tensor>& chan, const std::optional<at::Tensor>& kt_scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && v_sum.dim() == 3,
-              "sparq::decode_cpu: expected q (B, n_kv, g, d), k/v (B_max, n_kv, S_max, d), v_sum (B_max, n_kv, d)");
+  const char* op = "sparq::decode_cpu";
+  TORCH_CHECK(q.dim() == 4 && v_sum.dim() == 3, op, ": expected q (B, n_kv, g, d), v_sum (B_max, n_kv, d)");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
-  const int64_t S_max = k.size(2);
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && v_sum.device().is_cpu(),
-              "sparq::decode_cpu: CPU tensors only");
-  TORCH_CHECK(k.size(0) >= B && k.size(1) == H && k.size(3) == d, "sparq::decode_cpu: k shape ", k.sizes(),
-              " does not match q ", q.sizes());
-  TORCH_CHECK(v.sizes() == k.sizes(), "sparq::decode_cpu: v shape ", v.sizes(), " != k shape ", k.sizes());
-  TORCH_CHECK(v_sum.size(0) >= B && v_sum.size(1) == H && v_sum.size(2) == d && v_sum.scalar_type() == at::kFloat,
-              "sparq::decode_cpu: v_sum must be fp32 (B_max, n_kv, d)");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "sparq::decode_cpu: k and v dtypes differ");
-  auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && v_sum.stride(2) == 1,
-              "sparq::decode_cpu: k, v and v_sum must be contiguous in the head dim");
-  TORCH_CHECK(1 <= length && length <= S_max, "sparq::decode_cpu: length ", length, " outside [1, ", S_max, "]");
-  TORCH_CHECK(1 <= r && r <= d, "sparq::decode_cpu: r must be in [1, d]");
-  TORCH_CHECK(k_top >= 1 && 0 <= local && local <= k_top, "sparq::decode_cpu: need k_top >= 1 and 0 <= local <= k_top");
-  TORCH_CHECK(length < (int64_t(1) << 31), "sparq::decode_cpu: length too large");
-  const bool two_k = k_t.has_value() && k_t->defined();
-  if (two_k) {
-    const at::Tensor& t = *k_t;
-    const bool int4 = t.scalar_type() == at::kByte;
-    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(0) >= B && t.size(1) == H && t.size(2) == d &&
-                    (int4 ? 2 * t.size(3) >= length : t.size(3) >= length) && t.stride(3) == 1 &&
-                    (t.scalar_type() == k.scalar_type() || t.scalar_type() == at::kChar || int4),
-                "sparq::decode_cpu: k_t must be (B_max, n_kv, d, S_max), S-contiguous, k's dtype or int8 (or uint8: "
-                "int4, two positions per byte)");
-  }
-  const bool int8_kv = k.scalar_type() == at::kChar;
-  const bool quantized_kt = two_k && k_t->scalar_type() != k.scalar_type();
-  TORCH_CHECK(given(k_scale) == int8_kv && given(v_scale) == int8_kv,
-              "sparq::decode_cpu: k_scale and v_scale go with an int8 k and v, and only with them");
-  TORCH_CHECK(given(kt_scale) == quantized_kt, "sparq::decode_cpu: kt_scale goes with a k_t quantized apart from k");
-  TORCH_CHECK(given(chan) == (int8_kv || quantized_kt), "sparq::decode_cpu: chan goes with a quantized k or k_t");
-  for (const std::optional<at::Tensor>* s : {&k_scale, &v_scale, &kt_scale})
-    if (given(*s)) {
-      const at::Tensor& t = **s;
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) >= B && t.size(1) == H &&
-                      t.size(2) >= length && t.stride(2) == 1,
-                  "sparq::decode_cpu: k_scale, v_scale and kt_scale must be fp32 (B_max, n_kv, S_max), positions contiguous");
-    }
-  if (given(chan))
-    TORCH_CHECK(chan->scalar_type() == at::kFloat && chan->dim() == 3 && chan->size(0) >= B && chan->size(1) == H &&
-                    chan->size(2) == d && chan->stride(2) == 1,
-                "sparq::decode_cpu: chan must be fp32 (B_max, n_kv, d)");
-  const auto kdt = k.scalar_type(), qdt = q.scalar_type();
-  TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf || kdt == at::kChar,
-              "sparq::decode_cpu: unsupported cache dtype");
-  TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, "sparq::decode_cpu: unsupported q dtype");
+  TORCH_CHECK(q.device().is_cpu() && v_sum.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(v_sum.size(0) >= B && v_sum.size(1) == H && v_sum.size(2) == d && v_sum.scalar_type() == at::kFloat &&
+                  v_sum.stride(2) == 1, op, ": v_sum must be fp32 (B_max, n_kv, d), contiguous in d");
+  TORCH_CHECK(1 <= r && r <= d, op, ": r must be in [1, d]");
+  TORCH_CHECK(k_top >= 1 && 0 <= local && local <= k_top, op, ": need k_top >= 1 and 0 <= local <= k_top");
+  TORCH_CHECK(length < (int64_t(1) << 31), op, ": length too large");
+  const auto qdt = q.scalar_type();
+  TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, op, ": unsupported q dtype");
 
-  const std::vector<int64_t> len = row_lengths(lengths, B, length, "sparq::decode_cpu");
+  const std::vector<int64_t> len = row_lengths(lengths, B, length, op);
   Problem P{};
+  const CacheKind cache = bind_cache(P, op, B, H, d, length, k, k_t, v, k_scale, v_scale, chan, kt_scale);
   P.B = B; P.H = H; P.g = g; P.d = d; P.r = r; P.k_top = k_top; P.local = local; P.len = len.data();
   P.S = *std::max_element(len.begin(), len.end());
   P.kk = std::min(k_top, P.S);
   P.m = P.kk - std::min(local, P.S);  // the most any row chooses
   P.mean_v = mean_v;
-  P.two_k = two_k;
   P.qs0 = q.stride(0); P.qs1 = q.stride(1); P.qs2 = q.stride(2); P.qs3 = q.stride(3);
-  P.ks0 = k.stride(0); P.ks1 = k.stride(1); P.ks2 = k.stride(2);
-  if (two_k) { P.kts0 = k_t->stride(0); P.kts1 = k_t->stride(1); P.kts2 = k_t->stride(2); }
-  P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
   P.vss0 = v_sum.stride(0); P.vss1 = v_sum.stride(1);
   P.vsum = v_sum.data_ptr<float>();
-  if (int8_kv) {
-    P.k_scale = k_scale->data_ptr<float>(); P.ksc0 = k_scale->stride(0); P.ksc1 = k_scale->stride(1);
-    P.v_scale = v_scale->data_ptr<float>(); P.vsc0 = v_scale->stride(0); P.vsc1 = v_scale->stride(1);
-  }
-  if (given(chan)) { P.chan = chan->data_ptr<float>(); P.chs0 = chan->stride(0); P.chs1 = chan->stride(1); }
-  // step 1's per-position scales: a quantized K^T's own; an int8 K^T (same dtype as k) or, with
-  // layout "once", an int8 K itself, K's
-  const std::optional<at::Tensor>& step1_scale = quantized_kt ? kt_scale : k_scale;
-  if (given(step1_scale)) {
-    P.kt_scale = step1_scale->data_ptr<float>(); P.ktsc0 = step1_scale->stride(0); P.ktsc1 = step1_scale->stride(1);
-  }
   P.cs = chunk_length(len, H, thread_count(), std::numeric_limits<int64_t>::max());
   split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
 
@@ -353,16 +301,18 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const std::opti
 
 #define SPARQ_RUN(KT, KTT, QT)                                                                                  \
   run<KT, KTT, QT>(P, q.data_ptr<QT>(), k.data_ptr<KT>(),                                                     \
-                   two_k ? reinterpret_cast<const KTT*>(k_t->data_ptr()) : nullptr, v.data_ptr<KT>(), out.data_ptr<QT>())
+                   cache.two_k ? reinterpret_cast<const KTT*>(k_t->data_ptr()) : nullptr, v.data_ptr<KT>(),     \
+                   out.data_ptr<QT>())
 #define SPARQ_Q(KT, KTT)                                   \
   if (qdt == at::kFloat) SPARQ_RUN(KT, KTT, float);        \
   else if (qdt == at::kBFloat16) SPARQ_RUN(KT, KTT, bf16); \
   else SPARQ_RUN(KT, KTT, f16);
   // K^T's element type: K's, or int8 / int4 when quantized apart from it
-#define SPARQ_KT(KT)                                                              \
-  if (!quantized_kt) { SPARQ_Q(KT, KT) }                                          \
-  else if (k_t->scalar_type() == at::kChar) { SPARQ_Q(KT, int8_t) }               \
+#define SPARQ_KT(KT)                                \
+  if (!cache.quantized_kt) { SPARQ_Q(KT, KT) }      \
+  else if (!cache.int4_kt) { SPARQ_Q(KT, int8_t) }  \
   else { SPARQ_Q(KT, int4x2) }
+  const auto kdt = k.scalar_type();
   if (kdt == at::kFloat) { SPARQ_KT(float) }
   else if (kdt == at::kBFloat16) { SPARQ_KT(bf16) }
   else if (kdt == at::kChar) { SPARQ_KT(int8_t) }

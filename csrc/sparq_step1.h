@@ -162,13 +162,16 @@ static SPARQ_INLINE void block_2k(const KT* const* rows, int64_t i0, int64_t i1,
     if (sizeof(KT) == 4) prefetch_l2(rows[i] + pf_pos + 16);
   }
   const M m0 = TAIL ? tail_mask(n) : (M)0xFFFF, m1 = TAIL ? tail_mask(std::max<int64_t>(0, n - 16)) : (M)0xFFFF;
+  // An int4 block's accumulators hold its even positions, then its odd ones (not position order):
+  // partial sums between row groups go to E and back whole (E has the block's 32 slots)
+  const M pm0 = kInt4 ? (M)0xFFFF : m0, pm1 = kInt4 ? (M)0xFFFF : m1;
   V acc0[G], acc1[G];
   for (int h = 0; h < G; ++h) {
     if (first) {
       acc0[h] = acc1[h] = vzero();
     } else if (TAIL) {
-      acc0[h] = load(E + h * ldE, m0);
-      acc1[h] = load(E + h * ldE + 16, m1);
+      acc0[h] = load(E + h * ldE, pm0);
+      acc1[h] = load(E + h * ldE + 16, pm1);
     } else {
       acc0[h] = load(E + h * ldE);
       acc1[h] = load(E + h * ldE + 16);
@@ -191,8 +194,8 @@ static SPARQ_INLINE void block_2k(const KT* const* rows, int64_t i0, int64_t i1,
     finish_block<G, TAIL>(acc0, acc1, m0, m1, E, ldE, st, mb, ldmb, ps);
   } else {
     for (int h = 0; h < G; ++h) {
-      store(E + h * ldE, acc0[h], m0);
-      store(E + h * ldE + 16, acc1[h], m1);
+      store(E + h * ldE, acc0[h], pm0);
+      store(E + h * ldE + 16, acc1[h], pm1);
     }
   }
 }

@@ -43,6 +43,19 @@ def both(q, cache, lengths, compression, k_max, mean_v):
     return kernels.sparq_adaptive_cpu(*args), sparq_adaptive_attention_torch(*args)
 
 
+def test_a_budget_too_small_for_a_position_per_head_still_attends_to_the_last():
+    """k = 1 shared by 3 KV heads: each head still keeps its last position (local is at least 1), so
+    no head is left to a softmax over nothing (NaN); with nothing else to choose, each head's output is
+    its last position's V."""
+    S, n_kv = 300, 3
+    cache = scaled_cache([S], n_kv, 16, S + 4)
+    q = random_query(1, n_kv, 2, 16, seed=3)
+    fused, reference = both(q, cache, [S], 0.01, 8, False)
+    last_v = cache.v[:1, :, S - 1:S].expand(1, n_kv, 2, 16)
+    torch.testing.assert_close(reference, last_v)
+    torch.testing.assert_close(fused, reference)
+
+
 @pytest.mark.parametrize("B,n_kv,g,d,S,compression,mean_v,layout,n_threads", [
     (1, 3, 3, 64, 1400, 1 / 8, False, "twice", 2),  # SmolLM2 at SQuAD's length
     (1, 3, 3, 64, 2400, 1 / 8, True, "twice", 2),  # 3 heads on 2 threads: each S split into 2 chunks

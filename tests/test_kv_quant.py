@@ -290,7 +290,7 @@ def test_generate_runs_on_a_quantized_cache_and_refuses_kt_dtype_with_one_k():
     tiny = ["--random-weights", "tiny", "--prompt-tokens", "40", "--max-new-tokens", "6"]
     out = run_generate(*tiny, "--kv-dtype", "int8", "--kt-dtype", "int4", "--sparq-r", "4", "--sparq-k", "8")
     assert out.returncode == 0, out.stderr
-    assert "K/V int8, K^T int4" in out.stderr and "quantized KV cache" in out.stderr
+    assert "K/V int8, K^T int4" in out.stderr
     assert_one_line_error(run_generate(*tiny, "--kv-layout", "once", "--kt-dtype", "int4"), "--kv-layout once")
     assert_one_line_error(run_generate(*tiny, "--dtype", "float32", "--kv-dtype", "bfloat16"), "--kv-dtype bfloat16")
 
@@ -403,9 +403,46 @@ def test_fused_sparq_kernel_reads_a_quantized_cache_as_its_dequantized_copy(fuse
         stored = cache.view(S, rows, stored=True)
         k, v, k_t = dequantized_fp32(cache, S)  # bf16 copies would round the values the kernel reads exactly
         live = None if lengths is None else cache.live_length[:rows]
-        args = (S, live, 5, 48, 12, mean_v)
-        fused = sparq_attention_cpu(q, stored.k, stored.k_t, stored.v, stored.v_sum, *args, scales=stored.scales)
-        expected = sparq_attention_torch(q.float(), k, k_t, v, stored.v_sum, *args).to(dtype)
+        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        for r in (5, min(12, d)):  # one group of K^T rows, and two (partial sums kept between them)
+            args = (S, live, r, 48, 12, mean_v)
+            fused = sparq_attention_cpu(q, stored.k, stored.k_t, stored.v, stored.v_sum, *args, scales=stored.scales)
+            expected = sparq_attention_torch(q.float(), k, k_t, v, stored.v_sum, *args).to(dtype)
+            torch.testing.assert_close(fused, expected, **tol)
+
+
+@pytest.mark.parametrize("layout, kv_dtype, kt_dtype", SPARQ_FORMATS)
+@pytest.mark.parametrize("dtype, d, mean_v", [(torch.float32, 16, True), (torch.bfloat16, 64, False),
+                                              (torch.float32, 40, False)])
+def test_fused_adaptive_kernel_reads_a_quantized_cache_as_its_dequantized_copy(fused_cpu_kernels, threads, layout,
+                                                                               kv_dtype, kt_dtype, dtype, d, mean_v):
+    """The C++ adaptive SparQ kernel on the stored buffers against the torch path on the dequantized
+    values, both splitting the budget at the cache's costs (more components on a smaller K^T): ragged
+    rows of odd lengths, and one long row split over the threads in chunks."""
+    from kernels import sparq_adaptive_cpu
+    from sparq import key_spread, sparq_adaptive_attention_torch
+
+    torch.set_num_threads(2)
+    B, n_kv, g = 3, 3, 2
+    for S, lengths in ((301, torch.tensor([301, 17, 150])), (4097, None)):
+        rows = B if lengths is not None else 1
+        cache = KVCache(rows, S + 63, n_kv, d, dtype, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+        gen = torch.Generator().manual_seed(S + d)
+        k = torch.randn(rows, n_kv, S, d, generator=gen) * (1 + 4 * (torch.arange(d) == 1))
+        cache.update(torch.arange(S), k.to(dtype), torch.randn(rows, n_kv, S, d, generator=gen).to(dtype))
+        if lengths is not None:
+            cache.set_live_lengths(lengths)
+        q = torch.randn(rows, n_kv, g, d, generator=gen).to(dtype)
+        stored = cache.view(S, rows, stored=True)
+        k, v, k_t = dequantized_fp32(cache, S)
+        live = None if lengths is None else cache.live_length[:rows]
+        spread = key_spread(stored.k_moments[:rows], S if live is None else live)
+        costs = StepCosts.of(cache.format, dtype, d)
+        args = (S, live, 1 / 4, 32, mean_v)
+        fused = sparq_adaptive_cpu(q, stored.k, stored.k_t, stored.v, stored.v_sum, spread, *args,
+                                   scales=stored.scales, costs=costs)
+        expected = sparq_adaptive_attention_torch(q.float(), k, k_t, v, stored.v_sum, spread, *args,
+                                                  costs=costs).to(dtype)
         tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(fused, expected, **tol)
 
@@ -413,6 +450,7 @@ def test_fused_sparq_kernel_reads_a_quantized_cache_as_its_dequantized_copy(fuse
 @pytest.mark.parametrize("fmt, settings, prompt_length, new_tokens", [
     (KVFormat("twice", "int8", "same"), AttentionSettings("dense"), 40, 20),
     (KVFormat("twice", "int8", "int4"), AttentionSettings("sparq", sparq_r=6, sparq_k=32), 90, 30),
+    (KVFormat("twice", "auto", "int4"), AttentionSettings("sparq-adaptive", sparq_k=32, compression=1 / 4), 90, 30),
 ])
 def test_a_model_on_a_quantized_cache_generates_alike_with_the_fused_and_the_torch_paths(
         fused_cpu_kernels, fmt, settings, prompt_length, new_tokens):
@@ -431,14 +469,15 @@ def test_a_model_on_a_quantized_cache_generates_alike_with_the_fused_and_the_tor
     assert out["cpu"] == out["torch"]
 
 
-@pytest.mark.parametrize("policy", ["dense", "sparq"])
+@pytest.mark.parametrize("policy", ["dense", "sparq", "sparq-adaptive"])
 def test_the_compiled_decode_step_reads_a_quantized_cache_as_the_eager_one(fused_cpu_kernels, policy):
     """torch.compile (inductor's C++ wrapper) around the quantized cache's kernels: the eager tokens."""
     import kernels
 
     model = tiny_model(kernels=kernels.CPU_KERNELS)
     rows = torch.randint(0, 101, (2, 70), generator=torch.Generator().manual_seed(9)).tolist()
-    settings = AttentionSettings(policy, sparq_r=6 if policy == "sparq" else None, sparq_k=24)
+    settings = AttentionSettings(policy, sparq_r=6 if policy == "sparq" else None, sparq_k=24,
+                                 compression=1 / 4 if policy == "sparq-adaptive" else None)
     out = []
     for compile_decode in (False, True):
         model.setup_caches(2, 100, KVFormat("twice", "int8", "int4"))
@@ -453,9 +492,7 @@ def test_resolve_kernels_keeps_what_reads_a_quantized_cache_and_says_what_falls_
     said = []
     cpu = resolve_kernels("cpu", "cpu", int8_kv=True, quantized_kt=True, announce=said.append)
     assert cpu.dense_attention is not None and cpu.dense_verify is not None and cpu.sparq_attention is not None
-    assert cpu.sparq_adaptive is None and "adaptive SparQ on the torch path" in cpu.describe
-    assert said == []  # adaptive SparQ only in the startup line's kernels: no note for every quantized run
-    assert resolve_kernels("cpu", "cpu", announce=said.append).sparq_adaptive is not None and said == []
+    assert cpu.sparq_adaptive is not None and said == []
     import kernels_triton
     if kernels_triton.HAS_TRITON:  # the Triton kernels read it too (tests/test_kernels_triton.py)
         triton = resolve_kernels("triton", "cuda", int8_kv=True, quantized_kt=True, announce=said.append)

@@ -1,0 +1,87 @@
+// How a SparQ op's cache tensors become its Problem: their checks, strides and a quantized cache's
+// scales (model.KVCache). sparq_decode.cpp and sparq_adaptive.cpp read the same cache.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "sparq_problem.h"
+
+namespace sparq_cpu {
+namespace {
+
+// What the dispatch needs to know of the cache: K^T is present (layout "twice"), K and V are int8,
+// K^T is stored apart from K's format (int8 beside a float K, or int4: k_t uint8, two positions a byte).
+struct CacheKind {
+  bool two_k, int8_kv, quantized_kt, int4_kt;
+};
+
+static inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// Checks k, k_t, v and the scales against q's (B, H, d) and `length`, and fills P's cache strides and
+// scale pointers. op: the op's name, for its errors.
+static CacheKind bind_cache(Problem& P, const char* op, int64_t B, int64_t H, int64_t d, int64_t length,
+                            const at::Tensor& k, const std::optional<at::Tensor>& k_t, const at::Tensor& v,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                            const std::optional<at::Tensor>& chan, const std::optional<at::Tensor>& kt_scale) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(k.dim() == 4 && k.size(0) >= B && k.size(1) == H && k.size(3) == d, op, ": k shape ", k.sizes(),
+              " does not match q's (B, n_kv, g, d)");
+  TORCH_CHECK(v.sizes() == k.sizes(), op, ": v shape ", v.sizes(), " != k shape ", k.sizes());
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), op, ": k and v dtypes differ");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, op, ": k and v must be contiguous in the head dim");
+  TORCH_CHECK(1 <= length && length <= k.size(2), op, ": length ", length, " outside [1, ", k.size(2), "]");
+  const auto kdt = k.scalar_type();
+  TORCH_CHECK(kdt == at::kFloat || kdt == at::kBFloat16 || kdt == at::kHalf || kdt == at::kChar, op,
+              ": unsupported cache dtype");
+  CacheKind c{};
+  c.two_k = given(k_t);
+  if (c.two_k) {
+    const at::Tensor& t = *k_t;
+    const bool int4 = t.scalar_type() == at::kByte;
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(0) >= B && t.size(1) == H && t.size(2) == d &&
+                    (int4 ? 2 * t.size(3) >= length : t.size(3) >= length) && t.stride(3) == 1 &&
+                    (t.scalar_type() == kdt || t.scalar_type() == at::kChar || int4),
+                op, ": k_t must be (B_max, n_kv, d, S_max), S-contiguous, k's dtype or int8 (or uint8: int4, two "
+                "positions per byte)");
+  }
+  c.int8_kv = kdt == at::kChar;
+  c.quantized_kt = c.two_k && k_t->scalar_type() != kdt;
+  c.int4_kt = c.quantized_kt && k_t->scalar_type() == at::kByte;
+  TORCH_CHECK(given(k_scale) == c.int8_kv && given(v_scale) == c.int8_kv, op,
+              ": k_scale and v_scale go with an int8 k and v, and only with them");
+  TORCH_CHECK(given(kt_scale) == c.quantized_kt, op, ": kt_scale goes with a k_t quantized apart from k");
+  TORCH_CHECK(given(chan) == (c.int8_kv || c.quantized_kt), op, ": chan goes with a quantized k or k_t");
+  for (const std::optional<at::Tensor>* s : {&k_scale, &v_scale, &kt_scale})
+    if (given(*s)) {
+      const at::Tensor& t = **s;
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) >= B && t.size(1) == H &&
+                      t.size(2) >= length && t.stride(2) == 1,
+                  op, ": k_scale, v_scale and kt_scale must be fp32 (B_max, n_kv, S_max), positions contiguous");
+    }
+  if (given(chan))
+    TORCH_CHECK(chan->scalar_type() == at::kFloat && chan->dim() == 3 && chan->size(0) >= B && chan->size(1) == H &&
+                    chan->size(2) == d && chan->stride(2) == 1,
+                op, ": chan must be fp32 (B_max, n_kv, d)");
+
+  P.two_k = c.two_k;
+  P.ks0 = k.stride(0); P.ks1 = k.stride(1); P.ks2 = k.stride(2);
+  if (c.two_k) { P.kts0 = k_t->stride(0); P.kts1 = k_t->stride(1); P.kts2 = k_t->stride(2); }
+  P.vs0 = v.stride(0); P.vs1 = v.stride(1); P.vs2 = v.stride(2);
+  if (c.int8_kv) {
+    P.k_scale = k_scale->data_ptr<float>(); P.ksc0 = k_scale->stride(0); P.ksc1 = k_scale->stride(1);
+    P.v_scale = v_scale->data_ptr<float>(); P.vsc0 = v_scale->stride(0); P.vsc1 = v_scale->stride(1);
+  }
+  if (given(chan)) { P.chan = chan->data_ptr<float>(); P.chs0 = chan->stride(0); P.chs1 = chan->stride(1); }
+  // step 1's per-position scales: a quantized K^T's own; an int8 K^T (same dtype as k) or, with
+  // layout "once", an int8 K itself, K's
+  const std::optional<at::Tensor>& step1_scale = c.quantized_kt ? kt_scale : k_scale;
+  if (given(step1_scale)) {
+    P.kt_scale = step1_scale->data_ptr<float>(); P.ktsc0 = step1_scale->stride(0); P.ktsc1 = step1_scale->stride(1);
+  }
+  return c;
+}
+
+}  // namespace
+}  // namespace sparq_cpu
