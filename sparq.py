@@ -372,28 +372,12 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread:
     return y.to(q.dtype)
 
 
-def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor,
-                                   spread: Tensor, length: int, live_length: Optional[Tensor], compression: float,
-                                   k_max: int, mean_v: bool, cap: Optional[float] = None,
-                                   costs: StepCosts | None = None) -> Tensor:
-    """The kernel contract's sparq_adaptive (kernels.py) in PyTorch: each row splits the budget at its own
-    live length (adaptive_split at `costs`, the cache's: a float cache's by default; a row that sees at
-    most k_max positions takes all of them and every component; the host reads the lengths: this is
-    the reference path) and sparq_adaptive_torch runs the rows at their splits, step 1 on k_t."""
-    B, d = q.shape[0], q.shape[-1]
-    lengths = [length] * B if live_length is None else live_length.expand(B).tolist()
-    splits = [(d, n) if n <= k_max else adaptive_split(n, d, compression, k_max, costs or ELEMENTS) for n in lengths]
-    r, k_top = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
-    local = (k_top // 4).clamp(min=1)  # every head keeps at least its last position, however small k is
-    return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, local, mean_v, cap, k_t)
-
-
 @dataclass(frozen=True)
 class StepCosts:
     """Step 1's reads in units of one K or V element as the cache stores it (its row scale's share
     included): a K^T element (`kt`) and the scale step 1 reads per position (`kt_scale`). A float
     cache's K^T is K's dtype: 1 and 0, the paper's element count. An int4 K^T beside bf16 K and V:
-    1/4 and 2 (a 4-byte scale per position), so the same bytes buy about 4x the components."""
+    1/4 and 2 (a 4-byte scale per position), so the same bytes buy up to 4x the components (the scales take some)."""
 
     kt: float = 1.0
     kt_scale: float = 0.0
@@ -407,6 +391,22 @@ class StepCosts:
 ELEMENTS = StepCosts()  # a float cache
 
 
+def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor,
+                                   spread: Tensor, length: int, live_length: Optional[Tensor], compression: float,
+                                   k_max: int, mean_v: bool, cap: Optional[float] = None,
+                                   costs: StepCosts = ELEMENTS) -> Tensor:
+    """The kernel contract's sparq_adaptive (kernels.py) in PyTorch: each row splits the budget at its own
+    live length (adaptive_split at `costs`, the cache's: a float cache's by default; a row that sees at
+    most k_max positions takes all of them and every component; the host reads the lengths: this is
+    the reference path) and sparq_adaptive_torch runs the rows at their splits, step 1 on k_t."""
+    B, d = q.shape[0], q.shape[-1]
+    lengths = [length] * B if live_length is None else live_length.expand(B).tolist()
+    splits = [(d, n) if n <= k_max else adaptive_split(n, d, compression, k_max, costs) for n in lengths]
+    r, k_top = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
+    local = (k_top // 4).clamp(min=1)  # every head keeps at least its last position, however small k is
+    return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, local, mean_v, cap, k_t)
+
+
 def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int,
                    costs: StepCosts = ELEMENTS) -> tuple[int, int]:
     """(r, k) of one layer's step over seq_len visible positions at `compression` of dense's transfers:
@@ -415,9 +415,9 @@ def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int,
     and the keys' running sums, 2 d) is within 2d of c (2 S d + 2 d). A 512-position window layer of
     Gemma 3 at 1/4 gets k = 64 and r = 61 of 256 where one (r, k) for every layer gave it k = 128 and
     r = 27; SmolLM2 at 1/8 and 1.4k tokens r = 7 at k = 96 instead of r = 4 at k = 128. The fused
-    kernel (csrc/sparq_adaptive.cpp) repeats this arithmetic for each row, on float caches only.
-    On a cache whose K^T is stored in fewer bytes than K (`costs`), step 1's S r becomes
-    S (r costs.kt + costs.kt_scale): the same bytes, more components."""
+    kernel (csrc/sparq_adaptive.cpp) repeats this arithmetic for each row. On a cache whose K^T is
+    stored in fewer bytes than K (`costs`), step 1's S r becomes S (r costs.kt + costs.kt_scale): the
+    same bytes, more components."""
     d = head_dim
     budget = int(compression * (2 * seq_len * d + 2 * d))
     k = max(1, min(k_max, int(compression * seq_len / 2)))
