@@ -317,27 +317,14 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
   split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
 
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
-#define SPARQ_RUN(KT, KTT, QT)                                                                            \
-  run<KT, KTT, QT>(A, q.data_ptr<QT>(), k.data_ptr<KT>(),                                               \
-                   cache.two_k ? reinterpret_cast<const KTT*>(k_t->data_ptr()) : nullptr, v.data_ptr<KT>(), \
-                   out.data_ptr<QT>())
-#define SPARQ_Q(KT, KTT)                                   \
-  if (qdt == at::kFloat) SPARQ_RUN(KT, KTT, float);        \
-  else if (qdt == at::kBFloat16) SPARQ_RUN(KT, KTT, bf16); \
-  else SPARQ_RUN(KT, KTT, f16);
-  // K^T's element type: K's, or int8 / int4 when quantized apart from it
-#define SPARQ_KT(KT)                                \
-  if (!cache.quantized_kt) { SPARQ_Q(KT, KT) }      \
-  else if (!cache.int4_kt) { SPARQ_Q(KT, int8_t) }  \
-  else { SPARQ_Q(KT, int4x2) }
-  const auto kdt = k.scalar_type();
-  if (kdt == at::kFloat) { SPARQ_KT(float) }
-  else if (kdt == at::kBFloat16) { SPARQ_KT(bf16) }
-  else if (kdt == at::kChar) { SPARQ_KT(int8_t) }
-  else { SPARQ_KT(f16) }
-#undef SPARQ_KT
-#undef SPARQ_Q
-#undef SPARQ_RUN
+  dispatch_types(qdt, k.scalar_type(), cache, [&](auto kt, auto ktt, auto qt) {
+    using KT = typename decltype(kt)::type;
+    using KTT = typename decltype(ktt)::type;
+    using QT = typename decltype(qt)::type;
+    run<KT, KTT, QT>(A, q.data_ptr<QT>(), k.data_ptr<KT>(),
+                     cache.two_k ? reinterpret_cast<const KTT*>(k_t->data_ptr()) : nullptr, v.data_ptr<KT>(),
+                     out.data_ptr<QT>());
+  });
   return out;
 }
 

@@ -6,6 +6,7 @@
 
 #include <optional>
 
+#include "simd.h"
 #include "sparq_problem.h"
 
 namespace sparq_cpu {
@@ -81,6 +82,31 @@ static CacheKind bind_cache(Problem& P, const char* op, int64_t B, int64_t H, in
     P.kt_scale = step1_scale->data_ptr<float>(); P.ktsc0 = step1_scale->stride(0); P.ktsc1 = step1_scale->stride(1);
   }
   return c;
+}
+
+// Calls fn(Type<KT>{}, Type<KTT>{}, Type<QT>{}) with the element types of the cache (K and V: KT; K^T:
+// KTT, K's own or int8 / int4 when quantized apart from it) and of q (QT), the ops' one dispatch.
+template <typename T>
+struct Type {
+  using type = T;
+};
+template <class F>
+static void dispatch_types(at::ScalarType qdt, at::ScalarType kdt, const CacheKind& c, F&& fn) {
+  auto with_q = [&](auto kt, auto ktt) {
+    if (qdt == at::kFloat) fn(kt, ktt, Type<float>{});
+    else if (qdt == at::kBFloat16) fn(kt, ktt, Type<bf16>{});
+    else fn(kt, ktt, Type<f16>{});
+  };
+  auto with_kt = [&](auto kt) {
+    using KT = typename decltype(kt)::type;
+    if (!c.quantized_kt) with_q(kt, Type<KT>{});
+    else if (!c.int4_kt) with_q(kt, Type<int8_t>{});
+    else with_q(kt, Type<int4x2>{});
+  };
+  if (kdt == at::kFloat) with_kt(Type<float>{});
+  else if (kdt == at::kBFloat16) with_kt(Type<bf16>{});
+  else if (kdt == at::kChar) with_kt(Type<int8_t>{});
+  else with_kt(Type<f16>{});
 }
 
 }  // namespace
