@@ -378,6 +378,25 @@ def dequantized_fp32(cache: KVCache, n: int) -> tuple[torch.Tensor, torch.Tensor
 SPARQ_FORMATS = [("once", "int8", "same")] + [("twice", kv, kt) for kv, kt in FORMATS]
 
 
+def quantized_cases(layout: str, kv_dtype: str, kt_dtype: str, dtype: torch.dtype, d: int):
+    """The fused SparQ kernels' cases on a quantized cache, n_kv = 3, g = 2: three ragged rows of odd
+    lengths (an int4 byte half used), then one long row split over the threads in chunks. Yields
+    (cache, q, the stored view, K, V, K^T dequantized to fp32, the length read, the rows' live lengths)."""
+    n_kv, g = 3, 2
+    for S, lengths in ((301, torch.tensor([301, 17, 150])), (4097, None)):
+        rows = 3 if lengths is not None else 1
+        cache = KVCache(rows, S + 63, n_kv, d, dtype, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+        gen = torch.Generator().manual_seed(S + d)
+        k = torch.randn(rows, n_kv, S, d, generator=gen) * (1 + 4 * (torch.arange(d) == 1))
+        cache.update(torch.arange(S), k.to(dtype), torch.randn(rows, n_kv, S, d, generator=gen).to(dtype))
+        if lengths is not None:
+            cache.set_live_lengths(lengths)
+        q = torch.randn(rows, n_kv, g, d, generator=gen).to(dtype)
+        k, v, k_t = dequantized_fp32(cache, S)  # bf16 copies would round the values the kernel reads exactly
+        live = None if lengths is None else cache.live_length[:rows]
+        yield cache, q, cache.view(S, rows, stored=True), k, v, k_t, S, live
+
+
 @pytest.mark.parametrize("layout, kv_dtype, kt_dtype", SPARQ_FORMATS)
 @pytest.mark.parametrize("dtype, d, mean_v", [(torch.float32, 16, True), (torch.float32, 64, False),
                                               (torch.bfloat16, 64, True), (torch.float32, 40, False)])
@@ -390,20 +409,8 @@ def test_fused_sparq_kernel_reads_a_quantized_cache_as_its_dequantized_copy(fuse
     from sparq import sparq_attention_torch
 
     torch.set_num_threads(2)
-    B, n_kv, g = 3, 3, 2
-    for S, lengths in ((301, torch.tensor([301, 17, 150])), (4097, None)):
-        rows = B if lengths is not None else 1
-        cache = KVCache(rows, S + 63, n_kv, d, dtype, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
-        gen = torch.Generator().manual_seed(S + d)
-        k = torch.randn(rows, n_kv, S, d, generator=gen) * (1 + 4 * (torch.arange(d) == 1))
-        cache.update(torch.arange(S), k.to(dtype), torch.randn(rows, n_kv, S, d, generator=gen).to(dtype))
-        if lengths is not None:
-            cache.set_live_lengths(lengths)
-        q = torch.randn(rows, n_kv, g, d, generator=gen).to(dtype)
-        stored = cache.view(S, rows, stored=True)
-        k, v, k_t = dequantized_fp32(cache, S)  # bf16 copies would round the values the kernel reads exactly
-        live = None if lengths is None else cache.live_length[:rows]
-        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for _, q, stored, k, v, k_t, S, live in quantized_cases(layout, kv_dtype, kt_dtype, dtype, d):
         for r in (5, min(12, d)):  # one group of K^T rows, and two (partial sums kept between them)
             args = (S, live, r, 48, 12, mean_v)
             fused = sparq_attention_cpu(q, stored.k, stored.k_t, stored.v, stored.v_sum, *args, scales=stored.scales)
@@ -423,20 +430,8 @@ def test_fused_adaptive_kernel_reads_a_quantized_cache_as_its_dequantized_copy(f
     from sparq import key_spread, sparq_adaptive_attention_torch
 
     torch.set_num_threads(2)
-    B, n_kv, g = 3, 3, 2
-    for S, lengths in ((301, torch.tensor([301, 17, 150])), (4097, None)):
-        rows = B if lengths is not None else 1
-        cache = KVCache(rows, S + 63, n_kv, d, dtype, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
-        gen = torch.Generator().manual_seed(S + d)
-        k = torch.randn(rows, n_kv, S, d, generator=gen) * (1 + 4 * (torch.arange(d) == 1))
-        cache.update(torch.arange(S), k.to(dtype), torch.randn(rows, n_kv, S, d, generator=gen).to(dtype))
-        if lengths is not None:
-            cache.set_live_lengths(lengths)
-        q = torch.randn(rows, n_kv, g, d, generator=gen).to(dtype)
-        stored = cache.view(S, rows, stored=True)
-        k, v, k_t = dequantized_fp32(cache, S)
-        live = None if lengths is None else cache.live_length[:rows]
-        spread = key_spread(stored.k_moments[:rows], S if live is None else live)
+    for cache, q, stored, k, v, k_t, S, live in quantized_cases(layout, kv_dtype, kt_dtype, dtype, d):
+        spread = key_spread(stored.k_moments[:q.shape[0]], S if live is None else live)
         costs = StepCosts.of(cache.format, dtype, d)
         args = (S, live, 1 / 4, 32, mean_v)
         fused = sparq_adaptive_cpu(q, stored.k, stored.k_t, stored.v, stored.v_sum, spread, *args,
