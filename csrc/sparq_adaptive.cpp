@@ -317,14 +317,8 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
   split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
 
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  dispatch_types(qdt, k.scalar_type(), cache, [&](auto kt, auto ktt, auto qt) {
-    using KT = typename decltype(kt)::type;
-    using KTT = typename decltype(ktt)::type;
-    using QT = typename decltype(qt)::type;
-    run<KT, KTT, QT>(A, q.data_ptr<QT>(), k.data_ptr<KT>(),
-                     cache.two_k ? reinterpret_cast<const KTT*>(k_t->data_ptr()) : nullptr, v.data_ptr<KT>(),
-                     out.data_ptr<QT>());
-  });
+  dispatch_cache(q, k, k_t, v, out, cache,
+                 [&](auto qp, auto kp, auto ktp, auto vp, auto op) { run(A, qp, kp, ktp, vp, op); });
   return out;
 }
 

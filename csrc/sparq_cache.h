@@ -84,18 +84,28 @@ static CacheKind bind_cache(Problem& P, const char* op, int64_t B, int64_t H, in
   return c;
 }
 
-// Calls fn(Type<KT>{}, Type<KTT>{}, Type<QT>{}) with the element types of the cache (K and V: KT; K^T:
-// KTT, K's own or int8 / int4 when quantized apart from it) and of q (QT), the ops' one dispatch.
+// Calls fn(q, k, k_t, v, out) with the tensors' data as typed pointers: K and V's element type KT, K^T's
+// KTT (K's own, or int8 / int4 when quantized apart from it; nullptr without K^T), q's and out's QT.
+// The ops' one dispatch: their run<KT, KTT, QT> deduce the types from the pointers.
 template <typename T>
 struct Type {
   using type = T;
 };
 template <class F>
-static void dispatch_types(at::ScalarType qdt, at::ScalarType kdt, const CacheKind& c, F&& fn) {
+static void dispatch_cache(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
+                           const at::Tensor& v, at::Tensor& out, const CacheKind& c, F&& fn) {
+  auto call = [&](auto kt, auto ktt, auto qt) {
+    using KT = typename decltype(kt)::type;
+    using KTT = typename decltype(ktt)::type;
+    using QT = typename decltype(qt)::type;
+    fn(q.data_ptr<QT>(), k.data_ptr<KT>(), c.two_k ? reinterpret_cast<const KTT*>(k_t->data_ptr()) : nullptr,
+       v.data_ptr<KT>(), out.data_ptr<QT>());
+  };
   auto with_q = [&](auto kt, auto ktt) {
-    if (qdt == at::kFloat) fn(kt, ktt, Type<float>{});
-    else if (qdt == at::kBFloat16) fn(kt, ktt, Type<bf16>{});
-    else fn(kt, ktt, Type<f16>{});
+    const auto qdt = q.scalar_type();
+    if (qdt == at::kFloat) call(kt, ktt, Type<float>{});
+    else if (qdt == at::kBFloat16) call(kt, ktt, Type<bf16>{});
+    else call(kt, ktt, Type<f16>{});
   };
   auto with_kt = [&](auto kt) {
     using KT = typename decltype(kt)::type;
@@ -103,6 +113,7 @@ static void dispatch_types(at::ScalarType qdt, at::ScalarType kdt, const CacheKi
     else if (!c.int4_kt) with_q(kt, Type<int8_t>{});
     else with_q(kt, Type<int4x2>{});
   };
+  const auto kdt = k.scalar_type();
   if (kdt == at::kFloat) with_kt(Type<float>{});
   else if (kdt == at::kBFloat16) with_kt(Type<bf16>{});
   else if (kdt == at::kChar) with_kt(Type<int8_t>{});

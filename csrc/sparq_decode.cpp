@@ -299,14 +299,8 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const std::opti
 
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
 
-  dispatch_types(qdt, k.scalar_type(), cache, [&](auto kt, auto ktt, auto qt) {
-    using KT = typename decltype(kt)::type;
-    using KTT = typename decltype(ktt)::type;
-    using QT = typename decltype(qt)::type;
-    run<KT, KTT, QT>(P, q.data_ptr<QT>(), k.data_ptr<KT>(),
-                     cache.two_k ? reinterpret_cast<const KTT*>(k_t->data_ptr()) : nullptr, v.data_ptr<KT>(),
-                     out.data_ptr<QT>());
-  });
+  dispatch_cache(q, k, k_t, v, out, cache,
+                 [&](auto qp, auto kp, auto ktp, auto vp, auto op) { run(P, qp, kp, ktp, vp, op); });
   return out;
 }
 
