@@ -68,6 +68,11 @@ class KVScales:
     chan: Tensor
     kt_scale: Optional[Tensor] = None  # a quantized K^T's per-position scales (K's own when it is K's int8 transposed)
 
+    @property
+    def own_kt_scale(self) -> Optional[Tensor]:
+        """K^T's scales where they are its own, None where K^T is K's int8 transposed (the kernels then read K's)."""
+        return None if self.kt_scale is self.k_scale else self.kt_scale
+
 
 @dataclass(frozen=True)
 class Kernels:
@@ -384,9 +389,8 @@ def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, 
     _check_exact_lengths(live_length)
     if scales is None:
         return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, live_length)
-    kt_scale = None if scales.kt_scale is scales.k_scale else scales.kt_scale  # K's int8 transposed: K's scales
     return torch.ops.sparq.decode_quant_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, live_length,
-                                                    scales.k_scale, scales.v_scale, scales.chan, kt_scale)
+                                                    scales.k_scale, scales.v_scale, scales.chan, scales.own_kt_scale)
 
 
 def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, spread: Tensor,
@@ -400,10 +404,9 @@ def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     if scales is None:
         return torch.ops.sparq.adaptive_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v,
                                                     live_length)
-    kt_scale = None if scales.kt_scale is scales.k_scale else scales.kt_scale  # K's int8 transposed: K's scales
     return torch.ops.sparq.adaptive_quant_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v,
                                                       live_length, scales.k_scale, scales.v_scale, scales.chan,
-                                                      kt_scale, costs.kt, costs.kt_scale)
+                                                      scales.own_kt_scale, costs.kt, costs.kt_scale)
 
 
 def _check_exact_lengths(live_length: Optional[Tensor]) -> None:

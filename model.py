@@ -508,6 +508,11 @@ class KVCache(nn.Module):
     def visible_length(self, length: int) -> int:
         return length - self.visible_start(length)
 
+    def stored_view_readable(self, length: int) -> bool:
+        """A fused kernel can read view(length, stored=True): not a window starting inside an int4
+        K^T byte (its first position would be a high nibble; the torch paths read it dequantized)."""
+        return not (self.kt_storage == "int4" and self.visible_start(length) % 2)
+
     def view(self, length: int, rows: int, stored: bool = False) -> CacheView:
         """The positions a decode step of `rows` rows reading `length` positions attends to: values in
         the activations' dtype (dequantized copies of a quantized cache's visible positions, for the

@@ -462,7 +462,7 @@ class SparQAdaptiveDecode(DecodePolicy):
             return self.attend(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
                                view.live_length, self.compression, self.k_max, self.mean_v)
         costs = StepCosts.of(cache.format, cache.dtype, d)  # the budget in the bytes this cache stores
-        if self.fused and not (cache.kt_storage == "int4" and cache.visible_start(length) % 2):
+        if self.fused and cache.stored_view_readable(length):
             view = cache.view(length, B, stored=True)
             return self.attend(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
                                view.live_length, self.compression, self.k_max, self.mean_v, scales=view.scales,
@@ -524,7 +524,7 @@ class SparQDecode(DecodePolicy):
         if self.dense_when_short and cache.visible_length(length) <= c.k_top:
             return dense_decode(self.attend_dense, self.dense_fused, q, cache, length)
         if self.fused and cache.quantized:
-            if not (cache.kt_storage == "int4" and cache.visible_start(length) % 2):
+            if cache.stored_view_readable(length):
                 view = cache.view(length, q.shape[0], stored=True)
                 return self.attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
                                    c.r, c.k_top, c.local, c.mean_v, scales=view.scales)
