@@ -667,8 +667,10 @@ def sparq_plan(B: int, n_kv: int, g: int, d: int, S_bound: int, KT: int, native_
         n_chunks = triton.cdiv(S_bound, CHUNK)
         if n_chunks == 1:
             CHUNK = max(16, _pow2(S_bound))
-    # The top-k's counting passes, two bits each: 16 block-wide reductions instead of 31.
-    PASS_BITS = select_bits or 2
+    # The top-k's counting passes, one bit each (31 block-wide reductions): two bits a pass (16
+    # reductions of packed int64 counts) measured no faster on an H200, 5-7% slower at 32k-128k and
+    # Table 4's shape (results/gpu/2026-11-27b-h200); kept for the GPU check's side-by-side sweep.
+    PASS_BITS = select_bits or 1
     select = dict(NB_PAD=max(16, _pow2(NB)), CHUNK=CHUNK, BLOCK_S=BLOCK_S, FINAL=n_chunks == 1, PASS_BITS=PASS_BITS,
                   num_warps=8 if CHUNK >= 2048 else 4, num_stages=1)
     merge = None if n_chunks == 1 else dict(N_PAD=_pow2(n_chunks * KT), PASS_BITS=PASS_BITS, num_warps=8,
