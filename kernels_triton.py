@@ -377,7 +377,8 @@ if HAS_TRITON:
         over its KS selected rows (online softmax); selected positions past the live length get weight 0.
         INT8_KV: the rows are int8 as stored, K = k k_scale chan (chan into q), V = v v_scale.
         DOT_NATIVE: q, K and V in one 16-bit dtype dot on tensor cores as they are (MHA too, its one
-        query row padded to G_PAD = 16), the probabilities cast to V's dtype, as the dense kernel does."""
+        query row padded to G_PAD = 16), the probabilities cast to V's dtype, as the dense kernel does;
+        an int8 K/V converts to q's dtype exactly, q chan and v v_scale rounded once to it."""
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // n_kv
@@ -391,9 +392,13 @@ if HAS_TRITON:
                     + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         if not DOT_NATIVE:
             q = q.to(tl.float32)
-        if INT8_KV:
-            q = q * tl.load(chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + offs_d,
-                            mask=d_mask, other=0.0)[None, :]
+        if INT8_KV:  # K's channel scales into q (rounded once to q's dtype for the native dots)
+            chan = tl.load(chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + offs_d,
+                           mask=d_mask, other=0.0)
+            if DOT_NATIVE:
+                q = (q.to(tl.float32) * chan[None, :]).to(q_ptr.dtype.element_ty)
+            else:
+                q = q * chan[None, :]
         k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
         v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
         x_off = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh  # the scales' row
@@ -426,8 +431,8 @@ if HAS_TRITON:
                 k_sel = k_sel.to(tl.float32)
                 v_sel = v_sel.to(tl.float32)
             if USE_DOT:
-                if DOT_NATIVE:  # bf16/fp16 operands: exact products, fp32 accumulation
-                    s = tl.dot(q, tl.trans(k_sel))  # (G_PAD, BLOCK_K)
+                if DOT_NATIVE:  # bf16/fp16 operands (int8 converts exactly): exact products, fp32 accumulation
+                    s = tl.dot(q, tl.trans(k_sel.to(q.dtype)))  # (G_PAD, BLOCK_K)
                 else:
                     s = tl.dot(q, tl.trans(k_sel), input_precision=PRECISION)
             else:
@@ -439,11 +444,11 @@ if HAS_TRITON:
             correction = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * correction + tl.sum(p, axis=1)
-            if INT8_KV:
-                v_sel = v_sel * tl.load(vs_ptr + x_off + pos, mask=valid, other=0.0)[:, None]
+            if INT8_KV:  # V = v v_scale (in q's dtype for the native dot)
+                v_sel = (v_sel * tl.load(vs_ptr + x_off + pos, mask=valid, other=0.0)[:, None]).to(q.dtype)
             if USE_DOT:
                 if DOT_NATIVE:  # probabilities in V's dtype, as the torch path multiplies them
-                    pv = tl.dot(p.to(v_sel.dtype), v_sel)  # (G_PAD, D_PAD)
+                    pv = tl.dot(p.to(q.dtype), v_sel.to(q.dtype))  # (G_PAD, D_PAD)
                 else:
                     pv = tl.dot(p, v_sel, input_precision=PRECISION)
             else:
@@ -479,7 +484,8 @@ if HAS_TRITON:
         rows are heads x T, head-major, and row i, query t = i % T, sees positions below n - T + 1 + t
         (a split wholly in its future leaves it the empty softmax (m = -1e30, l = 0) the combine weighs 0).
         INT8_KV: K and V int8 as stored, K = k k_scale chan (chan into q, k_scale into the logits), V =
-        v v_scale (into the weights), in fp32."""
+        v v_scale (into the weights); with DOT_NATIVE the int8 rows convert to q's 16-bit dtype exactly and
+        q chan and the weights round once to it (_native_kv_dot), else all in fp32."""
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid_bh // n_kv
@@ -496,9 +502,13 @@ if HAS_TRITON:
                         + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
             if not DOT_NATIVE:
                 q = q.to(tl.float32)
-            if INT8_KV:
-                q = q * tl.load(chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + offs_d,
-                                mask=d_mask, other=0.0)[None, :]
+            if INT8_KV:  # K's channel scales into q (rounded once to q's dtype for the native dots)
+                chan = tl.load(chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + offs_d,
+                               mask=d_mask, other=0.0)
+                if DOT_NATIVE:
+                    q = (q.to(tl.float32) * chan[None, :]).to(q_ptr.dtype.element_ty)
+                else:
+                    q = q * chan[None, :]
             k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
             v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
             x_off = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh  # the scales' row
@@ -516,8 +526,8 @@ if HAS_TRITON:
                 k_blk = tl.load(k_base + rows[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
                 v_blk = tl.load(v_base + rows[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
                 if USE_DOT:
-                    if DOT_NATIVE:  # bf16/fp16 operands: exact products, fp32 accumulation
-                        s = tl.dot(q, tl.trans(k_blk))
+                    if DOT_NATIVE:  # bf16/fp16 operands (int8 converts exactly): exact products, fp32 accumulation
+                        s = tl.dot(q, tl.trans(k_blk.to(q.dtype)))
                     else:
                         s = tl.dot(q, tl.trans(k_blk.to(tl.float32)), input_precision=PRECISION)
                 else:
@@ -530,11 +540,11 @@ if HAS_TRITON:
                 correction = tl.exp(m_i - m_new)
                 p = tl.exp(s - m_new[:, None])
                 l_i = l_i * correction + tl.sum(p, axis=1)
-                if INT8_KV:  # V's scales into the weights (fp32 dot below)
+                if INT8_KV:  # V's scales into the weights
                     p = p * tl.load(vs_ptr + x_off + rows, mask=valid, other=0.0)[None, :]
                 if USE_DOT:
-                    if DOT_NATIVE:  # probabilities in V's dtype, as the torch path multiplies them
-                        pv = tl.dot(p.to(v_blk.dtype), v_blk)
+                    if DOT_NATIVE:  # probabilities in q's (V's) dtype, as the torch path multiplies them
+                        pv = tl.dot(p.to(q.dtype), v_blk.to(q.dtype))
                     else:
                         pv = tl.dot(p, v_blk.to(tl.float32), input_precision=PRECISION)
                 else:
@@ -764,6 +774,17 @@ def _native_dot(*tensors: Tensor) -> bool:
             and (dtype == torch.float16 or dtype == torch.bfloat16 and tensors[0].device.type == "cuda"))
 
 
+def _native_kv_dot(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Step 2's and dense's dots in q's 16-bit dtype: K and V share it, or are int8 as stored (exact in
+    bf16 and fp16, whose 8 and 11 significant bits hold any |x| <= 127): K's channel scales fold into q
+    and V's position scales into V or the weights, each rounded once to q's dtype, as a 16-bit cache
+    rounds its values. The fp32 alternative ran an H200's int8 dense at 12-14% of the read rate, 4.3x
+    the bf16 kernel's time for half its bytes (Llama-2-7B, 32k; results/gpu/2026-11-27b-h200)."""
+    if k.dtype == torch.int8 and v.dtype == torch.int8:
+        return _native_dot(q)
+    return _native_dot(q, k, v)
+
+
 def _check_layout(q: Tensor, *tensors: Optional[Tensor]) -> None:
     if q.stride(-1) != 1 or any(t is not None and t.stride(-1) != 1 for t in tensors):
         raise ValueError("q, k, v and v_sum must be contiguous along d, k_t along S")
@@ -810,7 +831,7 @@ def _sparq_triton_impl(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     KT = min(k_top, S_bound)  # with a tensor live length, selections past it get weight 0
     kk = k if k_t is None else k_t  # step 1's source
     plan = sparq_plan(B, n_kv, g, d, S_bound, KT, _native_dot(q, kk), _device_sms(device), r, blocks_per_program,
-                      select_bits, _native_dot(q, k, v))
+                      select_bits, _native_kv_dot(q, k, v))
     NB, n_chunks, KS, n_split = plan["NB"], plan["n_chunks"], plan["KS"], plan["n_split"]
     f32, i32 = torch.float32, torch.int32
 
@@ -878,7 +899,7 @@ def _dense_triton_impl(q: Tensor, k: Tensor, v: Tensor, length: int, live: Optio
     B, n_kv, g, d = q.shape
     LIVE, live_arg = _live_args(q, length, live)
     S_bound, device, rows = length, q.device, B * n_kv
-    plan = dense_plan(B, n_kv, g, d, S_bound, _native_dot(q, k, v), _device_sms(device))
+    plan = dense_plan(B, n_kv, g, d, S_bound, _native_kv_dot(q, k, v), _device_sms(device))
     SPLIT, n_split = plan["SPLIT"], plan["n_split"]
     out = torch.empty((B, n_kv, g, d), dtype=q.dtype, device=device)
     o_strides = (out.stride(0), out.stride(1), out.stride(2))

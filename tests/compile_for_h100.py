@@ -86,15 +86,18 @@ for (B, n_kv, g, d, S, k), kdt in SHAPES:
     if dp["combine"]:
         compile_one(kt._combine_kernel, dp["combine"], kdt, MEAN_V=False, LIVE=2)
 
-# a quantized cache (int8 K/V; an int8 or int4 K^T, or int8 K as step 1's source with one K): fp32 dots
-for (B, n_kv, g, d, S, k), kdt in (((1, 8, 4, 128, 131072, 128), "bf16"), ((64, 32, 1, 128, 4096, 128), "bf16")):
-    p = kt.sparq_plan(B, n_kv, g, d, S, k, False)
+# a quantized cache (int8 K/V; an int8 or int4 K^T, or int8 K as step 1's source with one K): step 1's
+# fp32 dots; step 2's and dense's native 16-bit dots under a bf16 q, fp32 ones under an fp32 q
+for (B, n_kv, g, d, S, k), kdt in (((1, 8, 4, 128, 131072, 128), "bf16"), ((64, 32, 1, 128, 4096, 128), "bf16"),
+                                   ((1, 8, 4, 128, 131072, 128), "fp32")):
+    native = kdt != "fp32"
+    p = kt.sparq_plan(B, n_kv, g, d, S, k, False, kv_native_dot=native)
     for quant, k_transposed, kptr in ((1, True, "i8"), (2, True, "u8"), (1, False, "i8")):
         compile_one(kt._sparq_step1_kernel, p["step1"], kdt, {"k_ptr": kptr}, K_TRANSPOSED=k_transposed, LIVE=1,
                     QUANT=quant)
     compile_one(kt._sparq_step2_kernel, p["step2"], kdt, {"k_ptr": "i8", "v_ptr": "i8"}, MEAN_V=True, LIVE=1,
                 INT8_KV=True)
-    dp = kt.dense_plan(B, n_kv, g, d, S, False)
+    dp = kt.dense_plan(B, n_kv, g, d, S, native)
     compile_one(kt._dense_kernel, dp["dense"], kdt, {"k_ptr": "i8", "v_ptr": "i8"}, LIVE=1, INT8_KV=True)
 
 # the verify pass (speculative decoding): T = 5 queries folded into the heads, per-row live lengths

@@ -595,6 +595,34 @@ def test_a_quantized_cache_is_read_as_its_dequantized_copy(layout, kv_dtype, kt_
 
 
 @pytest.mark.parametrize("layout, kt_dtype", [("twice", "int4"), ("once", "same")])
+@pytest.mark.parametrize("g", [1, 4])
+def test_an_int8_cache_under_16_bit_queries_takes_the_native_dots(layout, kt_dtype, g):
+    """A 16-bit q on an int8 K/V: dense's and step 2's dots run in q's dtype (int8 converts exactly; q
+    chan and the weights or V rounded once), MHA included, against the torch paths in fp32 on the
+    dequantized values and the same q. fp16 (the interpreter's dots are right for fp16, not bf16)."""
+    from sparq import sparq_attention_torch
+
+    n_kv, d, S, lengths = 2, 64, 700, [700, 333]
+    gen = torch.Generator().manual_seed(41 + g)
+    q, stored, (k, v, k_t), live = filled_quantized_cache(layout, "int8", kt_dtype, S, lengths, gen, g=g,
+                                                          k_scale=1 + 4 * (torch.arange(d) == 1))
+    q16 = q.to(torch.float16)
+    assert kernels_triton._native_kv_dot(q16.to(DEVICE), stored.k.to(DEVICE), stored.v.to(DEVICE))
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    scales = stored.scales
+    if DEVICE != "cpu":
+        scales = type(scales)(*(to(getattr(scales, f)) for f in ("k_scale", "v_scale", "chan", "kt_scale")))
+    tol = dict(rtol=2e-3, atol=5e-4)  # outputs ~0.1: fp16's rounding of q chan and the weights, ~1e-4
+    dense = kernels_triton.dense_attention_triton(to(q16), to(stored.k), to(stored.v), S, to(live), scales=scales)
+    assert dense.dtype == torch.float16
+    torch.testing.assert_close(dense.cpu().float(), dense_attention_torch(q16.float(), k, v, S, live), **tol)
+    out = kernels_triton.sparq_attention_triton(to(q16), to(stored.k), to(stored.k_t), to(stored.v),
+                                                to(stored.v_sum), S, to(live), 8, 48, 12, True, scales=scales)
+    expected = sparq_attention_torch(q16.float(), k, k_t, v, stored.v_sum, S, live, 8, 48, 12, True)
+    torch.testing.assert_close(out.cpu().float(), expected, **tol)
+
+
+@pytest.mark.parametrize("layout, kt_dtype", [("twice", "int4"), ("once", "same")])
 def test_a_quantized_step1_source_over_several_blocks_per_program(layout, kt_dtype):
     """Step 1 on a quantized source (an int4 K^T: bytes of two positions; int8 K, layout once) with 3
     blocks of 128 positions per program and ragged rows whose live ends fall inside a program (odd
