@@ -42,11 +42,15 @@ static int64_t select_from(float* ss, int32_t* si, int64_t n, int64_t cap) {
     vmx = vmax_masked(vmx, mk, x);
     vmn = vmin_masked(vmn, mk, x);
   }
-  // invariant: count(>= lo) >= cap > count(>= hi)
+  // invariant: count(>= lo) >= cap > count(>= hi); a count of exactly cap ends the search early (every
+  // value >= mid is kept, the ties below follow), which distinct scores reach after ~log2(n) halvings
+  // instead of the ~30 the bit range takes
   uint32_t lo = float_bits(std::max(hmin(vmn), 0.f)), hi = float_bits(hmax(vmx)) + 1;
   while (hi - lo > 1) {
     const uint32_t mid = lo + (hi - lo) / 2;
-    if (count_ge(ss, n, bits_float(mid)) >= cap) lo = mid; else hi = mid;
+    const int64_t c = count_ge(ss, n, bits_float(mid));
+    if (c >= cap) lo = mid; else hi = mid;
+    if (c == cap) break;
   }
   const float t = bits_float(lo);
   int64_t ties = cap - count_ge(ss, n, bits_float(lo + 1));  // all above t, then the first ties at t
@@ -76,14 +80,17 @@ static int64_t select_from(float* ss, int32_t* si, int64_t n, int64_t cap) {
 // Pass C: scores and the top-k selection without sorting the row (a threshold, then select_from).
 // ---------------------------------------------------------------------------------------------
 
-// The k-th largest of n >= k non-negative floats (binary search on the bits, vectorised counts).
+// A threshold exactly k of n >= k non-negative floats reach where one exists (else the k-th largest):
+// binary search on the bits, vectorised counts. At least k reach it, every one of the top k.
 static float kth_largest(const float* x, int64_t n, int64_t k) {
   V vmx = vzero();
   for (int64_t j = 0; j < n; j += 16) vmx = vmax_masked(vmx, tail_mask(n - j), load(x + j, tail_mask(n - j)));
   uint32_t lo = 0, hi = float_bits(hmax(vmx)) + 1;  // count(>= lo) >= k > count(>= hi)
-  while (hi - lo > 1) {
+  while (hi - lo > 1) {  // a count of exactly k ends it early, as in select_from
     const uint32_t mid = lo + (hi - lo) / 2;
-    if (count_ge(x, n, bits_float(mid)) >= k) lo = mid; else hi = mid;
+    const int64_t c = count_ge(x, n, bits_float(mid));
+    if (c >= k) lo = mid; else hi = mid;
+    if (c == k) break;
   }
   return bits_float(lo);
 }
