@@ -98,18 +98,23 @@ if HAS_TRITON:
 
         Finds the KT-th largest key T bit by bit, high to low (bits 30..0: keys are non-negative or
         -1), takes every key > T and the first (lowest-index) keys == T up to KT. Fewer than KT keys
-        >= 0: all of them. PASS_BITS 1: one block-wide count per bit (31 passes); 2: bit 30, then two
+        >= 0: all of them. PASS_BITS 1: one block-wide count per bit (at most 31 passes); 2: bit 30, then two
         bits per pass, their three candidates' counts packed into one int64 sum in 21-bit fields
         (16 passes; each pass is a reduction across the program's warps, whose latency dominates).
         """
         t = tl.sum(tl.zeros_like(key), axis=0)
         if PASS_BITS == 1:
+            # Stops once exactly KT keys reach t (they are then the top KT; the ties below take them
+            # all): distinct keys get there after ~log2(N) passes, not 31, and each pass is a
+            # block-wide reduction whose latency dominates (the select and the merge took 31 each).
             bit = t + (1 << 30)
-            for _ in range(31):
+            more = bit > 0
+            while more:
                 cand = t | bit
                 count = tl.sum((key >= cand).to(tl.int32), axis=0)
                 t = tl.where(count >= KT, cand, t)
                 bit = bit >> 1
+                more = (bit > 0) & (count != KT)
         else:
             cand = t | (1 << 30)
             t = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= KT, cand, t)
