@@ -105,8 +105,9 @@ if HAS_TRITON:
         t = tl.sum(tl.zeros_like(key), axis=0)
         if PASS_BITS == 1:
             # Stops once exactly KT keys reach t (they are then the top KT; the ties below take them
-            # all): distinct keys get there after ~log2(N) passes, not 31, and each pass is a
-            # block-wide reduction whose latency dominates (the select and the merge took 31 each).
+            # all): at the highest bit where the KT-th and (KT+1)-th keys differ, for a score's float
+            # bits about 8 + log2(N) passes, not 31; each pass is a block-wide reduction whose
+            # latency dominates (the select and the merge took 31 each).
             bit = t + (1 << 30)
             more = bit > 0
             while more:
