@@ -362,6 +362,24 @@ if HAS_TRITON:
         tl.store(part_ml_ptr + base * 3 * G + G + offs_g, l_i, mask=g_mask)
         tl.store(part_ml_ptr + base * 3 * G + 2 * G + offs_g, alpha, mask=g_mask)
 
+    @triton.jit
+    def _load_query(q_ptr, stride_qb, stride_qh, stride_qg, chan_ptr, stride_cb, stride_ch, b, h, offs_g, offs_d,
+                    g_mask, d_mask, DOT_NATIVE: tl.constexpr, INT8_KV: tl.constexpr):
+        """The (G_PAD, D_PAD) query rows of step 2 and dense: in q's dtype for the native dots, else fp32;
+        an int8 K's channel scales folded in (rounded once to q's dtype for the native dots)."""
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_g[:, None] * stride_qg
+                    + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if not DOT_NATIVE:
+            q = q.to(tl.float32)
+        if INT8_KV:
+            chan = tl.load(chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + offs_d,
+                           mask=d_mask, other=0.0)
+            if DOT_NATIVE:
+                q = (q.to(tl.float32) * chan[None, :]).to(q_ptr.dtype.element_ty)
+            else:
+                q = q * chan[None, :]
+        return q
+
     @triton.jit(do_not_specialize=["live", "S_bound"])
     def _sparq_step2_kernel(
         q_ptr, stride_qb, stride_qh, stride_qg,  # (B, n_kv, G, D), D unit-stride
@@ -394,17 +412,8 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D_PAD)
         g_mask = offs_g < G
         d_mask = offs_d < D
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_g[:, None] * stride_qg
-                    + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        if not DOT_NATIVE:
-            q = q.to(tl.float32)
-        if INT8_KV:  # K's channel scales into q (rounded once to q's dtype for the native dots)
-            chan = tl.load(chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + offs_d,
-                           mask=d_mask, other=0.0)
-            if DOT_NATIVE:
-                q = (q.to(tl.float32) * chan[None, :]).to(q_ptr.dtype.element_ty)
-            else:
-                q = q * chan[None, :]
+        q = _load_query(q_ptr, stride_qb, stride_qh, stride_qg, chan_ptr, stride_cb, stride_ch, b, h, offs_g, offs_d,
+                        g_mask, d_mask, DOT_NATIVE, INT8_KV)
         k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
         v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
         x_off = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh  # the scales' row
@@ -504,17 +513,8 @@ if HAS_TRITON:
             offs_d = tl.arange(0, D_PAD)
             g_mask = offs_g < G
             d_mask = offs_d < D
-            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_g[:, None] * stride_qg
-                        + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-            if not DOT_NATIVE:
-                q = q.to(tl.float32)
-            if INT8_KV:  # K's channel scales into q (rounded once to q's dtype for the native dots)
-                chan = tl.load(chan_ptr + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + offs_d,
-                               mask=d_mask, other=0.0)
-                if DOT_NATIVE:
-                    q = (q.to(tl.float32) * chan[None, :]).to(q_ptr.dtype.element_ty)
-                else:
-                    q = q * chan[None, :]
+            q = _load_query(q_ptr, stride_qb, stride_qh, stride_qg, chan_ptr, stride_cb, stride_ch, b, h, offs_g, offs_d,
+                            g_mask, d_mask, DOT_NATIVE, INT8_KV)
             k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
             v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
             x_off = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh  # the scales' row
