@@ -190,11 +190,10 @@ def plan_targets(args: ModelArgs, names: dict[str, str], fused_qkv: bool,
         targets.append(Target(p + "ffn_norm.weight", (D,), [src["ffn_norm"]], _single))
         if "ffn_norm_bias" in has:
             targets.append(Target(p + "ffn_norm.bias", (D,), [src["ffn_norm_bias"]], _single))
-        # w1 is the activated projection: gate (gated MLP) or up (plain MLP); w3 the gated one's up.
-        first = "gate" if args.mlp == "gated" else "up"
-        targets.append(Target(p + "feed_forward.w1.weight", (F, D), [src[first]], _single))
-        if args.mlp == "gated":
-            targets.append(Target(p + "feed_forward.w3.weight", (F, D), [src["up"]], _single))
+        if args.mlp == "gated":  # one matrix [gate; up] (model.FeedForward)
+            targets.append(Target(p + "feed_forward.w13.weight", (2 * F, D), [src["gate"], src["up"]], torch.cat))
+        else:
+            targets.append(Target(p + "feed_forward.w1.weight", (F, D), [src["up"]], _single))
         targets.append(Target(p + "feed_forward.w2.weight", (D, F), [src["down"]], _single))
         if args.mlp_bias:
             targets += [Target(p + "feed_forward.w1.bias", (F,), [src["up_bias"]], _single),

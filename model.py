@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -963,18 +964,23 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """gated: w2(act(w1 x) * w3 x) (SwiGLU, GeGLU); plain: w2(act(w1 x)) (GPT-NeoX)."""
+    """gated: w2(act(gate) * up), [gate | up] = w13 x (SwiGLU, GeGLU); plain: w2(act(w1 x)) (GPT-NeoX).
+    A gated MLP's two input projections are one matrix, w13 = [w1; w3], as wqkv is three: a decode step
+    makes one GEMV call for both (one dispatch, one parallel region, x quantized once)."""
 
     def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
         self.act = ACTIVATIONS[args.activation]
-        self.w1 = Linear(args.dim, args.intermediate_size, bias=args.mlp_bias, kernels=kernels)  # gate (gated) / up
-        self.w3 = Linear(args.dim, args.intermediate_size, bias=args.mlp_bias, kernels=kernels) if args.mlp == "gated" else None
-        self.w2 = Linear(args.intermediate_size, args.dim, bias=args.mlp_bias, kernels=kernels)  # down
+        hidden, gated = args.intermediate_size, args.mlp == "gated"
+        self.w13 = Linear(args.dim, 2 * hidden, bias=args.mlp_bias, kernels=kernels) if gated else None  # [gate; up]
+        self.w1 = None if gated else Linear(args.dim, hidden, bias=args.mlp_bias, kernels=kernels)  # up
+        self.w2 = Linear(hidden, args.dim, bias=args.mlp_bias, kernels=kernels)  # down
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.act(self.w1(x))
-        return self.w2(h if self.w3 is None else h * self.w3(x))
+        if self.w13 is None:
+            return self.w2(self.act(self.w1(x)))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(self.act(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -1211,6 +1217,18 @@ def load_state_dict(path: Path) -> dict:
         raise CheckpointError(f"corrupt checkpoint {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"corrupt checkpoint {path}: not a state dict")
+    return fuse_gated_mlp(state)
+
+
+_GATED_UP = re.compile(r"(layers\.\d+\.feed_forward\.)w3\.(\w+)")
+
+
+def fuse_gated_mlp(state: dict) -> dict:
+    """A checkpoint written before a gated MLP's w1 and w3 became one matrix (FeedForward.w13): each of
+    their tensors (float, or quantize.py's, all per output row) stacked as w13's [w1; w3]."""
+    for key in [k for k in state if _GATED_UP.fullmatch(k)]:
+        prefix, tensor = _GATED_UP.fullmatch(key).groups()
+        state[f"{prefix}w13.{tensor}"] = torch.cat([state.pop(f"{prefix}w1.{tensor}"), state.pop(key)])
     return state
 
 

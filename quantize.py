@@ -20,7 +20,7 @@ rounded values, so the packed kernels (which read bf16 scales) and the plain fal
 exactly the same weights, and |w - dq(w)| <= s / 2 holds exactly.
 
 What is quantized, and why:
-  * Every linear layer of the blocks (wqkv, wo, w1, w2, w3): most of the bytes read per step.
+  * Every linear layer of the blocks (wqkv, wo, w13 or w1, w2): most of the bytes read per step.
   * The output head: int8 in groups of 64 inputs by default, in both modes (--head int8|int4|none).
     At batch 1 the head (49152 x 576 on SmolLM2, 21% of the parameters) is read whole every step, so
     it must be quantized for speed. int8, not int4: the logits are what sampling sees, and an int4

@@ -125,9 +125,11 @@ def shard(model: Transformer, rank_: int, world: int) -> Transformer:
         attention.n_head, attention.n_kv_head = (k1 - k0) * g, k1 - k0
         attention.wo = RowParallelLinear(attention.wo, k0 * g * d, k1 * g * d)
         mlp = layer.feed_forward
-        for column in (mlp.w1, mlp.w3):
-            if column is not None:
-                _rows(column, [(f0, f1)])
+        if mlp.w13 is not None:  # [gate; up]: the rank's share of each half
+            F = args.intermediate_size
+            _rows(mlp.w13, [(f0, f1), (F + f0, F + f1)])
+        else:
+            _rows(mlp.w1, [(f0, f1)])
         mlp.w2 = RowParallelLinear(mlp.w2, f0, f1)
     model.args = replace(args, n_head=(k1 - k0) * g, n_kv_head=k1 - k0, intermediate_size=f1 - f0,  # this rank's
                          kv_head_start=k0, kv_head_total=n_kv)

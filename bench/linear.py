@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 
 # SmolLM2-135M's linears as (name, out features, in features, count per decode step)
-SMOLLM2_LINEARS = (("wqkv", 960, 576, 30), ("wo", 576, 576, 30), ("w1|w3", 1536, 576, 60), ("w2", 576, 1536, 30),
+SMOLLM2_LINEARS = (("wqkv", 960, 576, 30), ("wo", 576, 576, 30), ("w13", 3072, 576, 30), ("w2", 576, 1536, 30),
                    ("output", 49152, 576, 1))
 
 

@@ -185,8 +185,8 @@ def test_keeps_the_source_dtype_and_default_out_dir(tmp_path: Path, monkeypatch:
     hf = load_file(src / "model.safetensors")
     q, k, v = (hf[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
     assert torch.equal(state["layers.1.attention.wqkv.weight"], torch.cat([q, k, v]))  # rows q, k, v
-    assert torch.equal(state["layers.1.feed_forward.w1.weight"], hf["model.layers.1.mlp.gate_proj.weight"])
-    assert torch.equal(state["layers.1.feed_forward.w3.weight"], hf["model.layers.1.mlp.up_proj.weight"])
+    gate, up = (hf[f"model.layers.1.mlp.{n}_proj.weight"] for n in ("gate", "up"))
+    assert torch.equal(state["layers.1.feed_forward.w13.weight"], torch.cat([gate, up]))  # rows gate, up
     assert torch.equal(state["layers.1.feed_forward.w2.weight"], hf["model.layers.1.mlp.down_proj.weight"])
     config = json.loads((out / "config.json").read_text())
     assert config["dim"] == 32 and config["n_kv_head"] == 2 and config["head_dim"] == 8

@@ -3,6 +3,7 @@ independent float64 reference, loading through model.load_model (eager and compi
 model against fp32, the CLI's errors, and generate.py on a quantized checkpoint."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -304,6 +305,41 @@ def test_loaded_model_computes_its_dequantized_weights(tmp_path, tie, mode, grou
         if fast.output.kernel == "gemv-q8":
             assert fast.tok_embeddings.rows16 is fast.output.rows16 and fast.tok_embeddings.weight is None
         assert torch.equal(fast.tok_embeddings(idx), twin.tok_embeddings(idx))  # the same rows, dequantized
+
+
+def split_gated_mlp(state):
+    """The layout before FeedForward.w13: each gated MLP's [w1; w3] tensors stored apart as w1.* and w3.*."""
+    out = {}
+    for key, t in state.items():
+        m = re.fullmatch(r"(layers\.\d+\.feed_forward\.)w13\.(\w+)", key)
+        if m is None:
+            out[key] = t
+        else:
+            out[f"{m[1]}w1.{m[2]}"], out[f"{m[1]}w3.{m[2]}"] = t.chunk(2)
+    return out
+
+
+@pytest.mark.parametrize("mode,group_size", [(None, None), ("int8", None), ("int4", 32)])
+def test_a_checkpoint_with_w1_and_w3_apart_loads_as_w13(tmp_path, mode, group_size):
+    """Checkpoints written before a gated MLP's two input projections became one matrix (model.py's
+    fuse_gated_mlp) load to the same model, quantized or not, and quantize.py reads the float ones."""
+    new = tiny_checkpoint(tmp_path / "new", tie=False)
+    old = tmp_path / "old" / "model.pth"
+    old.parent.mkdir()
+    shutil.copy(new.parent / "config.json", old.parent)
+    torch.save(split_gated_mlp(torch.load(new, weights_only=True)), old)
+    if mode is not None:
+        new, old = quantize_file(new, mode, group_size), quantize_file(old, mode, group_size)
+        split = tmp_path / "old" / "split.pth"  # a quantized file of the old layout, as quantize.py wrote them
+        torch.save(split_gated_mlp(torch.load(new, weights_only=True)), split)
+        assert {k for k in torch.load(old, weights_only=True)} == {k for k in torch.load(new, weights_only=True)}
+    stored = torch.load(old if mode is None else split, weights_only=True)
+    assert "layers.0.feed_forward.w3.weight" in stored and "layers.0.feed_forward.w13.weight" not in stored
+    idx = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
+    want = run_tiny(load(new), idx)
+    for path in [old] + ([] if mode is None else [split]):
+        for got, expected in zip(run_tiny(load(path), idx), want):
+            assert torch.equal(got, expected)
 
 
 def test_weights_survive_the_dtype_cast(tmp_path):

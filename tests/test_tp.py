@@ -32,7 +32,7 @@ def test_two_ranks_generate_what_one_process_does(tmp_path, compiled):
         for shapes, kv in zip(run["shapes"], heads):
             assert shapes["wqkv"] == [(2 * kv + 2 * kv) * 16, 96]
             assert shapes["wo"] == [96, 2 * kv * 16] and shapes["cache_k"][1] == kv
-        assert sum(s["w1"][0] for s in run["shapes"]) == 100
+        assert sum(s["w13"][0] for s in run["shapes"]) == 2 * 100  # [gate; up], a share of each
 
 
 def test_generate_under_torchrun_matches_one_process(tmp_path, smollm2_checkpoint):

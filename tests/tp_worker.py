@@ -59,7 +59,7 @@ def main() -> None:
         shapes = [None] * tp.world_size()
         torch.distributed.all_gather_object(shapes, {
             "wqkv": list(model.layers[0].attention.wqkv.weight.shape),
-            "w1": list(model.layers[0].feed_forward.w1.weight.shape),
+            "w13": list(model.layers[0].feed_forward.w13.weight.shape),
             "wo": list(model.layers[0].attention.wo.linear.weight.shape),
             "cache_k": list(model.layers[0].attention.kv_cache.k.shape)})
         result[n_kv] = {"single": single, "sharded": sharded, "shapes": shapes}
