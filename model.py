@@ -1226,9 +1226,9 @@ _GATED_UP = re.compile(r"(layers\.\d+\.feed_forward\.)w3\.(\w+)")
 def fuse_gated_mlp(state: dict) -> dict:
     """A checkpoint written before a gated MLP's w1 and w3 became one matrix (FeedForward.w13): each of
     their tensors (float, or quantize.py's, all per output row) stacked as w13's [w1; w3]."""
-    for key in [k for k in state if _GATED_UP.fullmatch(k)]:
-        prefix, tensor = _GATED_UP.fullmatch(key).groups()
-        state[f"{prefix}w13.{tensor}"] = torch.cat([state.pop(f"{prefix}w1.{tensor}"), state.pop(key)])
+    for up in [m for m in map(_GATED_UP.fullmatch, state) if m is not None]:  # a list: state changes below
+        prefix, tensor = up.groups()
+        state[f"{prefix}w13.{tensor}"] = torch.cat([state.pop(f"{prefix}w1.{tensor}"), state.pop(up.string)])
     return state
 
 

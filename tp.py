@@ -126,8 +126,8 @@ def shard(model: Transformer, rank_: int, world: int) -> Transformer:
         attention.wo = RowParallelLinear(attention.wo, k0 * g * d, k1 * g * d)
         mlp = layer.feed_forward
         if mlp.w13 is not None:  # [gate; up]: the rank's share of each half
-            F = args.intermediate_size
-            _rows(mlp.w13, [(f0, f1), (F + f0, F + f1)])
+            hidden = args.intermediate_size
+            _rows(mlp.w13, [(f0, f1), (hidden + f0, hidden + f1)])
         else:
             _rows(mlp.w1, [(f0, f1)])
         mlp.w2 = RowParallelLinear(mlp.w2, f0, f1)
