@@ -407,20 +407,35 @@ def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], 
     return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, local, mean_v, cap, k_t)
 
 
+MIN_COMPONENTS = 12  # step 1's components below which adaptive_split takes budget from the positions
+
+
+def position_share(compression: float, head_dim: int, costs: StepCosts = ELEMENTS) -> float:
+    """The share of a step's budget adaptive_split gives to positions (k), the rest going to step 1's
+    components (r): half, unless half leaves step 1 fewer than MIN_COMPONENTS components, in which case
+    the positions give up what it takes to reach them, keeping at least 1/8. With too few components
+    step 1 ranks positions worse than a larger k makes up for, while a model with many components to
+    spare (Gemma 3's d = 256) needs the positions: measured on SQuAD prompts (docs/NOTES.md). A d = 64
+    head on a float cache: 1/2 at 1/4, 1/4 at 1/8, 1/8 at 1/16; on an int4 K^T, 1/2 at each."""
+    need = (MIN_COMPONENTS * costs.kt + costs.kt_scale) / (2 * compression * head_dim)  # their share of it
+    return min(0.5, max(0.125, 1 - need))
+
+
 def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int,
-                   costs: StepCosts = ELEMENTS) -> tuple[int, int]:
+                   costs: StepCosts = ELEMENTS, share: Optional[float] = None) -> tuple[int, int]:
     """(r, k) of one layer's step over seq_len visible positions at `compression` of dense's transfers:
-    the positions take half of the budget (k = c S / 2, at most k_max), the components the rest (r in
-    [1, d]), and what rounding r down leaves goes back to k, so S r + 2 k d + 6 d (SparQ's transfers
-    and the keys' running sums, 2 d) is within 2d of c (2 S d + 2 d). A 512-position window layer of
-    Gemma 3 at 1/4 gets k = 64 and r = 61 of 256 where one (r, k) for every layer gave it k = 128 and
-    r = 27; SmolLM2 at 1/8 and 1.4k tokens r = 7 at k = 96 instead of r = 4 at k = 128. The fused
-    kernel (csrc/sparq_adaptive.cpp) repeats this arithmetic for each row. On a cache whose K^T is
-    stored in fewer bytes than K (`costs`), step 1's S r becomes S (r costs.kt + costs.kt_scale): the
-    same bytes, more components."""
+    the positions take position_share of the budget (k = share c S, at most k_max), the components
+    the rest (r in [1, d]), and what rounding r down leaves goes back to k, so S r + 2 k d + 6 d (SparQ's
+    transfers and the keys' running sums, 2 d) is within 2d of c (2 S d + 2 d). A 512-position window
+    layer of Gemma 3 at 1/4 gets k = 64 and r = 61 of 256 where one (r, k) for every layer gave it
+    k = 128 and r = 27; SmolLM2 at 1/8 and 1.4k tokens r = 11 at k = 51 instead of r = 4 at k = 128.
+    The fused kernel (csrc/sparq_adaptive.cpp) repeats this arithmetic for each row. On a cache whose
+    K^T is stored in fewer bytes than K (`costs`), step 1's S r becomes S (r costs.kt + costs.kt_scale):
+    the same bytes, more components. `share` overrides position_share (scripts/adaptive_split_study.py)."""
     d = head_dim
+    share = position_share(compression, d, costs) if share is None else share
     budget = int(compression * (2 * seq_len * d + 2 * d))
-    k = max(1, min(k_max, int(compression * seq_len / 2)))
+    k = max(1, min(k_max, int(compression * share * seq_len)))
     scales = seq_len * costs.kt_scale  # read whatever r is
     # floats: exact for a float cache's integers (below 2^52), and for an int4 K^T's 1/4 and 2
     r = max(1, min(d, math.floor((budget - 2 * k * d - 6 * d - scales) / (seq_len * costs.kt))))

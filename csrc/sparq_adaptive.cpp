@@ -63,7 +63,9 @@ struct Split {
 static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max, double kt, double kt_scale) {
   if (S <= k_max) return {d, S};  // the row sees at most k_max positions: all of them, every component
   const int64_t budget = (int64_t)(c * (double)(2 * S * d + 2 * d));
-  int64_t k = std::max<int64_t>(1, std::min<int64_t>(k_max, (int64_t)(c * (double)S / 2)));
+  const double need = (12 * kt + kt_scale) / (2 * c * (double)d);  // sparq.position_share, MIN_COMPONENTS = 12
+  const double share = std::min(0.5, std::max(0.125, 1 - need));
+  int64_t k = std::max<int64_t>(1, std::min<int64_t>(k_max, (int64_t)(c * share * (double)S)));
   const double scales = (double)S * kt_scale;
   const int64_t r = std::max<int64_t>(
       1, std::min<int64_t>(d, (int64_t)std::floor(((double)(budget - 2 * k * d - 6 * d) - scales) / ((double)S * kt))));

@@ -10,7 +10,7 @@ from conftest import read_json, run_python
 from model import SHAPES, DenseDecode, KVCache, KVFormat, ModelArgs, dense_attention_torch
 from policies import AttentionSettings, layer_transfers, policy_factory, solve_target
 from sparq import (ELEMENTS, SparQAdaptiveDecode, SparQConfig, StepCosts, adaptive_split, key_spread, pooled_components,
-                   pooled_positions, sparq_adaptive_reference, sparq_adaptive_torch, sparq_reference)
+                   pooled_positions, position_share, sparq_adaptive_reference, sparq_adaptive_torch, sparq_reference)
 from test_sparq import filled_cache, random_query
 
 
@@ -160,12 +160,14 @@ def test_per_row_live_lengths_equal_each_row_run_alone(mean_v):
                                    (200, 64, 1 / 8)])
 def test_each_step_splits_the_target(S, d, c):
     """adaptive_split: the step moves c of dense's transfers to within one position's K and V row (2d)
-    unless r hits a bound, and never more; positions take about half."""
+    unless r hits a bound, and never more; positions take about position_share of it."""
     r, k = adaptive_split(S, d, c, 128)
     moved, dense = S * r + 2 * k * d + 6 * d, 2 * S * d + 2 * d
     assert 1 <= r <= d and 1 <= k <= S
     assert moved <= c * dense and (r in (1, d) or moved > c * dense - 2 * d)
     assert k <= 128 + S // (2 * d) + 1  # k_max, and what rounding r down gave back
+    if k < 128:  # the positions' share, to within what rounding r down gave back (S of r's elements)
+        assert c * position_share(c, d) * S - 1 <= k <= c * position_share(c, d) * S + S / (2 * d) + 1
 
 
 @pytest.mark.parametrize("kv_dtype, kt_dtype", [("auto", "int4"), ("auto", "int8"), ("int8", "int4"), ("int8", "same")])
@@ -183,8 +185,11 @@ def test_a_quantized_k_t_buys_components_at_the_same_bytes(kv_dtype, kt_dtype):
         stored, dense = policy.transfer_bytes(S, d, fmt, act), DenseDecode().transfer_bytes(S, d, fmt, act)
         row = 2 * d * (fmt.bytes_per_element(act) + fmt.row_scale_bytes(act) / d)  # one position's K and V
         assert stored <= c * dense + 1e-6 and (r in (1, d) or stored > c * dense - row), (S, r, k)
-        if kt_dtype == "int4" and kv_dtype == "auto":
-            assert r >= 3 * r_float  # a quarter of the bytes per component, less the scales'
+        if kt_dtype != "same":  # K^T in fewer bytes than K: more components for the same bytes
+            assert r >= r_float
+        if kt_dtype == "int4" and kv_dtype == "auto":  # at 1/4 both give positions half (position_share):
+            r4, r4_float = (adaptive_split(S, d, 1 / 4, 128, x)[0] for x in (costs, ELEMENTS))
+            assert r4 >= min(d, 3 * r4_float)  # a quarter of the bytes per component, less the scales'
     assert StepCosts.of(KVFormat(), act, d) == StepCosts.of(KVFormat("once"), torch.float32, d) == ELEMENTS
 
 

@@ -1,0 +1,121 @@
+"""How adaptive SparQ should split a step's budget between positions (k) and step 1's components (r)
+(docs/NOTES.md, "Adaptive SparQ's split"; sparq.position_share is what it chose).
+
+    python -m scripts.adaptive_split_study --checkpoint checkpoints/SmolLM2-135M-Instruct \\
+        --compression 1/4,1/8,1/16 --shares 1/16,1/8,1/4,1/2 --examples 60
+
+Per SQuAD example (1-shot, 7 confusion paragraphs, evals/tasks.py's prompts): a dense prefill, dense's
+greedy answer to the end of its line (at most 12 tokens), then for each (compression, share) adaptive
+SparQ on the torch path, every layer at adaptive_split(..., share=share), teacher-forced on dense's
+answer. Printed per variant: the share of steps whose argmax is dense's, the answers reproduced whole
+(what the paired exact-match difference tracks) and the mean KL(dense || variant) of the next token.
+Plain PyTorch (nothing here is the product path); one thread.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
+from decoding import decode_step, prefill  # noqa: E402
+from evals.tasks import squad_examples  # noqa: E402
+from generate import DTYPES, load_checkpoint, load_tokenizer  # noqa: E402
+from kernels import TORCH_KERNELS  # noqa: E402
+from model import DenseDecode  # noqa: E402
+from sparq import SparQAdaptiveDecode, adaptive_split, sparq_adaptive_torch  # noqa: E402
+
+MAX_ANSWER = 12
+
+
+class SplitAt(SparQAdaptiveDecode):
+    """sparq-adaptive (torch path, float cache) with positions given `share` of each step's budget."""
+
+    def __init__(self, compression: float, share: float):
+        super().__init__(compression, kernels=TORCH_KERNELS)
+        self.share = share
+
+    def forward(self, q, cache, length):
+        if cache.visible_length(length) <= self.k_max:
+            return super().forward(q, cache, length)
+        B, d = q.shape[0], q.shape[-1]
+        view = cache.view(length, B)
+        r, k = adaptive_split(view.length, d, self.compression, self.k_max, share=self.share)
+        return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, self.spread(view, B), view.length,
+                                    view.live_length, r, k, max(1, k // 4), False, None, view.k_t)
+
+
+def build_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m scripts.adaptive_split_study", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--compression", type=fractions, default="1/8,1/16", help="targets, e.g. 1/8,1/16")
+    p.add_argument("--shares", type=fractions, default="1/8,1/4,1/2", help="positions' shares of the budget")
+    p.add_argument("--examples", type=cli.positive_int, default=40)
+    return p
+
+
+def fractions(text: str) -> list[Fraction]:
+    try:
+        out = [Fraction(x) for x in text.split(",")]
+    except (ValueError, ZeroDivisionError):
+        raise cli.UserError(f"expected fractions such as 1/8,1/4, got {text!r}") from None
+    if not all(0 < x <= 1 for x in out):
+        raise cli.UserError(f"fractions must be in (0, 1], got {text!r}")
+    return out
+
+
+def run(args) -> None:
+    torch.set_num_threads(1)
+    model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], TORCH_KERNELS)
+    tokenizer = load_tokenizer(args.checkpoint)
+    n_layer = model.args.n_layer
+    variants = [(c, f) for c in args.compression for f in args.shares]
+    stats = {v: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for v in variants}
+    newline = set(tokenizer.encode("\n"))
+    start = time.time()
+    with torch.no_grad():
+        for ex in tqdm(squad_examples(tokenizer, 7, args.examples, 0), desc="examples"):
+            T = len(ex.prompt)
+            model.setup_caches(1, T + MAX_ANSWER + 1)
+            model.set_decode_attention(lambda i: DenseDecode(TORCH_KERNELS))
+            logits = prefill(model, torch.tensor([ex.prompt]))
+            snapshots = [cache.snapshot() for cache in model.caches]
+            answer, dense_logprobs = [], []
+            for j in range(MAX_ANSWER):  # dense's greedy answer, to the end of its line
+                dense_logprobs.append(torch.log_softmax(logits.float(), -1))
+                answer.append(int(logits.argmax(-1)))
+                if answer[-1] in newline or answer[-1] in tokenizer.stop_ids or "\n" in tokenizer.decode(answer).lstrip():
+                    break
+                logits = decode_step(model, torch.tensor([[answer[-1]]]), torch.tensor([T + j]), T + j + 1)
+            for v in variants:
+                for cache, snapshot in zip(model.caches, snapshots):
+                    cache.restore(snapshot)
+                policies = [SplitAt(float(v[0]), float(v[1])) for _ in range(n_layer)]
+                model.set_decode_attention(lambda i: policies[i])
+                whole = True  # the first token comes from the (dense) prefill: steps 1.. are scored
+                for j in range(len(answer) - 1):
+                    lp = torch.log_softmax(decode_step(model, torch.tensor([[answer[j]]]), torch.tensor([T + j]),
+                                                       T + j + 1).float(), -1)
+                    agree = int(lp.argmax(-1)) == answer[j + 1]
+                    ref = dense_logprobs[j + 1]
+                    stats[v]["steps"] += 1
+                    stats[v]["agree"] += agree
+                    stats[v]["kl"] += float((ref.exp() * (ref - lp)).sum())
+                    whole &= agree
+                stats[v]["whole"] += whole
+    print(f"{args.checkpoint.name}, {args.examples} SQuAD examples, {time.time() - start:.0f} s")
+    print(f"{'compression':>11} {'share':>6} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
+    for (c, f), st in stats.items():
+        steps = max(st["steps"], 1)
+        print(f"{str(c):>11} {str(f):>6} {st['agree'] / steps:>15.4f} {st['whole']:>8}/{args.examples:<5} "
+              f"{st['kl'] / steps:>8.4f}")
+
+
+if __name__ == "__main__":
+    sys.exit(cli.main(build_parser(), run))
