@@ -241,3 +241,18 @@ def test_generate_defaults_to_an_eighth(tmp_path, smollm2_checkpoint):
                         "--prompt-tokens", "1400", "--max-new-tokens", "4", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert read_json(out)["compression_achieved"] == pytest.approx(1 / 8, rel=0.05)
+
+
+@pytest.mark.parametrize("c", [1 / 4, 1 / 8, 1 / 16])
+def test_the_split_study_at_position_share_is_the_policy(c):
+    """scripts/adaptive_split_study.py's variants run the product's policy: at position_share(c, d) its
+    output is SparQAdaptiveDecode's (torch path), and another share gives another split and output."""
+    from scripts.adaptive_split_study import SplitAt
+
+    B, n_kv, g_, d, S = 1, 2, 3, 64, 700
+    cache, _, _ = filled_cache(B, n_kv, d, S, S + 8)
+    q = random_query(B, n_kv, g_, d)
+    expected = SparQAdaptiveDecode(compression=c)(q, cache, S)
+    torch.testing.assert_close(SplitAt(c, position_share(c, d))(q, cache, S), expected)
+    other = 1 / 2 if position_share(c, d) < 1 / 2 else 1 / 8
+    assert adaptive_split(S, d, c, 128, share=other) != adaptive_split(S, d, c, 128)
