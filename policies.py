@@ -797,7 +797,7 @@ class Budget:
         if self.method == "dense":
             return "dense"
         if POLICIES[self.method].knob == "compression":
-            setting = f"r and k per layer and step, k about min(c S / 2, {self.k_top})"
+            setting = f"r and k per layer and step (sparq.adaptive_split), k up to about {self.k_top}"
         else:
             setting = f"r={self.r}, k={self.k_top}" if self.r is not None else f"k={self.k_top}"
         return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len})"
