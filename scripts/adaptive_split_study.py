@@ -4,7 +4,7 @@
     python -m scripts.adaptive_split_study --checkpoint checkpoints/SmolLM2-135M-Instruct \\
         --compression 1/4,1/8,1/16 --shares 1/16,1/8,1/4,1/2 --examples 60
 
-Per SQuAD example (1-shot, 7 confusion paragraphs, evals/tasks.py's prompts): a dense prefill, dense's
+Per SQuAD example (1-shot, --contexts confusion paragraphs, evals/tasks.py's prompts): a dense prefill, dense's
 greedy answer to the end of its line (at most 12 tokens), then for each (compression, share) adaptive
 SparQ on the torch path, every layer at adaptive_split(..., share=share), teacher-forced on dense's
 answer. Printed per variant: the share of steps whose argmax is dense's, the answers reproduced whole
@@ -34,18 +34,19 @@ MAX_ANSWER = 12
 
 
 class SplitAt(SparQAdaptiveDecode):
-    """sparq-adaptive (torch path, float cache) with positions given `share` of each step's budget."""
+    """sparq-adaptive (torch path, float cache) with positions given `share` of each step's budget and k
+    capped at k_cap (the policy's cap is k_max, also the length below which it runs dense: kept here)."""
 
-    def __init__(self, compression: float, share: float):
+    def __init__(self, compression: float, share: float, k_cap: int = 128):
         super().__init__(compression, kernels=TORCH_KERNELS)
-        self.share = share
+        self.share, self.k_cap = share, k_cap
 
     def forward(self, q, cache, length):
         if cache.visible_length(length) <= self.k_max:
             return super().forward(q, cache, length)
         B, d = q.shape[0], q.shape[-1]
         view = cache.view(length, B)
-        r, k = adaptive_split(view.length, d, self.compression, self.k_max, share=self.share)
+        r, k = adaptive_split(view.length, d, self.compression, self.k_cap, share=self.share)
         return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, self.spread(view, B), view.length,
                                     view.live_length, r, k, max(1, k // 4), False, None, view.k_t)
 
@@ -57,6 +58,9 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--compression", type=fractions, default="1/8,1/16", help="targets, e.g. 1/8,1/16")
     p.add_argument("--shares", type=fractions, default="1/8,1/4,1/2", help="positions' shares of the budget")
     p.add_argument("--examples", type=cli.positive_int, default=40)
+    p.add_argument("--contexts", type=cli.positive_int, default=7, help="SQuAD confusion paragraphs (7: ~1.4k tokens)")
+    p.add_argument("--k-cap", type=cli.positive_int, default=128,
+                   help="the cap on k (the policy's is --sparq-k, 128; layers run dense up to 128 positions either way)")
     return p
 
 
@@ -80,7 +84,7 @@ def run(args) -> None:
     newline = set(tokenizer.encode("\n"))
     start = time.time()
     with torch.no_grad():
-        for ex in tqdm(squad_examples(tokenizer, 7, args.examples, 0), desc="examples"):
+        for ex in tqdm(squad_examples(tokenizer, args.contexts, args.examples, 0), desc="examples"):
             T = len(ex.prompt)
             model.setup_caches(1, T + MAX_ANSWER + 1)
             model.set_decode_attention(lambda i: DenseDecode(TORCH_KERNELS))
@@ -96,7 +100,7 @@ def run(args) -> None:
             for v in variants:
                 for cache, snapshot in zip(model.caches, snapshots):
                     cache.restore(snapshot)
-                policies = [SplitAt(float(v[0]), float(v[1])) for _ in range(n_layer)]
+                policies = [SplitAt(float(v[0]), float(v[1]), args.k_cap) for _ in range(n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
                 whole = True  # the first token comes from the (dense) prefill: steps 1.. are scored
                 for j in range(len(answer) - 1):
