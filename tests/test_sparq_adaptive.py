@@ -256,3 +256,4 @@ def test_the_split_study_at_position_share_is_the_policy(c):
     torch.testing.assert_close(SplitAt(c, position_share(c, d))(q, cache, S), expected)
     other = 1 / 2 if position_share(c, d) < 1 / 2 else 1 / 8
     assert adaptive_split(S, d, c, 128, share=other) != adaptive_split(S, d, c, 128)
+    assert not torch.allclose(SplitAt(c, other)(q, cache, S), expected)
