@@ -456,6 +456,7 @@ class AttentionSettings:
     page_size: int = QUEST_PAGE  # Quest and the RocketKV hybrid: positions per page
     hybrid_r: Optional[int] = None  # the RocketKV hybrid: components of q its page bounds use (None: d / 4)
     channels: Optional[Path] = None  # DoubleSparse: its calibration file (default_channels_file)
+    adaptive_k_cap: Optional[int] = None  # sparq-adaptive: the most positions a step keeps (None: its budget's share)
 
     @property
     def budget(self) -> int:
@@ -481,11 +482,13 @@ def _build_sparq(s: AttentionSettings, args: ModelArgs, kernels: Kernels, layer:
 def _build_sparq_adaptive(s: AttentionSettings, args: ModelArgs, kernels: Kernels,
                           layer: int) -> SparQAdaptiveDecode:
     compression = ADAPTIVE_DEFAULT if s.compression is None else s.compression
-    return SparQAdaptiveDecode(float(compression), s.sparq_k, s.mean_v(args), kernels, args.attn_softcap)
+    return SparQAdaptiveDecode(float(compression), s.sparq_k, s.mean_v(args), kernels, args.attn_softcap,
+                               s.adaptive_k_cap)
 
 
 # The settings only some policies read (Policy.flags), each with its value when not given
-OPTIONAL_SETTINGS = (("sparq_r", None), ("kv_budget", None), ("page_size", QUEST_PAGE), ("hybrid_r", None))
+OPTIONAL_SETTINGS = (("sparq_r", None), ("kv_budget", None), ("page_size", QUEST_PAGE), ("hybrid_r", None),
+                     ("adaptive_k_cap", None))
 
 
 @dataclass(frozen=True)
@@ -514,7 +517,7 @@ POLICIES: dict[str, Policy] = {
     # Budgeted by the target itself: r and k per layer and step (sparq.adaptive_split)
     "sparq-adaptive": Policy(_build_sparq_adaptive, "SparQ with r and k per layer and step from --compression "
                              f"(default 1/{ADAPTIVE_DEFAULT.denominator}), shared by a layer's KV heads",
-                             knob="compression"),
+                             ("adaptive_k_cap",), knob="compression"),
     "topk": Policy(lambda s, args, kernels, layer: TopKDecode(s.budget, args.attn_softcap),
                    "FlexGen top-k: exact scores, top-k values", ("kv_budget",), knob="kv_budget"),
     "oracle": Policy(lambda s, args, kernels, layer: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget),
@@ -597,8 +600,8 @@ def add_attention_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_selector_flags(p: argparse.ArgumentParser) -> None:
-    """The newer selectors' settings (Quest's pages, the hybrid's r, DoubleSparse's calibration), shared by
-    add_attention_flags and python -m evals."""
+    """The newer selectors' settings (Quest's pages, the hybrid's r, DoubleSparse's calibration, adaptive
+    SparQ's cap on k), shared by add_attention_flags and python -m evals."""
     p.add_argument("--page-size", type=int, choices=QUEST_PAGES, default=QUEST_PAGE,
                    help="positions per page of quest and rocketkv-hybrid (default %(default)s)")
     p.add_argument("--hybrid-r", type=cli.positive_int, default=None,
@@ -606,13 +609,15 @@ def add_selector_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doublesparse-channels", type=Path, default=None, metavar="FILE",
                    help=f"doublesparse's calibrated channels (default: {CHANNELS_FILE} beside --checkpoint; "
                         "python -m scripts.calibrate_doublesparse makes it)")
+    p.add_argument("--adaptive-k-cap", type=cli.positive_int, default=None, metavar="K",
+                   help="most positions sparq-adaptive keeps per step (default: no cap, its budget's share decides)")
 
 
 def selector_settings(args: argparse.Namespace) -> dict:
     """The AttentionSettings fields of add_selector_flags' flags: DoubleSparse's calibration defaults to the
     file beside the run's --checkpoint, where the command has one."""
     checkpoint = None if getattr(args, "checkpoint", None) is None else Path(args.checkpoint)
-    return dict(page_size=args.page_size, hybrid_r=args.hybrid_r,
+    return dict(page_size=args.page_size, hybrid_r=args.hybrid_r, adaptive_k_cap=args.adaptive_k_cap,
                 channels=args.doublesparse_channels or default_channels_file(checkpoint))
 
 
@@ -797,7 +802,8 @@ class Budget:
         if self.method == "dense":
             return "dense"
         if POLICIES[self.method].knob == "compression":
-            setting = f"r and k per layer and step (sparq.adaptive_split), k up to about {self.k_top}"
+            cap = self.settings.adaptive_k_cap
+            setting = "r and k per layer and step (sparq.adaptive_split)" + ("" if cap is None else f", k at most {cap}")
         else:
             setting = f"r={self.r}, k={self.k_top}" if self.r is not None else f"k={self.k_top}"
         return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len})"

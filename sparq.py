@@ -393,15 +393,15 @@ ELEMENTS = StepCosts()  # a float cache
 
 def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor,
                                    spread: Tensor, length: int, live_length: Optional[Tensor], compression: float,
-                                   k_max: int, mean_v: bool, cap: Optional[float] = None,
+                                   k_max: int, k_cap: Optional[int], mean_v: bool, cap: Optional[float] = None,
                                    costs: StepCosts = ELEMENTS) -> Tensor:
     """The kernel contract's sparq_adaptive (kernels.py) in PyTorch: each row splits the budget at its own
-    live length (adaptive_split at `costs`, the cache's: a float cache's by default; a row that sees at
-    most k_max positions takes all of them and every component; the host reads the lengths: this is
-    the reference path) and sparq_adaptive_torch runs the rows at their splits, step 1 on k_t."""
+    live length (adaptive_split at `costs`, the cache's: a float cache's by default, k at most k_cap; a
+    row that sees at most k_max positions takes all of them and every component; the host reads the
+    lengths: this is the reference path) and sparq_adaptive_torch runs the rows at their splits, step 1 on k_t."""
     B, d = q.shape[0], q.shape[-1]
     lengths = [length] * B if live_length is None else live_length.expand(B).tolist()
-    splits = [(d, n) if n <= k_max else adaptive_split(n, d, compression, k_max, costs) for n in lengths]
+    splits = [(d, n) if n <= k_max else adaptive_split(n, d, compression, k_cap, costs) for n in lengths]
     r, k_top = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
     local = (k_top // 4).clamp(min=1)  # every head keeps at least its last position, however small k is
     return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, local, mean_v, cap, k_t)
@@ -421,11 +421,11 @@ def position_share(compression: float, head_dim: int, costs: StepCosts = ELEMENT
     return min(0.5, max(0.125, 1 - need))
 
 
-def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int,
+def adaptive_split(seq_len: int, head_dim: int, compression: float, k_cap: Optional[int] = None,
                    costs: StepCosts = ELEMENTS, share: Optional[float] = None) -> tuple[int, int]:
     """(r, k) of one layer's step over seq_len visible positions at `compression` of dense's transfers:
-    the positions take position_share of the budget (k = share c S, at most k_max), the components
-    the rest (r in [1, d]), and what rounding r down leaves goes back to k, so S r + 2 k d + 6 d (SparQ's
+    the positions take position_share of the budget (k = share c S, at most k_cap if one is given), the
+    components the rest (r in [1, d]), and what rounding r down leaves goes back to k, so S r + 2 k d + 6 d (SparQ's
     transfers and the keys' running sums, 2 d) is within 2d of c (2 S d + 2 d). A 512-position window
     layer of Gemma 3 at 1/4 gets k = 64 and r = 61 of 256 where one (r, k) for every layer gave it
     k = 128 and r = 27; SmolLM2 at 1/8 and 1.4k tokens r = 11 at k = 51 instead of r = 4 at k = 128.
@@ -435,7 +435,7 @@ def adaptive_split(seq_len: int, head_dim: int, compression: float, k_max: int,
     d = head_dim
     share = position_share(compression, d, costs) if share is None else share
     budget = int(compression * (2 * seq_len * d + 2 * d))
-    k = max(1, min(k_max, int(compression * share * seq_len)))
+    k = max(1, min(seq_len if k_cap is None else k_cap, int(compression * share * seq_len)))
     scales = seq_len * costs.kt_scale  # read whatever r is
     # floats: exact for a float cache's integers (below 2^52), and for an int4 K^T's 1/4 and 2
     r = max(1, min(d, math.floor((budget - 2 * k * d - 6 * d - scales) / (seq_len * costs.kt))))
@@ -450,18 +450,22 @@ class SparQAdaptiveDecode(DecodePolicy):
     resulting n_kv r components and n_kv k positions (sparq_adaptive_reference), the components ranked
     by |q_i| times the keys' spread in dimension i (key_spread, from the cache's running sums: Gemma 3's
     k_norm scales its key dimensions 7-70x apart, which |q| alone does not see). Local window k / 4, at least 1.
-    Dense attention while a layer sees at most k_max positions, as SparQDecode."""
+    Dense attention while a layer sees at most k_max positions, as SparQDecode (--sparq-k). k_cap bounds
+    k where given (--adaptive-k-cap); by default the budget's share alone sets it, since a cap (once 128,
+    SparQ's k) starves the positions of a task that copies long spans (README: repetition at 1/4)."""
 
     name = "sparq-adaptive"
 
     def __init__(self, compression: float, k_max: int = 128, mean_v: bool = False, kernels: Kernels = TORCH_KERNELS,
-                 cap: Optional[float] = None):
+                 cap: Optional[float] = None, k_cap: Optional[int] = None):
         super().__init__()
         if not 0 < compression <= 1:
             raise ValueError(f"--compression must be in (0, 1], got {compression}")
         if k_max < 1:
             raise ValueError(f"--sparq-k must be at least 1, got {k_max}")
-        self.compression, self.k_max, self.mean_v = compression, k_max, mean_v
+        if k_cap is not None and k_cap < 1:
+            raise ValueError(f"--adaptive-k-cap must be at least 1, got {k_cap}")
+        self.compression, self.k_max, self.k_cap, self.mean_v = compression, k_max, k_cap, mean_v
         self.attend_torch = partial(sparq_adaptive_attention_torch, cap=cap)
         self.attend = kernels.sparq_adaptive or self.attend_torch
         self.fused = kernels.sparq_adaptive is not None  # reads the cache as stored (resolve_kernels: it can)
@@ -475,16 +479,16 @@ class SparQAdaptiveDecode(DecodePolicy):
         if not cache.quantized:  # a float cache: the budget in elements, the paper's
             view = cache.view(length, B)
             return self.attend(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
-                               view.live_length, self.compression, self.k_max, self.mean_v)
+                               view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v)
         costs = StepCosts.of(cache.format, cache.dtype, d)  # the budget in the bytes this cache stores
         if self.fused and cache.stored_view_readable(length):
             view = cache.view(length, B, stored=True)
             return self.attend(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
-                               view.live_length, self.compression, self.k_max, self.mean_v, scales=view.scales,
-                               costs=costs)
+                               view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v,
+                               scales=view.scales, costs=costs)
         view = cache.view(length, B)  # the torch path, or a window starting inside an int4 byte: dequantized
         return self.attend_torch(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
-                                 view.live_length, self.compression, self.k_max, self.mean_v, costs=costs)
+                                 view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v, costs=costs)
 
     @staticmethod
     def spread(view, B: int) -> Tensor:
@@ -496,13 +500,13 @@ class SparQAdaptiveDecode(DecodePolicy):
         sums of K and K^2: S r + 2 k d + 6 d; dense's while S <= k_max."""
         if seq_len <= self.k_max:
             return DenseDecode().transfer_elements(seq_len, head_dim)
-        r, k = adaptive_split(seq_len, head_dim, self.compression, self.k_max, costs)
+        r, k = adaptive_split(seq_len, head_dim, self.compression, self.k_cap, costs)
         return seq_len * r + 2 * k * head_dim + 6 * head_dim
 
     def step1_reads(self, seq_len: int, head_dim: int, costs: StepCosts = ELEMENTS) -> tuple[int, int]:
         if seq_len <= self.k_max:
             return 0, 0
-        return seq_len, adaptive_split(seq_len, head_dim, self.compression, self.k_max, costs)[0]
+        return seq_len, adaptive_split(seq_len, head_dim, self.compression, self.k_cap, costs)[0]
 
     def transfer_bytes(self, seq_len: int, head_dim: int, fmt: KVFormat, activation: torch.dtype) -> float:
         """At the split this cache's bytes give (forward's): more components where K^T is stored smaller."""

@@ -4,14 +4,15 @@
 // Registered as the CPU kernel of sparq::adaptive_cpu, whose schema (and fake implementation, for
 // torch.compile) kernels.py defines:
 //   adaptive_cpu(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, Tensor spread, SymInt length,
-//                float compression, int k_max, bool mean_v, Tensor? lengths=None) -> Tensor
+//                float compression, int k_max, int? k_cap, bool mean_v, Tensor? lengths=None) -> Tensor
 //   adaptive_quant_cpu(..., Tensor? lengths, Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale,
 //                      float kt_cost, float kt_scale_cost) -> Tensor
 // the second on a quantized cache, read as stored as decode_quant_cpu reads it (sparq_decode.cpp's
 // header), its budget split in stored bytes (kt_cost, kt_scale_cost: sparq.StepCosts).
 // It computes what sparq.sparq_adaptive_attention_torch computes (sparq.sparq_adaptive_reference at
 // each row's split), in fp32. Per batch row b, of live length S_b:
-//   (r, k) = adaptive_split(S_b, d, compression, k_max, costs), or (d, S_b) when S_b <= k_max;
+//   (r, k) = adaptive_split(S_b, d, compression, k_cap, costs), or (d, S_b) when S_b <= k_max (k_cap:
+//     the most positions a row's split may take, none when absent; k_max: the length up to which it is dense);
 //     local = max(1, k / 4) (a head never ends with no position);
 //   components: w_hi = sum_g |q_hgi| spread_hi, each head's share w_hi / sum_i w_hi; every head keeps
 //     its largest, the other H (r - 1) go to the largest shares over the row's H heads (ties: lower head,
@@ -60,12 +61,13 @@ namespace {
 struct Split {
   int64_t r, k;
 };
-static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max, double kt, double kt_scale) {
+static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max, std::optional<int64_t> k_cap, double kt,
+                            double kt_scale) {
   if (S <= k_max) return {d, S};  // the row sees at most k_max positions: all of them, every component
   const int64_t budget = (int64_t)(c * (double)(2 * S * d + 2 * d));
   const double need = (12 * kt + kt_scale) / (2 * c * (double)d);  // sparq.position_share, MIN_COMPONENTS = 12
   const double share = std::min(0.5, std::max(0.125, 1 - need));
-  int64_t k = std::max<int64_t>(1, std::min<int64_t>(k_max, (int64_t)(c * share * (double)S)));
+  int64_t k = std::max<int64_t>(1, std::min<int64_t>(k_cap.value_or(S), (int64_t)(c * share * (double)S)));
   const double scales = (double)S * kt_scale;
   const int64_t r = std::max<int64_t>(
       1, std::min<int64_t>(d, (int64_t)std::floor(((double)(budget - 2 * k * d - 6 * d) - scales) / ((double)S * kt))));
@@ -277,10 +279,10 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
 
 at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                          const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
-                         double compression, int64_t k_max, bool mean_v, const std::optional<at::Tensor>& lengths,
-                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                         const std::optional<at::Tensor>& chan, const std::optional<at::Tensor>& kt_scale, double kt_cost,
-                         double kt_scale_cost) {
+                         double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v,
+                         const std::optional<at::Tensor>& lengths, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& chan,
+                         const std::optional<at::Tensor>& kt_scale, double kt_cost, double kt_scale_cost) {
   const char* op = "sparq::adaptive_cpu";
   TORCH_CHECK(q.dim() == 4 && v_sum.dim() == 3 && spread.dim() == 3, op,
               ": expected q (B, n_kv, g, d), v_sum and spread (B_max, n_kv, d)");
@@ -289,7 +291,8 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
   for (const at::Tensor* t : {&v_sum, &spread})
     TORCH_CHECK(t->size(0) >= B && t->size(1) == H && t->size(2) == d && t->scalar_type() == at::kFloat &&
                     t->stride(2) == 1, op, ": v_sum and spread must be fp32 (B_max, n_kv, d), contiguous in d");
-  TORCH_CHECK(0 < compression && compression <= 1 && k_max >= 1, op, ": need 0 < compression <= 1, k_max >= 1");
+  TORCH_CHECK(0 < compression && compression <= 1 && k_max >= 1 && k_cap.value_or(1) >= 1, op,
+              ": need 0 < compression <= 1, k_max >= 1, k_cap >= 1");
   TORCH_CHECK(kt_cost > 0 && kt_scale_cost >= 0, op, ": need kt_cost > 0 and kt_scale_cost >= 0");
   TORCH_CHECK(H * length < (int64_t(1) << 31), op, ": n_kv x length too large");
   const auto qdt = q.scalar_type();
@@ -301,7 +304,7 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
   const CacheKind cache = bind_cache(P, op, B, H, d, length, k, k_t, v, k_scale, v_scale, chan, kt_scale);
   int64_t most_k = 1;
   for (int64_t b = 0; b < B; ++b) {
-    const Split s = adaptive_split(len[b], d, compression, k_max, kt_cost, kt_scale_cost);
+    const Split s = adaptive_split(len[b], d, compression, k_max, k_cap, kt_cost, kt_scale_cost);
     const int64_t kk = std::min(s.k, len[b]), n_local = std::min(std::max<int64_t>(1, kk / 4), len[b]);
     A.rows.push_back({len[b], s.r, n_local, kk - n_local});
     most_k = std::max(most_k, n_local + H * (kk - n_local));  // one head may take all of the row's positions
@@ -326,20 +329,21 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
 
 at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                         const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
-                        double compression, int64_t k_max, bool mean_v, const std::optional<at::Tensor>& lengths) {
-  return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths, std::nullopt,
+                        double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v,
+                        const std::optional<at::Tensor>& lengths) {
+  return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, lengths, std::nullopt,
                        std::nullopt, std::nullopt, std::nullopt, 1.0, 0.0);
 }
 
 // A quantized cache (its scales as decode_quant_cpu's) and step 1's costs in K/V elements (sparq.StepCosts).
 at::Tensor adaptive_quant_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                               const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
-                              double compression, int64_t k_max, bool mean_v, const std::optional<at::Tensor>& lengths,
-                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                              const at::Tensor& chan, const std::optional<at::Tensor>& kt_scale, double kt_cost,
-                              double kt_scale_cost) {
-  return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, mean_v, lengths, k_scale, v_scale, chan,
-                       kt_scale, kt_cost, kt_scale_cost);
+                              double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v,
+                              const std::optional<at::Tensor>& lengths, const std::optional<at::Tensor>& k_scale,
+                              const std::optional<at::Tensor>& v_scale, const at::Tensor& chan,
+                              const std::optional<at::Tensor>& kt_scale, double kt_cost, double kt_scale_cost) {
+  return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, lengths, k_scale, v_scale,
+                       chan, kt_scale, kt_cost, kt_scale_cost);
 }
 
 }  // namespace

@@ -152,6 +152,8 @@ def run_identity(args: argparse.Namespace, tasks: list[str], methods: list[str],
                           ("hybrid_r", None)):  # absent from the journals of earlier runs
         if getattr(args, flag) != default:
             run[flag] = getattr(args, flag)
+    if "sparq-adaptive" in methods and args.adaptive_k_cap != args.sparq_k:  # earlier runs capped k at --sparq-k
+        run["adaptive_k_cap"] = args.adaptive_k_cap
     if "doublesparse" in methods:  # its channels come from a file: a recalibration is another run
         run["doublesparse_channels"] = file_identity(selector_settings(args)["channels"])
     return json.loads(json.dumps(run))  # as the journal's header reads back
@@ -250,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
                 "compression": [fraction_label(t) for t in targets], "lengths": lengths,
                 "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
                 "kernels": kernels.name, "kv_layout": args.kv_layout, "kv_dtype": args.kv_dtype,
-                "kt_dtype": args.kt_dtype, "sparq_k": args.sparq_k,
+                "kt_dtype": args.kt_dtype, "sparq_k": args.sparq_k, "adaptive_k_cap": args.adaptive_k_cap,
                 "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,
                 "batches_from_journal": replayed, "budgets": budget_records(results.budgets)}
 

@@ -17,6 +17,7 @@ import sys
 import time
 from fractions import Fraction
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -34,12 +35,12 @@ MAX_ANSWER = 12
 
 
 class SplitAt(SparQAdaptiveDecode):
-    """sparq-adaptive (torch path, float cache) with positions given `share` of each step's budget and k
-    capped at k_cap (the policy's cap is k_max, also the length below which it runs dense: kept here)."""
+    """sparq-adaptive (torch path, float cache) with positions given `share` of each step's budget, k at
+    most k_cap (None: no cap, the policy's default), dense up to the policy's k_max (128) positions."""
 
-    def __init__(self, compression: float, share: float, k_cap: int = 128):
-        super().__init__(compression, kernels=TORCH_KERNELS)
-        self.share, self.k_cap = share, k_cap
+    def __init__(self, compression: float, share: float, k_cap: Optional[int] = None):
+        super().__init__(compression, kernels=TORCH_KERNELS, k_cap=k_cap)
+        self.share = share
 
     def forward(self, q, cache, length):
         if cache.visible_length(length) <= self.k_max:
@@ -59,8 +60,9 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--shares", type=fractions, default="1/8,1/4,1/2", help="positions' shares of the budget")
     p.add_argument("--examples", type=cli.positive_int, default=40)
     p.add_argument("--contexts", type=cli.positive_int, default=7, help="SQuAD confusion paragraphs (7: ~1.4k tokens)")
-    p.add_argument("--k-cap", type=cli.positive_int, default=128,
-                   help="the cap on k (the policy's is --sparq-k, 128; layers run dense up to 128 positions either way)")
+    p.add_argument("--k-cap", type=cli.positive_int, default=None,
+                   help="a cap on k (default none, as the policy's --adaptive-k-cap; layers run dense up to 128 "
+                        "positions either way)")
     return p
 
 

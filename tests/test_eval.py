@@ -771,3 +771,20 @@ def test_a_doublesparse_run_is_identified_by_its_calibration(tmp_path):
     torch.save({"ranking": torch.arange(12).flip(0).view(1, 3, 4)}, channels)
     assert identity(argv)["doublesparse_channels"] != first["doublesparse_channels"]
     assert "doublesparse_channels" not in identity(argv[:5] + ["dense,sparq"])
+
+
+def test_an_adaptive_run_is_identified_by_its_cap_on_k(tmp_path):
+    """Adaptive SparQ's k was once capped at --sparq-k: the journals of those runs resume only with
+    --adaptive-k-cap equal to it, an uncapped run (the default now) is another run, and runs without
+    sparq-adaptive keep the identity they had."""
+    base = ["--task", "squad", "--checkpoint", str(tmp_path), "--attention", "dense,sparq-adaptive"]
+
+    def identity(argv):
+        args = evals_cli.build_parser().parse_args(argv)
+        return evals_cli.run_identity(args, ["squad"], args.attention.split(","), [Fraction(1, 4)], {"squad": [0]})
+
+    earlier = identity(base + ["--adaptive-k-cap", "128"])
+    assert "adaptive_k_cap" not in earlier  # as the journals made before the flag read back
+    assert identity(base)["adaptive_k_cap"] is None and identity(base + ["--adaptive-k-cap", "256"])["adaptive_k_cap"] == 256
+    assert identity(base + ["--sparq-k", "64", "--adaptive-k-cap", "64"]) == {**earlier, "sparq_k": 64}
+    assert "adaptive_k_cap" not in identity(base[:5] + ["dense,sparq"])

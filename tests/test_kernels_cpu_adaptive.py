@@ -34,12 +34,12 @@ def scaled_cache(lengths: list[int], n_kv: int, d: int, S_max: int, layout: str 
     return cache
 
 
-def both(q, cache, lengths, compression, k_max, mean_v):
+def both(q, cache, lengths, compression, k_max, mean_v, k_cap=None):
     """The fused kernel's and the reference's outputs on the cache's first len(lengths) rows."""
     B, length = len(lengths), max(lengths)
     live = None if len(set(lengths)) == 1 else torch.tensor(lengths)
     spread = key_spread(cache.k_moments[:B], length if live is None else live)
-    args = (q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, length, live, compression, k_max, mean_v)
+    args = (q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, length, live, compression, k_max, k_cap, mean_v)
     return kernels.sparq_adaptive_cpu(*args), sparq_adaptive_attention_torch(*args)
 
 
@@ -88,8 +88,24 @@ def test_ragged_rows_each_at_its_own_split(n_threads, threads):
     for b, n in enumerate(lengths):  # and each row alone
         alone = kernels.sparq_adaptive_cpu(q[b:b + 1], cache.k[b:b + 1], cache.k_t[b:b + 1], cache.v[b:b + 1],
                                            cache.v_sum[b:b + 1], key_spread(cache.k_moments[b:b + 1], n), n, None,
-                                           1 / 8, 128, True)
+                                           1 / 8, 128, None, True)
         torch.testing.assert_close(fused[b:b + 1], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_a_cap_on_k_binds_in_the_kernel_as_in_the_reference(n_threads, threads):
+    """At 1/4 and 3000 positions the budget's share gives k ~ 375: a cap of 64 must change the output
+    (the cap reaches the kernel) and match the reference at the same cap (the cap and k_max are apart:
+    a row of 100 positions, above the cap but within k_max, stays dense)."""
+    threads(n_threads)
+    lengths = [3000, 100]
+    cache = scaled_cache(lengths, 2, 64, 3000)
+    q = random_query(2, 2, 3, 64, seed=5)
+    capped, reference = both(q, cache, lengths, 1 / 4, 128, False, k_cap=64)
+    torch.testing.assert_close(capped, reference, atol=1e-5, rtol=1e-5)
+    uncapped, _ = both(q, cache, lengths, 1 / 4, 128, False)
+    assert (capped[0] - uncapped[0]).abs().max() > 1e-3
+    torch.testing.assert_close(capped[1], uncapped[1])  # dense either way
 
 
 def test_bf16_cache(threads):
@@ -117,7 +133,7 @@ def test_opcheck():
     q = random_query(2, 2, 2, 32)
     spread = key_spread(cache.k_moments[:2], 400)
     torch.library.opcheck(torch.ops.sparq.adaptive_cpu.default,
-                          (q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, 400, 0.125, 64, True, None),
+                          (q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, 400, 0.125, 64, 40, True, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -126,7 +142,9 @@ def test_rejects_bad_arguments():
     q = random_query(1, 2, 2, 32)
     spread = key_spread(cache.k_moments[:1], 100)
     with pytest.raises(RuntimeError, match="compression"):
-        kernels.sparq_adaptive_cpu(q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, 100, None, 0.0, 64, False)
+        kernels.sparq_adaptive_cpu(q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, 100, None, 0.0, 64, None, False)
+    with pytest.raises(RuntimeError, match="k_cap"):
+        kernels.sparq_adaptive_cpu(q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, 100, None, 0.5, 64, 0, False)
     with pytest.raises(RuntimeError, match="spread"):
         kernels.sparq_adaptive_cpu(q, cache.k, cache.k_t, cache.v, cache.v_sum, spread.double(), 100, None, 0.5, 64,
-                                   False)
+                                   None, False)

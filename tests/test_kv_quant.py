@@ -433,7 +433,7 @@ def test_fused_adaptive_kernel_reads_a_quantized_cache_as_its_dequantized_copy(f
     for cache, q, stored, k, v, k_t, S, live in quantized_cases(layout, kv_dtype, kt_dtype, dtype, d):
         spread = key_spread(stored.k_moments[:q.shape[0]], S if live is None else live)
         costs = StepCosts.of(cache.format, dtype, d)
-        args = (S, live, 1 / 4, 32, mean_v)
+        args = (S, live, 1 / 4, 32, 48, mean_v)  # dense up to 32 positions, k at most 48
         fused = sparq_adaptive_cpu(q, stored.k, stored.k_t, stored.v, stored.v_sum, spread, *args,
                                    scales=stored.scales, costs=costs)
         expected = sparq_adaptive_attention_torch(q.float(), k, k_t, v, stored.v_sum, spread, *args,

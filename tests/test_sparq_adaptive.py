@@ -49,10 +49,18 @@ def test_torch_path_matches_loop_reference(B, n_kv, g_, d, S, r, k, mean_v):
     torch.testing.assert_close(adaptive(q, cache, S, config), expected, atol=1e-5, rtol=1e-5)
     # the policy itself, at its own split of a budget
     policy = SparQAdaptiveDecode(compression=1 / 8, k_max=k, mean_v=mean_v)
-    r_policy, k_policy = adaptive_split(S, d, 1 / 8, k)
+    r_policy, k_policy = adaptive_split(S, d, 1 / 8)  # dense up to k positions, k uncapped
     config = SparQConfig(r=r_policy, k_top=k_policy, mean_v=mean_v)
     expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread_of(cache.k, [S] * B))
     torch.testing.assert_close(policy(q, cache, S), expected, atol=1e-5, rtol=1e-5)
+    # and with a cap on k (--adaptive-k-cap) that binds at S: its own split
+    cap = 1  # the positions give back all but one: step 1 gets more components
+    capped = SparQAdaptiveDecode(compression=1 / 8, k_max=k, mean_v=mean_v, k_cap=cap)
+    r_capped, k_capped = adaptive_split(S, d, 1 / 8, cap)
+    assert r_capped > r_policy
+    config = SparQConfig(r=r_capped, k_top=k_capped, local=max(1, k_capped // 4), mean_v=mean_v)  # the policy's
+    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread_of(cache.k, [S] * B))
+    torch.testing.assert_close(capped(q, cache, S), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_step_1_reads_k_t_where_given():
@@ -156,18 +164,24 @@ def test_per_row_live_lengths_equal_each_row_run_alone(mean_v):
         torch.testing.assert_close(batch[b:b + 1], alone, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("k_cap", [None, 128])
 @pytest.mark.parametrize("S,d,c", [(1400, 64, 1 / 8), (512, 256, 1 / 4), (1401, 256, 1 / 4), (30000, 128, 1 / 16),
-                                   (200, 64, 1 / 8)])
-def test_each_step_splits_the_target(S, d, c):
+                                   (200, 64, 1 / 8), (8000, 64, 1 / 4)])
+def test_each_step_splits_the_target(S, d, c, k_cap):
     """adaptive_split: the step moves c of dense's transfers to within one position's K and V row (2d)
-    unless r hits a bound, and never more; positions take about position_share of it."""
-    r, k = adaptive_split(S, d, c, 128)
+    unless r hits a bound, and never more; positions take about position_share of it, or the cap."""
+    r, k = adaptive_split(S, d, c, k_cap)
     moved, dense = S * r + 2 * k * d + 6 * d, 2 * S * d + 2 * d
     assert 1 <= r <= d and 1 <= k <= S
     assert moved <= c * dense and (r in (1, d) or moved > c * dense - 2 * d)
-    assert k <= 128 + S // (2 * d) + 1  # k_max, and what rounding r down gave back
-    if k < 128:  # the positions' share, to within what rounding r down gave back (S of r's elements)
-        assert c * position_share(c, d) * S - 1 <= k <= c * position_share(c, d) * S + S / (2 * d) + 1
+    share = c * position_share(c, d) * S  # what the positions get before rounding r down gives some back
+    if k_cap is not None:
+        assert k <= k_cap + S // (2 * d) + 1  # the cap, and what rounding r down gave back
+    if k_cap is None or share < k_cap:  # to within what rounding r down gave back (S of r's elements)
+        assert share - 1 <= k <= share + S / (2 * d) + 1
+    if k_cap is not None and share > k_cap + S / (2 * d) + 1:  # the cap binds: fewer positions, more components
+        r_free, k_free = adaptive_split(S, d, c)
+        assert k < k_free and r >= r_free
 
 
 @pytest.mark.parametrize("kv_dtype, kt_dtype", [("auto", "int4"), ("auto", "int8"), ("int8", "int4"), ("int8", "same")])
@@ -180,7 +194,7 @@ def test_a_quantized_k_t_buys_components_at_the_same_bytes(kv_dtype, kt_dtype):
     costs = StepCosts.of(fmt, act, d)
     policy = SparQAdaptiveDecode(compression=c, k_max=128)
     for S in (1400, 8000, 32000):
-        (r, k), (r_float, _) = adaptive_split(S, d, c, 128, costs), adaptive_split(S, d, c, 128)
+        (r, k), (r_float, _) = adaptive_split(S, d, c, None, costs), adaptive_split(S, d, c)
         assert policy.step1_reads(S, d, costs) == (S, r)
         stored, dense = policy.transfer_bytes(S, d, fmt, act), DenseDecode().transfer_bytes(S, d, fmt, act)
         row = 2 * d * (fmt.bytes_per_element(act) + fmt.row_scale_bytes(act) / d)  # one position's K and V
@@ -188,7 +202,7 @@ def test_a_quantized_k_t_buys_components_at_the_same_bytes(kv_dtype, kt_dtype):
         if kt_dtype != "same":  # K^T in fewer bytes than K: more components for the same bytes
             assert r >= r_float
         if kt_dtype == "int4" and kv_dtype == "auto":  # at 1/4 both give positions half (position_share):
-            r4, r4_float = (adaptive_split(S, d, 1 / 4, 128, x)[0] for x in (costs, ELEMENTS))
+            r4, r4_float = (adaptive_split(S, d, 1 / 4, None, x)[0] for x in (costs, ELEMENTS))
             assert r4 >= min(d, 3 * r4_float)  # a quarter of the bytes per component, less the scales'
     assert StepCosts.of(KVFormat(), act, d) == StepCosts.of(KVFormat("once"), torch.float32, d) == ELEMENTS
 
@@ -202,8 +216,8 @@ def test_the_policy_reads_its_split_from_the_cache_it_runs_on():
     cache.update(torch.arange(S), k * torch.logspace(0, 1, d), v)
     q = random_query(B, n_kv, g_, d)
     policy = SparQAdaptiveDecode(compression=1 / 8, k_max=64)
-    r, k_top = adaptive_split(S, d, 1 / 8, 64, StepCosts.of(cache.format, torch.float32, d))
-    assert r > adaptive_split(S, d, 1 / 8, 64)[0]
+    r, k_top = adaptive_split(S, d, 1 / 8, None, StepCosts.of(cache.format, torch.float32, d))
+    assert r > adaptive_split(S, d, 1 / 8)[0]
     view = cache.view(S, B)  # the dequantized K, V and K^T
     config = SparQConfig(r=r, k_top=k_top, mean_v=False)
     expected = sparq_adaptive_reference(q, view.k, view.v, view.v_sum, S, config, spread=spread_of(view.k, [S]),
@@ -234,6 +248,20 @@ def test_sparq_r_is_refused():
         policy_factory(AttentionSettings("sparq-adaptive", sparq_r=8), ModelArgs.from_shape("smollm2"))
 
 
+def test_a_cap_on_k_reaches_the_policy_and_only_its_own():
+    """--adaptive-k-cap: the policy's k at most the cap (its budget still met), refused for other policies."""
+    args = ModelArgs.from_shape("smollm2")
+    capped = policy_factory(AttentionSettings("sparq-adaptive", compression=Fraction(1, 4), adaptive_k_cap=64), args)(0)
+    free = policy_factory(AttentionSettings("sparq-adaptive", compression=Fraction(1, 4)), args)(0)
+    assert capped.k_cap == 64 and free.k_cap is None
+    d, S = args.head_dim, 8000
+    for policy in (capped, free):
+        assert policy.transfer_elements(S, d) == pytest.approx(DenseDecode().transfer_elements(S, d) / 4, rel=0.01)
+    assert capped.step1_reads(S, d)[1] > free.step1_reads(S, d)[1]  # fewer positions: more components
+    with pytest.raises(ValueError, match="--adaptive-k-cap applies to"):
+        policy_factory(AttentionSettings("sparq", sparq_r=8, adaptive_k_cap=64), args)
+
+
 def test_generate_defaults_to_an_eighth(tmp_path, smollm2_checkpoint):
     """generate.py --attention sparq-adaptive without --compression or --sparq-r: 1/8 of dense's KV transfers."""
     out = tmp_path / "run.json"
@@ -255,5 +283,5 @@ def test_the_split_study_at_position_share_is_the_policy(c):
     expected = SparQAdaptiveDecode(compression=c)(q, cache, S)
     torch.testing.assert_close(SplitAt(c, position_share(c, d))(q, cache, S), expected)
     other = 1 / 2 if position_share(c, d) < 1 / 2 else 1 / 8
-    assert adaptive_split(S, d, c, 128, share=other) != adaptive_split(S, d, c, 128)
+    assert adaptive_split(S, d, c, share=other) != adaptive_split(S, d, c)
     assert not torch.allclose(SplitAt(c, other)(q, cache, S), expected)
