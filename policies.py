@@ -27,8 +27,8 @@ from torch import Tensor
 import cli
 from kernels import TORCH_KERNELS, Kernels
 from model import DecodePolicy, DenseDecode, KVCache, KVFormat, ModelArgs, beyond_live, per_row, softcap
-from sparq import (SparQAdaptiveDecode, SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions,
-                   sparq_attention_torch, sparse_attention, top_components)
+from sparq import (SparQAdaptiveDecode, SparQConfig, SparQDecode, StepCosts, approximate_scores, mix_mean_v,
+                   select_positions, sparq_attention_torch, sparse_attention, top_components)
 
 # ---------------------------------------------------------------------------------------------
 # Baselines from the paper, as decode policies on the same cache (transfers: paper, Appendix G)
@@ -456,7 +456,7 @@ class AttentionSettings:
     page_size: int = QUEST_PAGE  # Quest and the RocketKV hybrid: positions per page
     hybrid_r: Optional[int] = None  # the RocketKV hybrid: components of q its page bounds use (None: d / 4)
     channels: Optional[Path] = None  # DoubleSparse: its calibration file (default_channels_file)
-    adaptive_k_cap: Optional[int] = None  # sparq-adaptive: the most positions a step keeps (None: its budget's share)
+    adaptive_k_cap: Optional[int] = None  # sparq-adaptive: a cap on k (sparq.adaptive_split; None: the budget's share)
 
     @property
     def budget(self) -> int:
@@ -610,7 +610,8 @@ def add_selector_flags(p: argparse.ArgumentParser) -> None:
                    help=f"doublesparse's calibrated channels (default: {CHANNELS_FILE} beside --checkpoint; "
                         "python -m scripts.calibrate_doublesparse makes it)")
     p.add_argument("--adaptive-k-cap", type=cli.positive_int, default=None, metavar="K",
-                   help="most positions sparq-adaptive keeps per step (default: no cap, its budget's share decides)")
+                   help="cap on the positions sparq-adaptive's split gives step 2, before what rounding r down leaves "
+                        "is added back (default: none, the budget's share decides)")
 
 
 def selector_settings(args: argparse.Namespace) -> dict:
@@ -787,14 +788,18 @@ class Budget:
     seq_len: int
     settings: AttentionSettings
     achieved: float = 1.0  # transfers / dense at seq_len
+    split: Optional[tuple[int, int]] = None  # sparq-adaptive: its (r, k) on a layer that sees all seq_len positions
 
     @property
     def r(self) -> Optional[int]:
+        """SparQ's fixed r (None: a policy without one; adaptive SparQ's varies, `split` has it at seq_len)."""
         return self.settings.sparq_r
 
     @property
     def k_top(self) -> Optional[int]:
-        """The positions the method attends (its budget, or SparQ's k)."""
+        """The positions the method attends (its budget, SparQ's k, or adaptive SparQ's at seq_len)."""
+        if self.split is not None:
+            return self.split[1]
         uses_budget = self.method != "dense" and "kv_budget" in POLICIES[self.method].flags
         return self.settings.budget if uses_budget else self.settings.sparq_k
 
@@ -803,7 +808,9 @@ class Budget:
             return "dense"
         if POLICIES[self.method].knob == "compression":
             cap = self.settings.adaptive_k_cap
-            setting = "r and k per layer and step (sparq.adaptive_split)" + ("" if cap is None else f", k at most {cap}")
+            at = "" if self.split is None else f": r={self.split[0]}, k={self.split[1]} on a full-length layer"
+            capped = "" if cap is None else f", k capped at {cap} plus what rounding r down leaves"
+            setting = f"r and k per layer and step (sparq.adaptive_split{capped}){at}"
         else:
             setting = f"r={self.r}, k={self.k_top}" if self.r is not None else f"k={self.k_top}"
         return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len})"
@@ -819,7 +826,11 @@ def solve_budget(method: str, target: Fraction, seq_len: int, args: ModelArgs,
     settings, achieved = settings_for_compression(start, float(target), seq_len, args, storage)
     if settings.policy == "dense":
         return Budget("dense", DENSE, seq_len, settings)
-    return Budget(method, target, seq_len, settings, achieved)
+    split = None
+    if POLICIES[method].knob == "compression":  # adaptive SparQ: its split at seq_len, in the cache's bytes
+        policy = POLICIES[method].build(settings, args, TORCH_KERNELS, 0)
+        split = policy.split(seq_len, args.head_dim, StepCosts.of(storage.fmt, storage.activation, args.head_dim))
+    return Budget(method, target, seq_len, settings, achieved, split)
 
 
 REACH_TOLERANCE = 0.02  # a target this far (relative) beyond what the knob's range reaches is refused

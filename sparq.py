@@ -451,8 +451,9 @@ class SparQAdaptiveDecode(DecodePolicy):
     by |q_i| times the keys' spread in dimension i (key_spread, from the cache's running sums: Gemma 3's
     k_norm scales its key dimensions 7-70x apart, which |q| alone does not see). Local window k / 4, at least 1.
     Dense attention while a layer sees at most k_max positions, as SparQDecode (--sparq-k). k_cap bounds
-    k where given (--adaptive-k-cap); by default the budget's share alone sets it, since a cap (once 128,
-    SparQ's k) starves the positions of a task that copies long spans (README: repetition at 1/4)."""
+    k where given (--adaptive-k-cap; what rounding r down leaves still goes back to k); by default the
+    budget's share alone sets it, since a cap (once 128, SparQ's k) starves the positions of a task that
+    copies long spans (README: repetition at 1/4)."""
 
     name = "sparq-adaptive"
 
@@ -495,18 +496,24 @@ class SparQAdaptiveDecode(DecodePolicy):
         """The keys' spread per dimension over the visible live positions of rows [:B]: (B, n_kv, d)."""
         return key_spread(view.k_moments[:B], view.length if view.live_length is None else view.live_length)
 
+    def split(self, seq_len: int, head_dim: int, costs: StepCosts = ELEMENTS) -> Optional[tuple[int, int]]:
+        """(r, k) of a step over seq_len visible positions on a cache of `costs`; None while it runs dense."""
+        if seq_len <= self.k_max:
+            return None
+        return adaptive_split(seq_len, head_dim, self.compression, self.k_cap, costs)
+
     def transfer_elements(self, seq_len: int, head_dim: int, costs: StepCosts = ELEMENTS) -> int:
         """SparQ's (eq. 11) at this step's split, on average over the layer's heads, and the keys' running
         sums of K and K^2: S r + 2 k d + 6 d; dense's while S <= k_max."""
-        if seq_len <= self.k_max:
+        split = self.split(seq_len, head_dim, costs)
+        if split is None:
             return DenseDecode().transfer_elements(seq_len, head_dim)
-        r, k = adaptive_split(seq_len, head_dim, self.compression, self.k_cap, costs)
+        r, k = split
         return seq_len * r + 2 * k * head_dim + 6 * head_dim
 
     def step1_reads(self, seq_len: int, head_dim: int, costs: StepCosts = ELEMENTS) -> tuple[int, int]:
-        if seq_len <= self.k_max:
-            return 0, 0
-        return seq_len, adaptive_split(seq_len, head_dim, self.compression, self.k_cap, costs)[0]
+        split = self.split(seq_len, head_dim, costs)
+        return (0, 0) if split is None else (seq_len, split[0])
 
     def transfer_bytes(self, seq_len: int, head_dim: int, fmt: KVFormat, activation: torch.dtype) -> float:
         """At the split this cache's bytes give (forward's): more components where K^T is stored smaller."""

@@ -62,7 +62,8 @@ def off_target(row: dict) -> bool:
 def budget_records(budgets: dict[tuple, Budget]) -> list[dict]:
     """Results.budgets as JSON (the --json's meta, read back by --report)."""
     return [{"task": task, "attention": method, "compression": fraction_label(target), "seq_len": size,
-             "r": b.r, "k": b.k_top, "achieved": b.achieved} for (task, method, target, size), b in budgets.items()]
+             "r": b.r if b.split is None else b.split[0], "k": b.k_top, "achieved": b.achieved}
+            for (task, method, target, size), b in budgets.items()]
 
 
 def no_selection(budgets: list[dict]) -> set[tuple]:
@@ -229,7 +230,10 @@ def budget_summary(budgets: dict[tuple, Budget]) -> str:
     for (seq_len, method), chosen in sorted(by_key.items()):
         parts = []
         for target, b in sorted(chosen.items(), reverse=True):
-            setting = f"r={b.r}" if POLICIES[method].knob == "sparq_r" else f"k={b.k_top}"
+            if b.split is not None:  # adaptive SparQ's at this length, on a layer that sees all of it
+                setting = f"r={b.split[0]}, k={b.split[1]}"
+            else:
+                setting = f"r={b.r}" if POLICIES[method].knob == "sparq_r" else f"k={b.k_top}"
             parts.append(f"{fraction_label(target)}: {setting} ({b.achieved:.3f})")
         first = next(iter(chosen.values()))
         extra = {"sparq_r": f" (k={first.k_top}, local k/4)", "sparq_k": f" (r={first.r}, local k/4)"}.get(POLICIES[method].knob, "")

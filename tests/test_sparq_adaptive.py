@@ -232,6 +232,8 @@ def test_the_policy_takes_the_target_and_counts_its_transfers():
     args = ModelArgs.from_shape("smollm2")
     budget = solve_target(AttentionSettings("sparq-adaptive", compression=Fraction(1, 8)), 1400, args)
     assert budget.achieved == pytest.approx(1 / 8, rel=0.02)
+    r, k = adaptive_split(1400, args.head_dim, 1 / 8)  # what the budget reports is the policy's split
+    assert budget.split == (r, k) and budget.k_top == k and f"r={r}, k={k}" in budget.describe()
     make = policy_factory(budget.settings, args)
     assert isinstance(make(0), SparQAdaptiveDecode) and make(0).compression == 1 / 8
     for S in (1400, 5000, 20000):
