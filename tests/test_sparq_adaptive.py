@@ -6,7 +6,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import read_json, run_python
+from conftest import assert_one_line_error, read_json, run_python
 from model import SHAPES, DenseDecode, KVCache, KVFormat, ModelArgs, dense_attention_torch
 from policies import AttentionSettings, layer_transfers, policy_factory, solve_target
 from sparq import (ELEMENTS, SparQAdaptiveDecode, SparQConfig, StepCosts, adaptive_split, key_spread, pooled_components,
@@ -271,6 +271,19 @@ def test_generate_defaults_to_an_eighth(tmp_path, smollm2_checkpoint):
                         "--prompt-tokens", "1400", "--max-new-tokens", "4", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert read_json(out)["compression_achieved"] == pytest.approx(1 / 8, rel=0.05)
+
+
+def test_generate_takes_a_cap_on_k_for_the_adaptive_policy_only():
+    """generate.py --adaptive-k-cap: the budget line names the capped split; beside another policy, one line."""
+    common = ["--random-weights", "tiny", "--prompt-tokens", "300", "--max-new-tokens", "4"]
+    result = run_python("generate.py", *common, "--attention", "sparq-adaptive", "--compression", "1/4",
+                        "--adaptive-k-cap", "16")
+    assert result.returncode == 0, result.stderr
+    d = ModelArgs.from_shape("tiny").head_dim
+    r, k = adaptive_split(300, d, 1 / 4, 16)
+    assert f"k capped at 16 plus what rounding r down leaves): r={r}, k={k}" in result.stderr + result.stdout
+    assert_one_line_error(run_python("generate.py", *common, "--sparq-r", "4", "--adaptive-k-cap", "16"),
+                          "--adaptive-k-cap applies to --attention sparq-adaptive")
 
 
 @pytest.mark.parametrize("c", [1 / 4, 1 / 8, 1 / 16])
