@@ -587,7 +587,8 @@ def add_attention_flags(p: argparse.ArgumentParser) -> None:
                    help="positions attended by topk/oracle/h2o/local (default: --sparq-k)")
     p.add_argument("--sparq-r", type=cli.positive_int, default=None, help="query components used for approximate scores")
     p.add_argument("--sparq-k", type=cli.positive_int, default=None,
-                   help=f"positions attended exactly (default {DEFAULT_SPARQ_K})")
+                   help=f"positions attended exactly (default {DEFAULT_SPARQ_K}); sparq-adaptive: the visible length "
+                        "up to which a layer runs dense")
     p.add_argument("--sparq-local", type=cli.non_negative_int, default=None,
                    help="recent positions always kept (default k/4)")
     p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
