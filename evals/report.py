@@ -224,10 +224,10 @@ def budget_summary(budgets: dict[tuple, Budget]) -> str:
     """One line per (length, method): the setting chosen for each target and its compression."""
     lines = []
     by_key: dict[tuple[int, str], dict[Fraction, Budget]] = defaultdict(dict)
-    for (_, method, target, seq_len), budget in budgets.items():
+    for (_, method, target, size), budget in budgets.items():  # size: the task's (tokens, or SQuAD's contexts)
         if method != "dense":
-            by_key[(seq_len, method)][target] = budget
-    for (seq_len, method), chosen in sorted(by_key.items()):
+            by_key[(size, method)][target] = budget
+    for (_, method), chosen in sorted(by_key.items()):
         parts = []
         for target, b in sorted(chosen.items(), reverse=True):
             if b.split is not None:  # adaptive SparQ's at this length, on a layer that sees all of it
@@ -237,7 +237,7 @@ def budget_summary(budgets: dict[tuple, Budget]) -> str:
             parts.append(f"{fraction_label(target)}: {setting} ({b.achieved:.3f})")
         first = next(iter(chosen.values()))
         extra = {"sparq_r": f" (k={first.k_top}, local k/4)", "sparq_k": f" (r={first.r}, local k/4)"}.get(POLICIES[method].knob, "")
-        lines.append(f"  S={seq_len} {method}{extra}: " + ", ".join(parts))
+        lines.append(f"  S={first.seq_len} {method}{extra}: " + ", ".join(parts))  # the prompt length solved at
     return "budgets (setting: transfers / dense at the prompt length)\n" + "\n".join(lines) if lines else ""
 
 

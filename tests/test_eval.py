@@ -788,3 +788,17 @@ def test_an_adaptive_run_is_identified_by_its_cap_on_k(tmp_path):
     assert identity(base)["adaptive_k_cap"] is None and identity(base + ["--adaptive-k-cap", "256"])["adaptive_k_cap"] == 256
     assert identity(base + ["--sparq-k", "64", "--adaptive-k-cap", "64"]) == {**earlier, "sparq_k": 64}
     assert "adaptive_k_cap" not in identity(base[:5] + ["dense,sparq"])
+
+
+def test_budget_lines_give_the_prompt_length_not_the_task_size():
+    """A SQuAD cell's size is its context count (7); its budget line gives the tokens the budget was
+    solved at, and adaptive SparQ's line its split there."""
+    from policies import solve_budget
+
+    args = ModelArgs.from_shape("smollm2")
+    budgets = {("squad", m, Fraction(1, 4), 7): solve_budget(m, Fraction(1, 4), 1442, args)
+               for m in ("sparq", "sparq-adaptive")}
+    text = evals_report.budget_summary(budgets)
+    r, k = budgets[("squad", "sparq-adaptive", Fraction(1, 4), 7)].split
+    assert "S=1442 sparq (k=128, local k/4)" in text and f"S=1442 sparq-adaptive: 1/4: r={r}, k={k}" in text
+    assert "S=7" not in text
