@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=cli.positive_int, default=8)
     p.add_argument("--seed", type=int, default=0, help="example generation seed")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--sparq-k", type=cli.positive_int, default=128, help="SparQ's k (its local window is k/4)")
+    p.add_argument("--sparq-k", type=cli.positive_int, default=128,
+                   help="SparQ's k (its local window is k/4); sparq-adaptive: the length up to which a layer runs dense")
     p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
                    help="mean-value reallocation (auto: on for MHA, off for GQA)")
     p.add_argument("--kernel", choices=[k for k in KERNEL_CHOICES if k != "triton"], default="auto",
