@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import re
 import sys
+import tempfile
 import time
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
@@ -158,7 +160,8 @@ def compiled_decode_step(step: Callable, device_type: str, backend: str = "induc
     backend="cudagraphs" captures the eager ops into CUDA graphs without inductor (quick to build:
     gpu_check's fallback when inductor fails). CPU: inductor's C++ wrapper, which calls the graph's
     kernels and ops from C++: a small model's step is hundreds of small calls, and a Python wrapper
-    between them costs a tenth of it (docs/NOTES.md).
+    between them costs a tenth of it (docs/NOTES.md); backend="aot" builds the step ahead of time
+    instead (AOTDecodeStep: no dynamo, no guards, no Python at all in a step).
 
     Both: the Python floats the step reads (norm eps and offsets, soft-caps, scales) compile in as
     constants, guarded by value; dynamic=True (for the live length) would otherwise make each a graph
@@ -167,6 +170,10 @@ def compiled_decode_step(step: Callable, device_type: str, backend: str = "induc
     """
     import torch._dynamo.config as dynamo_config
 
+    if backend == "aot":
+        if device_type != "cpu":
+            raise ValueError("the aot compile backend is for the CPU (CUDA: inductor's CUDA graphs)")
+        return AOTDecodeStep(step)
     if backend == "cudagraphs":
         compiled = torch.compile(step, backend="cudagraphs", fullgraph=True, dynamic=True)
     elif device_type == "cuda":
@@ -183,6 +190,83 @@ def compiled_decode_step(step: Callable, device_type: str, backend: str = "induc
             return compiled(*args)
 
     return floats_as_constants
+
+
+class _StepModule(torch.nn.Module):
+    """A step over the model as a module torch.export can trace. The read length arrives as the length
+    of `span` (a tensor of that many bytes, never read): an exported program's dynamic sizes are tensor
+    dimensions, and AOTInductor (torch 2.13) fails on a plain int input marked dynamic."""
+
+    def __init__(self, step: Callable, model: Transformer):
+        super().__init__()
+        self.step, self.model = step, model
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, span: Tensor) -> Tensor:
+        return self.step(self.model, tokens, input_pos, span.shape[0])
+
+
+@dataclass
+class _Program:
+    low: int  # the read lengths it holds for (its exported range, both ends included)
+    high: float
+    run: Callable  # (tokens, input_pos, span) -> logits
+
+
+class AOTDecodeStep:
+    """A decode step built ahead of time by AOTInductor (CPU): torch.export traces the step, inductor
+    compiles it into a shared library whose C++ calls the step's kernels and ops in turn, and a call
+    runs that library: no dynamo, no guard checks, no Python between ops (the short step's remainder
+    after its GEMVs; README, docs/NOTES.md). Same signature as the compiled step: (model, tokens,
+    input_pos, length) -> logits.
+
+    A program holds for the range of read lengths its branches allow (export's Dim.AUTO: dense for
+    every length; SparQ one program up to k positions, where its layers run dense, and one above); a
+    length outside every built range exports and builds another, as dynamo recompiles. The library
+    reads the model's own parameters and buffers in place (user-managed constants: no copy of the
+    weights, and the caches it writes are the model's). Programs are kept per model, input shapes,
+    installed policies and cache storage, since set_decode_attention and setup_caches replace what a
+    program was built on. Building one takes a minute or two on 2 cores (a C++ compile)."""
+
+    def __init__(self, step: Callable):
+        self.step = step
+        self.programs: dict[tuple, list[_Program]] = {}
+        self._span = torch.empty(0, dtype=torch.int8)
+        self._dir = tempfile.TemporaryDirectory(prefix="sparq-fast-aot-")
+
+    def __call__(self, model: Transformer, tokens: Tensor, input_pos: Tensor, length: int) -> Tensor:
+        if self._span.numel() < length:
+            self._span = torch.empty(max(length, 2 * self._span.numel()), dtype=torch.int8)
+        span = self._span[:length]
+        key = (id(model), tuple(tokens.shape), tuple(input_pos.shape), model.caches[0].k.data_ptr(),
+               tuple(id(layer.attention.decode_attention) for layer in model.layers))
+        programs = self.programs.setdefault(key, [])
+        for program in programs:
+            if program.low <= length <= program.high:
+                return program.run(tokens, input_pos, span)
+        program = self._build(model, tokens, input_pos, span, len(self.programs), len(programs))
+        programs.append(program)
+        return program.run(tokens, input_pos, span)
+
+    def _build(self, model: Transformer, tokens: Tensor, input_pos: Tensor, span: Tensor, n_key: int,
+               n_range: int) -> _Program:
+        from torch.export import Dim
+
+        module, length = _StepModule(self.step, model), span.shape[0]
+        with warnings.catch_warnings():  # torch 2.13's export and packaging warn of its own deprecated pytree API
+            warnings.simplefilter("ignore", FutureWarning)
+            exported = torch.export.export(module, (tokens, input_pos, span), strict=False,
+                                           dynamic_shapes={"tokens": None, "input_pos": None, "span": {0: Dim.AUTO}})
+            path = torch._inductor.aoti_compile_and_package(
+                exported, package_path=f"{self._dir.name}/step_{n_key}_{n_range}.pt2",
+                inductor_configs={"aot_inductor.package_constants_in_so": False})
+        ranges = list(exported.range_constraints.values())  # the span's length, unless export specialised it
+        low, high = (int(ranges[0].lower), float(ranges[0].upper)) if ranges else (length, length)
+        runner = torch._inductor.aoti_load_package(path)
+        named = {**dict(module.named_parameters(remove_duplicate=False)),
+                 **dict(module.named_buffers(remove_duplicate=False))}
+        runner.load_constants({name: named[name] for name in runner.get_constant_fqns()},
+                              check_full_update=True, user_managed=True)
+        return _Program(low, high, runner)
 
 
 @dataclass

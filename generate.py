@@ -207,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights, activations and KV cache (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (a warm-up generation compiles it before the timed ones)")
+    p.add_argument("--compile-backend", choices=["inductor", "aot"], default="inductor",
+                   help="with --compile: inductor = torch.compile (dynamo checks its guards and calls the graph "
+                        "at every step); aot = CPU only, the step built ahead of time by AOTInductor and run "
+                        "with no Python between its ops (faster at short context; README)")
     p.add_argument("--compile-prefill", action="store_true", help="torch.compile the prefill")
     p.add_argument("--length-bucket", type=cli.positive_int, default=None,
                    help="decode attention reads the live length rounded up to a multiple of this, masking "
@@ -357,6 +361,13 @@ def check_flags(args: argparse.Namespace) -> None:
         if args.prompt_tokens is None:
             raise UserError("--random-weights loads no tokenizer: give --prompt-tokens N (N random token ids)")
     args.checkpoint = args.checkpoint or (None if args.random_weights else data.DEFAULT_CHECKPOINT)
+    if args.compile_backend == "aot":
+        refused = [flag for flag, given in (("without --compile", not args.compile), ("on CUDA", args.device == "cuda"),
+                                            ("with --speculate-k", args.speculate_k is not None),
+                                            ("under torchrun", tp.world_size() > 1)) if given]
+        if refused:
+            raise UserError(f"--compile-backend aot does not run {refused[0]} (it builds the CPU decode step of "
+                            f"one process ahead of time)")
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -464,8 +475,8 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
         print("note: int8 weights on CUDA are dequantized whole at every step unless --compile fuses the "
               "dequantization into the GEMV: without --compile int8 is no speed option here", file=sys.stderr)
     generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
-                          compile_decode=args.compile, compile_prefill=args.compile_prefill,
-                          progress=sys.stderr.isatty())
+                          compile_decode=args.compile, compile_backend=args.compile_backend,
+                          compile_prefill=args.compile_prefill, progress=sys.stderr.isatty())
     compile_s = None
     if args.compile and speculator is not None:  # its draft step and verify pass
         compile_s = speculator.warm_up(rows)
@@ -658,7 +669,7 @@ def chat_loop(args: argparse.Namespace, model: Transformer, tokenizer, settings:
     max_seq_length = args.max_seq_length or model.args.max_context
     setup(model, args, settings, 1, max_seq_length, length_bucket)
     generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
-                          compile_decode=args.compile)
+                          compile_decode=args.compile, compile_backend=args.compile_backend)
     messages: list[dict] = []
     cached: list[int] = []  # the token ids whose keys and values the cache holds, from position 0
     print(f"chat with {args.checkpoint} (empty line or Ctrl-D to quit)", file=sys.stderr)

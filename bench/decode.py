@@ -65,6 +65,9 @@ def add_parser(sub) -> None:
     p.add_argument("--ragged", default=None,
                    help="also time one batch of rows at these different contexts (comma list), e.g. 1024,4096,8192")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (dynamic shapes)")
+    p.add_argument("--compile-backend", choices=["inductor", "aot"], default="inductor",
+                   help="with --compile: torch.compile's inductor, or the step built ahead of time by AOTInductor "
+                        "(decoding.AOTDecodeStep)")
     p.add_argument("--prefill", action="store_true",
                    help="also time our prefill of each context (N tokens into an empty cache, B = 1), printed "
                         "with the rows and beside llama.cpp's prefill with --llamacpp")
@@ -198,6 +201,8 @@ def run(args) -> int:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
     if args.rounds < 1:
         raise UserError("--rounds must be at least 1")
+    if args.compile_backend == "aot" and not args.compile:
+        raise UserError("--compile-backend aot builds the compiled step: give --compile")
     quantize.check_backend(args.quantized_kernel)
     if (args.llamacpp_format or args.llamacpp_kv) and not args.llamacpp:
         raise UserError("--llamacpp-format and --llamacpp-kv need --llamacpp GGUF")
@@ -260,7 +265,7 @@ def run(args) -> int:
     llama = _LlamaCpp(args, contexts) if args.llamacpp else None  # checked and built before any output
     source = f"random weights of the {args.random_weights} shape" if args.random_weights else args.checkpoint
     print(f"# decode, {source}, threads={torch.get_num_threads()}, kernels={kernels.name}, "
-          f"{'compiled' if args.compile else 'eager'}, SparQ r={','.join(map(str, r_values))} k={config.k_top} local={config.local} "
+          f"{'compiled (' + args.compile_backend + ')' if args.compile else 'eager'}, SparQ r={','.join(map(str, r_values))} k={config.k_top} local={config.local} "
           f"mean_v={config.mean_v}, median of {args.steps} steps after {args.warmup}, cases and policies taking turns step by step, "
           f"each timed step after an untimed one of its own")
     print(_DECODE_HEADER, flush=True)
@@ -297,7 +302,8 @@ def run(args) -> int:
             # each (case, policy) its own step (decoding.own_step): a graph per step and dtype, more
             # than dynamo's default of 8 recompiles in one process
             torch._dynamo.config.recompile_limit = 64
-            step_fns = {(c, name): compiled_decode_step(own_step(decode_step, f"{name}_{c}"), "cpu")
+            step_fns = {(c, name): compiled_decode_step(own_step(decode_step, f"{name}_{c}"), "cpu",
+                                                       args.compile_backend)
                         for c in range(len(cases)) for name in policies}
         progress.set_postfix_str(f"{dtype_name}: {len(cases)} cases x {len(policies)} policies taking turns")
         # rounds: ours (every case and policy in turns), then llama.cpp, then ours again, ...: a slow
@@ -326,6 +332,7 @@ def run(args) -> int:
                     "prompt_tokens": label if "/" in label else int(label), "live_length": max(live),
                     "batch_size": B, "dtype": dtype_name,
                     "attention": name, "cache_format": format_of[name], "sparq_r": settings[name].sparq_r, "kernel": kernels.name, "compiled": args.compile,
+                    "compile_backend": args.compile_backend if args.compile else None,
                     "adaptive_compression": (float(settings[name].compression)
                                              if settings[name].policy == "sparq-adaptive" else None),
                     "threads": torch.get_num_threads(),
