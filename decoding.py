@@ -225,7 +225,10 @@ class AOTDecodeStep:
     reads the model's own parameters and buffers in place (user-managed constants: no copy of the
     weights, and the caches it writes are the model's). Programs are kept per model, input shapes,
     installed policies and cache storage, since set_decode_attention and setup_caches replace what a
-    program was built on. Building one takes a minute or two on 2 cores (a C++ compile)."""
+    program was built on. What a program does not see: Python values changed in place after it was
+    built (a norm's eps, a policy's settings), which torch.compile's guards would catch; install a new
+    policy instead. Building one takes a minute on 2 cores (a C++ compile; torch.compile's cold
+    build of the same step took 3-4)."""
 
     def __init__(self, step: Callable):
         self.step = step

@@ -3,7 +3,6 @@ eager step, one program per read-length range a policy's branches allow, and the
 import pytest
 import torch
 
-import generate
 import kernels
 from conftest import assert_one_line_error
 from decoding import AOTDecodeStep, Generator, decode_step
