@@ -98,6 +98,7 @@ def test_attention_json_rows(tmp_path, capsys):
     (["attention", "--shape", "gpt5"], "gpt5"),
     (["decode", "--adaptive"], "--compression"),
     (["decode", "--cache-format", "int9"], "--kv-dtype"),
+    (["decode", "--compile-backend", "aot"], "give --compile"),
 ])
 def test_bad_input_is_a_one_line_error(argv, fragment, capsys):
     status = bench_cli.main(argv)
