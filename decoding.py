@@ -10,6 +10,7 @@ import tempfile
 import time
 import types
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
@@ -233,6 +234,7 @@ class AOTDecodeStep:
     def __init__(self, step: Callable):
         self.step = step
         self.programs: dict[tuple, list[_Program]] = {}
+        self._attention_modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its layers' _modules
         self._span = torch.empty(0, dtype=torch.int8)
         self._dir = tempfile.TemporaryDirectory(prefix="sparq-fast-aot-")
 
@@ -240,15 +242,23 @@ class AOTDecodeStep:
         if self._span.numel() < length:
             self._span = torch.empty(max(length, 2 * self._span.numel()), dtype=torch.int8)
         span = self._span[:length]
-        key = (id(model), tuple(tokens.shape), tuple(input_pos.shape), model.caches[0].k.data_ptr(),
-               tuple(id(layer.attention.decode_attention) for layer in model.layers))
-        programs = self.programs.setdefault(key, [])
+        programs = self.programs.setdefault(self._key(model, tokens, input_pos), [])
         for program in programs:
             if program.low <= length <= program.high:
                 return program.run(tokens, input_pos, span)
         program = self._build(model, tokens, input_pos, span, len(self.programs), len(programs))
         programs.append(program)
         return program.run(tokens, input_pos, span)
+
+    def _key(self, model: Transformer, tokens: Tensor, input_pos: Tensor) -> tuple:
+        """What a program is built on: the model, the input shapes, the cache's storage and each layer's
+        policy object. Read from the attention modules' own module dicts, kept per model: through
+        nn.Module's attribute lookup this key took 0.1-0.25 ms of a 6 ms step (SmolLM2, int4)."""
+        modules = self._attention_modules.get(model)
+        if modules is None:
+            modules = self._attention_modules[model] = [layer.attention._modules for layer in model.layers]
+        return (id(model), tokens.shape, input_pos.shape, modules[0]["kv_cache"].k.data_ptr(),
+                *[id(m["decode_attention"]) for m in modules])
 
     def _build(self, model: Transformer, tokens: Tensor, input_pos: Tensor, span: Tensor, n_key: int,
                n_range: int) -> _Program:
