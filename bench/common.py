@@ -1,8 +1,11 @@
-"""What the benchmarks share: dtype names and the CPU's last-level cache size (working sets are sized
-against it so that timed calls read from DRAM)."""
+"""What the benchmarks share: dtype names, the CPU's last-level cache size (working sets are sized
+against it so that timed calls read from DRAM) and timing by turns (A/B pairs in one process)."""
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
+from typing import Callable
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -24,3 +27,22 @@ def last_level_cache_bytes() -> int:
         except (OSError, ValueError, KeyError, IndexError):
             continue
     return max(sizes, default=64 << 20)
+
+
+def alternating_medians(calls: dict[str, Callable[[], object]], rounds: int, reps: int,
+                        warm: int = 3) -> dict[str, float]:
+    """Seconds per call of each of `calls`, taking turns in one process: each is first called `warm`
+    times untimed (a compiled step builds on its first calls), then every round times `reps` calls of
+    each in turn; the median over the rounds. Taking turns spreads this machine's drift (up to 2x
+    within an hour on the shared VMs) over every candidate alike, which separate runs cannot."""
+    for call in calls.values():
+        for _ in range(warm):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            for _ in range(reps):
+                call()
+            times[name].append((time.perf_counter() - start) / reps)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -11,8 +11,6 @@ blocks are printed with their ratio. The cache holds the essays' tokens (one pre
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +18,7 @@ import torch
 import cli
 import data
 import kernels
+from bench.common import alternating_medians
 from decoding import compiled_decode_step, decode_step, own_step, prefill
 from generate import DTYPES, load_checkpoint, load_tokenizer
 from model import KVFormat
@@ -48,18 +47,11 @@ def run(args: argparse.Namespace) -> int:
             steps = {backend: compiled_decode_step(own_step(decode_step, f"{name}_{context}_{backend}"), "cpu", backend)
                      for backend in BACKENDS}
             token, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([context])
-            times = {backend: [] for backend in BACKENDS}
+            # each call rewrites position `context`: the same work every time
+            calls = {backend: lambda step=step: step(model, token, pos, context + 1) for backend, step in steps.items()}
             with torch.no_grad():
-                for step in steps.values():  # build, then warm
-                    for _ in range(3):
-                        step(model, token, pos, context + 1)
-                for _ in range(args.rounds):
-                    for backend, step in steps.items():
-                        start = time.perf_counter()
-                        for _ in range(args.steps):  # rewrites position `context` each step: the same work
-                            step(model, token, pos, context + 1)
-                        times[backend].append((time.perf_counter() - start) / args.steps)
-            ms = {backend: statistics.median(t) * 1e3 for backend, t in times.items()}
+                seconds = alternating_medians(calls, args.rounds, args.steps)
+            ms = {backend: s * 1e3 for backend, s in seconds.items()}
             print(f"| {context} | {name} | {ms['inductor']:.2f} | {ms['aot']:.2f} | {ms['inductor'] / ms['aot']:.2f}x |",
                   flush=True)
     return 0

@@ -9,13 +9,13 @@ The caches hold random keys and values (no prefill: the steps read the same byte
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
 import cli
 import kernels
+from bench.common import alternating_medians
 from decoding import compiled_decode_step, decode_step, own_step
 from generate import load_checkpoint
 from model import KVFormat
@@ -48,18 +48,8 @@ def run(args: argparse.Namespace) -> int:
         step = compiled_decode_step(own_step(decode_step, name), "cpu")
         token, pos = torch.zeros(B, 1, dtype=torch.long), torch.tensor([S])
         steps[name] = lambda step=step, model=model, token=token, pos=pos: step(model, token, pos, S + 1)
-    times = {name: [] for name in steps}
     with torch.no_grad():
-        for f in steps.values():
-            for _ in range(3):  # compile and warm up
-                f()
-        for _ in range(args.rounds):
-            for name, f in steps.items():
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    f()
-                times[name].append((time.perf_counter() - t0) / 3)
-    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        median = alternating_medians(steps, args.rounds, reps=3)
     print(f"B={B} S={S}: bf16 cache {median['auto'] * 1e3:.1f} ms, int8 cache {median['int8'] * 1e3:.1f} ms per step: "
           f"int8 {median['auto'] / median['int8']:.2f}x (medians of {args.rounds} alternating rounds)")
     return 0

@@ -268,3 +268,17 @@ def test_speculate_predict_is_the_byte_model(tmp_path):
     kv = args.n_layer * args.n_kv_head * 2 * (2 * 1000 * args.head_dim + 2 * args.head_dim) * 2
     weights = sum(p.numel() for p in Transformer(args).parameters()) * 2
     assert row["verifier_step_bytes"] == row["draft_step_bytes"] == weights + kv
+
+
+def test_alternating_medians_takes_turns_and_times_each_call():
+    """A/B timing (scripts/compile_backend_ab.py, dense_step_ab.py): warm calls first, then rounds in which
+    each candidate runs its reps in turn; the result is seconds per call, a slow call measured as slow."""
+    import time
+
+    from bench.common import alternating_medians
+
+    order = []
+    calls = {"fast": lambda: order.append("fast"), "slow": lambda: (order.append("slow"), time.sleep(0.004))}
+    seconds = alternating_medians(calls, rounds=3, reps=2, warm=1)
+    assert order == ["fast", "slow"] + ["fast", "fast", "slow", "slow"] * 3
+    assert seconds["slow"] >= 0.004 > seconds["fast"]
