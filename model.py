@@ -1082,8 +1082,9 @@ class Transformer(nn.Module):
             cache.reset()
 
     def read_length(self, live_length: int) -> int:
-        """Cache positions decode attention reads at this live length (the caches' length bucket)."""
-        return self.caches[0].read_length(live_length)
+        """Cache positions decode attention reads at this live length (the caches' length bucket). Called
+        every decode step: the first layer's cache directly, not the `caches` list built over every layer."""
+        return self.layers[0].attention.kv_cache.read_length(live_length)
 
     def kv_cache_bytes(self) -> int:
         return sum(cache.nbytes() for cache in self.caches)
