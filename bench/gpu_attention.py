@@ -357,6 +357,11 @@ def quantized_attention_row(shape, device: str, bandwidth: Optional[float] = Non
         return kernels_triton.dense_attention_triton(q, s.k, s.v, S, None, scales=s.scales)
 
     row["sparq_us"] = 1e6 * timer([lambda q=q, c=c: sparq(q, c) for q, c in views], replays)
+    # Per kernel, as for a bf16 cache: the fifth contact's SparQ took 118 us here against 62 on bf16
+    # with no way to tell which step the quantized formats cost.
+    profiled = kernels_per_call([lambda q=q, c=c: sparq(q, c) for q, c in views[:8]])
+    if profiled is not None:
+        row["sparq_kernels"], row["sparq_kernel_us"] = profiled
     row["dense_us"] = 1e6 * timer([lambda q=q, c=c: dense(q, c) for q, c in views], replays)
     if bandwidth:
         row["sparq_theory_pct"] = 100 * sparq_b / bandwidth / (row["sparq_us"] * 1e-6)

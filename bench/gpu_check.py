@@ -25,7 +25,7 @@ most; a section that fails is recorded with its error and the next one runs. Sec
   e2e        Llama-2-7B and Llama-3.1-8B shapes, bf16, decode with generate.py's Generator compiled
              as `generate.py --compile` compiles it (CUDA graphs per length bucket, every bucket
              warmed up before the timing): B = 1 and 8 at 4k, 16k, 32k, dense against SparQ
-  quant      int8 and int4 weight-only (quantize.py) end to end, Llama-2-7B shape, B = 1, one context
+  quant      int8 and int4 weight-only (quantize.py) end to end, Llama-2-7B shape, B = 1, 16k (--contexts)
 
 Goals, marked PASS / MISS in the report: Table 4 SparQ >= 70% of its transfer theory; B = 1,
 S >= 16k SparQ faster than the best dense; end to end Llama-2-7B B = 1 bf16 >= 1.3x dense at 16k
@@ -56,6 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("tests", "attention", "e2e", "quant")
 E2E_MODELS = ("llama-2-7b", "llama-3.1-8b")
 E2E_CONTEXTS = (4096, 16384, 32768)
+QUANT_CONTEXTS = (16384,)  # one context: each weight format compiles its own graphs (~60 s each on an H200)
 E2E_BATCHES = (1, 8)
 
 
@@ -462,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "cudagraphs = the eager ops captured in CUDA graphs (no inductor: faster to build), "
                         "eager = plain calls")
     p.add_argument("--models", default=None, help=f"e2e: comma list of {', '.join(E2E_MODELS)} (default: both)")
-    p.add_argument("--contexts", default=None, help="e2e: comma list of context lengths (default 4096,16384,32768; "
-                   "--quick 4096,16384)")
+    p.add_argument("--contexts", default=None, help="e2e and quant: comma list of context lengths (e2e's default "
+                   "4096,16384,32768, --quick 4096,16384; quant's 16384)")
     p.add_argument("--batches", default=None, help="e2e: comma list of batch sizes (default 1,8)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="start no new row after this many seconds (default 480: a section ends inside 10 minutes)")
@@ -565,6 +566,9 @@ def run(args: argparse.Namespace) -> int:
             if entry["quantized_rows"]:
                 print("\nOn a quantized cache (bytes as stored; dense int8 checked against the torch path first):")
                 print(quantized_table(entry["quantized_rows"]))
+                if any("sparq_kernel_us" in r for r in entry["quantized_rows"]):
+                    print("\nSparQ's kernels on the quantized cache, device us per call:")
+                    print(kernel_table(entry["quantized_rows"]))
 
         run_section(report, "attention", attention)
 
@@ -615,6 +619,7 @@ def end_to_end(report: Report, section: str, args: argparse.Namespace, device: s
                 torch.cuda.empty_cache()
     else:
         name = E2E_MODELS[0] if cuda else "tiny"
+        quant_contexts = (args.contexts or QUANT_CONTEXTS) if cuda else (64,)
         print(f"\n== quant: {name} shape, random weights, int8 and int4, {args.compile} ==", flush=True)
         model = random_model(ModelArgs.from_shape(name), device, dtype, kern)
         for mode in ("int8", "int4"):
@@ -627,7 +632,7 @@ def end_to_end(report: Report, section: str, args: argparse.Namespace, device: s
                 report.add_row(section, dict(model=name, weights=mode, B=1, context=0, policy="-",
                                              error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
                 continue
-            e2e_rows(report, section, qmodel, name, mode, [1], [16384 if cuda else 64], steps, backend, over_budget)
+            e2e_rows(report, section, qmodel, name, mode, [1], quant_contexts, steps, backend, over_budget)
             del qmodel
             if cuda:
                 torch.cuda.empty_cache()
