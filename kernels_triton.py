@@ -174,24 +174,30 @@ if HAS_TRITON:
         byte, low nibble first, stored + 8); chan is already in q_hat, each position's scale goes in here."""
         offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
         live_s = offs_s < n
-        if K_TRANSPOSED:  # K^T rows: BLOCK_S contiguous elements each (coalesced)
-            if QUANT == 2:
-                k_ptrs = k_rows + (offs_s // 2)[None, :]
+        if QUANT == 2:  # an int4 K^T (always transposed): BLOCK_S / 2 contiguous bytes a row, each loaded
+            # once and split into its two positions (indexing bytes by offs_s // 2 loaded each twice,
+            # a gather the compiler cannot vectorize)
+            offs_byte = blk * (BLOCK_S // 2) + tl.arange(0, BLOCK_S // 2)
+            if MASK_S:  # a byte whose first position is live (an odd end: its high half is not)
+                byte_mask = r_mask[:, None] & (2 * offs_byte < n)[None, :]
             else:
+                byte_mask = r_mask[:, None]
+            byte = tl.load(k_rows + offs_byte[None, :], mask=byte_mask, other=0x88).to(tl.int32)
+            pair = tl.join((byte & 15) - 8, (byte >> 4) - 8)  # (R_PAD, BLOCK_S / 2, 2): low nibble first
+            k_tile = tl.reshape(pair, (r_mask.shape[0], BLOCK_S)).to(tl.float32)  # position 2j, then 2j + 1
+        else:
+            if K_TRANSPOSED:  # K^T rows: BLOCK_S contiguous elements each (coalesced)
                 k_ptrs = k_rows + offs_s[None, :]
-        else:  # 1xK layout: gather r columns of d-contiguous rows
-            k_ptrs = k_rows + offs_s[None, :].to(tl.int64) * stride_ks
-        if MASK_S:
-            k_mask = r_mask[:, None] & live_s[None, :]
-        else:
-            k_mask = r_mask[:, None]
-        if QUANT == 2:
-            byte = tl.load(k_ptrs, mask=k_mask, other=8).to(tl.int32)
-            k_tile = (((byte >> ((offs_s % 2) * 4)[None, :]) & 15) - 8).to(tl.float32)  # (R_PAD, BLOCK_S)
-        elif QUANT:
-            k_tile = tl.load(k_ptrs, mask=k_mask, other=0).to(tl.float32)
-        else:
-            k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0)  # (R_PAD, BLOCK_S)
+            else:  # 1xK layout: gather r columns of d-contiguous rows
+                k_ptrs = k_rows + offs_s[None, :].to(tl.int64) * stride_ks
+            if MASK_S:
+                k_mask = r_mask[:, None] & live_s[None, :]
+            else:
+                k_mask = r_mask[:, None]
+            if QUANT:
+                k_tile = tl.load(k_ptrs, mask=k_mask, other=0).to(tl.float32)
+            else:
+                k_tile = tl.load(k_ptrs, mask=k_mask, other=0.0)  # (R_PAD, BLOCK_S)
         if USE_DOT:  # GQA: tensor cores, g padded to G_PAD >= 16 rows
             if DOT_NATIVE:  # bf16/fp16 q and K: exact products, fp32 accumulation
                 acc = tl.dot(q_hat, k_tile)
