@@ -560,6 +560,7 @@ class Speculator:
     prefill_chunk: int = PREFILL_CHUNK
     compile: bool = False  # the draft step and the verify pass, each compiled as Generator's step
     compile_name: str = "speculate"  # their code's own name (own_step), apart from a Generator's step
+    compile_backend: str = "inductor"  # compiled_decode_step's backend
 
     def __post_init__(self):
         self._draft_step, self._verify_step = decode_step, verify_step
@@ -567,8 +568,10 @@ class Speculator:
             device = self.model.device.type
             # two compiled functions of their own code, each meeting the same policies at every call
             # (self-speculation swaps the layers' policies between them)
-            self._draft_step = compiled_decode_step(own_step(decode_step, f"draft_{self.compile_name}"), device)
-            self._verify_step = compiled_decode_step(own_step(verify_step, self.compile_name), device)
+            self._draft_step = compiled_decode_step(own_step(decode_step, f"draft_{self.compile_name}"), device,
+                                                    self.compile_backend)
+            self._verify_step = compiled_decode_step(own_step(verify_step, self.compile_name), device,
+                                                     self.compile_backend)
 
     @torch.no_grad()
     def warm_up(self, prompts: list[list[int]]) -> float:

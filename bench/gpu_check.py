@@ -24,7 +24,9 @@ most; a section that fails is recorded with its error and the next one runs. Sec
              K and V, an int4 K^T) at 32k, bytes as stored
   e2e        Llama-2-7B and Llama-3.1-8B shapes, bf16, decode with generate.py's Generator compiled
              as `generate.py --compile` compiles it (CUDA graphs per length bucket, every bucket
-             warmed up before the timing): B = 1 and 8 at 4k, 16k, 32k, dense against SparQ
+             warmed up before the timing): B = 1 and 8 at 4k, 16k, 32k, dense against SparQ;
+             --speculate-k N adds self-speculation (SparQ drafts, dense verifies), --kv-dtype int8
+             --kt-dtype int4 a quantized cache
   quant      int8 and int4 weight-only (quantize.py) end to end, Llama-2-7B shape, B = 1, 16k (--contexts)
 
 Goals, marked PASS / MISS in the report: Table 4 SparQ >= 70% of its transfer theory; B = 1,
@@ -48,6 +50,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 import cli
+from model import KT_DTYPES, KV_DTYPES, KVFormat
 from bench.gpu_attention import (ATTENTION_SHAPES, CPU_ATTENTION, CPU_QUANT_ATTENTION, QUANT_ATTENTION,
                                   QUICK_ATTENTION, TABLE4, attention_row, quantized_attention_row,
                                   memory_bandwidth, short_kernel_name)
@@ -90,7 +93,8 @@ def e2e_goals(rows: list[dict]) -> list[Goal]:
     goals = []
     for ctx, target in ((16384, 1.3), (32768, 1.8)):
         pair = {r["policy"]: r for r in rows if r["model"] == "llama-2-7b" and r["B"] == 1 and r["context"] == ctx
-                and r.get("weights", "bf16") == "bf16" and "tokens_per_s" in r}
+                and r.get("weights", "bf16") == "bf16" and r.get("kv", "bfloat16") == "bfloat16"
+                and r["policy"] in ("dense", "sparq") and "tokens_per_s" in r}
         value = pair["sparq"]["tokens_per_s"] / pair["dense"]["tokens_per_s"] if len(pair) == 2 else None
         goals.append(Goal(f"end to end llama-2-7b B=1 bf16 {ctx // 1024}k: SparQ / dense tokens/s", f">= {target}x",
                           value, None if value is None else value >= target))
@@ -212,15 +216,29 @@ def variants_table(rows: list[dict]) -> str:
 def e2e_table(rows: list[dict]) -> str:
     out = []
     for r in rows:
+        policy = f"speculate n={r['n']}" if "n" in r else r["policy"]
+        head = [r["model"], r.get("weights", "bf16"), r.get("kv", "bfloat16"), r["B"], r["context"], policy]
         if "error" in r:
-            out.append([r["model"], r.get("weights", "bf16"), r["B"], r["context"], r["policy"], "error: " + r["error"],
-                        "", "", "", ""])
+            out.append(head + ["error: " + r["error"], "", "", "", ""])
             continue
-        out.append([r["model"], r.get("weights", "bf16"), r["B"], r["context"], r["policy"], fmt(r["ms_per_step"], ".2f"),
-                    fmt(r["tokens_per_s"]), fmt(r["gb_per_s"], ".0f"),
-                    fmt(r.get("speedup"), ".2f") + "x" if r.get("speedup") else "-", fmt(r.get("warm_up_s"), ".0f")])
-    return table(["model", "weights", "B", "context", "attention", "ms/step", "tokens/s", "GB/s", "vs dense",
+        out.append(head + [fmt(r["ms_per_step"], ".2f"), fmt(r["tokens_per_s"]), fmt(r["gb_per_s"], ".0f"),
+                           fmt(r.get("speedup"), ".2f") + "x" if r.get("speedup") else "-",
+                           fmt(r.get("warm_up_s"), ".0f")])
+    return table(["model", "weights", "cache", "B", "context", "attention", "ms/step", "tokens/s", "GB/s", "vs dense",
                   "warm-up s"], out)
+
+
+def speculation_lines(rows: list[dict]) -> str:
+    """Per self-speculation row: what the random model accepted, the measured draft step and verify
+    pass, and the speedup over dense they predict at the acceptances real models reach."""
+    out = []
+    for r in rows:
+        if "draft_step_ms" in r:
+            predicted = ", ".join(f"{a}: {v:.2f}x" for a, v in r.get("predicted_speedup", {}).items())
+            out.append(f"  {r['model']} {r.get('weights', 'bf16')} B={r['B']} ctx={r['context']} n={r['n']}: "
+                       f"acceptance {r['acceptance']:.2f} (random weights), draft step {r['draft_step_ms']:.2f} ms, "
+                       f"verify pass {r['verify_pass_ms']:.2f} ms; predicted vs dense at acceptance {predicted or '-'}")
+    return "\n".join(out)
 
 
 def goals_text(goals: list[Goal]) -> str:
@@ -354,7 +372,8 @@ def kernel_lines(rows: list[dict]) -> str:
     out = []
     for r in rows:
         if "step_kernel_us" in r:
-            out.append(f"  {r['model']} {r.get('weights', 'bf16')} B={r['B']} ctx={r['context']} {r['policy']}: "
+            cache = f" {r['kv']}" if r.get("kv", "bfloat16") != "bfloat16" else ""
+            out.append(f"  {r['model']} {r.get('weights', 'bf16')}{cache} B={r['B']} ctx={r['context']} {r['policy']}: "
                        f"kernels {r['step_kernel_us_sum']:.0f} us/step of {1e3 * r['ms_per_step']:.0f} "
                        f"(attention {r.get('step_attention_us', float('nan')):.0f}, "
                        f"the rest {r['step_kernel_us_sum'] - r.get('step_attention_us', float('nan')):.0f}), "
@@ -364,45 +383,113 @@ def kernel_lines(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def e2e_rows(report: Report, section: str, model, name: str, weights: str, batches, contexts, steps: int,
-             backend: Optional[str], over_budget: Callable[[], bool]) -> None:
-    """Dense and SparQ at every (B, context) on one model, each row into the report as it is measured;
-    caches sized for the largest context. backend: compiled_decode_step's (None: eager)."""
-    from decoding import Generator
+def speculate_row(spec, B: int, context: int, steps: int) -> dict:
+    """Self-speculation from the filled cache (decoding.Speculator, greedy): SparQ drafts n tokens a
+    round and dense verifies them in one pass, as generate.py --speculate-k n --draft-attention sparq.
+    spec: a decoding.Speculator built once per model (its compiled steps kept across rows). A
+    first run compiles and captures both steps; the same run again (random weights and the same
+    start: the same tokens, rounds and read lengths) is timed. A random model's acceptance says
+    nothing of a real one's, so the row also carries the draft step and the verify pass that, with
+    an acceptance measured on real models, predict the speedup (speculative_predictions)."""
+    from decoding import speculation_summary
 
+    model, n = spec.model, spec.n
+    lengths = [context] * B
+    token = torch.zeros(B, dtype=torch.long, device=model.device)
+    saved = [cache.snapshot() for cache in model.caches]
+
+    def run():
+        try:
+            return spec.decode(token, lengths, steps + 1)[1]
+        finally:
+            for cache, snapshot in zip(model.caches, saved):
+                cache.restore(snapshot)
+
+    start = time.perf_counter()
+    run()
+    warm_up_s = time.perf_counter() - start
+    stats = run()
+    summary = speculation_summary(stats, n)
+    seconds = stats.decode_s
+    return dict(n=n, ms_per_step=1e3 * seconds / stats.steps, tokens_per_s=B * stats.steps / seconds,
+                steps_per_s=stats.steps / seconds,
+                gb_per_s=(stats.weight_bytes_read + stats.kv_bytes_read) / seconds / 1e9,
+                kv_bytes_per_step=stats.kv_bytes_read / stats.steps, weight_bytes=model.weight_bytes(),
+                warm_up_s=warm_up_s, acceptance=summary["acceptance_rate"],
+                tokens_per_round=summary["tokens_per_round"], draft_step_ms=1e3 * summary["draft_step_s"],
+                verify_pass_ms=1e3 * summary["verify_pass_s"])
+
+
+SPECULATION_ACCEPTANCES = (0.8, 0.9, 0.95, 1.0)  # measured on real models: 0.86-1.00 (README, on the CPU)
+
+
+def speculative_predictions(row: dict, dense_ms: float) -> dict[str, float]:
+    """Acceptance -> the speedup over dense's one-token step that this row's measured draft step and
+    verify pass give (decoding.speculative_speedup, rescaled from verify passes to dense's step)."""
+    from decoding import speculative_speedup
+
+    draft, verify = row["draft_step_ms"], row["verify_pass_ms"]
+    return {f"{a:.2f}": speculative_speedup(a, row["n"], draft, verify) * dense_ms / verify
+            for a in SPECULATION_ACCEPTANCES}
+
+
+def cache_label(kv_format, dtype: torch.dtype) -> str:
+    """A cache format in a row: "bfloat16", or "int8, K^T int4" where K^T is stored otherwise."""
+    kv, kt = kv_format.kv_storage(dtype), kv_format.kt_storage(dtype)
+    return kv if kt in (None, kv) else f"{kv}, K^T {kt}"
+
+
+def e2e_rows(report: Report, section: str, model, name: str, weights: str, batches, contexts, steps: int,
+             backend: Optional[str], over_budget: Callable[[], bool], kv_format=None,
+             speculate_k: Optional[int] = None) -> None:
+    """Dense and SparQ (then self-speculation, with speculate_k) at every (B, context) on one model,
+    each row into the report as it is measured; caches stored as kv_format says (default: the
+    activations' dtype), sized for the largest context. backend: compiled_decode_step's (None: eager)."""
+    from decoding import Generator, Speculator
+
+    kv_format = kv_format or KVFormat()
+    kv = cache_label(kv_format, model.cache_dtype)
     policies = build_policies(model)
     generator = Generator(model, compile_decode=backend is not None, compile_backend=backend or "inductor")
+    spec = Speculator(model, speculate_k, verify_policies=policies["dense"], draft_policies=policies["sparq"],
+                      compile=backend is not None, compile_backend=backend or "inductor") if speculate_k else None
     cuda = model.device.type == "cuda"
     bucket = 256 if cuda else 1
+    rows_of = list(policies) + (["speculate"] if speculate_k else [])
     for B in batches:
-        max_len = -(-(max(contexts) + steps + 8) // bucket) * bucket
+        max_len = -(-(max(contexts) + steps + 8 + (speculate_k or 0)) // bucket) * bucket
         try:
-            model.setup_caches(B, max_len, length_bucket=bucket)
+            model.setup_caches(B, max_len, kv_format, length_bucket=bucket)
         except torch.cuda.OutOfMemoryError:
             for c in contexts:
-                for p in policies:
-                    report.add_row(section, dict(model=name, weights=weights, B=B, context=c, policy=p,
+                for p in rows_of:
+                    report.add_row(section, dict(model=name, weights=weights, kv=kv, B=B, context=c, policy=p,
                                                  error="out of memory (KV cache)"))
             continue
         for context in contexts:
-            pair = {}
+            done = {}
             fill_cache(model, B, context)
-            for policy in policies:
-                row = dict(model=name, weights=weights, B=B, context=context, policy=policy)
+            for policy in rows_of:
+                row = dict(model=name, weights=weights, kv=kv, B=B, context=context, policy=policy)
                 if over_budget():
-                    report.skipped[f"{section} {name} {weights} B={B} ctx={context} {policy}"] = "time budget"
+                    report.skipped[f"{section} {name} {weights} {kv} B={B} ctx={context} {policy}"] = "time budget"
                     continue
-                model.set_decode_attention(lambda i, p=policy: policies[p][i])
                 try:
-                    row.update(decode_row(generator, B, context, steps))
-                    pair[policy] = row
+                    if policy == "speculate":
+                        row.update(speculate_row(spec, B, context, steps))
+                        if "dense" in done:
+                            row["predicted_speedup"] = speculative_predictions(row, done["dense"]["ms_per_step"])
+                    else:
+                        model.set_decode_attention(lambda i, p=policy: policies[p][i])
+                        row.update(decode_row(generator, B, context, steps))
+                    done[policy] = row
                 except Exception as e:  # recorded; the other rows still run
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
                     traceback.print_exc()
-                if len(pair) == 2:
-                    pair["sparq"]["speedup"] = pair["sparq"]["tokens_per_s"] / pair["dense"]["tokens_per_s"]
+                if policy != "dense" and policy in done and "dense" in done:
+                    row["speedup"] = row["tokens_per_s"] / done["dense"]["tokens_per_s"]
                 report.add_row(section, row)
-                print(f"    {name} {weights} B={B} ctx={context} {policy}: "
+                print(f"    {name} {weights} {kv} B={B} ctx={context} {policy}: "
                       + (f"{row['tokens_per_s']:.1f} tokens/s (warm-up {row['warm_up_s']:.0f} s)"
                          if "tokens_per_s" in row else row["error"]), flush=True)
         for cache in model.caches:  # free the caches before the next batch size
@@ -466,6 +553,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default=None, help="e2e and quant: comma list of context lengths (e2e's default "
                    "4096,16384,32768, --quick 4096,16384; quant's 16384)")
     p.add_argument("--batches", default=None, help="e2e: comma list of batch sizes (default 1,8)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="e2e and quant: K and V as the cache stores them (generate.py's flag; default: the activations')")
+    p.add_argument("--kt-dtype", choices=KT_DTYPES, default="same", help="e2e and quant: SparQ's copy of K^T as stored")
+    p.add_argument("--speculate-k", type=cli.positive_int, default=None, metavar="N",
+                   help="e2e and quant: a third row per shape, self-speculation (SparQ drafts N tokens a round, "
+                        "dense verifies them in one pass; generate.py --speculate-k N --draft-attention sparq)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="start no new row after this many seconds (default 480: a section ends inside 10 minutes)")
     p.add_argument("--json", type=Path, help="write the report as JSON, rewritten after every row")
@@ -487,6 +580,11 @@ def run(args: argparse.Namespace) -> int:
     args.models = cli.name_list(args.models, "--models", E2E_MODELS) if args.models else None
     args.contexts = cli.int_list(args.contexts, "--contexts") if args.contexts else None
     args.batches = cli.int_list(args.batches, "--batches") if args.batches else None
+    try:
+        args.kv_format = KVFormat("twice", args.kv_dtype, args.kt_dtype)
+        args.kv_format.kv_storage(activation_dtype(args.device))  # a float cache in another dtype: refused
+    except ValueError as e:
+        raise cli.UserError(str(e)) from None
     started = time.perf_counter()
     over_budget = lambda: time.perf_counter() - started > args.budget_s  # noqa: E731
     report = Report(args.json)
@@ -588,6 +686,11 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def activation_dtype(device: str) -> torch.dtype:
+    """The end-to-end models' activations: bf16 on the GPU, fp32 in the CPU smoke (the interpreter)."""
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
 def end_to_end(report: Report, section: str, args: argparse.Namespace, device: str,
                over_budget: Callable[[], bool]) -> None:
     """The e2e section (bf16 at every batch and context) or the quant one (int8 and int4, B = 1, one context)."""
@@ -601,7 +704,7 @@ def end_to_end(report: Report, section: str, args: argparse.Namespace, device: s
     cuda = device == "cuda"
     steps = args.steps or (16 if args.quick or not cuda else 32)
     backend = None if args.compile == "eager" else args.compile
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = activation_dtype(device)
     if section == "e2e":
         models = (args.models or E2E_MODELS) if cuda else ("tiny",)
         contexts = (args.contexts or ((4096, 16384) if args.quick else E2E_CONTEXTS)) if cuda else (64, 200)
@@ -613,7 +716,7 @@ def end_to_end(report: Report, section: str, args: argparse.Namespace, device: s
             print(f"\n== e2e: {name} shape, random weights, {args.compile} ==", flush=True)
             model = random_model(ModelArgs.from_shape(name), device, dtype, kern)
             e2e_rows(report, section, model, name, "bf16" if cuda else "fp32", batches,
-                     contexts, steps, backend, over_budget)
+                     contexts, steps, backend, over_budget, args.kv_format, args.speculate_k)
             del model
             if cuda:
                 torch.cuda.empty_cache()
@@ -632,7 +735,8 @@ def end_to_end(report: Report, section: str, args: argparse.Namespace, device: s
                 report.add_row(section, dict(model=name, weights=mode, B=1, context=0, policy="-",
                                              error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
                 continue
-            e2e_rows(report, section, qmodel, name, mode, [1], quant_contexts, steps, backend, over_budget)
+            e2e_rows(report, section, qmodel, name, mode, [1], quant_contexts, steps, backend, over_budget,
+                     args.kv_format, args.speculate_k)
             del qmodel
             if cuda:
                 torch.cuda.empty_cache()
@@ -642,6 +746,9 @@ def end_to_end(report: Report, section: str, args: argparse.Namespace, device: s
         if any("step_kernel_us" in r for r in rows):
             print("\nDevice time per decode step (profiled after the timed steps; us):")
             print(kernel_lines(rows))
+        if any("draft_step_ms" in r for r in rows):
+            print("\nSelf-speculation (SparQ drafts, dense verifies; the acceptance is the random model's):")
+            print(speculation_lines(rows))
 
 
 def environment(device: str) -> dict:

@@ -198,6 +198,38 @@ def test_cpu_smoke_of_the_whole_harness(tmp_path):
     assert "== goals ==" in proc.stdout
 
 
+def test_cpu_smoke_of_speculation_rows_on_a_quantized_cache(tmp_path):
+    """e2e with --speculate-k and a quantized cache: each shape's dense, SparQ and self-speculation
+    rows on an int8 K/V + int4 K^T cache, the speculation row's draft step and verify pass and the
+    speedups they predict; the goals skip these rows (they are not the bf16 cache's)."""
+    out = tmp_path / "report.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--compile", "eager", "--steps", "3",
+                           "--sections", "e2e", "--speculate-k", "2", "--kv-dtype", "int8", "--kt-dtype", "int4",
+                           "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = read_json(out)["sections"]["e2e"]["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    assert {r["kv"] for r in rows} == {"int8, K^T int4"}
+    shapes = {(r["B"], r["context"]) for r in rows}
+    assert sorted(r["policy"] for r in rows) == sorted(["dense", "sparq", "speculate"] * len(shapes))
+    for r in rows:
+        if r["policy"] == "speculate":
+            assert r["n"] == 2 and 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_round"] <= 3
+            assert r["draft_step_ms"] > 0 and r["verify_pass_ms"] > 0 and r["speedup"] > 0
+            assert set(r["predicted_speedup"]) == {"0.80", "0.90", "0.95", "1.00"}
+            assert r["predicted_speedup"]["1.00"] > r["predicted_speedup"]["0.80"] > 0
+    assert "speculate n=2" in proc.stdout and "Self-speculation" in proc.stdout
+
+
+def test_a_float_cache_in_another_dtype_is_one_line_of_error(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--sections", "e2e",
+                           "--kv-dtype", "bfloat16"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--kv-dtype bfloat16" in proc.stderr, proc.stderr
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the attention timing needs a GPU (CUDA graphs, profiler kernel counts)")
 def test_attention_row_on_gpu():
     rates = gpu_attention.memory_bandwidth("cuda", gib=1)
