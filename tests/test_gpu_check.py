@@ -222,12 +222,19 @@ def test_cpu_smoke_of_speculation_rows_on_a_quantized_cache(tmp_path):
     assert "speculate n=2" in proc.stdout and "Self-speculation" in proc.stdout
 
 
+def test_the_speedup_at_dense_rest_sets_the_gemv_lottery_aside():
+    dense = dict(step_kernel_us_sum=9000.0, step_attention_us=4500.0)
+    sparq = dict(step_kernel_us_sum=6400.0, step_attention_us=2100.0)  # its own rest: 4300
+    assert gpu_check.speedup_at_dense_rest(dense, sparq) == {"speedup_at_dense_rest": 9000.0 / 6600.0}
+    assert gpu_check.speedup_at_dense_rest(dict(step_kernel_us_sum=0.0, step_attention_us=0.0), sparq) == {}
+    assert gpu_check.speedup_at_dense_rest(dense, dict(ms_per_step=1.0)) == {}
+
+
 def test_a_float_cache_in_another_dtype_is_one_line_of_error(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--sections", "e2e",
                            "--kv-dtype", "bfloat16"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "--kv-dtype bfloat16" in proc.stderr, proc.stderr
+    assert_one_line_error(proc, "--kv-dtype bfloat16")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the attention timing needs a GPU (CUDA graphs, profiler kernel counts)")
