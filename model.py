@@ -312,7 +312,7 @@ class KVCache(nn.Module):
     sums  (B, n_kv, 3, d) fp32 running sums over the visible positions of V (`v_sum`: SparQ mean-V),
                                K and K^2 (`k_moments`: the keys' spread per dimension, sparq-adaptive)
     A quantized cache (KVFormat: --kv-dtype int8, --kt-dtype int8/int4) stores k, v as int8 beside
-    k_scale, v_scale (B, n_kv, S) fp32, K^T as int8 (B, n_kv, d, S) or int4 (uint8 (B, n_kv, d, S/2 + 1),
+    k_scale, v_scale (B, n_kv, S) fp32, K^T as int8 (B, n_kv, d, S) or int4 (uint8 (B, n_kv, d, S/2 + 1 rounded up to 16),
     two positions per byte) beside kt_scale (B, n_kv, S) (none when K^T is K's int8 transposed: K's
     scales), and chan (B, n_kv, d) fp32, K's per-channel scale: K = k k_scale chan, V = v v_scale,
     K^T = k_t kt_scale chan. view() gives the torch paths dequantized copies, view(stored=True) the
@@ -356,8 +356,11 @@ class KVCache(nn.Module):
         self.register_buffer("chan", torch.ones((B, n_kv_head, d)) if self.quantized else None, persistent=False)
         if self.kt_storage is None:
             k_t = None
-        elif self.kt_storage == "int4":  # two positions per byte along S (+ 1 column that absorbs no-op writes)
-            k_t = torch.zeros((B, n_kv_head, d, S // 2 + 1), dtype=torch.uint8)
+        elif self.kt_storage == "int4":  # two positions per byte along S, + a spare column that absorbs
+            # no-op writes, the row padded to 16 bytes: with S a multiple of 32 (Transformer.CACHE_ALIGN)
+            # every row starts aligned, so kernels load it in wide vectors (S / 2 + 1 bytes left all
+            # but every other row misaligned: byte loads on an H200)
+            k_t = torch.zeros((B, n_kv_head, d, -(-(S // 2 + 1) // 16) * 16), dtype=torch.uint8)
         else:
             k_t = torch.zeros((B, n_kv_head, d, S), dtype=torch.int8 if self.kt_storage == "int8" else dtype)
         self.register_buffer("k_t", k_t, persistent=False)

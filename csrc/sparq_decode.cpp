@@ -33,7 +33,7 @@
 // A quantized cache (model.KVCache: --kv-dtype int8, --kt-dtype int8/int4) is read as stored: int8 k
 // and v with k_scale, v_scale (B_max, n_kv, S_max) and chan (B_max, n_kv, d), K[p] = k[p] k_scale[p]
 // chan, V[p] = v[p] v_scale[p]; an int8 K^T (int8 k_t) or an int4 one (uint8 k_t (B_max, n_kv, d,
-// S_max / 2 + 1), two positions per byte) with kt_scale (B_max, n_kv, S_max), K^T[c, p] = k_t[c, p]
+// S_max / 2 + 1 rounded up to 16), two positions per byte) with kt_scale (B_max, n_kv, S_max), K^T[c, p] = k_t[c, p]
 // kt_scale[p] chan[c]. chan is folded into q (and q_hat), the per-position scales into the logits of
 // pass A and step 2 and into step 2's softmax weights: nothing is dequantized into memory.
 // Buffers are reused across calls (one workspace that only grows, on huge pages).

@@ -217,14 +217,17 @@ def test_an_int8_cache_keeps_the_float_caches_next_token_distribution():
 def allocation_formula(n_layer: int, n_kv: int, d: int, B: int, S: int, fmt: KVFormat) -> int:
     """The bytes of an fp32-activation cache by hand: per position K and V (4 bytes, or 1 + a 4-byte scale
     when int8), K^T (4, 1 or 1/2 bytes, + its own 4-byte scale unless it shares int8 K's); per row and
-    head three fp32 sums of d, a channel scale of d when anything is quantized, an int4 K^T's spare byte column."""
+    head three fp32 sums of d, a channel scale of d when anything is quantized, and an int4 K^T's padding: each
+    of its d rows holds S / 2 bytes, a spare byte column and up to 15 more, to a multiple of 16 bytes."""
     int8_kv, kt = fmt.kv_dtype == "int8", fmt.kt_dtype if fmt.kt_dtype != "same" else fmt.kv_dtype
     per_position = 2 * (d * (1 if int8_kv else 4) + (4 if int8_kv else 0))
     if fmt.layout == "twice":
         shared = kt == "int8" and int8_kv
         per_position += d * {"int8": 1, "int4": 0.5}.get(kt, 4) + (4 if kt in ("int8", "int4") and not shared else 0)
     quantized = int8_kv or (fmt.layout == "twice" and kt in ("int8", "int4"))
-    per_row = S * per_position + 3 * d * 4 + (d * 4 if quantized else 0) + (d if fmt.layout == "twice" and kt == "int4" else 0)
+    int4_padding = 16 * (S // 32 + 1) - S // 2  # S / 2 + 1 bytes rounded up to 16 (S a multiple of 32, as here)
+    per_row = (S * per_position + 3 * d * 4 + (d * 4 if quantized else 0)
+               + (d * int4_padding if fmt.layout == "twice" and kt == "int4" else 0))
     return round(B * n_kv * per_row) * n_layer
 
 
