@@ -358,8 +358,8 @@ class KVCache(nn.Module):
             k_t = None
         elif self.kt_storage == "int4":  # two positions per byte along S, + a spare column that absorbs
             # no-op writes, the row padded to 16 bytes: with S a multiple of 32 (Transformer.CACHE_ALIGN)
-            # every row starts aligned, so kernels load it in wide vectors (S / 2 + 1 bytes left all
-            # but every other row misaligned: byte loads on an H200)
+            # every row starts 16-byte aligned, as float and int8 rows do, so a kernel may load it in
+            # wide vectors (S / 2 + 1 bytes left every other row at an odd address)
             k_t = torch.zeros((B, n_kv_head, d, -(-(S // 2 + 1) // 16) * 16), dtype=torch.uint8)
         else:
             k_t = torch.zeros((B, n_kv_head, d, S), dtype=torch.int8 if self.kt_storage == "int8" else dtype)
