@@ -373,12 +373,10 @@ class Generator:
     def warm_up_decode(self, lengths: list[int], max_new_tokens: int) -> float:
         """warm_up for decode() from filled caches (benchmarks): the caches are as before afterwards."""
         start = time.perf_counter()
-        saved = [cache.snapshot() for cache in self.model.caches]
         token = torch.zeros(len(lengths), dtype=torch.long, device=self.model.device)
-        self.decode(token, lengths, min(max_new_tokens, 3))
-        self.warm_up_reads(lengths, max_new_tokens)
-        for cache, snapshot in zip(self.model.caches, saved):
-            cache.restore(snapshot)
+        with self.model.preserved_caches():
+            self.decode(token, lengths, min(max_new_tokens, 3))
+            self.warm_up_reads(lengths, max_new_tokens)
         return time.perf_counter() - start
 
     def warm_up_reads(self, lengths: list[int], max_new_tokens: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -1083,6 +1084,24 @@ class Transformer(nn.Module):
     def reset_caches(self) -> None:
         for cache in self.caches:
             cache.reset()
+
+    def save_caches(self) -> list[dict]:
+        """Every layer's cache state (KVCache.snapshot): restore_caches(saved) rewinds to it."""
+        return [cache.snapshot() for cache in self.caches]
+
+    def restore_caches(self, saved: list[dict]) -> None:
+        for cache, snapshot in zip(self.caches, saved, strict=True):
+            cache.restore(snapshot)
+
+    @contextmanager
+    def preserved_caches(self):
+        """`with model.preserved_caches(): ...` runs the block (warm-ups, timed decodes) and leaves
+        every cache as it found it, also when the block raises."""
+        saved = self.save_caches()
+        try:
+            yield
+        finally:
+            self.restore_caches(saved)
 
     def read_length(self, live_length: int) -> int:
         """Cache positions decode attention reads at this live length (the caches' length bucket). Called

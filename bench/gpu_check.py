@@ -312,22 +312,19 @@ def decode_row(generator, B: int, context: int, steps: int) -> dict:
     model = generator.model
     lengths = [context] * B
     warm_up_s = generator.warm_up_decode(lengths, steps + 1)
-    saved = [cache.snapshot() for cache in model.caches]
     token = torch.zeros(B, dtype=torch.long, device=model.device)
-    _, stats = generator.decode(token, lengths, steps + 1)
-    for cache, snapshot in zip(model.caches, saved):
-        cache.restore(snapshot)
+    with model.preserved_caches():
+        _, stats = generator.decode(token, lengths, steps + 1)
     kv, seconds = stats.kv_bytes_read / stats.steps, stats.decode_s
     ms = 1e3 * seconds / stats.steps
     row = dict(ms_per_step=ms, tokens_per_s=B * stats.steps / seconds, steps_per_s=stats.steps / seconds,
                gb_per_s=(model.weight_bytes() + kv) / (ms * 1e-3) / 1e9, kv_bytes_per_step=kv,
                weight_bytes=model.weight_bytes(), warm_up_s=warm_up_s)
     try:  # a diagnostic: its failure must not cost the row
-        row.update(profile_decode(generator, token, lengths, min(steps, 8)))
+        with model.preserved_caches():
+            row.update(profile_decode(generator, token, lengths, min(steps, 8)))
     except Exception as e:
         row["profile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
-    for cache, snapshot in zip(model.caches, saved):
-        cache.restore(snapshot)
     return row
 
 
@@ -397,14 +394,10 @@ def speculate_row(spec, B: int, context: int, steps: int) -> dict:
     model, n = spec.model, spec.n
     lengths = [context] * B
     token = torch.zeros(B, dtype=torch.long, device=model.device)
-    saved = [cache.snapshot() for cache in model.caches]
 
     def run():
-        try:
+        with model.preserved_caches():
             return spec.decode(token, lengths, steps + 1)[1]
-        finally:
-            for cache, snapshot in zip(model.caches, saved):
-                cache.restore(snapshot)
 
     start = time.perf_counter()
     run()

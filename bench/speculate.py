@@ -105,12 +105,12 @@ def run(args) -> int:
             model.setup_caches(B, cache_length)
             model.set_decode_attention(lambda i: layers["dense"][i])
             first = prefill_every_row(model, prompt, B)
-            saved = [c.snapshot() for c in model.caches]
+            saved = model.save_caches()
             if draft is not None:
                 draft.setup_caches(B, cache_length)
                 draft.set_decode_attention(policy_factory(AttentionSettings("dense"), draft.args, draft.kernels))
                 prefill_every_row(draft, prompt, B)
-                draft_saved = [c.snapshot() for c in draft.caches]
+                draft_saved = draft.save_caches()
             for name in ("dense", "sparq"):
                 engines[name] = ("generator", (layers[name], Generator(model, compile_decode=args.compile,
                                                                        compile_name=f"{name}_{context}_{B}")))
@@ -126,11 +126,9 @@ def run(args) -> int:
 
             def run_engine(name: str, new_tokens: int):
                 kind, payload = engines[name]
-                for cache, snapshot in zip(model.caches, saved):
-                    cache.restore(snapshot)
+                model.restore_caches(saved)
                 if draft is not None:
-                    for cache, snapshot in zip(draft.caches, draft_saved):
-                        cache.restore(snapshot)
+                    draft.restore_caches(draft_saved)
                 if kind == "speculator":
                     return payload.decode(first, [context] * B, new_tokens)
                 policies, generator = payload

@@ -123,7 +123,7 @@ class Runner:
         self.first_logits = prefill(self.model, idx, lengths=lengths if ragged else None)
         if ragged:
             self.model.set_live_lengths(lengths)
-        self._snapshots = [cache.snapshot() for cache in self.model.caches]
+        self._snapshots = self.model.save_caches()
 
     def positions(self, step: int) -> tuple[Tensor, int]:
         """The positions of decode step `step` after the prefill: (1,) shared or (B, 1) per row, and the
@@ -134,8 +134,7 @@ class Runner:
 
     def rewind(self) -> None:
         """Restore the cache state just after the prefill."""
-        for cache, snapshot in zip(self.model.caches, self._snapshots):
-            cache.restore(snapshot)
+        self.model.restore_caches(self._snapshots)
 
     def install(self, config: Config) -> list[DecodePolicy]:
         """Rewind to just after the prefill and decode with a fresh copy of config's post-prefill policies."""

@@ -91,7 +91,7 @@ def run(args) -> None:
             model.setup_caches(1, T + MAX_ANSWER + 1)
             model.set_decode_attention(lambda i: DenseDecode(TORCH_KERNELS))
             logits = prefill(model, torch.tensor([ex.prompt]))
-            snapshots = [cache.snapshot() for cache in model.caches]
+            snapshots = model.save_caches()
             answer, dense_logprobs = [], []
             for j in range(MAX_ANSWER):  # dense's greedy answer, to the end of its line
                 dense_logprobs.append(torch.log_softmax(logits.float(), -1))
@@ -100,8 +100,7 @@ def run(args) -> None:
                     break
                 logits = decode_step(model, torch.tensor([[answer[-1]]]), torch.tensor([T + j]), T + j + 1)
             for v in variants:
-                for cache, snapshot in zip(model.caches, snapshots):
-                    cache.restore(snapshot)
+                model.restore_caches(snapshots)
                 policies = [SplitAt(float(v[0]), float(v[1]), args.k_cap) for _ in range(n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
                 whole = True  # the first token comes from the (dense) prefill: steps 1.. are scored

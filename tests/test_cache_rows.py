@@ -182,3 +182,34 @@ def test_chat_keeps_the_prefix_it_shares_and_truncates_the_rest(policy):
         torch.testing.assert_close(logits, prefill(model, torch.tensor([ids])), rtol=1e-4, atol=1e-4)
         if policy == "dense":
             assert generate.reuse_cache(model, ids, ids) == len(ids) - 1  # one token left for the logits
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_preserved_caches_leave_every_cache_as_found_even_when_the_block_raises(kv_dtype):
+    """Benchmarks time decodes inside model.preserved_caches(): afterwards the next tokens are those of
+    the same prefill never followed by the block, and every cache's live lengths and sums are as before."""
+    from model import KVFormat
+    model = tiny_model()
+    model.set_decode_attention(policy_factory(AttentionSettings("dense"), model.args))
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (17, 30)]
+
+    def prefilled():
+        model.setup_caches(2, 128, KVFormat(kv_dtype=kv_dtype))
+        for b, p in enumerate(rows):
+            prefill(model, torch.tensor([p[:-1]]), row=b)
+
+    with torch.no_grad():
+        prefilled()
+        untouched = continue_rows(model, rows, 5)
+        prefilled()
+        before = [(c.live_length.clone(), c.sums.clone()) for c in model.caches]
+        with model.preserved_caches():
+            continue_rows(model, rows, 4)
+        with pytest.raises(RuntimeError, match="inside"):
+            with model.preserved_caches():
+                continue_rows(model, [r + [7, 8] for r in rows], 3)
+                raise RuntimeError("inside the block")
+        for cache, (live, sums) in zip(model.caches, before):
+            assert torch.equal(cache.live_length, live) and torch.equal(cache.sums, sums)
+        assert continue_rows(model, rows, 5) == untouched
