@@ -21,7 +21,8 @@
 // query t of a row of length n attends to positions [0, n - T + 1 + t), as the one-token step at
 // its position would; every K and V row is still read once, for all of them.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -23,7 +23,8 @@
 // where llama.cpp's AMX tiles died with SIGILL: docs/NOTES.md.)
 // tests/test_kernels_cpu.py builds this file alone with features turned off and checks each path.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>

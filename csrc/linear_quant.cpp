@@ -29,7 +29,8 @@
 // portable), the readable reference; int4 has a second path for CPUs with AVX512_BF16 (below
 // int4_block), chosen at build time like linear.cpp's, about 3x faster (docs/NOTES.md).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>

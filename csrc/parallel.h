@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "workspace.h"  // round_up
 

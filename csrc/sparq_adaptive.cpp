@@ -31,7 +31,8 @@
 //   2 (rows)   merge the row's candidates over heads and chunks, keep the top H m: per-head positions;
 //   3 (bh)     mean-V's alpha, then exact attention over the head's positions (pass D).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>

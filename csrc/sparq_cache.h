@@ -2,7 +2,8 @@
 // scales (model.KVCache). sparq_decode.cpp and sparq_adaptive.cpp read the same cache.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <optional>
 

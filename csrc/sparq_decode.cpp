@@ -43,7 +43,8 @@
 // without sorting, pass C), sparq_step1.h (passes A and B), sparq_step2.h (pass D); this file holds
 // the scratch layout, the threading over (row, head, chunk) units and the op's registration.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
