@@ -126,6 +126,8 @@ def _time_decode(step: dict[tuple[int, str], Callable], model, policies: dict[st
                     model.set_decode_attention(lambda layer, layers=layers: layers[layer])
                     if evict is not None:
                         evict()
+                    if i == 0 and progress is not None:  # a compiled step builds on its first call: minutes
+                        progress.set_postfix_str(f"first step of {name}, case {c + 1} of {len(cases)}")
                     step[c, name](model, token, positions, top + i + 1)  # the lead-in, untimed
                     t0 = time.perf_counter()
                     step[c, name](model, token, positions + 1, top + i + 2)
