@@ -109,6 +109,7 @@ def _time_decode(step: dict[tuple[int, str], Callable], model, policies: dict[st
     import torch
 
     times = [{name: [] for name in policies} for _ in cases]
+    label = progress.postfix if progress is not None else None  # the caller's, back after the first round
     with torch.no_grad():
         for i in range(warmup + steps):
             for c, (starts, case_times) in enumerate(zip(cases, times)):
@@ -133,6 +134,8 @@ def _time_decode(step: dict[tuple[int, str], Callable], model, policies: dict[st
                     step[c, name](model, token, positions + 1, top + i + 2)
                     case_times[name].append(time.perf_counter() - t0)
             if progress is not None:
+                if i == 0:
+                    progress.set_postfix_str(label or "", refresh=False)
                 progress.update(1)
     return [{name: statistics.median(t[warmup:]) for name, t in case_times.items()} for case_times in times]
 
