@@ -10,7 +10,7 @@ import torch
 
 from conftest import channels_file
 from decoding import prefill
-from model import KVCache
+from model import KVCache, KVFormat
 from policies import POLICIES, AttentionSettings, policy_factory
 from test_ragged import tiny_model
 
@@ -188,7 +188,6 @@ def test_chat_keeps_the_prefix_it_shares_and_truncates_the_rest(policy):
 def test_preserved_caches_leave_every_cache_as_found_even_when_the_block_raises(kv_dtype):
     """Benchmarks time decodes inside model.preserved_caches(): afterwards the next tokens are those of
     the same prefill never followed by the block, and every cache's live lengths and sums are as before."""
-    from model import KVFormat
     model = tiny_model()
     model.set_decode_attention(policy_factory(AttentionSettings("dense"), model.args))
     gen = torch.Generator().manual_seed(5)
