@@ -3,7 +3,9 @@ against every SparQ variant, side by side in one process. Each configuration rot
 copies of the cache (k, k_t, v, v_sum, q) that every call reads from DRAM, not from the last-level
 cache, and reports the median over the iterations after warm-up. Bytes are the paper's transfer
 counts (Appendix G): dense 2Sd + 2d, SparQ Sr + 2kd + 4d elements per KV head, times B * n_kv *
-element size.
+element size. With --cache-format (CPU), the fused ops also run on quantized caches (int8 K and V, an
+int8 or int4 K^T: model.KVCache's layout, filled from the same K and V), their bytes counted as stored
+(model.stored_bytes) against dense on the float cache.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import cli
-from bench.common import DTYPES, last_level_cache_bytes, torch_dtype
+from bench.common import DTYPES, cache_formats, last_level_cache_bytes, torch_dtype
 from cli import UserError
 
 # Shapes of one layer's attention: (KV heads, query heads, head dim).
@@ -42,6 +44,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=None, help=f"comma list of {', '.join(DTYPES)} (default float32; cuda: float16)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--kernel", default="all", help="SparQ kernels: comma list of all, torch, cpu, triton")
+    p.add_argument("--cache-format", default="auto",
+                   help="comma list of KV cache formats KV[/KT] (generate.py's --kv-dtype, --kt-dtype), e.g. "
+                        "auto,int8,int8/int4: each quantized one adds the fused dense (int8 K/V) and SparQ ops on "
+                        "that cache as stored, against dense on the float cache (--device cpu, --kernel cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per method (median reported)")
     p.add_argument("--min-iters", type=int, default=5, help="iterations before --max-seconds can stop")
@@ -62,6 +68,7 @@ class Method:
     kind: str  # "dense" | "sparq"
     fn: Callable  # fn(copy) -> Tensor
     layout: str = "twice"  # which K layouts the call reads
+    cache: str = "auto"  # the --cache-format whose copy the call reads ("auto": the float cache)
 
 
 def _make_copy(B, n_kv, g, d, S, dtype, device, gen, with_kt: bool):
@@ -77,6 +84,26 @@ def _make_copy(B, n_kv, g, d, S, dtype, device, gen, with_kt: bool):
     v_sum = v.float().sum(dim=2)
     q = randn(B, n_kv, g, d)
     return dict(q=q, k=k, k_t=k_t, v=v, v_sum=v_sum)
+
+
+def _stored_copy(copy: dict, fmt, dtype) -> dict:
+    """A float copy's K and V written into a cache of format `fmt` (model.KVCache quantizes them as a prefill
+    does), as the fused kernels read it: the stored buffers, their scales, the sums over the stored values."""
+    import torch
+
+    from model import KVCache
+
+    B, n_kv, S, d = copy["k"].shape
+    cache = KVCache(B, S, n_kv, d, dtype, kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype)
+    cache.update(torch.arange(S), copy["k"], copy["v"])
+    view = cache.view(S, B, stored=True)
+    return dict(q=copy["q"], k=view.k, k_t=view.k_t, v=view.v, v_sum=view.v_sum, scales=view.scales, cache=cache)
+
+
+def _stored_copy_bytes(fmt, dtype, B: int, n_kv: int, S: int, d: int) -> float:
+    """Roughly what _stored_copy allocates: K, V, K^T and the per-position scales."""
+    kv = 2 * B * n_kv * S * d * fmt.bytes_per_element(dtype)
+    return kv + B * n_kv * S * (d * fmt.kt_bytes_per_element(dtype) + 3 * 4)
 
 
 def _methods(device: str, kernels_wanted: list[str], cfg, S: int) -> list[Method]:
@@ -109,6 +136,24 @@ def _methods(device: str, kernels_wanted: list[str], cfg, S: int) -> list[Method
         floor = _floor_config(cfg)
         methods.append(Method("sparq-floor", "floor", lambda c: fused(c["q"], c["k"], c["k_t"], c["v"], c["v_sum"], S, None,
                                                                       floor.r, floor.k_top, floor.local, floor.mean_v)))
+    return methods
+
+
+def _stored_methods(label: str, fmt, cfg, S: int, with_dense: bool) -> list[Method]:
+    """The fused CPU ops on the copy of cache format `label` as stored: SparQ at the run's r and k, SparQ's
+    floor, and with_dense, dense (for the first format with int8 K and V: dense reads no K^T)."""
+    import kernels
+
+    def sparq(c, conf):
+        return kernels.sparq_attention_cpu(c["q"], c["k"], c["k_t"], c["v"], c["v_sum"], S, None, conf.r, conf.k_top,
+                                           conf.local, conf.mean_v, scales=c["scales"])
+
+    floor = _floor_config(cfg)
+    methods = [Method(f"sparq-fused {label}", "sparq", lambda c: sparq(c, cfg), cache=label),
+               Method(f"sparq-floor {label}", "floor", lambda c: sparq(c, floor), cache=label)]
+    if with_dense:
+        methods.insert(0, Method(f"dense-fused {label}", "dense", cache=label, fn=lambda c: kernels.dense_attention_cpu(
+            c["q"], c["k"], c["v"], S, scales=c["scales"])))
     return methods
 
 
@@ -159,6 +204,7 @@ def run(args) -> int:
         kernels_wanted = ["torch", "cpu" if device == "cpu" else "triton"]
     if ("cpu" in kernels_wanted and device != "cpu") or ("triton" in kernels_wanted and device != "cuda"):
         raise UserError("--kernel cpu runs on --device cpu, --kernel triton on --device cuda")
+    formats = cache_formats(args.cache_format)
     r = args.sparq_r if args.sparq_r is not None else 16
     k_top = args.sparq_k if args.sparq_k is not None else 128
     if args.iters < 1 or args.warmup < 0:
@@ -170,6 +216,13 @@ def run(args) -> int:
             raise UserError(str(e)) from None
     if args.threads:
         torch.set_num_threads(args.threads)
+    stored = [(label, fmt) for label, fmt in formats if fmt.int8_kv or fmt.quantized_kt]
+    for label, fmt in formats:
+        if (label, fmt) not in stored and (fmt.kv_dtype, fmt.kt_dtype) != ("auto", "same"):
+            raise UserError(f"--cache-format {label}: the float rows read the cache in --dtype already; "
+                            "give auto or quantized formats (int8, int8/int4, auto/int4)")
+    if stored and (device != "cpu" or "cpu" not in kernels_wanted):
+        raise UserError("--cache-format with a quantized format times the fused CPU ops: --device cpu, --kernel cpu")
     if device == "cpu" and "cpu" in kernels_wanted:
         import kernels
 
@@ -199,9 +252,16 @@ def run(args) -> int:
         cfg = SparQConfig(r=r, k_top=k_top, local=args.sparq_local, mean_v=args.mean_v)
         dense_bytes = DenseDecode().transfer_elements(S, d) * B * n_kv * es
         sparq_bytes = SparQDecode(cfg).transfer_elements(S, d) * B * n_kv * es
+        # bytes per method kind on each quantized format, as stored
+        stored_bytes = {label: {kind: policy.transfer_bytes(S, d, fmt, dtype) * B * n_kv
+                                for kind, policy in (("dense", DenseDecode()), ("sparq", SparQDecode(cfg)),
+                                                     ("floor", SparQDecode(_floor_config(cfg))))}
+                        for label, fmt in stored}
         copy_bytes = 3 * B * n_kv * S * d * es + B * n_kv * (g + 1) * d * 4
+        copy_bytes += sum(_stored_copy_bytes(fmt, dtype, B, n_kv, S, d) for _, fmt in stored)
         # enough copies that even SparQ's working set (the smallest) spans a few LLCs
-        n_copies = max(2, math.ceil(3 * last_level_cache_bytes() / sparq_bytes)) if device == "cpu" else 2
+        least = min([sparq_bytes] + [b["sparq"] for b in stored_bytes.values()])
+        n_copies = max(2, math.ceil(3 * last_level_cache_bytes() / least)) if device == "cpu" else 2
         n_copies = min(n_copies, args.max_copies)
         scratch = B * n_kv * (r * es + 4 * 4 * g) * S  # sparq-torch temporaries, roughly
         if copy_bytes + scratch > MEMORY_LIMIT:
@@ -213,36 +273,46 @@ def run(args) -> int:
         if n_copies * copy_bytes < 3 * last_level_cache_bytes() and device == "cpu":
             bar.write(f"note: {shape} {dt_name} B={B} S={S}: only {n_copies} cache copies fit", file=sys.stderr)
         bar.set_postfix_str(f"{shape} {dt_name} B={B} S={S} ({n_copies} copies)")
-        copies = [_make_copy(B, n_kv, g, d, S, dtype, device, gen, with_kt=True) for _ in range(n_copies)]
+        copies = []
+        for _ in range(n_copies):
+            copy = _make_copy(B, n_kv, g, d, S, dtype, device, gen, with_kt=True)
+            copies.append({"auto": copy, **{label: _stored_copy(copy, fmt, dtype) for label, fmt in stored}})
         methods = _methods(device, kernels_wanted, cfg, S)
+        first_int8 = next((label for label, fmt in stored if fmt.int8_kv), None)
+        for label, fmt in stored:
+            methods += _stored_methods(label, fmt, cfg, S, with_dense=label == first_int8)
         times = {m.name: [] for m in methods}
         with torch.inference_mode():
             for i in range(args.warmup):
                 for m in methods:
-                    m.fn(copies[i % n_copies])
+                    m.fn(copies[i % n_copies][m.cache])
             start = time.perf_counter()
             for i in range(args.iters):  # interleaved: every method sees the same machine state
                 for m in methods:
-                    times[m.name].append(_time_call(m.fn, copies[(i + args.warmup) % n_copies], device))
+                    times[m.name].append(_time_call(m.fn, copies[(i + args.warmup) % n_copies][m.cache], device))
                 if i + 1 >= args.min_iters and time.perf_counter() - start > args.max_seconds:
                     break
         del copies
         median = {name: statistics.median(ts) for name, ts in times.items()}
         fastest = {name: min(ts) for name, ts in times.items()}
-        dense_names = [m.name for m in methods if m.kind == "dense"]
+        dense_names = [m.name for m in methods if m.kind == "dense" and m.cache == "auto"]  # the float cache's
         best_dense = min(dense_names, key=lambda n: median[n])
         floor_bytes = SparQDecode(_floor_config(cfg)).transfer_elements(S, d) * B * n_kv * es
         for m in methods:
-            nbytes = {"dense": dense_bytes, "sparq": sparq_bytes, "floor": floor_bytes}[m.kind]
-            row = dict(shape=shape, dtype=dt_name, batch_size=B, seq_len=S, method=m.name,
+            if m.cache == "auto":
+                nbytes = {"dense": dense_bytes, "sparq": sparq_bytes, "floor": floor_bytes}[m.kind]
+            else:
+                nbytes = stored_bytes[m.cache][m.kind]
+            row = dict(shape=shape, dtype=dt_name, batch_size=B, seq_len=S, method=m.name, cache_format=m.cache,
                        time_ms=median[m.name] * 1e3, time_ms_min=fastest[m.name] * 1e3,
                        gb_s=nbytes / median[m.name] / 1e9,
                        speedup_vs_dense=median[best_dense] / median[m.name],
                        theoretical_speedup=dense_bytes / nbytes, dense_baseline=best_dense,
                        iterations=len(times[m.name]), copies=n_copies)
             row["of_theory"] = row["speedup_vs_dense"] / row["theoretical_speedup"]
-            if m.name == "sparq-fused" and "sparq-floor" in median:
-                row["floor_share"] = median["sparq-floor"] / median[m.name]
+            floor_name = m.name.replace("sparq-fused", "sparq-floor", 1)
+            if m.kind == "sparq" and m.name.startswith("sparq-fused") and floor_name in median:
+                row["floor_share"] = median[floor_name] / median[m.name]
             rows.append(row)
     bar.close()
     _print_table(rows)
@@ -259,7 +329,7 @@ def run(args) -> int:
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = (f"{'shape':<10} {'dtype':<9} {'B':>3} {'S':>6}  {'method':<16} {'time ms':>9} {'min ms':>9} {'GB/s':>6} "
+    header = (f"{'shape':<10} {'dtype':<9} {'B':>3} {'S':>6}  {'method':<24} {'time ms':>9} {'min ms':>9} {'GB/s':>6} "
               f"{'speedup':>8} {'theory':>7} {'of theory':>9} {'floor':>6}")
     print(header)
     print("-" * len(header))
@@ -271,7 +341,7 @@ def _print_table(rows: list[dict]) -> None:
         last = key
         mark = "*" if row["method"] == row["dense_baseline"] else " "
         print(f"{row['shape']:<10} {row['dtype']:<9} {row['batch_size']:>3} {row['seq_len']:>6}  "
-              f"{row['method'] + mark:<16} {row['time_ms']:>9.3f} {row['time_ms_min']:>9.3f} {row['gb_s']:>6.1f} "
+              f"{row['method'] + mark:<24} {row['time_ms']:>9.3f} {row['time_ms_min']:>9.3f} {row['gb_s']:>6.1f} "
               f"{row['speedup_vs_dense']:>7.2f}x {row['theoretical_speedup']:>6.2f}x {row['of_theory']:>8.0%} "
               + (f"{row['floor_share']:>6.0%}" if "floor_share" in row else f"{'':>6}"))
     print("(time = median, min = fastest call; * = the dense baseline, the fastest dense method by median;"

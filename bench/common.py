@@ -2,6 +2,7 @@
 against it so that timed calls read from DRAM) and timing by turns (A/B pairs in one process)."""
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from pathlib import Path
@@ -46,3 +47,17 @@ def alternating_medians(calls: dict[str, Callable[[], object]], rounds: int, rep
                 call()
             times[name].append((time.perf_counter() - start) / reps)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def cache_formats(text: str):
+    """--cache-format: [(label, KVFormat)], "KV[/KT]" each (KV a --kv-dtype, KT a --kt-dtype)."""
+    from cli import UserError
+    from generate import cache_format
+
+    formats = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        kv, _, kt = item.partition("/")
+        formats.append((item, cache_format(argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same"))))
+    if not formats:
+        raise UserError("--cache-format: give at least one format")
+    return formats

@@ -9,7 +9,6 @@ and cells are medians.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import cli
-from bench.common import DTYPES, last_level_cache_bytes, torch_dtype
+from bench.common import DTYPES, cache_formats, last_level_cache_bytes, torch_dtype
 from cli import UserError
 
 
@@ -145,19 +144,6 @@ def _install_caches(model, caches: list) -> None:
         layer.attention.kv_cache = cache
 
 
-def _cache_formats(text: str):
-    """--cache-format: [(label, KVFormat)], "KV[/KT]" each (KV a --kv-dtype, KT a --kt-dtype)."""
-    from generate import cache_format
-
-    formats = []
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        kv, _, kt = item.partition("/")
-        formats.append((item, cache_format(argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same"))))
-    if not formats:
-        raise UserError("--cache-format: give at least one format")
-    return formats
-
-
 def _first_decode_positions(contexts: list[int], max_context: int, steps: int) -> dict[int, int]:
     """Context -> position of its first decode step: the context itself, or earlier if the
     warm-up and timed steps would run past the model's context (then the last step ends there)."""
@@ -221,7 +207,7 @@ def run(args) -> int:
         tok = load_tokenizer(args.checkpoint)
         model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
     starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps + 1)  # + the lead-in
-    formats = _cache_formats(args.cache_format)
+    formats = cache_formats(args.cache_format)
     kernels = kernels_for(args.kernel, "cpu", model_args, kv_formats=[f for _, f in formats])  # one kernel family
     if args.compression and args.sparq_r:
         raise UserError("--compression solves --sparq-r: give one or the other")

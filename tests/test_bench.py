@@ -92,10 +92,38 @@ def test_attention_json_rows(tmp_path, capsys):
     assert "floor" in capsys.readouterr().out
 
 
+def test_attention_cache_formats_count_stored_bytes(tmp_path):
+    """--cache-format auto,int8/int4: the fused ops on the quantized cache too, bytes as stored (counted
+    here by hand), against dense on the float cache; dense runs once per int8 K/V."""
+    out = tmp_path / "attention.json"
+    S, r, k, d, n_kv = 300, 16, 128, 64, 3
+    code = bench_cli.main(["attention", "--shape", "smollm2", "--batch-size", "1", "--seq-len", str(S), "--dtype",
+                           "bfloat16", "--kernel", "cpu", "--cache-format", "auto,int8/int4,int8", "--iters", "2",
+                           "--warmup", "0", "--max-copies", "2", "--json", str(out)])
+    assert code == 0
+    by = {row["method"]: row for row in read_json(out)["rows"]}
+    assert {"dense-fused int8/int4", "sparq-fused int8/int4", "sparq-floor int8/int4", "sparq-fused int8"} <= set(by)
+    assert "dense-fused int8" not in by  # the same op on the same K and V as dense-fused int8/int4
+    assert by["sparq-fused int8/int4"]["cache_format"] == "int8/int4" and by["sparq-fused"]["cache_format"] == "auto"
+    assert by["dense-fused int8/int4"]["dense_baseline"] in ("dense-matmul", "dense-sdpa", "dense-fused")
+    dense_bf16 = (2 * S * d + 2 * d) * 2 * n_kv
+    rest = 2 * k * d + 4 * d  # K and V elements: an int8 byte each, a 4-byte scale per row of d
+    sparq_int4 = (S * r / 2 + S * 4 + rest + rest / d * 4) * n_kv  # K^T: half a byte each, a scale per position
+    sparq_int8 = (S * r + S * 4 + rest + rest / d * 4) * n_kv  # K^T is K's int8 transposed, step 1 reads K's scales
+    dense_int8 = ((2 * S * d + 2 * d) + (2 * S + 2) * 4) * n_kv
+    assert by["sparq-fused int8/int4"]["theoretical_speedup"] == pytest.approx(dense_bf16 / sparq_int4)
+    assert by["sparq-fused int8"]["theoretical_speedup"] == pytest.approx(dense_bf16 / sparq_int8)
+    assert by["dense-fused int8/int4"]["theoretical_speedup"] == pytest.approx(dense_bf16 / dense_int8)
+    assert by["sparq-fused int8/int4"]["floor_share"] == pytest.approx(
+        by["sparq-floor int8/int4"]["time_ms"] / by["sparq-fused int8/int4"]["time_ms"])
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["decode", "--prompt-tokens", "1k"], "--prompt-tokens"),
     (["decode", "--batch-size", "0"], "--batch-size"),
     (["attention", "--shape", "gpt5"], "gpt5"),
+    (["attention", "--cache-format", "float16"], "--cache-format float16"),
+    (["attention", "--cache-format", "int8", "--kernel", "torch"], "--kernel cpu"),
     (["decode", "--adaptive"], "--compression"),
     (["decode", "--cache-format", "int9"], "--kv-dtype"),
     (["decode", "--compile-backend", "aot"], "give --compile"),
