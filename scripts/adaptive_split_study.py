@@ -28,8 +28,8 @@ from decoding import decode_step, prefill  # noqa: E402
 from evals.tasks import squad_examples  # noqa: E402
 from generate import DTYPES, load_checkpoint, load_tokenizer  # noqa: E402
 from kernels import TORCH_KERNELS  # noqa: E402
-from model import DenseDecode  # noqa: E402
-from sparq import SparQAdaptiveDecode, adaptive_split, sparq_adaptive_torch  # noqa: E402
+from model import DenseDecode, KVFormat  # noqa: E402
+from sparq import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
 
 MAX_ANSWER = 12
 
@@ -46,8 +46,9 @@ class SplitAt(SparQAdaptiveDecode):
         if cache.visible_length(length) <= self.k_max:
             return super().forward(q, cache, length)
         B, d = q.shape[0], q.shape[-1]
-        view = cache.view(length, B)
-        r, k = adaptive_split(view.length, d, self.compression, self.k_cap, share=self.share)
+        view = cache.view(length, B)  # dequantized copies of a quantized cache; the split in its stored bytes
+        costs = StepCosts.of(cache.format, cache.dtype, d)
+        r, k = adaptive_split(view.length, d, self.compression, self.k_cap, costs=costs, share=self.share)
         return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, self.spread(view, B), view.length,
                                     view.live_length, r, k, max(1, k // 4), False, None, view.k_t)
 
@@ -58,6 +59,8 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--compression", type=fractions, default="1/8,1/16", help="targets, e.g. 1/8,1/16")
     p.add_argument("--shares", type=fractions, default="1/8,1/4,1/2", help="positions' shares of the budget")
+    p.add_argument("--kt-dtype", choices=("same", "int8", "int4"), default="same",
+                   help="SparQ's copy of K^T as the cache stores it (generate.py's --kt-dtype): the split counts its bytes")
     p.add_argument("--examples", type=cli.positive_int, default=40)
     p.add_argument("--contexts", type=cli.positive_int, default=7, help="SQuAD confusion paragraphs (7: ~1.4k tokens)")
     p.add_argument("--k-cap", type=cli.positive_int, default=None,
@@ -88,7 +91,7 @@ def run(args) -> None:
     with torch.no_grad():
         for ex in tqdm(squad_examples(tokenizer, args.contexts, args.examples, 0), desc="examples"):
             T = len(ex.prompt)
-            model.setup_caches(1, T + MAX_ANSWER + 1)
+            model.setup_caches(1, T + MAX_ANSWER + 1, KVFormat(kt_dtype=args.kt_dtype))
             model.set_decode_attention(lambda i: DenseDecode(TORCH_KERNELS))
             logits = prefill(model, torch.tensor([ex.prompt]))
             snapshots = model.save_caches()
@@ -114,7 +117,7 @@ def run(args) -> None:
                     stats[v]["kl"] += float((ref.exp() * (ref - lp)).sum())
                     whole &= agree
                 stats[v]["whole"] += whole
-    print(f"{args.checkpoint.name}, {args.examples} SQuAD examples, {time.time() - start:.0f} s")
+    print(f"{args.checkpoint.name}, {args.examples} SQuAD examples, K^T {args.kt_dtype}, {time.time() - start:.0f} s")
     print(f"{'compression':>11} {'share':>6} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
     for (c, f), st in stats.items():
         steps = max(st["steps"], 1)

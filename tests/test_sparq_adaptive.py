@@ -300,3 +300,19 @@ def test_the_split_study_at_position_share_is_the_policy(c):
     other = 1 / 2 if position_share(c, d) < 1 / 2 else 1 / 8
     assert adaptive_split(S, d, c, share=other) != adaptive_split(S, d, c)
     assert not torch.allclose(SplitAt(c, other)(q, cache, S), expected)
+
+
+def test_the_split_study_on_an_int4_kt_counts_its_bytes():
+    """On an int4 K^T the study's split is the policy's (torch path, the budget in stored bytes), which gives
+    step 1 more components than a float K^T at the same target."""
+    from scripts.adaptive_split_study import SplitAt
+
+    B, n_kv, g_, d, S, c = 1, 2, 3, 64, 700, 1 / 8
+    cache = KVCache(B, S + 8, n_kv, d, torch.float32, kt_dtype="int4")
+    gen = torch.Generator().manual_seed(0)
+    cache.update(torch.arange(S), torch.randn(B, n_kv, S, d, generator=gen), torch.randn(B, n_kv, S, d, generator=gen))
+    q = random_query(B, n_kv, g_, d)
+    costs = StepCosts.of(cache.format, cache.dtype, d)
+    expected = SparQAdaptiveDecode(compression=c)(q, cache, S)
+    torch.testing.assert_close(SplitAt(c, position_share(c, d, costs))(q, cache, S), expected)
+    assert adaptive_split(S, d, c, costs=costs)[0] > adaptive_split(S, d, c)[0]
