@@ -408,17 +408,32 @@ def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], 
 
 
 MIN_COMPONENTS = 12  # step 1's components below which adaptive_split takes budget from the positions
+HALF_COMPONENTS_AT_MOST = 3 / 4  # the most of a step's budget step 1 may spend on half the components (a cheap K^T)
 
 
-def position_share(compression: float, head_dim: int, costs: StepCosts = ELEMENTS) -> float:
+def position_share(compression: float, head_dim: int, costs: StepCosts = ELEMENTS,
+                   seq_len: Optional[int] = None) -> float:
     """The share of a step's budget adaptive_split gives to positions (k), the rest going to step 1's
-    components (r): half, unless half leaves step 1 fewer than MIN_COMPONENTS components, in which case
-    the positions give up what it takes to reach them, keeping at least 1/8. With too few components
-    step 1 ranks positions worse than a larger k makes up for, while a model with many components to
-    spare (Gemma 3's d = 256) needs the positions: measured on SQuAD prompts (docs/NOTES.md). A d = 64
-    head on a float cache: 1/2 at 1/4, 1/4 at 1/8, 1/8 at 1/16; on an int4 K^T, 1/2 at each."""
-    need = (MIN_COMPONENTS * costs.kt + costs.kt_scale) / (2 * compression * head_dim)  # their share of it
-    return min(0.5, max(0.125, 1 - need))
+    components (r) and the step's fixed 6 d (counted per position over seq_len where it is given).
+    On a K^T stored in fewer bytes than K (an int4 one, or int8 beside fp32 K and V), where half the
+    components (d / 2) cost at most HALF_COMPONENTS_AT_MOST of the budget, step 1 reads d / 2 and the
+    positions take the rest: on an int4 K^T at 1/8 the positions' best share was about 3/8 on
+    Qwen2.5-Coder-0.5B (bf16 K and V: r = 32, where half the budget gave r = 23) and 5/8-3/4 on SmolLM2
+    (fp32: r = 24-40, where half gave 54). Otherwise half, unless half leaves step 1 fewer than
+    MIN_COMPONENTS components, in which case the positions give up what it takes to reach them, keeping
+    at least 1/8: with too few components step 1 ranks positions worse than a larger k makes up for, while a
+    model with many components to spare (Gemma 3's d = 256) needs the positions. Both measured with
+    scripts/adaptive_split_study.py on SQuAD prompts (docs/NOTES.md). A d = 64 head on a float cache: 1/2
+    at 1/2 and 1/4, 1/4 at 1/8, 1/8 at 1/16; on an int4 K^T beside bf16 K and V at 1.4k positions: 0.36 at
+    1/8, 3/8 at 1/16 (fewer than 12 components there otherwise)."""
+    fixed = 0.0 if seq_len is None else 6 * head_dim / seq_len
+
+    def need(components: float, fixed: float = 0.0) -> float:  # their share of the budget
+        return (components * costs.kt + costs.kt_scale + fixed) / (2 * compression * head_dim)
+
+    if costs.kt < 1.0 and need(head_dim / 2, fixed) <= HALF_COMPONENTS_AT_MOST:
+        return 1 - need(head_dim / 2, fixed)
+    return min(0.5, max(0.125, 1 - need(MIN_COMPONENTS)))
 
 
 def adaptive_split(seq_len: int, head_dim: int, compression: float, k_cap: Optional[int] = None,
@@ -433,7 +448,7 @@ def adaptive_split(seq_len: int, head_dim: int, compression: float, k_cap: Optio
     K^T is stored in fewer bytes than K (`costs`), step 1's S r becomes S (r costs.kt + costs.kt_scale):
     the same bytes, more components. `share` overrides position_share (scripts/adaptive_split_study.py)."""
     d = head_dim
-    share = position_share(compression, d, costs) if share is None else share
+    share = position_share(compression, d, costs, seq_len) if share is None else share
     budget = int(compression * (2 * seq_len * d + 2 * d))
     k = max(1, min(seq_len if k_cap is None else k_cap, int(compression * share * seq_len)))
     scales = seq_len * costs.kt_scale  # read whatever r is

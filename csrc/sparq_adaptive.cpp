@@ -66,8 +66,13 @@ static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max, std::
                             double kt_scale) {
   if (S <= k_max) return {d, S};  // the row sees at most k_max positions: all of them, every component
   const int64_t budget = (int64_t)(c * (double)(2 * S * d + 2 * d));
-  const double need = (12 * kt + kt_scale) / (2 * c * (double)d);  // sparq.position_share, MIN_COMPONENTS = 12
-  const double share = std::min(0.5, std::max(0.125, 1 - need));
+  // sparq.position_share: on a K^T cheaper than K, d / 2 components where they (and the fixed 6 d) cost at most
+  // 3/4 of the budget (HALF_COMPONENTS_AT_MOST); else half to positions unless that leaves fewer than
+  // MIN_COMPONENTS = 12
+  const double fixed = (double)(6 * d) / (double)S;
+  const double need_half = ((double)d / 2 * kt + kt_scale + fixed) / (2 * c * (double)d);
+  const double need = (12 * kt + kt_scale + 0.0) / (2 * c * (double)d);
+  const double share = kt < 1.0 && need_half <= 3.0 / 4.0 ? 1 - need_half : std::min(0.5, std::max(0.125, 1 - need));
   int64_t k = std::max<int64_t>(1, std::min<int64_t>(k_cap.value_or(S), (int64_t)(c * share * (double)S)));
   const double scales = (double)S * kt_scale;
   const int64_t r = std::max<int64_t>(
