@@ -426,13 +426,13 @@ def position_share(compression: float, head_dim: int, costs: StepCosts = ELEMENT
     scripts/adaptive_split_study.py on SQuAD prompts (docs/NOTES.md). A d = 64 head on a float cache: 1/2
     at 1/2 and 1/4, 1/4 at 1/8, 1/8 at 1/16; on an int4 K^T beside bf16 K and V at 1.4k positions: 0.36 at
     1/8, 3/8 at 1/16 (fewer than 12 components there otherwise)."""
-    fixed = 0.0 if seq_len is None else 6 * head_dim / seq_len
+    def need(components: float, extra: float = 0.0) -> float:  # their share of the budget (+ extra per position)
+        return (components * costs.kt + costs.kt_scale + extra) / (2 * compression * head_dim)
 
-    def need(components: float, fixed: float = 0.0) -> float:  # their share of the budget
-        return (components * costs.kt + costs.kt_scale + fixed) / (2 * compression * head_dim)
-
-    if costs.kt < 1.0 and need(head_dim / 2, fixed) <= HALF_COMPONENTS_AT_MOST:
-        return 1 - need(head_dim / 2, fixed)
+    if costs.kt < 1.0:
+        half = need(head_dim / 2, 0.0 if seq_len is None else 6 * head_dim / seq_len)  # with the step's fixed 6 d
+        if half <= HALF_COMPONENTS_AT_MOST:
+            return 1 - half
     return min(0.5, max(0.125, 1 - need(MIN_COMPONENTS)))
 
 

@@ -97,7 +97,7 @@ def _stored_copy(copy: dict, fmt, dtype) -> dict:
     cache = KVCache(B, S, n_kv, d, dtype, kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype)
     cache.update(torch.arange(S), copy["k"], copy["v"])
     view = cache.view(S, B, stored=True)
-    return dict(q=copy["q"], k=view.k, k_t=view.k_t, v=view.v, v_sum=view.v_sum, scales=view.scales, cache=cache)
+    return dict(q=copy["q"], k=view.k, k_t=view.k_t, v=view.v, v_sum=view.v_sum, scales=view.scales)
 
 
 def _stored_copy_bytes(fmt, dtype, B: int, n_kv: int, S: int, d: int) -> float:

@@ -71,7 +71,7 @@ static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max, std::
   // MIN_COMPONENTS = 12
   const double fixed = (double)(6 * d) / (double)S;
   const double need_half = ((double)d / 2 * kt + kt_scale + fixed) / (2 * c * (double)d);
-  const double need = (12 * kt + kt_scale + 0.0) / (2 * c * (double)d);
+  const double need = (12 * kt + kt_scale) / (2 * c * (double)d);
   const double share = kt < 1.0 && need_half <= 3.0 / 4.0 ? 1 - need_half : std::min(0.5, std::max(0.125, 1 - need));
   int64_t k = std::max<int64_t>(1, std::min<int64_t>(k_cap.value_or(S), (int64_t)(c * share * (double)S)));
   const double scales = (double)S * kt_scale;
