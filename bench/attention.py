@@ -185,7 +185,7 @@ def _time_call(fn, copy, device: str) -> float:
 def run(args) -> int:
     import torch
 
-    from model import DenseDecode
+    from model import DenseDecode, KVFormat
     from sparq import SparQConfig, SparQDecode
 
     device = args.device
@@ -250,17 +250,15 @@ def run(args) -> int:
         dtype = torch_dtype(dt_name)
         es = torch.finfo(dtype).bits // 8
         cfg = SparQConfig(r=r, k_top=k_top, local=args.sparq_local, mean_v=args.mean_v)
-        dense_bytes = DenseDecode().transfer_elements(S, d) * B * n_kv * es
-        sparq_bytes = SparQDecode(cfg).transfer_elements(S, d) * B * n_kv * es
-        # bytes per method kind on each quantized format, as stored
-        stored_bytes = {label: {kind: policy.transfer_bytes(S, d, fmt, dtype) * B * n_kv
-                                for kind, policy in (("dense", DenseDecode()), ("sparq", SparQDecode(cfg)),
-                                                     ("floor", SparQDecode(_floor_config(cfg))))}
-                        for label, fmt in stored}
+        # bytes a call moves, per cache and method kind: the float cache's in --dtype, the others' as stored
+        policies = (("dense", DenseDecode()), ("sparq", SparQDecode(cfg)), ("floor", SparQDecode(_floor_config(cfg))))
+        transfer = {label: {kind: policy.transfer_bytes(S, d, fmt, dtype) * B * n_kv for kind, policy in policies}
+                    for label, fmt in [("auto", KVFormat())] + stored}
+        dense_bytes = transfer["auto"]["dense"]
         copy_bytes = 3 * B * n_kv * S * d * es + B * n_kv * (g + 1) * d * 4
         copy_bytes += sum(_stored_copy_bytes(fmt, dtype, B, n_kv, S, d) for _, fmt in stored)
         # enough copies that even SparQ's working set (the smallest) spans a few LLCs
-        least = min([sparq_bytes] + [b["sparq"] for b in stored_bytes.values()])
+        least = min(b["sparq"] for b in transfer.values())
         n_copies = max(2, math.ceil(3 * last_level_cache_bytes() / least)) if device == "cpu" else 2
         n_copies = min(n_copies, args.max_copies)
         scratch = B * n_kv * (r * es + 4 * 4 * g) * S  # sparq-torch temporaries, roughly
@@ -297,12 +295,8 @@ def run(args) -> int:
         fastest = {name: min(ts) for name, ts in times.items()}
         dense_names = [m.name for m in methods if m.kind == "dense" and m.cache == "auto"]  # the float cache's
         best_dense = min(dense_names, key=lambda n: median[n])
-        floor_bytes = SparQDecode(_floor_config(cfg)).transfer_elements(S, d) * B * n_kv * es
         for m in methods:
-            if m.cache == "auto":
-                nbytes = {"dense": dense_bytes, "sparq": sparq_bytes, "floor": floor_bytes}[m.kind]
-            else:
-                nbytes = stored_bytes[m.cache][m.kind]
+            nbytes = transfer[m.cache][m.kind]
             row = dict(shape=shape, dtype=dt_name, batch_size=B, seq_len=S, method=m.name, cache_format=m.cache,
                        time_ms=median[m.name] * 1e3, time_ms_min=fastest[m.name] * 1e3,
                        gb_s=nbytes / median[m.name] / 1e9,
