@@ -26,6 +26,9 @@ and positions [:length] are read):
       the keys' per-dimension spread; sparq.sparq_adaptive_attention_torch is the reference); on a
       quantized cache also scales= and costs= (sparq.StepCosts)
   linear(x (..., K), weight (N, K), bias (N,) or None) -> (..., N)
+  prefill_attention(q (B, H, T, d), k, v (B, n_kv, S_k, d)) -> (B, H, T, d): causal attention of a
+      prefill chunk's T queries, the last T of the S_k key positions (model.prefill_attention, with no
+      window and no soft-cap, is the reference; the model calls it only then)
 `length` is the number of positions read (the longest row's). `live_length` says which are live:
   None          every row's positions [0, length) are live (exact reads: the CPU default);
   a 0-dim int   every row's positions [0, live_length) are live, the rest up to `length` masked
@@ -85,6 +88,7 @@ class Kernels:
     sparq_attention: Optional[Callable] = None  # None: sparq.sparq_attention_torch
     sparq_adaptive: Optional[Callable] = None  # None: sparq.sparq_adaptive_attention_torch
     linear: Optional[Callable] = None  # None: F.linear
+    prefill_attention: Optional[Callable] = None  # None: model.prefill_attention (SDPA)
     packed_quantized: bool = False  # quantized linears: packed int4/int8 kernels, else dequantize + F.linear
     reads_int8_kv: bool = False  # dense_attention and dense_verify take an int8 cache as stored (scales=KVScales)
     sparq_reads_quantized: bool = False  # sparq_attention and sparq_adaptive take int8 K/V and an int8/int4 K^T as
@@ -202,6 +206,7 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     torch.library.define("sparq::dense_cpu",
                          "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor")
     torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
+    torch.library.define("sparq::prefill_cpu", "(Tensor q, Tensor k, Tensor v) -> Tensor")  # causal, csrc/prefill_attention.cpp
     torch.library.define("sparq::linear_cpu_isa", "() -> str")  # the GEMV's instruction set in this build
     torch.library.define("sparq::dense_int8_path", "() -> str")  # "vnni" or "float" (csrc/dense_decode.cpp)
     # weight-only quantized GEMVs (quantize.py's stored formats; see csrc/linear_quant.cpp)
@@ -248,6 +253,11 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     def _dense_cpu_first_call(q, k, v, length, lengths=None, queries=1):
         _load_for_first_call("dense_cpu")
         return torch.ops.sparq.dense_cpu.default(q, k, v, length, lengths, queries)
+
+    @torch.library.impl("sparq::prefill_cpu", "CompositeExplicitAutograd")
+    def _prefill_cpu_first_call(q, k, v):
+        _load_for_first_call("prefill_cpu")
+        return torch.ops.sparq.prefill_cpu.default(q, k, v)
 
     @torch.library.impl("sparq::linear_cpu", "CompositeExplicitAutograd")
     def _linear_cpu_first_call(x, w):
@@ -298,6 +308,10 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
 
     @torch.library.register_fake("sparq::dense_cpu")
     def _dense_cpu_fake(q, k, v, length, lengths=None, queries=1):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("sparq::prefill_cpu")
+    def _prefill_cpu_fake(q, k, v):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::linear_cpu")
@@ -354,6 +368,13 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
         torch.ops.sparq.linear_cpu.default(flat, weight)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
+
+
+def prefill_attention_cpu(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """prefill_attention (the module docstring) with the fused C++ kernel: flash-style, in fp32, each
+    block of keys read once for the g query heads that share it. torch's CPU SDPA ran this at a seventh
+    of the prefill GEMMs' rate in bf16 (docs/NOTES.md)."""
+    return torch.ops.sparq.prefill_cpu.default(q, k, v)
 
 
 def dense_attention_cpu(q: Tensor, k: Tensor, v: Tensor, length: int, live_length: Optional[Tensor] = None,
@@ -425,8 +446,10 @@ def _check_exact_lengths(live_length: Optional[Tensor]) -> None:
 
 CPU_KERNELS = Kernels("cpu", dense_attention=dense_attention_cpu, dense_verify=dense_verify_cpu,
                       sparq_attention=sparq_attention_cpu, sparq_adaptive=sparq_adaptive_cpu,
-                      linear=linear_cpu, packed_quantized=True, reads_int8_kv=True, sparq_reads_quantized=True,
-                      describe="fused C++ (csrc/): dense, SparQ and adaptive SparQ attention, decode linears")
+                      linear=linear_cpu, prefill_attention=prefill_attention_cpu, packed_quantized=True,
+                      reads_int8_kv=True, sparq_reads_quantized=True,
+                      describe="fused C++ (csrc/): dense, SparQ and adaptive SparQ attention, prefill attention, "
+                               "decode linears")
 TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, dense_verify=dense_verify_triton,
                          sparq_attention=sparq_attention_triton, packed_quantized=True, reads_int8_kv=True,
                          sparq_reads_quantized=True,

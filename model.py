@@ -935,6 +935,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.kv_cache: Optional[KVCache] = None
         self.decode_attention: DecodePolicy = DenseDecode(kernels, self.cap)
+        self.prefill_kernel = kernels.prefill_attention  # None: prefill_attention (SDPA)
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, kv_end: int,
                 prompt_lengths: Optional[Tensor] = None, row: Optional[int] = None) -> Tensor:
@@ -958,13 +959,20 @@ class Attention(nn.Module):
             rows = slice(0, B) if row is None else slice(row, row + 1)  # the cache rows of x's rows
             k_start = 0 if self.window is None else max(0, kv_end - T - self.window + 1)
             keys, values = self.kv_cache.read(rows, k_start, kv_end)
-            y = prefill_attention(q, keys, values, kv_end - T, self.window, self.cap)  # (B, H, T, d)
+            y = self.prefill(q, keys, values, kv_end - T)  # (B, H, T, d)
             self.decode_attention.observe_prefill(q, self.kv_cache.read(rows, 0, kv_end)[0], lengths=prompt_lengths,
                                                    window=self.window)
         else:  # a decode step reads kv_end positions
             q = q.view(B, n_kv, H // n_kv, d)  # query heads grouped by the KV head they share
             y = self.decode_attention(q, self.kv_cache, kv_end).view(B, H, 1, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * d))
+
+
+    def prefill(self, q: Tensor, keys: Tensor, values: Tensor, q_start: int) -> Tensor:
+        """prefill_attention, through the run's kernel where it serves (no window, no soft-cap, no autograd)."""
+        if self.prefill_kernel is not None and self.window is None and self.cap is None and not q.requires_grad:
+            return self.prefill_kernel(q, keys, values)
+        return prefill_attention(q, keys, values, q_start, self.window, self.cap)
 
 
 class FeedForward(nn.Module):

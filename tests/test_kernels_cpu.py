@@ -303,6 +303,53 @@ def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
 
 
 
+@pytest.mark.parametrize("B,H,n_kv,T,S,d,dtype,n_threads", [
+    (1, 9, 3, 100, 100, 64, "float32", 2),  # a whole prompt: SmolLM2's heads
+    (2, 8, 2, 37, 170, 80, "float32", 1),  # a later chunk (keys before it); d % 16 != 0
+    (1, 14, 2, 130, 200, 64, "bfloat16", 2),  # Qwen's 7 query heads per KV head; 3 blocks of queries
+    (1, 4, 4, 1, 1, 16, "float32", 2),  # one token
+    (1, 4, 1, 5, 9, 7, "float16", 2),
+    (1, 8, 4, 70, 300, 256, "bfloat16", 1)])  # Gemma's head dim
+def test_prefill_attention_matches_fp64(B, H, n_kv, T, S, d, dtype, n_threads, threads):
+    """kernels.prefill_attention_cpu: the T queries of a chunk, the last T of S positions, each attending
+    causally; against model.prefill_attention (SDPA) in fp64, on cache views (keys strided by S_max)."""
+    from model import prefill_attention
+
+    threads(n_threads)
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(T * S + d)
+    q = torch.randn(B, T, H, d, generator=gen).to(dtype).transpose(1, 2)  # (B, H, T, d), as Attention makes it
+    k = torch.randn(B + 1, n_kv, S + 7, d, generator=gen).to(dtype)[:B, :, :S]
+    v = torch.randn(B + 1, n_kv, S + 7, d, generator=gen).to(dtype)[:B, :, :S]
+    ref = prefill_attention(q.double(), k.double(), v.double(), S - T, None, None)
+    out = kernels.prefill_attention_cpu(q, k, v)
+    assert out.dtype == dtype and out.shape == (B, H, T, d)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # a 16-bit output: one rounding
+    torch.testing.assert_close(out.double(), ref.to(dtype).double(), atol=tol, rtol=tol)
+
+
+def test_prefill_kernel_in_the_model_matches_sdpa():
+    """A chunked prefill with the CPU kernels (the prefill attention kernel, F.linear) gives the torch
+    kernels' logits (SDPA); with autograd on, the model leaves attention to SDPA (the kernel has no backward)."""
+    from decoding import prefill
+    from model import KVFormat, ModelArgs, random_model
+
+    args = ModelArgs.from_shape("tiny")
+    prompt = torch.randint(args.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for kern in (kernels.TORCH_KERNELS, kernels.CPU_KERNELS):
+        model = random_model(args, kernels=kern, seed=1)
+        model.setup_caches(2, 160, KVFormat())
+        with torch.no_grad():
+            logits[kern.name] = prefill(model, prompt, chunk=64)  # chunks of 22, 64, 64 tokens
+    torch.testing.assert_close(logits["cpu"], logits["torch"], atol=1e-5, rtol=1e-5)
+    attention = model.layers[0].attention
+    q = torch.randn(1, 4, 3, 16, requires_grad=True)
+    k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+    attention.prefill(q, k, v, 0).sum().backward()
+    assert q.grad is not None
+
+
 @pytest.mark.parametrize("q_dtype,d,g", [("float32", 64, 3), ("float16", 128, 8), ("float32", 96, 2), ("float32", 80, 5)])
 def test_fused_dense_bf16_cache_with_wider_query(q_dtype, d, g, threads):
     """A bf16 cache with an fp32 / fp16 q (quantized models, a bf16 cache asked for): q keeps its

@@ -1,4 +1,4 @@
-"""Run by tests/test_kernels_cpu.py: a variant build of the GEMV and dense attention sources alone, with some
+"""Run by tests/test_kernels_cpu.py: a variant build of the GEMV, dense decode and prefill attention sources alone, with some
 CPU features turned off, checked against fp64 (a subprocess: a second build of the same ops cannot
 load beside the main one). -O1: these builds check each path's arithmetic, not its speed, and build
 in about half the time of -O3.
@@ -17,7 +17,8 @@ import kernels  # noqa: E402  (the op schemas)
 from quantize import pack_int4_rows16, pack_int8_rows16  # noqa: E402
 
 CSRC = Path(kernels.__file__).resolve().parent / "csrc"
-SOURCES = [str(CSRC / "linear.cpp"), str(CSRC / "linear_quant.cpp"), str(CSRC / "dense_decode.cpp")]
+SOURCES = [str(CSRC / "linear.cpp"), str(CSRC / "linear_quant.cpp"), str(CSRC / "dense_decode.cpp"),
+           str(CSRC / "prefill_attention.cpp")]
 name, flags = sys.argv[1], sys.argv[2:]
 cpp_extension.load(name=name, sources=SOURCES, extra_cflags=["-O1", *flags, "-fopenmp"],
                    extra_ldflags=["-fopenmp"], is_python_module=False)
@@ -84,4 +85,14 @@ for B, H, g, d, S in [(1, 2, 3, 64, 700), (2, 1, 2, 128, 90)]:  # an int8 cache:
     p = torch.softmax(q.double() @ keys.transpose(2, 3) / math.sqrt(d), dim=-1)
     out = torch.ops.sparq.dense_quant_cpu(q, k, v, S, None, 1, k_scale, v_scale, chan)
     torch.testing.assert_close(out.double(), p @ (v.double() * v_scale.double()[..., None]), atol=1e-5, rtol=1e-5)
+for B, H, n_kv, T, S, d, dt in [(1, 6, 2, 70, 70, 64, "bfloat16"), (2, 4, 4, 9, 140, 24, "float32")]:  # prefill
+    g_ = torch.Generator().manual_seed(T + S + d)
+    q = torch.randn(B, H, T, d, generator=g_).to(getattr(torch, dt))
+    k, v = (torch.randn(B, n_kv, S, d, generator=g_).to(getattr(torch, dt)) for _ in range(2))
+    keys, values = (x.double().repeat_interleave(H // n_kv, 1) for x in (k, v))
+    scores = (q.double() @ keys.transpose(2, 3) / math.sqrt(d)).masked_fill(
+        torch.arange(S)[None, :] > torch.arange(S - T, S)[:, None], float("-inf"))
+    tol = 1e-5 if q.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(torch.ops.sparq.prefill_cpu(q, k, v).double(),
+                               (torch.softmax(scores, -1) @ values).to(q.dtype).double(), atol=tol, rtol=tol)
 print("OK")

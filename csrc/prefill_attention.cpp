@@ -1,0 +1,249 @@
+// Causal prefill attention for CPU: the T queries of a prompt chunk over the keys before and in it,
+// flash-style (online softmax over blocks of keys; no T x S score matrix in memory).
+//
+// Registered as the CPU kernel of sparq::prefill_cpu, whose schema (and fake implementation) kernels.py
+// defines:
+//   prefill_cpu(Tensor q, Tensor k, Tensor v) -> Tensor
+// q (B, H, T, d), k and v (B, n_kv, S_k, d) with S_k >= T, any strides but contiguous along d; all of
+// one float dtype (fp32, bf16, fp16). The queries are the last T of the S_k positions: query t sees
+// keys j <= t + S_k - T. y = softmax(q k^T / sqrt(d)) v per query head, head h reading KV head
+// h / (H / n_kv) -> (B, H, T, d) contiguous, q's dtype. It computes what model.prefill_attention
+// computes with SDPA (window None, no soft-cap), in fp32.
+//
+// Why not SDPA: torch's CPU flash kernel ran SmolLM2's bf16 prefill attention at ~140 GFLOP/s on
+// 2 Zen 5 cores, half of a 1k-token prefill, while the GEMMs beside it ran near 1 TFLOP/s (docs/NOTES.md).
+//
+// Work unit: (batch row, KV head, block of BQ queries); its rows are the g query heads of those
+// queries, t-major (row i = query t0 + i / g, head i % g), so a group of 4 rows shares its causal
+// limit up to one position. Per block of BK keys:
+//   scores  S (rows x BK) = Q K^T: K's block transposed to fp32 (dp x BK) once per unit and block,
+//           then for each channel c one broadcast of q[i][c] against 4 vectors of 16 keys (4 rows x
+//           64 keys of accumulators in registers);
+//   softmax running max m and sum l per row, O rescaled when m grows; masked keys weigh 0;
+//   P V     O (rows x dp) += P V: V's block widened to fp32 once, each weight broadcast against 4
+//           vectors of 16 channels.
+// The head dim is padded to dp = a multiple of 16 with zeros in Q, K^T and V (any d works).
+// Units are claimed longest first (the last query blocks see the most keys) by torch's OpenMP team.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+#include "simd.h"
+
+namespace sparq_cpu {
+namespace {
+
+constexpr int64_t kBQ = 64;  // queries per unit
+constexpr int64_t kBK = 64;  // keys per block: 4 vectors of 16
+
+struct Dims {
+  int64_t B, H, n_kv, g, T, S, d, dp, off;  // off = S - T: query t sees keys j <= t + off
+  int64_t qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2;
+};
+
+// Per-thread buffers of one unit, fp32.
+struct Buffers {
+  std::vector<float> q, o, p, kt, vf, m, l;
+  void size_for(int64_t rows, int64_t dp) {
+    q.resize(rows * dp);
+    o.resize(rows * dp);
+    p.resize(rows * kBK);
+    kt.resize(dp * kBK);
+    vf.resize(kBK * dp);
+    m.resize(rows);
+    l.resize(rows);
+  }
+};
+
+// S[r][j] for R rows of Q (dp apart) against the block's K^T (dp x kBK): R x 4 vectors of accumulators.
+template <int R>
+static inline void scores_rows(const float* q, int64_t dp, const float* kt, float* s) {
+  V acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < 4; ++x) acc[r][x] = vzero();
+  for (int64_t c = 0; c < dp; ++c) {
+    V kv[4];
+    for (int x = 0; x < 4; ++x) kv[x] = load(kt + c * kBK + 16 * x);
+    for (int r = 0; r < R; ++r) {
+      const V qb = vset(q[r * dp + c]);
+      for (int x = 0; x < 4; ++x) acc[r][x] = vfma(qb, kv[x], acc[r][x]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < 4; ++x) store(s + r * kBK + 16 * x, acc[r][x]);
+}
+
+// O[r][col, col + 16 NX) += sum_j P[r][j] V[j][...] for R rows, over the block's nb keys.
+template <int R, int NX>
+static inline void pv_rows(const float* p, const float* vf, int64_t dp, int64_t nb, int64_t col, float* o) {
+  V acc[R][NX];
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < NX; ++x) acc[r][x] = load(o + r * dp + col + 16 * x);
+  for (int64_t j = 0; j < nb; ++j) {
+    V vv[NX];
+    for (int x = 0; x < NX; ++x) vv[x] = load(vf + j * dp + col + 16 * x);
+    for (int r = 0; r < R; ++r) {
+      const V pb = vset(p[r * kBK + j]);
+      for (int x = 0; x < NX; ++x) acc[r][x] = vfma(pb, vv[x], acc[r][x]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < NX; ++x) store(o + r * dp + col + 16 * x, acc[r][x]);
+}
+
+template <int R>
+static inline void pv_cols(const float* p, const float* vf, int64_t dp, int64_t nb, float* o) {
+  int64_t col = 0;
+  for (; col + 64 <= dp; col += 64) pv_rows<R, 4>(p, vf, dp, nb, col, o);
+  switch ((dp - col) / 16) {
+    case 3: pv_rows<R, 3>(p, vf, dp, nb, col, o); break;
+    case 2: pv_rows<R, 2>(p, vf, dp, nb, col, o); break;
+    case 1: pv_rows<R, 1>(p, vf, dp, nb, col, o); break;
+    default: break;
+  }
+}
+
+// Rows [0, rows) in groups of 4, then the rest one by one.
+template <class F4, class F1>
+static inline void by_fours(int64_t rows, F4&& four, F1&& one) {
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) four(i);
+  for (; i < rows; ++i) one(i);
+}
+
+// The online softmax of one row over the block's scores s (kBK wide, `valid` leading keys count):
+// p = exp(s - m_new) (0 past `valid`), l and O rescaled. valid <= 0: nothing to add.
+static inline void softmax_row(float* s, int64_t valid, float& m, float& l, float* o, int64_t dp) {
+  if (valid <= 0) {
+    std::fill(s, s + kBK, 0.f);
+    return;
+  }
+  M mask[4];
+  V mx = vset(kNegInf);
+  for (int x = 0; x < 4; ++x) {
+    mask[x] = tail_mask(std::clamp<int64_t>(valid - 16 * x, 0, 16));
+    mx = vmax_masked(mx, mask[x], load(s + 16 * x));
+  }
+  const float m_new = std::max(m, hmax(mx));
+  V sum = vzero();
+  for (int x = 0; x < 4; ++x) {
+    const V e = vselect(mask[x], vexp(vsub(load(s + 16 * x), vset(m_new))), vzero());
+    store(s + 16 * x, e);
+    sum = vadd(sum, e);
+  }
+  if (m_new > m) {  // rescale what was summed under the old max (nothing yet when m = -inf)
+    const float corr = std::exp(m - m_new);
+    l *= corr;
+    const V cv = vset(corr);
+    for (int64_t c = 0; c < dp; c += 16) store(o + c, vmul(load(o + c), cv));
+    m = m_new;
+  }
+  l += hsum(sum);
+}
+
+template <class T>
+static void unit(const Dims& D, const T* q, const T* k, const T* v, T* out, int64_t b, int64_t h, int64_t t0,
+                 Buffers& w) {
+  const int64_t g = D.g, dp = D.dp, d = D.d;
+  const int64_t tb = std::min(kBQ, D.T - t0), rows = g * tb;
+  w.size_for(rows, dp);
+  const float scale = 1.f / std::sqrt((float)d);
+  for (int64_t i = 0; i < rows; ++i) {  // Q rows, scaled, zero-padded to dp
+    const T* src = q + b * D.qs0 + (h * g + i % g) * D.qs1 + (t0 + i / g) * D.qs2;
+    float* dst = w.q.data() + i * dp;
+    for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(src[c]) * scale;
+    std::fill(dst + d, dst + dp, 0.f);
+  }
+  std::fill(w.o.begin(), w.o.begin() + rows * dp, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
+  std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
+  const T* kh = k + b * D.ks0 + h * D.ks1;
+  const T* vh = v + b * D.vs0 + h * D.vs1;
+  const int64_t keys = t0 + tb + D.off;  // keys [0, keys) reach some query of the unit
+  for (int64_t j0 = 0; j0 < keys; j0 += kBK) {
+    const int64_t nb = std::min(kBK, keys - j0);
+    std::fill(w.kt.begin(), w.kt.end(), 0.f);
+    for (int64_t j = 0; j < nb; ++j) {  // K^T and V of the block in fp32
+      const T* kr = kh + (j0 + j) * D.ks2;
+      const T* vr = vh + (j0 + j) * D.vs2;
+      float* vd = w.vf.data() + j * dp;
+      for (int64_t c = 0; c < d; ++c) {
+        w.kt[c * kBK + j] = static_cast<float>(kr[c]);
+        vd[c] = static_cast<float>(vr[c]);
+      }
+      std::fill(vd + d, vd + dp, 0.f);
+    }
+    float* P = w.p.data();
+    const float* Q = w.q.data();
+    by_fours(rows, [&](int64_t i) { scores_rows<4>(Q + i * dp, dp, w.kt.data(), P + i * kBK); },
+             [&](int64_t i) { scores_rows<1>(Q + i * dp, dp, w.kt.data(), P + i * kBK); });
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t valid = std::min(nb, t0 + i / g + D.off - j0 + 1);  // keys j0 .. t + off
+      softmax_row(P + i * kBK, valid, w.m[i], w.l[i], w.o.data() + i * dp, dp);
+    }
+    float* O = w.o.data();
+    by_fours(rows, [&](int64_t i) { pv_cols<4>(P + i * kBK, w.vf.data(), dp, nb, O + i * dp); },
+             [&](int64_t i) { pv_cols<1>(P + i * kBK, w.vf.data(), dp, nb, O + i * dp); });
+  }
+  for (int64_t i = 0; i < rows; ++i) {  // out (B, H, T, d) contiguous
+    const float inv = 1.f / w.l[i];
+    const float* src = w.o.data() + i * dp;
+    T* dst = out + ((b * D.H + h * g + i % g) * D.T + t0 + i / g) * d;
+    for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(src[c] * inv);
+  }
+}
+
+template <class T>
+static void run(const Dims& D, const T* q, const T* k, const T* v, T* out) {
+  const int64_t nqb = (D.T + kBQ - 1) / kBQ, heads = D.B * D.n_kv;
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), heads * nqb));
+  std::vector<Buffers> bufs(nt);
+  auto fn = [&](int, int64_t u, int slot) {
+    const int64_t bh = u % heads, qb = nqb - 1 - u / heads;  // the longest units first
+    unit<T>(D, q, k, v, out, bh / D.n_kv, bh % D.n_kv, qb * kBQ, bufs[slot]);
+  };
+  run_phases(nt, {heads * nqb}, fn);
+}
+
+at::Tensor prefill_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const char* op = "sparq::prefill_cpu";
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": expected q (B, H, T, d), k and v (B, n_kv, S_k, d)");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have one shape, got ", k.sizes(), " and ", v.sizes());
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, op, ": q, k and v must have one dtype");
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op, ": unsupported dtype ", dt);
+  Dims D{};
+  D.B = q.size(0); D.H = q.size(1); D.T = q.size(2); D.d = q.size(3);
+  D.n_kv = k.size(1); D.S = k.size(2);
+  TORCH_CHECK(k.size(0) == D.B && k.size(3) == D.d, op, ": k must be (B, n_kv, S_k, d) for q ", q.sizes());
+  TORCH_CHECK(D.n_kv >= 1 && D.H % D.n_kv == 0, op, ": query heads must be a multiple of the KV heads");
+  TORCH_CHECK(D.S >= D.T, op, ": the keys must include the queries' own positions (S_k >= T)");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, op, ": q, k and v must be contiguous in d");
+  D.g = D.H / D.n_kv;
+  D.dp = round_up(D.d, 16);
+  D.off = D.S - D.T;
+  D.qs0 = q.stride(0); D.qs1 = q.stride(1); D.qs2 = q.stride(2);
+  D.ks0 = k.stride(0); D.ks1 = k.stride(1); D.ks2 = k.stride(2);
+  D.vs0 = v.stride(0); D.vs1 = v.stride(1); D.vs2 = v.stride(2);
+  at::Tensor out = at::empty({D.B, D.H, D.T, D.d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  if (dt == at::kFloat) run(D, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>());
+  else if (dt == at::kBFloat16) run(D, q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), out.data_ptr<bf16>());
+  else run(D, q.data_ptr<f16>(), k.data_ptr<f16>(), v.data_ptr<f16>(), out.data_ptr<f16>());
+  return out;
+}
+
+}  // namespace
+}  // namespace sparq_cpu
+
+TORCH_LIBRARY_IMPL(sparq, CPU, m) {
+  m.impl("prefill_cpu", &sparq_cpu::prefill_cpu);
+}
