@@ -445,7 +445,11 @@ BOUNDS = {"int8": dict(cos_min=0.97, rel_mean=0.07, top1=0.90, kl_mean=0.01, ide
           "int4": dict(cos_min=0.99, rel_mean=0.035, top1=0.93, kl_mean=0.003, identical=2, gap=0.5),
           # int4 with its activations rounded to int8 per group (gemv-q8): measured cos min 0.986, rel
           # err mean 0.035, top-1 0.97, KL mean 0.0028, 4/8 identical
-          "int4, int8 activations": dict(cos_min=0.98, rel_mean=0.045, top1=0.93, kl_mean=0.004, identical=2, gap=0.5)}
+          "int4, int8 activations": dict(cos_min=0.98, rel_mean=0.045, top1=0.93, kl_mean=0.004, identical=2, gap=0.5),
+          # int8 with its activations rounded to int8 per 32 inputs ("auto" where the build has VNNI): measured
+          # cos min 0.982, rel err mean 0.056, top-1 0.949, KL mean 0.0064, 1/8 identical (AMD Zen 5), every
+          # divergence at a gap <= 0.19
+          "int8, int8 activations": dict(cos_min=0.97, rel_mean=0.07, top1=0.90, kl_mean=0.01, identical=1, gap=0.5)}
 
 
 @pytest.fixture
@@ -476,7 +480,8 @@ def test_embedded_model_stays_close_to_fp32(mode, backend, quantized_smollm2, fp
         if len(diverged):
             j = int(diverged[0])
             gaps.append(float(ref_logits[row, j, ref_tokens[row, j]] - ref_logits[row, j, tokens[row, j]]))
-    b = BOUNDS["int4, int8 activations" if backend == "gemv-q8" else mode]
+    kernel = Q.gemv_kernel(torch.device("cpu")) if backend == "auto" else backend  # what "auto" resolved to here
+    b = BOUNDS[f"{mode}, int8 activations" if kernel == "gemv-q8" else mode]
     report = (f"{mode} ({backend}): cos min {float(cos.min()):.4f}, rel err mean {float(rel.mean()):.4f}, top-1 {float(top1):.3f}, "
               f"KL mean {float(kl.mean()):.4f}, greedy-32 identical {identical}/{len(PROMPTS)}, "
               f"divergence gaps {[round(g, 3) for g in gaps]}")
