@@ -6,8 +6,9 @@
 //   linear_cpu_isa() -> str      which path this build compiled (see below)
 //
 // At batch 1 every weight is read once per step, so this is a bandwidth problem that stock torch's
-// GEMV leaves far from the memory's speed (python -m bench linear; docs/NOTES.md). Each thread streams 4 weight rows at a time (4 sequential
-// streams the hardware prefetcher follows), dotted with every row of x (L1-resident); the rows of
+// GEMV leaves far from the memory's speed (python -m bench linear; docs/NOTES.md). Each thread streams
+// its weight rows in order, 4 at a time for several rows of x (each x vector loaded once for 4 rows),
+// one at a time for a single row (linear_rows), dotted with every row of x (L1-resident); the rows of
 // w are split over torch's threads in units claimed dynamically.
 //
 // The instruction set is chosen at build time from the compiler's feature macros (the build is
@@ -218,13 +219,21 @@ static inline void dot_rows_bf16(const XRows& x, const bf16* w, int64_t ws, floa
 }
 #endif
 
-// rows [n0, n1) of w: y[m, n] for every m, 4 weight rows at a time, on this build's path
+// rows [n0, n1) of w: y[m, n] for every m, on this build's path: 4 weight rows at a time (each x
+// vector loaded once for 4 rows), or on the AVX-512 paths one row at a time when x is a single row (a
+// B = 1 decode step: one sequential stream per thread read 9-24% faster than 4 interleaved, Zen 5,
+// docs/NOTES.md)
 template <class WT>
 static void linear_rows(const XRows& x, const WT* w, int64_t ws, int64_t n0, int64_t n1, float* y, int64_t N) {
+#if defined(SPARQ_AVX512)
+  [[maybe_unused]] const bool blocks = x.M > 1;
+#else
+  [[maybe_unused]] const bool blocks = true;
+#endif
   int64_t n = n0;
 #if defined(SPARQ_AVX512_BF16)
   if constexpr (std::is_same_v<WT, bf16>) {
-    for (; n + 4 <= n1; n += 4) dot_rows_bf16<4>(x, w + n * ws, ws, y + n, N);
+    for (; blocks && n + 4 <= n1; n += 4) dot_rows_bf16<4>(x, w + n * ws, ws, y + n, N);
     for (; n < n1; ++n) dot_rows_bf16<1>(x, w + n * ws, ws, y + n, N);
     return;
   }
@@ -233,7 +242,7 @@ static void linear_rows(const XRows& x, const WT* w, int64_t ws, int64_t n0, int
   for (; n + 4 <= n1; n += 4) dot_rows_avx2<4>(x, w + n * ws, ws, y + n, N);
   for (; n < n1; ++n) dot_rows_avx2<1>(x, w + n * ws, ws, y + n, N);
 #else
-  for (; n + 4 <= n1; n += 4) dot_rows<4>(x, w + n * ws, ws, y + n, N);
+  for (; blocks && n + 4 <= n1; n += 4) dot_rows<4>(x, w + n * ws, ws, y + n, N);
   for (; n < n1; ++n) dot_rows<1>(x, w + n * ws, ws, y + n, N);
 #endif
 }
