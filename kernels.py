@@ -372,7 +372,7 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
 
 def prefill_attention_cpu(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """prefill_attention (the module docstring) with the fused C++ kernel: flash-style, in fp32, each
-    block of keys read once for the g query heads that share it. torch's CPU SDPA ran this at a seventh
+    block of keys read once for the g query heads that share it. torch's CPU SDPA ran this at an eighth
     of the prefill GEMMs' rate in bf16 (docs/NOTES.md)."""
     return torch.ops.sparq.prefill_cpu.default(q, k, v)
 
