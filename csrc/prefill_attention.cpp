@@ -167,9 +167,10 @@ static void unit(const Dims& D, const T* q, const T* k, const T* v, T* out, int6
   const T* kh = k + b * D.ks0 + h * D.ks1;
   const T* vh = v + b * D.vs0 + h * D.vs1;
   const int64_t keys = t0 + tb + D.off;  // keys [0, keys) reach some query of the unit
+  std::fill(w.kt.begin(), w.kt.end(), 0.f);  // the padding channels stay 0; a block writes the rest
   for (int64_t j0 = 0; j0 < keys; j0 += kBK) {
     const int64_t nb = std::min(kBK, keys - j0);
-    std::fill(w.kt.begin(), w.kt.end(), 0.f);
+    if (nb < kBK) std::fill(w.kt.begin(), w.kt.end(), 0.f);  // a last, partial block: its missing keys score 0
     for (int64_t j = 0; j < nb; ++j) {  // K^T and V of the block in fp32
       const T* kr = kh + (j0 + j) * D.ks2;
       const T* vr = vh + (j0 + j) * D.vs2;
