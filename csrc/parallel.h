@@ -88,6 +88,37 @@ static void run_phases(int nthreads, std::initializer_list<int64_t> units, F& fn
   participate(job, fn, 0);
 }
 
+// Tasks in a list whose order respects their dependencies: the threads claim tasks in list order
+// (one atomic counter) and start each once ready(t) says its inputs are done; fn(t, slot) runs it.
+// Every task a task waits for comes earlier in the list, so a thread has claimed it already and no
+// wait can deadlock. Unlike run_phases there is no barrier: a thread that finishes its part of one
+// stage goes on to a later stage of work whose inputs are done (run_phases left one of 2 threads
+// idle while the other attended to the second of 3 KV heads; docs/NOTES.md).
+template <class Ready, class F>
+static void run_tasks(int nthreads, int64_t ntasks, Ready& ready, F& fn) {
+  std::atomic<int64_t> next{0};
+  auto work = [&](int slot) {
+    for (;;) {
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+      if (t >= ntasks) break;
+      for (int64_t spins = 0; !ready(t); ++spins) {
+        if (spins < 20000) cpu_relax();
+        else std::this_thread::yield();
+      }
+      fn(t, slot);
+    }
+  };
+  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, ntasks));
+#ifdef _OPENMP
+  if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+    work(omp_get_thread_num());
+    return;
+  }
+#endif
+  work(0);
+}
+
 // Threads to use: torch's intra-op setting, 1 inside a parallel region of torch's.
 static inline int thread_count() {
   return at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());

@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -99,6 +100,46 @@ static Scratch scratch_layout(const Problem& P, int64_t len, bool own_logits) {
   s.mb = take(own_logits ? g * (ld / kBlock) : 0);
   s.total = o;
   return s;
+}
+
+// The chunked path's three stages as one list of tasks (parallel.h run_tasks): pass A of each chunk
+// (stage 0), then the chunk's weights and candidates once every chunk of its bh has its max and sum
+// (stage 1), then the bh's merge and attention once all its chunks have candidates (stage 2). The
+// list runs a bh's later stages a few bh behind its pass A, so the threads overlap the stages of
+// different bh instead of waiting at a barrier after each. fn(stage, unit, slot): unit is a chunk
+// (stages 0, 1) or a bh (stage 2).
+template <class F>
+static void run_stages(const Problem& P, int nt, F& fn) {
+  const int64_t BH = P.B * P.H, units = P.units();
+  struct Task { int32_t stage; int64_t unit; };
+  std::vector<Task> tasks;
+  tasks.reserve(2 * units + BH);
+  // stage 1 of a bh follows its pass A by enough tasks for every thread to have claimed that pass A
+  const int64_t per_bh = std::max<int64_t>(1, units / BH);
+  const int64_t lag = std::max<int64_t>(1, (nt + per_bh - 1) / per_bh);
+  for (int64_t i = 0; i < BH + 2 * lag; ++i) {
+    if (i < BH)
+      for (int64_t u = P.unit0[i]; u < P.unit0[i + 1]; ++u) tasks.push_back({0, u});
+    if (i >= lag && i - lag < BH)
+      for (int64_t u = P.unit0[i - lag]; u < P.unit0[i - lag + 1]; ++u) tasks.push_back({1, u});
+    if (i >= 2 * lag) tasks.push_back({2, i - 2 * lag});
+  }
+  // done[stage][bh]: the bh's finished chunks of stages 0 and 1
+  std::unique_ptr<std::atomic<int32_t>[]> done(new std::atomic<int32_t>[2 * BH]);
+  for (int64_t i = 0; i < 2 * BH; ++i) done[i].store(0, std::memory_order_relaxed);
+  auto bh_of = [&](const Task& t) -> int64_t { return t.stage == 2 ? t.unit : P.unit_bh[t.unit]; };
+  auto ready = [&](int64_t i) {
+    const Task& t = tasks[i];
+    if (t.stage == 0) return true;
+    const int64_t bh = bh_of(t);
+    return done[(t.stage - 1) * BH + bh].load(std::memory_order_acquire) == (int32_t)P.chunks(bh);
+  };
+  auto run_one = [&](int64_t i, int slot) {
+    const Task& t = tasks[i];
+    fn(t.stage, t.unit, slot);
+    if (t.stage < 2) done[t.stage * BH + bh_of(t)].fetch_add(1, std::memory_order_release);
+  };
+  run_tasks(nt, (int64_t)tasks.size(), ready, run_one);
 }
 
 template <typename KT, typename KTT, typename QT>
@@ -264,7 +305,7 @@ static void run(const Problem& P, const QT* q, const KT* k, const KTT* kt, const
       attend<KT, QT>(P, k, v, bh / P.H, bh % P.H, x.qf, x.pos, kk, P.mean_v ? x.alpha : nullptr, x.lg, x.y, out);
     }
   };
-  run_phases(nt, {units, units, BH}, fn);
+  run_stages(P, nt, fn);
 }
 
 at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,

@@ -127,6 +127,24 @@ def test_matches_reference(g, d, B, S, r, mean_v, layout, dtype, n_threads, thre
         _check(_fused(qf, k, k_t, v, v_sum, S, cfg), sparq_reference(qf, k, v, v_sum, S, cfg), 1e-5, 1e-5)
 
 
+@pytest.mark.parametrize("n_threads", [2, 3, 5])
+def test_chunked_stages_match_reference(n_threads, threads):
+    """Fewer (row, KV head) pairs than threads: each splits into chunks of positions, whose three
+    stages run as one list of tasks (parallel.h run_tasks), later stages of one KV head while pass A
+    of the next streams; with 5 threads on SmolLM2's 3 KV heads a stage waits more than one head
+    behind. Bit for bit as one thread's run of the same chunks is not promised (the chunks differ);
+    the loop reference to fp32 rounding is."""
+    threads(n_threads)
+    gen = torch.Generator().manual_seed(11 + n_threads)
+    B, n_kv, g, d, S = 1, 3, 3, 64, 6000
+    cfg = SparQConfig(r=16, k_top=128, mean_v=True)
+    q = _query(gen, B, n_kv, g, d, cfg.r, torch.float32)
+    k, k_t, v, v_sum = _cache(gen, B + 1, n_kv, S + 9, d, S, torch.float32, "twice")
+    _untie(gen, q, k, v, S, cfg)
+    k_t = k.transpose(2, 3).contiguous()
+    _check(_fused(q, k, k_t, v, v_sum, S, cfg), sparq_reference(q, k, v, v_sum, S, cfg), 1e-5, 1e-5)
+
+
 @pytest.mark.parametrize("S,k_top,local", [(64, 128, 32), (128, 128, 32), (500, 16, 16), (500, 16, 0), (3000, 40, 10)])
 @pytest.mark.parametrize("extreme", ["local_best", "local_worst"])
 @pytest.mark.parametrize("layout", ["twice", "once"])
