@@ -37,7 +37,9 @@
 // kt_scale[p] chan[c]. chan is folded into q (and q_hat), the per-position scales into the logits of
 // pass A and step 2 and into step 2's softmax weights: nothing is dequantized into memory.
 // Buffers are reused across calls (one workspace that only grows, on huge pages).
-// Threads: torch's OpenMP team, sized by torch.get_num_threads(), claiming units dynamically.
+// Threads: torch's OpenMP team, sized by torch.get_num_threads(), claiming units dynamically; with
+// chunks, passes A, B-C and D of each bh are tasks of one list, each waiting only for its own bh's
+// earlier passes (run_stages).
 //
 // The passes live in headers, one step each: sparq_problem.h (the problem), sparq_select.h (top-k
 // without sorting, pass C), sparq_step1.h (passes A and B), sparq_step2.h (pass D); this file holds
