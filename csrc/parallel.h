@@ -52,6 +52,15 @@ static inline void cpu_relax() {
 #endif
 }
 
+// Spin until done() (pausing, then yielding the core after 20000 tries).
+template <class Done>
+static inline void spin_until(Done&& done) {
+  for (int64_t spins = 0; !done(); ++spins) {
+    if (spins < 20000) cpu_relax();
+    else std::this_thread::yield();
+  }
+}
+
 template <class F>
 static void participate(Job& job, F& fn, int slot) {
   for (int ph = 0; ph < job.phases; ++ph) {
@@ -62,11 +71,21 @@ static void participate(Job& job, F& fn, int slot) {
       job.done[ph].fetch_add(1, std::memory_order_release);
     }
     // the next phase reads what this one wrote: wait for the units others claimed
-    for (int64_t spins = 0; job.done[ph].load(std::memory_order_acquire) < job.total[ph]; ++spins) {
-      if (spins < 20000) cpu_relax();
-      else std::this_thread::yield();
-    }
+    spin_until([&] { return job.done[ph].load(std::memory_order_acquire) >= job.total[ph]; });
   }
+}
+
+// work(slot) on nt threads of torch's OpenMP team (slots 0 .. nt - 1), or on this thread alone.
+template <class W>
+static void on_team(int nt, W&& work) {
+#ifdef _OPENMP
+  if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+    work(omp_get_thread_num());
+    return;
+  }
+#endif
+  work(0);
 }
 
 // Phases of units over up to nthreads threads: fn(phase, unit, slot) with slot < nthreads.
@@ -78,14 +97,7 @@ static void run_phases(int nthreads, std::initializer_list<int64_t> units, F& fn
   int i = 0;
   for (int64_t n : units) { job.total[i++] = n; most = std::max(most, n); }
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, most));
-#ifdef _OPENMP
-  if (nt > 1) {
-#pragma omp parallel num_threads(nt)
-    participate(job, fn, omp_get_thread_num());
-    return;
-  }
-#endif
-  participate(job, fn, 0);
+  on_team(nt, [&](int slot) { participate(job, fn, slot); });
 }
 
 // Tasks in a list whose order respects their dependencies: the threads claim tasks in list order
@@ -101,22 +113,11 @@ static void run_tasks(int nthreads, int64_t ntasks, Ready& ready, F& fn) {
     for (;;) {
       const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
       if (t >= ntasks) break;
-      for (int64_t spins = 0; !ready(t); ++spins) {
-        if (spins < 20000) cpu_relax();
-        else std::this_thread::yield();
-      }
+      spin_until([&] { return ready(t); });
       fn(t, slot);
     }
   };
-  const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, ntasks));
-#ifdef _OPENMP
-  if (nt > 1) {
-#pragma omp parallel num_threads(nt)
-    work(omp_get_thread_num());
-    return;
-  }
-#endif
-  work(0);
+  on_team((int)std::max<int64_t>(1, std::min<int64_t>(nthreads, ntasks)), work);
 }
 
 // Threads to use: torch's intra-op setting, 1 inside a parallel region of torch's.
