@@ -132,8 +132,8 @@ def test_chunked_stages_match_reference(n_threads, threads):
     """Fewer (row, KV head) pairs than threads: each splits into chunks of positions, whose three
     stages run as one list of tasks (parallel.h run_tasks), later stages of one KV head while pass A
     of the next streams; with 5 threads on SmolLM2's 3 KV heads a stage waits more than one head
-    behind. Bit for bit as one thread's run of the same chunks is not promised (the chunks differ);
-    the loop reference to fp32 rounding is."""
+    behind (lag 2 with 3 and 5 threads). Checked against the loop reference to fp32 rounding: thread
+    counts split the positions into different chunks, so they are not compared bit for bit."""
     threads(n_threads)
     gen = torch.Generator().manual_seed(11 + n_threads)
     B, n_kv, g, d, S = 1, 3, 3, 64, 6000
