@@ -115,7 +115,8 @@ KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _CPU_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _CPU_LDFLAGS = ["-fopenmp"]
-_cpu_ext: dict = {"error": None, "tried": False}  # error: None = loaded (once tried), else why not
+# error: None = loaded (once tried), else why not; gemv_isa: linear_cpu_isa() of the loaded build
+_cpu_ext: dict = {"error": None, "tried": False, "gemv_isa": None}
 _cpu_ext_lock = threading.Lock()
 
 
@@ -171,6 +172,7 @@ def cpu_kernel_error() -> Optional[str]:
             _cpu_ext["tried"] = True
             try:
                 _build_and_load()
+                _cpu_ext["gemv_isa"] = torch.ops.sparq.linear_cpu_isa()
             except Exception as e:
                 msg = str(e).strip().splitlines()
                 _cpu_ext["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"
@@ -340,9 +342,12 @@ VERIFY_MAX_TOKENS = 16  # tokens per row up to which x (B, T, K) is a verify pas
 
 
 def linear_cpu_pays(rows: int, weight_dtype: torch.dtype) -> bool:
-    """Whether the fused GEMV beats F.linear for `rows` input rows: fp32 weights up to 16 rows, bf16 up to
-    4, past which torch's bf16 GEMM and its dot-product instructions win (docs/NOTES.md)."""
-    return rows <= (LINEAR_CPU_MAX_ROWS if weight_dtype == torch.float32 else 4)
+    """Whether the fused GEMV beats F.linear for `rows` input rows (python -m bench linear; docs/NOTES.md):
+    fp32 weights up to 16 rows; bf16 up to 16 where the build takes them straight into vdpbf16ps
+    (linear_cpu_isa "avx512-bf16": 1.5-1.7x F.linear at 8 and 16 rows on Zen 5), else up to 4 (widened
+    to fp32, it lost to torch's bf16 GEMM from 8 rows on Intel)."""
+    wide = weight_dtype == torch.float32 or (weight_dtype == torch.bfloat16 and _cpu_ext["gemv_isa"] == "avx512-bf16")
+    return rows <= (LINEAR_CPU_MAX_ROWS if wide else 4)
 
 
 def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:

@@ -718,6 +718,22 @@ def test_gemv_isa_matches_the_cpu():
         assert isa == "avx2"
 
 
+@pytest.mark.parametrize("rows", [1, 4, 8, 16])
+def test_bf16_decode_rows_take_the_gemv_where_it_pays(rows):
+    """kernels.linear_cpu sends a decode step's bf16 rows to the fused GEMV up to 16 rows where the build
+    has vdpbf16ps (1.5-1.7x F.linear at 8-16 rows), up to 4 elsewhere: its output is then the GEMV's bit
+    for bit, else F.linear's."""
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, 1, 576).bfloat16(), torch.randn(960, 576).bfloat16()
+    with torch.no_grad():
+        y = kernels.linear_cpu(x, w)
+    gemv = torch.ops.sparq.linear_cpu.default(x.reshape(rows, 576), w).reshape(rows, 1, 960)
+    takes_gemv = rows <= 4 or torch.ops.sparq.linear_cpu_isa() == "avx512-bf16"
+    assert torch.equal(y, gemv if takes_gemv else torch.nn.functional.linear(x, w))
+    if rows >= 8:  # where the decision lies, the two paths' roundings differ (so the check can fail)
+        assert not torch.equal(gemv, torch.nn.functional.linear(x, w))
+
+
 
 
 def test_kernel_variants_without_cpu_features_match_fp64():
