@@ -57,6 +57,16 @@ static inline float hmin(V a) { return _mm512_reduce_min_ps(a.x); }
 static inline float hsum(V a) { return _mm512_reduce_add_ps(a.x); }
 static inline V vabs(V a) { return {_mm512_abs_ps(a.x)}; }
 static inline float hmax(V a) { return _mm512_reduce_max_ps(a.x); }
+// The sum of a's lanes added in hsum16's order (lanes 0+2 and 1+3 of each 128-bit lane, their sum,
+// then 128-bit lanes 0+1 and 2+3, their sum): bit for bit what hsum16 gives for a, so a kernel can
+// reduce some sums one at a time and others 16 at a time and every one rounds alike.
+static inline float hsum_as16(V a) {
+  __m512 x = _mm512_add_ps(a.x, _mm512_permute_ps(a.x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_cvtss_f32(x);
+}
 // lane i of the result = the sum of the 16 lanes of a[i]: a transposing reduction, 45 shuffles and
 // adds for 16 sums where 16 hsum calls take about 130 (pairs within 128-bit lanes, then the lanes)
 static inline V hsum16(const V* a) {

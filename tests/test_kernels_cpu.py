@@ -718,6 +718,17 @@ def test_gemv_isa_matches_the_cpu():
         assert isa == "avx2"
 
 
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rows_are_each_row_alone_bit_for_bit(w_dtype):
+    """Each row of an M-row GEMV call is that row's one-row call bit for bit, whichever block of rows it
+    falls in (M = 1..16, N not a multiple of 4): what makes a verify pass its one-token steps."""
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 576).bfloat16(), torch.randn(963, 576).to(w_dtype)
+    alone = torch.cat([torch.ops.sparq.linear_cpu.default(x[m:m + 1], w) for m in range(16)])
+    for M in range(1, 17):
+        assert torch.equal(torch.ops.sparq.linear_cpu.default(x[:M], w), alone[:M]), M
+
+
 @pytest.mark.parametrize("rows", [1, 4, 8, 16])
 def test_bf16_decode_rows_take_the_gemv_where_it_pays(rows):
     """kernels.linear_cpu sends a decode step's bf16 rows to the fused GEMV up to 16 rows where the build
