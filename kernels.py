@@ -346,6 +346,8 @@ def linear_cpu_pays(rows: int, weight_dtype: torch.dtype) -> bool:
     fp32 weights up to 16 rows; bf16 up to 16 where the build takes them straight into vdpbf16ps
     (linear_cpu_isa "avx512-bf16": 1.5-1.7x F.linear at 8 and 16 rows on Zen 5), else up to 4 (widened
     to fp32, it lost to torch's bf16 GEMM from 8 rows on Intel)."""
+    if not _cpu_ext["tried"]:  # the ISA is known once the kernels load: decide the same before and after
+        cpu_kernel_error()
     up_to_max = weight_dtype == torch.float32 or (weight_dtype == torch.bfloat16 and _cpu_ext["gemv_isa"] == "avx512-bf16")
     return rows <= (LINEAR_CPU_MAX_ROWS if up_to_max else 4)
 
