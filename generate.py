@@ -28,145 +28,25 @@ import argparse
 import json
 import resource
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, TextIO
+from typing import Optional
 
 import torch
 
 import cli
 import data
 import quantize
-import tokenizer as tokenizer_module
 import tp
+from assemble import (DTYPES, add_cache_flags, cache_format, cache_storage, check_same_tokenizer, describe_format,
+                      kernels_for, load_checkpoint, load_tokenizer, model_args, setup, solve_compression)
+from chat import chat_loop
 from cli import UserError
-from decoding import (DecodeStats, Generator, Speculator, TextStream, expected_tokens_per_round, prefill, sample,
-                      speculation_summary)
-from kernels import KERNEL_CHOICES, Kernels, resolve_kernels
-from model import KT_DTYPES, KV_DTYPES, SHAPES, KVFormat, ModelArgs, Transformer, checkpoint_paths, load_model, random_model
+from decoding import DecodeStats, Generator, Speculator, TextStream, expected_tokens_per_round, speculation_summary
+from kernels import KERNEL_CHOICES, Kernels
+from model import SHAPES, ModelArgs, Transformer, random_model
 from policies import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
-                      Storage, policy_factory, solve_target)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading a run: kernels, checkpoint, policies
-# ---------------------------------------------------------------------------------------------
-
-
-def load_checkpoint(checkpoint: Path, device: str, dtype: torch.dtype, kernels: Kernels,
-                    quantized_kernel: str = "auto") -> Transformer:
-    """The model of a float or quantized checkpoint, running `kernels` (bench and evals load this way too);
-    a quantized one's linears run quantize.finalize_model's `quantized_kernel` (--quantized-kernel)."""
-    return load_model(checkpoint, device=device, dtype=dtype, kernels=kernels,
-                      quantized=quantize.loading(quantized_kernel))
-
-
-def load_tokenizer(checkpoint: Path):
-    _, checkpoint_dir = checkpoint_paths(checkpoint)
-    try:
-        return tokenizer_module.load_tokenizer(checkpoint_dir)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load the tokenizer from {checkpoint_dir}: {e}") from None
-
-
-def model_args(checkpoint: Path) -> ModelArgs:
-    """The checkpoint's config.json (read before loading: the kernels depend on it)."""
-    return ModelArgs.from_json(checkpoint_paths(checkpoint)[1] / "config.json")
-
-
-def cache_storage(args: argparse.Namespace, model: Transformer) -> Storage:
-    """How this run's cache stores K, V and K^T (add_cache_flags), for budgets counted in stored bytes."""
-    return Storage(cache_format(args), model.cache_dtype)
-
-
-def kernels_for(choice: str, device: str, args: ModelArgs, length_bucket: int = 1,
-                kv_formats: Sequence[KVFormat] = (KVFormat(),)) -> Kernels:
-    """resolve_kernels for this model and the run's cache formats, with its one-line ValueError as a user error."""
-    try:
-        return resolve_kernels(choice, device, length_bucket, softcap=args.attn_softcap is not None,
-                               int8_kv=any(f.int8_kv for f in kv_formats),
-                               quantized_kt=any(f.quantized_kt for f in kv_formats))
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
-def solve_compression(settings: AttentionSettings, seq_len: int, config: ModelArgs,
-                      storage: Storage) -> AttentionSettings:
-    """The settings with the knob a --compression target solves for at seq_len (the longest prompt), in
-    bytes as the cache stores them (`storage`); said on stderr. Settings without a target come back as
-    they are."""
-    if settings.compression is None:
-        return settings
-    try:
-        budget = solve_target(settings, seq_len, config, storage)
-    except ValueError as e:  # settings the policy refuses (sparq-fixed-r without --sparq-r)
-        raise UserError(str(e)) from None
-    print(f"budget: --compression {float(settings.compression):.4g} at {seq_len} tokens (the longest prompt): "
-          f"{budget.describe()}", file=sys.stderr)
-    return replace(budget.settings, compression=settings.compression)
-
-
-def install_policy(model: Transformer, settings: AttentionSettings) -> None:
-    """Every layer gets its own instance of the settings' policy, running the model's kernels."""
-    try:
-        model.set_decode_attention(policy_factory(settings, model.args, model.kernels))
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
-def free_memory_bytes(device: str) -> Optional[int]:
-    """Memory available for new allocations on `device` (None if unknown)."""
-    if device == "cuda":
-        return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def check_cache_fits(args: ModelArgs, batch: int, seq_len: int, kv_format: KVFormat, dtype: torch.dtype,
-                     device: str) -> None:
-    """Refuse, with the numbers, a KV cache that cannot be allocated (before trying)."""
-    need = Transformer.cache_bytes(args, batch, seq_len, kv_format, dtype)
-    free = free_memory_bytes(device)
-    if free is not None and need > 0.9 * free:
-        hints = [h for h, applies in (("--kv-layout once", kv_format.layout == "twice"),
-                                      ("--kv-dtype int8", kv_format.kv_dtype != "int8"),
-                                      ("--kt-dtype int4", kv_format.layout == "twice" and kv_format.kt_dtype != "int4"))
-                 if applies]
-        raise UserError(f"the KV cache needs {need / 2**30:.1f} GiB (batch {batch} x {seq_len} positions, "
-                        f"{describe_format(kv_format, dtype)}) but only {free / 2**30:.1f} GiB are free: lower "
-                        f"--batch-size or --max-seq-length" + (f" (or use {' or '.join(hints)})" if hints else ""))
-
-
-def add_cache_flags(p: argparse.ArgumentParser) -> None:
-    """The KV cache's storage flags (cache_format reads them), shared by generate.py, serve.py and evals."""
-    p.add_argument("--kv-layout", choices=["twice", "once"], default="twice",
-                   help="store K twice (d- and S-contiguous) or once (the paper's 1xK variant)")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                   help="K and V as stored: auto = the activations' dtype; int8 = per-token int8 (K after a "
-                        "per-channel scale fixed by each row's prompt)")
-    p.add_argument("--kt-dtype", choices=KT_DTYPES, default="same",
-                   help="SparQ's copy of K^T (step 1 only ranks positions with it): same = as K is stored, or "
-                        "int8 / int4 (with --kv-layout twice)")
-
-
-def cache_format(args: argparse.Namespace) -> KVFormat:
-    """The KVFormat of add_cache_flags' flags; a combination that makes no sense is a user error."""
-    try:
-        return KVFormat(args.kv_layout, args.kv_dtype, args.kt_dtype)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
-def describe_format(kv_format: KVFormat, dtype: torch.dtype) -> str:
-    """The startup line's words for a cache format: "layout twice, K/V bfloat16, K^T int4"."""
-    kt = kv_format.kt_storage(dtype)
-    return f"layout {kv_format.layout}, K/V {kv_format.kv_storage(dtype)}" + (f", K^T {kt}" if kt else "")
+                      policy_factory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,8 +335,8 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
         print(f"note: --max-new-tokens capped at {max_new_tokens}: the cache holds {max_seq_length} positions "
               f"and the longest prompt {longest}", file=sys.stderr)
 
-    settings = solve_compression(settings, longest, config, cache_storage(args, model))
-    setup(model, args, settings, len(rows), max_seq_length, length_bucket)
+    settings = solve_compression(settings, longest, config, cache_storage(cache_format(args), model))
+    setup(model, cache_format(args), settings, len(rows), max_seq_length, length_bucket)
     speculator = (make_speculator(args, model, tokenizer, settings, draft_settings, len(rows), max_seq_length, longest)
                   if args.speculate_k else None)
     source = f"random weights of the {args.random_weights} shape" if args.random_weights else str(args.checkpoint)
@@ -509,7 +389,7 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
         results.append((samples, stats))
 
     samples, stats = results[-1]
-    summary = summarize(stats, len(rows), model.weight_bytes())
+    summary = stats.summary(len(rows), model.weight_bytes())
     if speculator is not None:
         summary.update(speculation_summary(stats, args.speculate_k), speculate_k=args.speculate_k)
     print(f"peak memory: {peak_memory_bytes(args.device) / 2**30:.2f} GiB", file=sys.stderr)
@@ -531,7 +411,7 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
     verify = [policy_factory(settings, model.args, model.kernels)(i) for i in layers]
     if draft_settings is not None:
         draft_settings = solve_compression(draft_settings, longest, model.args,
-                                           cache_storage(args, model))
+                                           cache_storage(cache_format(args), model))
     if draft_settings is not None:
         try:
             probe = policy_factory(draft_settings, model.args, model.kernels)(model.args.n_layer - 1)
@@ -553,22 +433,11 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
     if max_seq_length > draft_config.max_context:
         raise UserError(f"the draft's context of {draft_config.max_context} tokens is shorter than the "
                         f"{max_seq_length} positions of this run")
-    setup(draft, args, draft_settings or AttentionSettings("dense"), batch, max_seq_length, 1)
+    setup(draft, cache_format(args), draft_settings or AttentionSettings("dense"), batch, max_seq_length, 1)
     print(f"speculation: {args.speculate_k} tokens per round drafted by {args.draft_checkpoint} "
           f"({describe_layers(draft)}), verified by {settings.policy} in one pass", file=sys.stderr)
     return Speculator(model, args.speculate_k, verify, draft_model=draft, stop_ids=tokenizer.stop_ids,
                       temperature=args.temperature, top_k=args.top_k, compile=args.compile)
-
-
-PROBE_TEXT = "Speculative decoding: the draft's token ids must mean the verifier's. 12345 ÉÀ 中文 <|im_end|>"
-
-
-def check_same_tokenizer(verifier, draft, draft_config: ModelArgs, config: ModelArgs) -> None:
-    """A draft's tokens are the verifier's only if both tokenizers map text to the same ids."""
-    same = (draft_config.vocab_size == config.vocab_size and verifier.stop_ids == draft.stop_ids
-            and verifier.encode(PROBE_TEXT) == draft.encode(PROBE_TEXT))
-    if not same:
-        raise UserError("the draft checkpoint's tokenizer differs from the verifier's: a draft must share it")
 
 
 def report_speculation(stats: DecodeStats, n: int) -> None:
@@ -582,41 +451,8 @@ def report_speculation(stats: DecodeStats, n: int) -> None:
           f"{s['theory_speedup']:.2f}x the verifier alone, if its one-token step costs a verify pass", file=sys.stderr)
 
 
-def setup(model: Transformer, args: argparse.Namespace, settings: AttentionSettings, batch: int, max_seq_length: int,
-          length_bucket: int) -> None:
-    """Allocate the caches (refused with the numbers if they cannot fit) and install the policy."""
-    kv_format = cache_format(args)
-    try:
-        kv_format.kv_storage(model.cache_dtype)  # a float --kv-dtype other than the activations' is refused
-        check_cache_fits(model.args, batch, max_seq_length, kv_format, model.cache_dtype, args.device)
-        model.setup_caches(batch, max_seq_length, kv_format, length_bucket=length_bucket)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    install_policy(model, settings)
-
-
-def summarize(stats: DecodeStats, batch_size: int, weights: int) -> dict:
-    steps_per_s = stats.steps / stats.decode_s if stats.steps and stats.decode_s > 0 else float("nan")
-    weights_read = weights * stats.steps if stats.weight_bytes_read is None else stats.weight_bytes_read
-    bytes_per_s = (weights_read + stats.kv_bytes_read) / stats.decode_s if stats.steps else float("nan")
-    return {
-        "prefill_tokens": stats.prefill_tokens,
-        "prefill_s": stats.prefill_s,
-        "prefill_tokens_per_s": stats.prefill_tokens / stats.prefill_s if stats.prefill_s > 0 else float("nan"),
-        "decode_steps": stats.steps,
-        "decode_tokens_per_s": steps_per_s,
-        "total_tokens_per_s": steps_per_s * batch_size,
-        "bandwidth_gb_s": bytes_per_s / 1e9,
-        "weight_bytes": weights,
-        "kv_bytes_read_per_step": stats.kv_bytes_read // max(stats.steps, 1),
-        # KV transfers over dense's for the same cache and steps (every layer, every row at its length)
-        "compression_achieved": stats.kv_bytes_read / stats.dense_kv_bytes_read if stats.dense_kv_bytes_read else None,
-        "print_s": stats.print_s,
-    }
-
-
 def report(stats: DecodeStats, batch_size: int, weights: int, first_call: bool = False) -> None:
-    s = summarize(stats, batch_size, weights)
+    s = stats.summary(batch_size, weights)
     prefill_line = (f"prefill: {stats.prefill_tokens} tokens ({batch_size} row{'s' if batch_size > 1 else ''}) in "
                     f"{s['prefill_s']:.2f} s, {s['prefill_tokens_per_s']:.0f} tokens/s")
     if stats.steps == 0:
@@ -654,93 +490,6 @@ def write_json(args, settings, model, tokenizer, rows, samples, summary) -> None
     elif settings.policy != "dense":
         out["kv_budget"] = settings.budget
     cli.write_json(args.json, out)
-
-
-# ---------------------------------------------------------------------------------------------
-# Interactive chat
-# ---------------------------------------------------------------------------------------------
-
-
-def chat_loop(args: argparse.Namespace, model: Transformer, tokenizer, settings: AttentionSettings,
-              length_bucket: int, input_fn: Callable[[str], str] = input, out: TextIO = sys.stdout) -> int:
-    """A chat at the terminal on the chat template. The conversation stays in the cache between turns:
-    each turn prefills only what it adds (when the re-rendered conversation extends the tokens in
-    the cache), and when the context is full the oldest turns are dropped, which is said."""
-    max_seq_length = args.max_seq_length or model.args.max_context
-    setup(model, args, settings, 1, max_seq_length, length_bucket)
-    generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
-                          compile_decode=args.compile, compile_backend=args.compile_backend)
-    messages: list[dict] = []
-    cached: list[int] = []  # the token ids whose keys and values the cache holds, from position 0
-    print(f"chat with {args.checkpoint} (empty line or Ctrl-D to quit)", file=sys.stderr)
-    while True:
-        try:
-            text = input_fn("> ")
-        except EOFError:
-            break
-        if not text.strip():
-            break
-        messages.append({"role": "user", "content": text})
-        while True:
-            ids = tokenizer.encode_chat(messages)
-            if len(ids) + 2 <= max_seq_length or len(messages) <= 1:
-                break
-            messages = messages[2:]  # drop the oldest exchange
-            print("note: the conversation no longer fits the context: dropped the oldest turn", file=sys.stderr)
-        if len(ids) + 2 > max_seq_length:
-            print(f"note: this message alone ({len(ids)} tokens) does not fit the context of {max_seq_length}",
-                  file=sys.stderr)
-            messages.pop()
-            continue
-        budget = min(args.max_new_tokens, max_seq_length - len(ids))
-        reply, cached = chat_turn(generator, tokenizer, cached, ids, budget, out)
-        messages.append({"role": "assistant", "content": tokenizer.decode([t for t in reply if t not in tokenizer.stop_ids])})
-    return 0
-
-
-def reuse_cache(model: Transformer, cached: list[int], ids: list[int]) -> int:
-    """Positions of the cache (holding `cached`) that the conversation `ids` keeps: the prefix they share,
-    all but one token of ids at most (its logits come from a prefill). The rest is truncated away (an
-    edited or dropped turn); a policy that cannot truncate rows (H2O) starts from an empty cache."""
-    shared = 0
-    for a, b in zip(cached, ids[:-1]):
-        if a != b:
-            break
-        shared += 1
-    if shared < len(cached):
-        try:
-            model.truncate_row(0, shared)
-        except ValueError:
-            model.reset_caches()
-            return 0
-    return shared
-
-
-@torch.no_grad()
-def chat_turn(generator: Generator, tokenizer, cached: list[int], ids: list[int], max_new: int,
-              out: TextIO) -> tuple[list[int], list[int]]:
-    """One assistant reply to the conversation `ids`, streamed to `out`. Keeps what the cache shares with
-    `cached` (reuse_cache) and prefills the rest; returns (reply tokens, the ids now in the cache)."""
-    model = generator.model
-    reuse = reuse_cache(model, cached, ids)
-    new = torch.tensor([ids[reuse:]], device=model.device)
-    logits = prefill(model, new, generator.prefill_chunk, start=reuse)
-    stream = TextStream(tokenizer, out)
-    token = sample(logits, generator.temperature, generator.top_k)
-    reply = [int(token)]
-    position = len(ids)
-    while reply[-1] not in generator.stop_ids and len(reply) < max_new:
-        stream.add(reply[-1])
-        logits = generator._decode(model, token.view(1, 1), torch.tensor([position], device=model.device),
-                                   model.read_length(position + 1))
-        token = sample(logits, generator.temperature, generator.top_k)
-        reply.append(int(token))
-        position += 1
-    if reply[-1] not in generator.stop_ids:
-        stream.add(reply[-1])
-    stream.finish()
-    # The cache now holds ids and the reply but its last token (sampled, never fed back).
-    return reply, ids + reply[:-1]
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ the ones a run uses.
 
 A leaf module: tensors and ints in, tensors out; it imports nothing from this repo but its Triton
 sibling. The readable
-plain-PyTorch paths live beside the policies they implement (model.dense_attention_torch,
+plain-PyTorch paths live beside the policies they implement (attention.dense_attention_torch,
 sparq.sparq_attention_torch); every kernel here computes what its reference computes (the tests
 check each against it).
 
@@ -18,16 +18,16 @@ and positions [:length] are read):
   dense_attention(q, k, v, length, live_length) -> (B, n_kv, g, d)
   dense_verify(q (B, n_kv, g, T, d), k, v, length, live_length (B,)) -> (B, n_kv, g, T, d): T query
       tokens per row at its last T live positions, query t attending to the positions up to its own
-      (speculative verification; model.DenseDecode.verify is the reference)
+      (speculative verification; attention.DenseDecode.verify is the reference)
   sparq_attention(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v) -> (B, n_kv, g, d)
   sparq_adaptive(q, k, k_t, v, v_sum, spread, length, live_length, compression, k_max, k_cap, mean_v)
       -> (B, n_kv, g, d): adaptive SparQ, each row at its own split of the budget, dense up to k_max
       positions, at most k_cap positions kept (None: no cap) (spread (B, n_kv, d) fp32,
-      the keys' per-dimension spread; sparq.sparq_adaptive_attention_torch is the reference); on a
-      quantized cache also scales= and costs= (sparq.StepCosts)
+      the keys' per-dimension spread; sparq_adaptive.sparq_adaptive_attention_torch is the reference); on a
+      quantized cache also scales= and costs= (sparq_adaptive.StepCosts)
   linear(x (..., K), weight (N, K), bias (N,) or None) -> (..., N)
   prefill_attention(q (B, H, T, d), k, v (B, n_kv, S_k, d)) -> (B, H, T, d): causal attention of a
-      prefill chunk's T queries, the last T of the S_k key positions (model.prefill_attention, with no
+      prefill chunk's T queries, the last T of the S_k key positions (attention.prefill_attention, with no
       window and no soft-cap, is the reference; the model calls it only then)
 `length` is the number of positions read (the longest row's). `live_length` says which are live:
   None          every row's positions [0, length) are live (exact reads: the CPU default);
@@ -39,7 +39,7 @@ k, v (B_max, n_kv, S_max, d) are d-contiguous, k_t (B_max, n_kv, d, S_max) S-con
 1xK layout: step 1 gathers r columns of k), v_sum (B_max, n_kv, d) fp32 the running sum of V over
 the live positions; 1 <= r <= d, 0 <= local <= k_top; results in q.dtype, softmax and accumulation
 in fp32; ties in the top-r / top-k go to the lower index. Every kernel computes what its reference
-computes: model.dense_attention_torch, sparq.sparq_reference (the batched torch path
+computes: attention.dense_attention_torch, sparq.sparq_reference (the batched torch path
 sparq.sparq_attention_torch shares this signature, plus a soft-cap). The kernels take no attention
 soft-cap (Gemma 2): resolve_kernels leaves attention to the torch paths for soft-capped models, and
 says so; the policies bind the cap to those paths.
@@ -63,7 +63,7 @@ from kernels_triton import HAS_TRITON, dense_attention_triton, dense_verify_trit
 
 @dataclass(frozen=True)
 class KVScales:
-    """An int8 KV cache's scales (model.KVCache, --kv-dtype int8), beside its int8 k and v:
+    """An int8 KV cache's scales (cache.KVCache, --kv-dtype int8), beside its int8 k and v:
     K[p] = k[p] k_scale[p] chan, V[p] = v[p] v_scale[p]; k_scale, v_scale (B_max, n_kv, S_max) and
     chan (B_max, n_kv, d), fp32."""
 
@@ -83,12 +83,12 @@ class Kernels:
     """The decode kernels of one run (see the module docstring for their signatures)."""
 
     name: str  # "torch", "cpu" or "triton": what the run announces
-    dense_attention: Optional[Callable] = None  # None: model.dense_attention_torch
-    dense_verify: Optional[Callable] = None  # None: model.DenseDecode.verify's torch path
+    dense_attention: Optional[Callable] = None  # None: attention.dense_attention_torch
+    dense_verify: Optional[Callable] = None  # None: attention.DenseDecode.verify's torch path
     sparq_attention: Optional[Callable] = None  # None: sparq.sparq_attention_torch
-    sparq_adaptive: Optional[Callable] = None  # None: sparq.sparq_adaptive_attention_torch
+    sparq_adaptive: Optional[Callable] = None  # None: sparq_adaptive.sparq_adaptive_attention_torch
     linear: Optional[Callable] = None  # None: F.linear
-    prefill_attention: Optional[Callable] = None  # None: model.prefill_attention (SDPA)
+    prefill_attention: Optional[Callable] = None  # None: attention.prefill_attention (SDPA)
     packed_quantized: bool = False  # quantized linears: packed int4/int8 kernels, else dequantize + F.linear
     reads_int8_kv: bool = False  # dense_attention and dense_verify take an int8 cache as stored (scales=KVScales)
     sparq_reads_quantized: bool = False  # sparq_attention and sparq_adaptive take int8 K/V and an int8/int4 K^T as
@@ -428,7 +428,7 @@ def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
                        k_cap: Optional[int], mean_v: bool, scales: Optional[KVScales] = None, costs=None) -> Tensor:
     """sparq_adaptive (the module docstring) with the fused C++ kernel: each row splits the budget at its
     own live length inside the kernel, so nothing reaches the host. Exact lengths only. A quantized
-    cache is read as stored, its scales applied in the kernel, the budget split at `costs` (sparq.StepCosts:
+    cache is read as stored, its scales applied in the kernel, the budget split at `costs` (sparq_adaptive.StepCosts:
     step 1's reads in K/V elements as the cache stores them)."""
     _check_exact_lengths(live_length)
     if scales is None:

@@ -1,7 +1,7 @@
 """Triton kernels for decode attention on CUDA, SparQ and dense (kernels.py puts them in the run's Kernels record).
 
 A leaf module, like kernels.py: tensors and ints in, tensors out. `sparq_attention_triton` computes
-what `sparq.sparq_reference` computes, `dense_attention_triton` what `model.dense_attention_torch`
+what `sparq.sparq_reference` computes, `dense_attention_triton` what `attention.dense_attention_torch`
 computes; without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1 set before triton is
 first imported), which is how the CPU test suite checks them.
 
@@ -36,7 +36,7 @@ each K/V row read once for the g heads sharing it; dots on tensor cores in a 16-
 same combine when there are several splits. The verify pass of speculative decoding is the same
 kernel with a row's T queries folded into its heads (g T rows), each masked to its own causal range.
 
-A quantized cache (model.KVCache with --kv-dtype int8 / --kt-dtype int8|int4) is read as stored:
+A quantized cache (cache.KVCache with --kv-dtype int8 / --kt-dtype int8|int4) is read as stored:
 int8 K and V rows and an int8 K^T are loaded as bytes, an int4 K^T as bytes of two positions (low
 nibble first, stored + 8), and converted in registers; chan (K's per-channel scale) goes into q and
 q_hat, each position's scale into its logits (K, K^T) or its softmax weight (V). The dots are then
@@ -810,7 +810,7 @@ def _rows_of(t: Optional[Tensor], fallback: Tensor) -> tuple[Tensor, int, int]:
 
 def _check_scales(k: Tensor, k_t: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],
                   chan: Optional[Tensor], kt_scale: Optional[Tensor]) -> None:
-    """A quantized cache comes with its scales (model.KVCache.view(stored=True)), a float one without."""
+    """A quantized cache comes with its scales (cache.KVCache.view(stored=True)), a float one without."""
     int8_kv = k.dtype == torch.int8
     quant_kt = k_t is not None and k_t.dtype in (torch.int8, torch.uint8)
     if (k_scale is None or v_scale is None) == int8_kv or (chan is None) == (int8_kv or quant_kt) \

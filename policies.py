@@ -25,10 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import cli
+from attention import DecodePolicy, DenseDecode, beyond_live, per_row, softcap
+from cache import KVCache, KVFormat
 from kernels import TORCH_KERNELS, Kernels
-from model import DecodePolicy, DenseDecode, KVCache, KVFormat, ModelArgs, beyond_live, per_row, softcap
-from sparq import (SparQAdaptiveDecode, SparQConfig, SparQDecode, StepCosts, approximate_scores, mix_mean_v,
-                   select_positions, sparq_attention_torch, sparse_attention, top_components)
+from model import ModelArgs
+from sparq import (SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions, sparq_attention_torch,
+                   sparse_attention, top_components)
+from sparq_adaptive import SparQAdaptiveDecode, StepCosts
 
 # ---------------------------------------------------------------------------------------------
 # Baselines from the paper, as decode policies on the same cache (transfers: paper, Appendix G)
@@ -456,7 +459,7 @@ class AttentionSettings:
     page_size: int = QUEST_PAGE  # Quest and the RocketKV hybrid: positions per page
     hybrid_r: Optional[int] = None  # the RocketKV hybrid: components of q its page bounds use (None: d / 4)
     channels: Optional[Path] = None  # DoubleSparse: its calibration file (default_channels_file)
-    adaptive_k_cap: Optional[int] = None  # sparq-adaptive: a cap on k (sparq.adaptive_split; None: the budget's share)
+    adaptive_k_cap: Optional[int] = None  # sparq-adaptive: a cap on k (sparq_adaptive.adaptive_split; None: the budget's share)
 
     @property
     def budget(self) -> int:
@@ -514,7 +517,7 @@ POLICIES: dict[str, Policy] = {
     # The same policy, budgeted the other way (the paper's length sweep): r fixed, k set by the compression.
     "sparq-fixed-r": Policy(_build_sparq, "SparQ budgeted by k at a fixed --sparq-r", ("sparq_r",), knob="sparq_k",
                             reads_buckets=True),
-    # Budgeted by the target itself: r and k per layer and step (sparq.adaptive_split)
+    # Budgeted by the target itself: r and k per layer and step (sparq_adaptive.adaptive_split)
     "sparq-adaptive": Policy(_build_sparq_adaptive, "SparQ with r and k per layer and step from --compression "
                              f"(default 1/{ADAPTIVE_DEFAULT.denominator}), shared by a layer's KV heads",
                              ("adaptive_k_cap",), knob="compression"),
@@ -811,7 +814,7 @@ class Budget:
             cap = self.settings.adaptive_k_cap
             at = "" if self.split is None else f": r={self.split[0]}, k={self.split[1]} on a full-length layer"
             capped = "" if cap is None else f", k capped at {cap} plus what rounding r down leaves"
-            setting = f"r and k per layer and step (sparq.adaptive_split{capped}){at}"
+            setting = f"r and k per layer and step (sparq_adaptive.adaptive_split{capped}){at}"
         else:
             setting = f"r={self.r}, k={self.k_top}" if self.r is not None else f"k={self.k_top}"
         return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len})"

@@ -88,7 +88,7 @@ from torch import Tensor
 import cli
 import kernels
 from kernels import Kernels
-from model import (CheckpointError, ModelArgs, QuantizedLoading, Transformer, checkpoint_paths, load_state_dict)
+from model import CheckpointError, ModelArgs, QuantizedLoading, Transformer, checkpoint_paths, load_state_dict
 
 FORMAT_VERSION = 1
 MODES = ("int8", "int4")
@@ -275,7 +275,75 @@ def unpack_int8_rows16(w16: Tensor, s16: Tensor, N: int, per_channel: bool) -> t
     return weight, (scales[:, 0] if per_channel else scales)
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What Int8Linear and Int4Linear share: one kernel chosen by finalize (the first of kernel_choices
+    that this layer supports and that passes the machine's self-check), forward's dispatch to it, and
+    the float bias added after. A subclass says which kernels it has (supports, use_kernel,
+    kernel_choices), what it drops once packed (release_portable) and how each kernel multiplies
+    (gemv: the fused decode GEMVs; packed_mm: an aten packed kernel on bf16 rows; forward_dequant)."""
+
+    BITS: int
+    in_features: int
+    out_features: int
+    group_size: Optional[int]
+    kernel: str
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, kernel={self.kernel}")
+
+    def finalize(self, backend: Optional[str] = None, keep_weight: bool = False) -> None:
+        """Pick the kernel for `backend` (None / "auto": the fastest that applies); unless keep_weight,
+        drop the stored tensors the chosen kernel no longer reads."""
+        if self.kernel != "dequant":
+            return
+        for kernel in self.kernel_choices(backend or "auto"):
+            if self.supports(kernel) and _kernel_ok(kernel, self.device, self.group_size or 0, bits=self.BITS):
+                self.use_kernel(kernel)
+                break
+        if not keep_weight:
+            self.release_portable()
+
+    @property
+    def device(self) -> torch.device:
+        return next(b for b in self.buffers() if b is not None).device
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel in ("gemv", "gemv-q8"):
+            x2 = _gemv_rows(x, self.in_features)
+            if x2 is None:  # a prefill: a GEMM's work, torch's own
+                y = self.forward_dequant(x)
+            else:
+                y = self.gemv(x2).reshape(*x.shape[:-1], self.out_features)
+        elif self.kernel == "dequant":
+            y = self.forward_dequant(x)
+        else:  # an aten packed kernel, on bf16 rows
+            y = self.packed_mm(_as_2d_bf16(x, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def kernel_choices(self, backend: str) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def supports(self, kernel: str) -> bool:
+        raise NotImplementedError
+
+    def use_kernel(self, kernel: str) -> None:
+        raise NotImplementedError
+
+    def release_portable(self) -> None:
+        """Drop the stored tensors a packed kernel replaced (weight_bytes then counts each weight once)."""
+
+    def gemv(self, x2: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def packed_mm(self, x2: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward_dequant(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
     """y = x W^T, W = q * s stored int8: buffers weight (N, K) int8 and scales bf16, (N,) per output
     channel or (N, K / group_size) per group of inputs (group_size set: the head).
 
@@ -293,6 +361,8 @@ class Int8Linear(nn.Module):
       "dequant"  F.linear(x, q.to(x.dtype)) * s (the plain fallback; CUDA's path, fused by inductor).
     """
 
+    BITS = 8
+
     def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = None, device=None,
                  bias: bool = False):
         super().__init__()
@@ -309,10 +379,6 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None  # float, added after
         self.split_group_size = 0
         self.kernel = "dequant"  # finalize() picks a packed kernel where one applies
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, kernel={self.kernel}")
 
     def _split_group_size(self) -> Optional[int]:
         """The int4 kernel's group for int4x2: divides the int8 group (K when per channel)."""
@@ -356,52 +422,27 @@ class Int8Linear(nn.Module):
             raise ValueError(f"unknown int8 kernel {kernel!r}")
         self.kernel = kernel
 
-    def finalize(self, backend: Optional[str] = None, keep_weight: bool = False) -> None:
-        """Pick the kernel (backend None/"auto" = fastest that applies and passes the self-check).
-        Drops the int8 weight when the kernel no longer reads it, unless keep_weight."""
-        if self.kernel != "dequant":
-            return
-        auto = tuple(dict.fromkeys((gemv_kernel(self.scales.device), "gemv", "int4x2", "int8pack")))
-        choices = {"auto": auto, "gemv": ("gemv",), "gemv-q8": ("gemv-q8",),
-                   "int4x2": ("int4x2",), "int8pack": ("int8pack",), "dequant": ()}[backend or "auto"]
-        for kernel in choices:
-            if self.supports(kernel) and _kernel_ok(kernel, self.scales.device, self.group_size or 0, bits=8):
-                self.use_kernel(kernel)
-                break
-        if self.kernel in ("int4x2", "gemv-q8") and not keep_weight:  # the packed copies replace them
+    def kernel_choices(self, backend: str) -> tuple[str, ...]:
+        """"auto": the machine's GEMV (gemv_kernel), then gemv, int4x2, int8pack; else the one named."""
+        if backend == "auto":
+            return tuple(dict.fromkeys((gemv_kernel(self.device), "gemv", "int4x2", "int8pack")))
+        return {"dequant": ()}.get(backend, (backend,))
+
+    def release_portable(self) -> None:
+        if self.kernel in ("int4x2", "gemv-q8"):  # the packed copies replace them
             self.weight = None
             if self.kernel == "gemv-q8":  # rows16_scales holds them (int4x2 keeps its small original)
                 self.scales = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.kernel in ("gemv", "gemv-q8"):
-            y = self.forward_gemv(x)
-        elif self.kernel == "int4x2":
-            y = self.forward_int4x2(x)
-        elif self.kernel == "int8pack":
-            y = self.forward_int8pack(x)
-        else:
-            y = self.forward_dequant(x)
-        return y if self.bias is None else y + self.bias
-
-    def forward_gemv(self, x: Tensor) -> Tensor:
-        x2 = _gemv_rows(x, self.in_features)
-        if x2 is None:  # a prefill: a GEMM's work, torch's own
-            return self.forward_dequant(x)
+    def gemv(self, x2: Tensor) -> Tensor:
         if self.kernel == "gemv-q8":
-            y = torch.ops.sparq.linear_int8_q8_cpu(x2, self.rows16, self.rows16_scales, self.out_features)
-        else:
-            y = torch.ops.sparq.linear_int8_cpu(x2, self.weight, self.scales)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            return torch.ops.sparq.linear_int8_q8_cpu(x2, self.rows16, self.rows16_scales, self.out_features)
+        return torch.ops.sparq.linear_int8_cpu(x2, self.weight, self.scales)
 
-    def forward_int4x2(self, x: Tensor) -> Tensor:
-        x2 = _as_2d_bf16(x, self.in_features)
-        y = _int4pack_mm(torch.cat([x2, x2], dim=1), self.packed, self.split_group_size, self.scales_and_zeros)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def forward_int8pack(self, x: Tensor) -> Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(_as_2d_bf16(x, self.in_features), self.weight, self.scales)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    def packed_mm(self, x2: Tensor) -> Tensor:
+        if self.kernel == "int4x2":
+            return _int4pack_mm(torch.cat([x2, x2], dim=1), self.packed, self.split_group_size, self.scales_and_zeros)
+        return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)  # int8pack
 
     def forward_dequant(self, x: Tensor) -> Tensor:
         if self.group_size is None and self.weight is not None:
@@ -427,7 +468,7 @@ def has_int8(model: nn.Module) -> bool:
     return any(isinstance(m, Int8Linear) for m in model.modules())
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """y = x W^T, W int4 affine per group of `group_size` inputs: w = (q - 8) * s + z.
 
     Stored (persistent): weight (N, K/2) uint8 portable nibbles, scales and zeros (N, K/gs) bf16.
@@ -438,6 +479,8 @@ class Int4Linear(nn.Module):
     packs the weight for this machine into `packed` / `scales_and_zeros` and drops the portable tensors
     unless keep_weight) or "dequant".
     """
+
+    BITS = 4
 
     def __init__(self, in_features: int, out_features: int, group_size: int, device=None, bias: bool = False):
         super().__init__()
@@ -455,10 +498,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("rows16_zeros", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None  # float, added after
         self.kernel = "dequant"
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, kernel={self.kernel}")
 
     def supports(self, kernel: str) -> bool:
         device = self.scales.device.type
@@ -480,48 +519,29 @@ class Int4Linear(nn.Module):
             raise ValueError(f"unknown int4 kernel {kernel!r}")
         self.kernel = kernel
 
-    def finalize(self, backend: Optional[str] = None, keep_weight: bool = False) -> None:
-        """Pick the kernel: backend None/"auto" = gemv_kernel's GEMV, else "gemv", else "int4pack",
-        the first that applies and passes the self-check; "gemv" / "gemv-q8" / "int4pack" force one
-        (falling back to dequant); "int4x2" and "int8pack" are int8 kernels: int4 layers then take
-        int4pack as before."""
-        if self.kernel != "dequant" or backend == "dequant":
-            return
-        if backend in ("gemv", "gemv-q8"):
-            choices = (backend,)
-        elif backend in ("int4x2", "int8pack"):
-            choices = ("int4pack",)
-        else:
-            choices = tuple(dict.fromkeys((gemv_kernel(self.scales.device), "gemv", "int4pack")))
-        for kernel in choices:
-            if self.supports(kernel) and _kernel_ok(kernel, self.scales.device, self.group_size, bits=4):
-                self.use_kernel(kernel)
-                break
-        if self.kernel in ("int4pack", "gemv-q8") and not keep_weight:  # the packed copies replace them (weight_bytes counts once)
+    def kernel_choices(self, backend: str) -> tuple[str, ...]:
+        """"auto": gemv_kernel's GEMV, else "gemv", else "int4pack"; "gemv" / "gemv-q8" / "int4pack" force
+        one (falling back to dequant); "int4x2" and "int8pack" are int8 kernels: int4 layers then take int4pack."""
+        if backend in ("gemv", "gemv-q8", "int4pack"):
+            return (backend,)
+        if backend in ("int4x2", "int8pack"):
+            return ("int4pack",)
+        if backend == "dequant":
+            return ()
+        return tuple(dict.fromkeys((gemv_kernel(self.device), "gemv", "int4pack")))
+
+    def release_portable(self) -> None:
+        if self.kernel in ("int4pack", "gemv-q8"):  # the packed copies replace them
             self.weight = self.scales = self.zeros = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.kernel in ("gemv", "gemv-q8"):
-            y = self.forward_gemv(x)
-        elif self.kernel == "int4pack":
-            y = self.forward_int4pack(x)
-        else:
-            y = self.forward_dequant(x)
-        return y if self.bias is None else y + self.bias
-
-    def forward_gemv(self, x: Tensor) -> Tensor:
-        x2 = _gemv_rows(x, self.in_features)
-        if x2 is None:  # a prefill: a GEMM's work, torch's own
-            return self.forward_dequant(x)
+    def gemv(self, x2: Tensor) -> Tensor:
         if self.kernel == "gemv-q8":
-            y = torch.ops.sparq.linear_int4_q8_cpu(x2, self.rows16, self.rows16_scales, self.rows16_zeros, self.out_features)
-        else:
-            y = torch.ops.sparq.linear_int4_cpu(x2, self.weight, self.scales, self.zeros)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            return torch.ops.sparq.linear_int4_q8_cpu(x2, self.rows16, self.rows16_scales, self.rows16_zeros,
+                                                      self.out_features)
+        return torch.ops.sparq.linear_int4_cpu(x2, self.weight, self.scales, self.zeros)
 
-    def forward_int4pack(self, x: Tensor) -> Tensor:
-        y = _int4pack_mm(_as_2d_bf16(x, self.in_features), self.packed, self.group_size, self.scales_and_zeros)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    def packed_mm(self, x2: Tensor) -> Tensor:  # int4pack
+        return _int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
 
     def forward_dequant(self, x: Tensor) -> Tensor:
         return F.linear(x, self.dequantized_weight().to(x.dtype))

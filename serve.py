@@ -33,10 +33,10 @@ import torch
 import cli
 import data
 from cli import UserError
+from assemble import (DTYPES, add_cache_flags, cache_format, cache_storage, kernels_for, load_checkpoint, load_tokenizer,
+                      model_args, setup, solve_compression)
 from decoding import compiled_decode_step, decode_step
 from engine import Engine, QueueFull, Request, Stopped, run_alone
-from generate import (DTYPES, add_cache_flags, cache_format, cache_storage, kernels_for, load_checkpoint,
-                      load_tokenizer, model_args, setup, solve_compression)
 from kernels import KERNEL_CHOICES
 from policies import add_attention_flags, attention_settings, describe_layers
 
@@ -388,8 +388,8 @@ def load(args: argparse.Namespace) -> Served:
     kernels = kernels_for(args.kernel, args.device, config, length_bucket, [cache_format(args)])
     model = load_checkpoint(args.checkpoint, args.device, DTYPES[args.dtype], kernels)
     tokenizer = load_tokenizer(args.checkpoint)
-    settings = solve_compression(settings, max_seq_length, config, cache_storage(args, model))
-    setup(model, args, settings, args.max_batch_size, max_seq_length, length_bucket)
+    settings = solve_compression(settings, max_seq_length, config, cache_storage(cache_format(args), model))
+    setup(model, cache_format(args), settings, args.max_batch_size, max_seq_length, length_bucket)
     step = compiled_decode_step(decode_step, args.device) if args.compile else decode_step
     try:
         engine = Engine(model, max_seq_length, prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, decode=step)

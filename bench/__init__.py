@@ -1,1 +1,2 @@
-"""Speed: `python -m bench {attention,decode,linear}` and the GPU check (`python -m bench.gpu_check`)."""
+"""Speed: `python -m bench {attention,decode,linear,speculate,serve-load}`, the GPU check
+(`python -m bench.gpu_check`) and llama.cpp built beside our figures (`python -m bench.llamacpp`)."""

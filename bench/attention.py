@@ -4,8 +4,8 @@ copies of the cache (k, k_t, v, v_sum, q) that every call reads from DRAM, not f
 cache, and reports the median over the iterations after warm-up. Bytes are the paper's transfer
 counts (Appendix G): dense 2Sd + 2d, SparQ Sr + 2kd + 4d elements per KV head, times B * n_kv *
 element size. With --cache-format (CPU), the fused ops also run on quantized caches (int8 K and V, an
-int8 or int4 K^T: model.KVCache's layout, filled from the same K and V), their bytes counted as stored
-(model.stored_bytes) against dense on the float cache.
+int8 or int4 K^T: cache.KVCache's layout, filled from the same K and V), their bytes counted as stored
+(cache.stored_bytes) against dense on the float cache.
 """
 from __future__ import annotations
 
@@ -87,11 +87,11 @@ def _make_copy(B, n_kv, g, d, S, dtype, device, gen, with_kt: bool):
 
 
 def _stored_copy(copy: dict, fmt, dtype) -> dict:
-    """A float copy's K and V written into a cache of format `fmt` (model.KVCache quantizes them as a prefill
+    """A float copy's K and V written into a cache of format `fmt` (cache.KVCache quantizes them as a prefill
     does), as the fused kernels read it: the stored buffers, their scales, the sums over the stored values."""
     import torch
 
-    from model import KVCache
+    from cache import KVCache
 
     B, n_kv, S, d = copy["k"].shape
     cache = KVCache(B, S, n_kv, d, dtype, kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype)
@@ -110,7 +110,7 @@ def _methods(device: str, kernels_wanted: list[str], cfg, S: int) -> list[Method
     import torch.nn.functional as F
 
     import kernels
-    from model import dense_attention_torch
+    from attention import dense_attention_torch
     from sparq import sparq_attention_torch
 
     methods = [
@@ -185,7 +185,8 @@ def _time_call(fn, copy, device: str) -> float:
 def run(args) -> int:
     import torch
 
-    from model import DenseDecode, KVFormat
+    from attention import DenseDecode
+    from cache import KVFormat
     from sparq import SparQConfig, SparQDecode
 
     device = args.device

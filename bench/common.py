@@ -52,7 +52,7 @@ def alternating_medians(calls: dict[str, Callable[[], object]], rounds: int, rep
 def cache_formats(text: str):
     """--cache-format: [(label, KVFormat)], "KV[/KT]" each (KV a --kv-dtype, KT a --kt-dtype)."""
     from cli import UserError
-    from generate import cache_format
+    from assemble import cache_format
 
     formats = []
     for item in (t.strip() for t in text.split(",") if t.strip()):

@@ -3,7 +3,7 @@ shape), dense and SparQ from the same prefilled cache in one process, every cont
 taking turns step by step; tokens/s, KV GB/s (bytes by the transfer formulas), measured speedup and
 the theoretical one: (weights + dense KV bytes) / (weights + SparQ KV bytes) per step.
 --prefill also times our prefill of each context (N tokens into an empty cache), and --llamacpp
-GGUF times llama.cpp (scripts/llamacpp.py) after the same contexts in the same format (or
+GGUF times llama.cpp (bench/llamacpp.py) after the same contexts in the same format (or
 --llamacpp-format's): one run, side by side; with --rounds N, ours and llama.cpp take turns N times
 and cells are medians.
 """
@@ -51,10 +51,10 @@ def add_parser(sub) -> None:
                         "auto,int8,int8/int4: every policy runs on each, with its own caches; speedups are over "
                         "dense on the first")
     p.add_argument("--llamacpp", default=None, metavar="GGUF",
-                   help="also time llama.cpp (scripts/llamacpp.py, built on first use) after the same contexts on this GGUF "
+                   help="also time llama.cpp (bench/llamacpp.py, built on first use) after the same contexts on this GGUF "
                         "(the checkpoint's source), in each --dtype's format, and print it beside our rows")
     p.add_argument("--llamacpp-format", default=None,
-                   help="llama.cpp's format for every --dtype (scripts/llamacpp.py's formats; default: the dtype's own), "
+                   help="llama.cpp's format for every --dtype (bench/llamacpp.py's formats; default: the dtype's own), "
                         "e.g. q8_0 beside an int8 checkpoint")
     p.add_argument("--llamacpp-kv", default=None, metavar="TYPE",
                    help="llama.cpp's KV cache type (llama-bench -ctk/-ctv TYPE -fa 1), e.g. q8_0 beside "
@@ -181,7 +181,7 @@ def run(args) -> int:
     import data
     import quantize
     from decoding import compiled_decode_step, decode_step, own_step, prefill
-    from generate import kernels_for, load_checkpoint, load_tokenizer
+    from assemble import kernels_for, load_checkpoint, load_tokenizer
     from model import ModelArgs, checkpoint_paths, random_model
     from policies import AttentionSettings, Storage, parse_compression, policy_factory, solve_target
 
@@ -353,12 +353,12 @@ LLAMACPP_FORMATS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # o
 
 
 class _LlamaCpp:
-    """llama.cpp (scripts/llamacpp.py: built from llama-cpp-python's sdist, an optional extra) on the GGUF of
+    """llama.cpp (bench/llamacpp.py: built from llama-cpp-python's sdist, an optional extra) on the GGUF of
     --llamacpp, requantized into each dtype's format (--llamacpp-format: one format for every dtype,
     e.g. q8_0 beside an int8 checkpoint), timed after the same contexts as ours."""
 
     def __init__(self, args, contexts: list[int]):
-        from scripts import llamacpp
+        from bench import llamacpp
 
         if args.llamacpp_format and args.llamacpp_format not in llamacpp.FORMATS:
             raise UserError(f"unknown --llamacpp-format {args.llamacpp_format!r} (choose from {', '.join(llamacpp.FORMATS)})")
@@ -373,7 +373,7 @@ class _LlamaCpp:
 
     def time(self, dtype: str, prefill: bool) -> list[dict]:
         """One llama-bench round in the dtype's format: decode after each context (and prefill)."""
-        from scripts import llamacpp
+        from bench import llamacpp
 
         fmt = self.format(dtype)
         if fmt not in self.ggufs:
@@ -396,7 +396,7 @@ def _median_rounds(rounds: list[list[dict]], dtype: str) -> dict[tuple[str, int]
 def _beside_llamacpp(rows: list[dict], theirs: dict, llama: _LlamaCpp, contexts: list[int],
                      dtypes: list[str]) -> None:
     """llama.cpp's rows (_LlamaCpp, timed in rounds between ours) printed beside our B = 1 rows."""
-    from scripts import llamacpp
+    from bench import llamacpp
 
     ours = {(r["dtype"], r["prompt_tokens"], r["sparq_r"]): r for r in rows  # r None: dense
             if r["batch_size"] == 1 and r.get("adaptive_compression") is None}

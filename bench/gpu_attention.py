@@ -37,7 +37,7 @@ def transfer_bytes(policy, B: int, n_kv: int, d: int, S: int, elem: int = 2) -> 
 
 def attention_theory(B: int, n_kv: int, d: int, S: int, r: int, k: int, elem: int = 2) -> tuple[int, int]:
     """(dense bytes, SparQ bytes) of one call: 2Sd + 2d and Sr + 2kd + 4d per KV head (k capped at S)."""
-    from model import DenseDecode
+    from attention import DenseDecode
     from sparq import SparQConfig, SparQDecode
 
     sparq = SparQDecode(SparQConfig(r=r, k_top=k), dense_when_short=False)
@@ -202,7 +202,7 @@ def reference_error(out, expected, rows_ok: Optional[list[bool]] = None, atol: f
 def check_against_reference(shape, copy: dict, sparq: Callable, dense: dict[str, Callable]) -> dict[str, str]:
     """Every kernel about to be timed against its reference on the shape's first rows (SparQ: where
     the selection has no tie, sparq.selection_has_ties): name -> error; empty when all agree."""
-    from model import dense_attention_torch
+    from attention import dense_attention_torch
     from sparq import SparQConfig, selection_has_ties, sparq_reference
 
     name, B, n_kv, g, d, S, r, k_top = shape
@@ -307,12 +307,13 @@ def attention_row(shape, device: str, dtype=torch.bfloat16, bandwidth: Optional[
 
 def quantized_attention_row(shape, device: str, bandwidth: Optional[float] = None, replays: int = 20,
                             kv_dtype: str = "int8", kt_dtype: str = "int4") -> dict:
-    """SparQ and dense on a quantized cache (model.KVCache's stored buffers and scales), bf16
+    """SparQ and dense on a quantized cache (cache.KVCache's stored buffers and scales), bf16
     activations: dense int8 first checked against the torch path on the cache's dequantized view (the
     SparQ kernel's check on quantized caches is the tests section's), then both timed from CUDA graphs
     over rotating caches; bytes as stored (policy.transfer_bytes), beside dense's on a bf16 cache."""
     import kernels_triton
-    from model import DenseDecode, KVCache, KVFormat, dense_attention_torch
+    from attention import DenseDecode, dense_attention_torch
+    from cache import KVCache, KVFormat
     from sparq import SparQConfig, SparQDecode
 
     name, B, n_kv, g, d, S, r, k_top = shape

@@ -50,10 +50,9 @@ from typing import Callable, Iterator, Optional
 import torch
 
 import cli
-from model import KT_DTYPES, KV_DTYPES, KVFormat
-from bench.gpu_attention import (ATTENTION_SHAPES, CPU_ATTENTION, CPU_QUANT_ATTENTION, QUANT_ATTENTION,
-                                  QUICK_ATTENTION, TABLE4, attention_row, quantized_attention_row,
-                                  memory_bandwidth, short_kernel_name)
+from cache import KT_DTYPES, KV_DTYPES, KVFormat
+from bench.gpu_attention import (ATTENTION_SHAPES, CPU_ATTENTION, CPU_QUANT_ATTENTION, QUANT_ATTENTION, QUICK_ATTENTION,
+                                 TABLE4, attention_row, quantized_attention_row, memory_bandwidth, short_kernel_name)
 
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("tests", "attention", "e2e", "quant")

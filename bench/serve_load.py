@@ -12,7 +12,7 @@ seconds; requests in flight then finish. Per (C, N): total decode throughput (ge
 request over the run's wall time), time to first token and inter-token latency (p50, p99: the gaps
 between a request's streamed tokens), requests and failures. Without --url the server is started here
 (serve.py on the embedded model, --max-batch-size = the largest C, --server-args added) and stopped
-after; --llama-server also starts llama.cpp's server (scripts/llamacpp.py builds it from the source
+after; --llama-server also starts llama.cpp's server (bench/llamacpp.py builds it from the source
 `bench decode --llamacpp` times; -np = the same rows, the embedded GGUF converted to --llama-format)
 and the same load runs against both, taking turns at each (C, N).
 """
@@ -192,7 +192,7 @@ def start_ours(rows: int, context: int, extra: list[str]) -> tuple[str, subproce
 def llama_server_command(server, gguf, port: int, rows: int, context: int, threads: int,
                          avoid_amx_tiles: bool) -> list[str]:
     """llama-server's command line: -np rows of `context` positions each (-c is their total).
-    avoid_amx_tiles (scripts/llamacpp.py's amx_tiles_avoided): --no-repack, without ggml's extra buffer
+    avoid_amx_tiles (bench/llamacpp.py's amx_tiles_avoided): --no-repack, without ggml's extra buffer
     types: the server batches several rows (and a prompt's tokens) in one matmul, where ggml's AMX
     tiles died with SIGILL on the CPU that saw it (bench decode avoids them the same way)."""
     return [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(rows),
@@ -200,10 +200,10 @@ def llama_server_command(server, gguf, port: int, rows: int, context: int, threa
 
 
 def start_llama_server(rows: int, context: int, fmt: str, threads: int) -> tuple[str, subprocess.Popen, str]:
-    """llama-server (scripts/llamacpp.py's build, the source `bench decode --llamacpp` times) on the
+    """llama-server (bench/llamacpp.py's build, the source `bench decode --llamacpp` times) on the
     embedded GGUF in `fmt`: -np rows, each with `context` positions (-c is their total)."""
     import data
-    from scripts import llamacpp
+    from bench import llamacpp
 
     build = llamacpp.build(roles=("server",))
     gguf = llamacpp.requantize(data.DEFAULT_GGUF, fmt, build_=build)

@@ -61,7 +61,7 @@ def run(args) -> int:
 
     import data
     from decoding import Generator, Speculator, acceptance_needed, speculation_summary
-    from generate import check_same_tokenizer, kernels_for, load_checkpoint, load_tokenizer, model_args
+    from assemble import check_same_tokenizer, kernels_for, load_checkpoint, load_tokenizer, model_args
     from policies import AttentionSettings, policy_factory
 
     contexts = cli.int_list(args.prompt_tokens, "--prompt-tokens")

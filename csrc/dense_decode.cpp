@@ -11,7 +11,7 @@
 // arguments only, and the dispatcher then reads the defaulted ones past the end.)
 // lengths: None (every row reads positions [0, length)) or (B,) int: row b reads [0, lengths[b])
 // (ragged batches: a short row costs only what it reads).
-// An int8 cache (model.KVCache with --kv-dtype int8) is read as stored: K[p] = k[p] k_scale[p] chan,
+// An int8 cache (cache.KVCache with --kv-dtype int8) is read as stored: K[p] = k[p] k_scale[p] chan,
 // V[p] = v[p] v_scale[p], with k_scale, v_scale (B_max, n_kv, S_max) and chan (B_max, n_kv, d) fp32:
 // chan is folded into q, k_scale into each position's logit, v_scale into its softmax weight. With
 // AVX512_VNNI (d = 64, 128, 256) q is quantized to int8 per (head, 4 channels) and the softmax

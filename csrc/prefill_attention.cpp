@@ -7,7 +7,7 @@
 // q (B, H, T, d), k and v (B, n_kv, S_k, d) with S_k >= T, any strides but contiguous along d; all of
 // one float dtype (fp32, bf16, fp16). The queries are the last T of the S_k positions: query t sees
 // keys j <= t + S_k - T. y = softmax(q k^T / sqrt(d)) v per query head, head h reading KV head
-// h / (H / n_kv) -> (B, H, T, d) contiguous, q's dtype. It computes what model.prefill_attention
+// h / (H / n_kv) -> (B, H, T, d) contiguous, q's dtype. It computes what attention.prefill_attention
 // computes with SDPA (window None, no soft-cap), in fp32.
 //
 // Why not SDPA: torch's CPU flash kernel ran SmolLM2's bf16 prefill attention at ~140 GFLOP/s on

@@ -8,8 +8,8 @@
 //   adaptive_quant_cpu(..., Tensor? lengths, Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale,
 //                      float kt_cost, float kt_scale_cost) -> Tensor
 // the second on a quantized cache, read as stored as decode_quant_cpu reads it (sparq_decode.cpp's
-// header), its budget split in stored bytes (kt_cost, kt_scale_cost: sparq.StepCosts).
-// It computes what sparq.sparq_adaptive_attention_torch computes (sparq.sparq_adaptive_reference at
+// header), its budget split in stored bytes (kt_cost, kt_scale_cost: sparq_adaptive.StepCosts).
+// It computes what sparq_adaptive.sparq_adaptive_attention_torch computes (sparq_adaptive.sparq_adaptive_reference at
 // each row's split), in fp32. Per batch row b, of live length S_b:
 //   (r, k) = adaptive_split(S_b, d, compression, k_cap, costs), or (d, S_b) when S_b <= k_max (k_cap:
 //     the most positions a row's split may take, none when absent; k_max: the length up to which it is dense);
@@ -57,8 +57,8 @@
 namespace sparq_cpu {
 namespace {
 
-// sparq.adaptive_split, the same arithmetic in the same order (doubles, floors): kt and kt_scale are
-// sparq.StepCosts (1 and 0 on a float cache, where it is the paper's element count).
+// sparq_adaptive.adaptive_split, the same arithmetic in the same order (doubles, floors): kt and kt_scale are
+// sparq_adaptive.StepCosts (1 and 0 on a float cache, where it is the paper's element count).
 struct Split {
   int64_t r, k;
 };
@@ -66,7 +66,7 @@ static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max, std::
                             double kt_scale) {
   if (S <= k_max) return {d, S};  // the row sees at most k_max positions: all of them, every component
   const int64_t budget = (int64_t)(c * (double)(2 * S * d + 2 * d));
-  // sparq.position_share: on a K^T cheaper than K, d / 2 components where they (and the fixed 6 d) cost at most
+  // sparq_adaptive.position_share: on a K^T cheaper than K, d / 2 components where they (and the fixed 6 d) cost at most
   // 3/4 of the budget (HALF_COMPONENTS_AT_MOST); else half to positions unless that leaves fewer than
   // MIN_COMPONENTS = 12
   const double fixed = (double)(6 * d) / (double)S;
@@ -341,7 +341,7 @@ at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::opt
                        std::nullopt, std::nullopt, std::nullopt, 1.0, 0.0);
 }
 
-// A quantized cache (its scales as decode_quant_cpu's) and step 1's costs in K/V elements (sparq.StepCosts).
+// A quantized cache (its scales as decode_quant_cpu's) and step 1's costs in K/V elements (sparq_adaptive.StepCosts).
 at::Tensor adaptive_quant_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                               const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
                               double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v,

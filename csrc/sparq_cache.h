@@ -1,5 +1,5 @@
 // How a SparQ op's cache tensors become its Problem: their checks, strides and a quantized cache's
-// scales (model.KVCache). sparq_decode.cpp and sparq_adaptive.cpp read the same cache.
+// scales (cache.KVCache). sparq_decode.cpp and sparq_adaptive.cpp read the same cache.
 #pragma once
 
 #include <ATen/core/Tensor.h>

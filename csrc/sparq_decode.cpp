@@ -30,7 +30,7 @@
 //   D. prefetch the selected rows of K and V in one burst, gather them directly from the cache
 //      and attend exactly; mean-V.
 // Positions >= S and batch rows >= B are never loaded (tails use masked loads).
-// A quantized cache (model.KVCache: --kv-dtype int8, --kt-dtype int8/int4) is read as stored: int8 k
+// A quantized cache (cache.KVCache: --kv-dtype int8, --kt-dtype int8/int4) is read as stored: int8 k
 // and v with k_scale, v_scale (B_max, n_kv, S_max) and chan (B_max, n_kv, d), K[p] = k[p] k_scale[p]
 // chan, V[p] = v[p] v_scale[p]; an int8 K^T (int8 k_t) or an int4 one (uint8 k_t (B_max, n_kv, d,
 // S_max / 2 + 1 rounded up to 16), two positions per byte) with kt_scale (B_max, n_kv, S_max), K^T[c, p] = k_t[c, p]

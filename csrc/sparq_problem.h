@@ -26,7 +26,7 @@ struct Problem {
   int64_t vs0, vs1, vs2;
   int64_t vss0, vss1;
   const float* vsum;
-  // A quantized cache (model.KVCache; nullptr otherwise). int8 K and V: K[p] = k[p] k_scale[p] chan,
+  // A quantized cache (cache.KVCache; nullptr otherwise). int8 K and V: K[p] = k[p] k_scale[p] chan,
   // V[p] = v[p] v_scale[p]. Step 1's source (K^T, or K with layout "once") when quantized: its
   // per-position scales kt_scale (k_scale for K itself) and chan, folded into q_hat.
   const float *k_scale = nullptr, *v_scale = nullptr, *chan = nullptr, *kt_scale = nullptr;
@@ -58,7 +58,7 @@ static inline Row row_of(const Problem& P, int64_t b) {
 
 constexpr int64_t kBlock = 32;  // positions per block of pass A (two vectors)
 
-// An int4 K^T (model.KVCache, --kt-dtype int4): two positions per byte, the even one in the low
+// An int4 K^T (cache.KVCache, --kt-dtype int4): two positions per byte, the even one in the low
 // nibble, each stored as q + 8. A row pointer of this type points at bytes; position p is in byte p / 2.
 struct int4x2 {
   uint8_t bits;

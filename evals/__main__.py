@@ -51,7 +51,7 @@ from evals.journal import Journal, journal_path
 from evals.report import budget_records, budget_summary, no_selection, plot_title, print_results, report, write_json
 from evals.runner import Cell, Results, Runner, evaluate_batch
 from evals.tasks import TASKS, Example, TaskOptions
-from generate import DTYPES, add_cache_flags, cache_format, kernels_for, load_checkpoint, load_tokenizer, model_args
+from assemble import DTYPES, add_cache_flags, cache_format, kernels_for, load_checkpoint, load_tokenizer, model_args
 from kernels import KERNEL_CHOICES
 from policies import (DENSE, POLICIES, QUEST_PAGE, AttentionSettings, add_selector_flags, fraction_label,
                       parse_compression, selector_settings)

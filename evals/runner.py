@@ -21,10 +21,12 @@ import torch
 from torch import Tensor
 
 from evals.tasks import TASKS, Example, Outcome, Task
+from attention import DecodePolicy
+from cache import KVFormat
 from decoding import decode_step, prefill, sample
-from model import DecodePolicy, KVFormat, Transformer
-from policies import (DENSE, AttentionSettings, Budget, fraction_label, model_compression, policy_factory,
-                      Storage, selection_agreement, solve_budget)
+from model import Transformer
+from policies import (DENSE, AttentionSettings, Budget, fraction_label, model_compression, policy_factory, Storage,
+                      selection_agreement, solve_budget)
 
 
 def mean_stderr(values: list[float]) -> tuple[float, Optional[float]]:

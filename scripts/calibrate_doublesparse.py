@@ -22,8 +22,9 @@ from torch import Tensor
 
 import cli
 import data
+from attention import DecodePolicy
+from cache import KVCache
 from decoding import PREFILL_CHUNK, prefill
-from model import DecodePolicy, KVCache
 from policies import CHANNELS_FILE, default_channels_file
 
 
@@ -67,7 +68,7 @@ def calibrate(model, tokens: list[int], chunk: int = PREFILL_CHUNK) -> Tensor:
 
 
 def run(args: argparse.Namespace) -> int:
-    from generate import load_checkpoint, load_tokenizer
+    from assemble import load_checkpoint, load_tokenizer
     from kernels import TORCH_KERNELS
 
     out = args.out or default_channels_file(args.checkpoint)

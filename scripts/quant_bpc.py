@@ -17,9 +17,9 @@ tokenizations and BOS conventions can differ slightly, so compare changes, not t
 
 Our rows: fp32, int8 and int4 (fused GEMVs, fp32 activations), int8-q8 and int4-q8 (activations
 quantized to int8 per group, integer dot products: quantize.py's "gemv-q8", the head's too). llama.cpp's:
-f32, q8_0, q4_0, q4_1 (llama-quantize from --gguf, cached; python -m scripts.llamacpp build makes the
+f32, q8_0, q4_0, q4_1 (llama-quantize from --gguf, cached; python -m bench.llamacpp build makes the
 binaries, and cmake --build <its build dir> --target llama-perplexity this one). On CPUs with AMX
-llama-perplexity runs with --no-repack (scripts.llamacpp.amx_tiles_avoided says why); that changes
+llama-perplexity runs with --no-repack (bench.llamacpp.amx_tiles_avoided says why); that changes
 which kernels run, not the formats' arithmetic.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def our_nll(model, tokens: torch.Tensor) -> float:
 
 
 def our_rows(args, tokens: torch.Tensor) -> list[dict]:
-    from generate import load_checkpoint
+    from assemble import load_checkpoint
     from kernels import resolve_kernels
 
     kernels = resolve_kernels("cpu", "cpu")
@@ -85,11 +85,11 @@ def our_rows(args, tokens: torch.Tensor) -> list[dict]:
 
 
 def llamacpp_rows(args, text: str, n_scored: int) -> list[dict]:
-    from scripts import llamacpp
+    from bench import llamacpp
 
     b = llamacpp.find_build()
     if b is None:
-        raise UserError("llama.cpp is not built here: python -m scripts.llamacpp build")
+        raise UserError("llama.cpp is not built here: python -m bench.llamacpp build")
     perplexity = b.bin_dir / "llama-perplexity"
     if not perplexity.is_file():
         raise UserError(f"{perplexity} is missing: build it with cmake --build {b.bin_dir.parent} --target llama-perplexity")
@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from generate import load_tokenizer
-    from scripts.llamacpp import FORMATS
+    from assemble import load_tokenizer
+    from bench.llamacpp import FORMATS
 
     args.llamacpp_formats = cli.name_list(args.llamacpp_formats, "--llamacpp-formats", list(FORMATS))
     if args.ctx < 4:

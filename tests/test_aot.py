@@ -5,8 +5,9 @@ import torch
 
 import kernels
 from conftest import assert_one_line_error
+from attention import DenseDecode
 from decoding import AOTDecodeStep, Generator, decode_step
-from model import DenseDecode, ModelArgs, random_model
+from model import ModelArgs, random_model
 from sparq import SparQConfig, SparQDecode
 
 

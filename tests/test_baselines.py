@@ -5,9 +5,10 @@ import math
 import torch
 
 from conftest import channels_file
-from model import KVCache, dense_attention_torch
-from sparq import SparQConfig
+from attention import dense_attention_torch
+from cache import KVCache
 from policies import H2ODecode, LocalDecode, OracleDecode, QuestDecode, TopKDecode, compression_ratio
+from sparq import SparQConfig
 
 
 def dense_attention(q, k, v):
@@ -377,7 +378,7 @@ def test_doublesparse_under_tensor_parallel_takes_its_ranks_heads():
 def test_calibration_ranks_channels_by_q_and_k_magnitude_over_every_chunk():
     """The calibration's ranking, accumulated over prefill chunks, against sum_t |q_t k_t| per channel
     written out over one prefill of the same tokens that keeps q and K whole."""
-    from model import DecodePolicy
+    from attention import DecodePolicy
     from scripts.calibrate_doublesparse import calibrate
     from test_ragged import tiny_model
 

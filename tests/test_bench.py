@@ -151,11 +151,11 @@ def test_decode_ragged_case_counts_every_row_at_its_length(tmp_path, smollm2_che
 def test_beside_llamacpp_shows_every_sparq_r(monkeypatch, capsys, tmp_path):
     """Our B = 1 rows (dense and one SparQ per r) beside llama.cpp's decode at each context: the median
     of its rounds, in the dtype's format or the one --llamacpp-format names (llama.cpp faked: its build
-    and timing are scripts/llamacpp.py's own tests)."""
+    and timing are bench/llamacpp.py's own tests)."""
     import argparse
     from types import SimpleNamespace
 
-    from scripts import llamacpp
+    from bench import llamacpp
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -299,7 +299,7 @@ def test_speculate_predict_is_the_byte_model(tmp_path):
 
 
 def test_alternating_medians_takes_turns_and_times_each_call():
-    """A/B timing (scripts/compile_backend_ab.py, dense_step_ab.py): warm calls first, then rounds in which
+    """A/B timing (scripts/studies/compile_backend_ab.py, dense_step_ab.py): warm calls first, then rounds in which
     each candidate runs its reps in turn; the result is seconds per call, a slow call measured as slow."""
     import time
 

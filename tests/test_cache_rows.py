@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import channels_file
+from cache import KVCache, KVFormat
 from decoding import prefill
-from model import KVCache, KVFormat
 from policies import POLICIES, AttentionSettings, policy_factory
 from test_ragged import tiny_model
 
@@ -164,7 +164,7 @@ def test_model_rows_after_truncate_reset_and_refill_continue_as_alone(policy):
 def test_chat_keeps_the_prefix_it_shares_and_truncates_the_rest(policy):
     """generate.py --interactive: an edited or dropped turn keeps the cached prefix the new conversation
     shares (H2O, which cannot truncate a row, starts over); the next token's logits equal a fresh prefill's."""
-    import generate
+    from chat import reuse_cache
 
     model = tiny_model()
     settings = AttentionSettings(policy, kv_budget=16 if policy == "h2o" else None)
@@ -175,13 +175,13 @@ def test_chat_keeps_the_prefix_it_shares_and_truncates_the_rest(policy):
     model.set_decode_attention(policy_factory(settings, model.args))
     with torch.no_grad():
         prefill(model, torch.tensor([cached]))
-        reuse = generate.reuse_cache(model, cached, ids)
+        reuse = reuse_cache(model, cached, ids)
         assert reuse == (20 if policy == "dense" else 0)
         logits = prefill(model, torch.tensor([ids[reuse:]]), start=reuse)
         model.reset_caches()
         torch.testing.assert_close(logits, prefill(model, torch.tensor([ids])), rtol=1e-4, atol=1e-4)
         if policy == "dense":
-            assert generate.reuse_cache(model, ids, ids) == len(ids) - 1  # one token left for the logits
+            assert reuse_cache(model, ids, ids) == len(ids) - 1  # one token left for the logits
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])

@@ -6,14 +6,18 @@ import sys
 import pytest
 import torch
 
+import assemble
+import chat
 import data
 import decoding
 import generate
 from conftest import REPO, assert_one_line_error, read_json, run_python
 import kernels
+from attention import DenseDecode
+from cache import KVFormat
 from decoding import Generator
 from kernels import TORCH_KERNELS
-from model import DenseDecode, KVFormat, load_model
+from model import load_model
 from sparq import SparQConfig, SparQDecode
 
 
@@ -304,7 +308,7 @@ def test_warm_up_compiles_every_step_variant_before_the_timed_run():
 def test_rewind_sums_v_in_chunks_without_an_fp32_copy_of_the_cache():
     """KVCache.rewind recomputes the running V sum a chunk of positions at a time (KVCache.sum_positions):
     equal to the direct fp32 sum over a length that spans several chunks."""
-    from model import SUM_CHUNK, KVCache
+    from cache import SUM_CHUNK, KVCache
 
     cache = KVCache(2, 3 * SUM_CHUNK, 2, 16, torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
@@ -381,16 +385,16 @@ def test_streamed_text_handles_multibyte_characters():
     assert out.getvalue() == "héllo €\n" and "\ufffd" not in out.getvalue()
 
 
-def test_interactive_chat_keeps_the_conversation_in_the_cache(smollm2_checkpoint):
+def test_interactive_chat_keeps_the_conversation_in_the_cache(smollm2_checkpoint, monkeypatch):
     """Two turns: the second prefills only what the conversation adds (the first turn stays cached)."""
     args = generate.build_parser().parse_args(["--checkpoint", str(smollm2_checkpoint), "--interactive",
                                                "--max-new-tokens", "12", "--kernel", "torch"])
-    config = generate.model_args(args.checkpoint)
-    model = generate.load_checkpoint(args.checkpoint, "cpu", torch.float32,
-                                     generate.kernels_for("torch", "cpu", config))
-    tok = generate.load_tokenizer(args.checkpoint)
+    config = assemble.model_args(args.checkpoint)
+    model = assemble.load_checkpoint(args.checkpoint, "cpu", torch.float32,
+                                     assemble.kernels_for("torch", "cpu", config))
+    tok = assemble.load_tokenizer(args.checkpoint)
     prefilled = []
-    original = generate.prefill
+    original = chat.prefill
 
     def counting_prefill(model_, prompt, *a, **kw):
         prefilled.append((prompt.shape[1], kw.get("start", 0)))
@@ -398,11 +402,8 @@ def test_interactive_chat_keeps_the_conversation_in_the_cache(smollm2_checkpoint
 
     lines = iter(["What is the capital of France?", "And of Italy?", ""])
     out = io.StringIO()
-    generate.prefill = counting_prefill
-    try:
-        generate.chat_loop(args, model, tok, generate.attention_settings(args), 1, lambda _: next(lines), out)
-    finally:
-        generate.prefill = original
+    monkeypatch.setattr(chat, "prefill", counting_prefill)
+    chat.chat_loop(args, model, tok, generate.attention_settings(args), 1, lambda _: next(lines), out)
     assert len(prefilled) == 2
     assert prefilled[0][1] == 0 and prefilled[1][1] > 0  # turn 2 starts where turn 1 ended in the cache
     assert prefilled[1][0] < 40  # only the new turn's tokens

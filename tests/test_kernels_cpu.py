@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels  # noqa: E402
-from model import KVCache  # noqa: E402
+from cache import KVCache  # noqa: E402
 from quantize import pack_int4_rows16, pack_int8_rows16, unpack_int4_rows16, unpack_int8_rows16  # noqa: E402
 from sparq import SparQConfig, selection_has_ties, sparq_reference  # noqa: E402
 
@@ -303,8 +303,8 @@ def test_softmax_extremes_do_not_overflow():
     (3, 72, 2, 700, "float32", 2),  # d % 16 != 0: the unblocked path
     (4, 256, 2, 2100, "float32", 2), (4, 256, 1, 500, "bfloat16", 1)])  # Gemma's head dim
 def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
-    """kernels.dense_attention_cpu: exact attention over [0, S), against model.dense_attention_torch in fp32."""
-    from model import dense_attention_torch
+    """kernels.dense_attention_cpu: exact attention over [0, S), against attention.dense_attention_torch in fp32."""
+    from attention import dense_attention_torch
 
     threads(n_threads)
     dtype = getattr(torch, dtype)
@@ -330,8 +330,8 @@ def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
     (1, 8, 4, 70, 300, 256, "bfloat16", 1)])  # Gemma's head dim
 def test_prefill_attention_matches_fp64(B, H, n_kv, T, S, d, dtype, n_threads, threads):
     """kernels.prefill_attention_cpu: the T queries of a chunk, the last T of S positions, each attending
-    causally; against model.prefill_attention (SDPA) in fp64, on cache views (keys strided by S_max)."""
-    from model import prefill_attention
+    causally; against attention.prefill_attention (SDPA) in fp64, on cache views (keys strided by S_max)."""
+    from attention import prefill_attention
 
     threads(n_threads)
     dtype = getattr(torch, dtype)
@@ -350,7 +350,8 @@ def test_prefill_kernel_in_the_model_matches_sdpa():
     """A chunked prefill with the CPU kernels (the prefill attention kernel, F.linear) gives the torch
     kernels' logits (SDPA); with autograd on, the model leaves attention to SDPA (the kernel has no backward)."""
     from decoding import prefill
-    from model import KVFormat, ModelArgs, random_model
+    from cache import KVFormat
+    from model import ModelArgs, random_model
 
     args = ModelArgs.from_shape("tiny")
     prompt = torch.randint(args.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0))
@@ -374,7 +375,7 @@ def test_fused_dense_bf16_cache_with_wider_query(q_dtype, d, g, threads):
     precision (on the bf16 dot-product path as hi + lo bf16 planes), so the kernel matches the fp32
     reference on the cache's values to fp32 accuracy; d = 96 has an odd number of 16-lane vectors
     and d = 80 is off the bf16 path's 32-wide vectors."""
-    from model import dense_attention_torch
+    from attention import dense_attention_torch
 
     threads(2)
     B, n_kv, S = 2, 2, 1500
@@ -434,7 +435,7 @@ def _poisoned(k, k_t, v, v_sum, lengths):
 def test_ragged_rows_match_each_row_alone(kind, d, layout, dtype, n_threads, lengths, threads):
     """live_length (B,): each row equals that row run alone with its own length, and the torch path
     with per-row lengths; nothing beyond a row's length (NaN there) nor in rows >= B is read."""
-    from model import dense_attention_torch
+    from attention import dense_attention_torch
     from sparq import sparq_attention_torch
 
     threads(n_threads)

@@ -1,5 +1,5 @@
 """The fused CPU kernel of adaptive SparQ (csrc/sparq_adaptive.cpp, kernels.sparq_adaptive_cpu) against
-its reference, sparq.sparq_adaptive_attention_torch (the loop reference sparq_adaptive_reference at each
+its reference, sparq_adaptive.sparq_adaptive_attention_torch (the loop reference sparq_adaptive_reference at each
 row's split: tests/test_sparq_adaptive.py checks that pair), on random caches whose key dimensions are
 scaled 1 to 30x apart so the keys' spread changes which components step 1 reads.
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kernels
-from model import KVCache
-from sparq import SparQAdaptiveDecode, key_spread, sparq_adaptive_attention_torch
+from cache import KVCache
+from sparq_adaptive import SparQAdaptiveDecode, key_spread, sparq_adaptive_attention_torch
 from test_sparq import random_query
 
 pytestmark = pytest.mark.usefixtures("fused_cpu_kernels")

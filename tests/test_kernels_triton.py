@@ -1,5 +1,5 @@
 """Triton decode kernels against their references: kernels_triton.sparq_attention_triton against the
-oracle `sparq.sparq_reference`, kernels_triton.dense_attention_triton against `model.dense_attention_torch`.
+oracle `sparq.sparq_reference`, kernels_triton.dense_attention_triton against `attention.dense_attention_torch`.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1 before anything imports triton); on a CUDA machine they compile and run for real.
@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 
 import kernels  # noqa: E402
 import kernels_triton  # noqa: E402
-from model import KVCache, dense_attention_torch  # noqa: E402
+from attention import dense_attention_torch  # noqa: E402
+from cache import KVCache  # noqa: E402
 from sparq import SparQConfig, selection_has_ties, sparq_reference  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -647,7 +648,7 @@ def test_a_model_on_a_quantized_cache_generates_alike_with_triton_and_torch(kv_d
     """Greedy tokens of a model whose decode reads a quantized cache in the Triton kernels equal those of the
     torch path on its dequantized copy (fp32: the two differ by rounding only); ragged rows."""
     from decoding import Generator
-    from model import KVFormat
+    from cache import KVFormat
     from policies import AttentionSettings, policy_factory
     from test_ragged import tiny_model
 

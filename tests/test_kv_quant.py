@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, channels_file
+from cache import QMAX, KVCache, KVFormat, quantize_symmetric, unpack_int4
 from decoding import Generator
-from model import QMAX, KVCache, KVFormat, Transformer, quantize_symmetric, unpack_int4
+from model import Transformer
 from policies import POLICIES, AttentionSettings, policy_factory
-from sparq import StepCosts
+from sparq_adaptive import StepCosts
 from test_generate import run_generate
 from test_ragged import alone, run_rows, tiny_model
 
@@ -327,7 +328,7 @@ def test_fused_dense_kernel_reads_an_int8_cache_as_its_dequantized_copy(fused_cp
     the build quantizes q and the weights (VNNI, d a multiple of 64), against a reference that
     rounds alike, and within the rounding's bound of the torch path."""
     from kernels import dense_attention_cpu, dense_verify_cpu
-    from model import dense_attention_torch
+    from attention import dense_attention_torch
 
     B, n_kv, g, S = 3, 2, 3, 300
     cache = KVCache(B + 1, 320, n_kv, d, dtype, kv_dtype="int8")
@@ -430,7 +431,7 @@ def test_fused_adaptive_kernel_reads_a_quantized_cache_as_its_dequantized_copy(f
     values, both splitting the budget at the cache's costs (more components on a smaller K^T): ragged
     rows of odd lengths, and one long row split over the threads in chunks."""
     from kernels import sparq_adaptive_cpu
-    from sparq import key_spread, sparq_adaptive_attention_torch
+    from sparq_adaptive import key_spread, sparq_adaptive_attention_torch
 
     torch.set_num_threads(2)
     for cache, q, stored, k, v, k_t, S, live in quantized_cases(layout, kv_dtype, kt_dtype, dtype, d):

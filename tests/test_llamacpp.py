@@ -1,4 +1,4 @@
-"""scripts/llamacpp.py: argument parsing, one-line errors, llama-bench output parsing; one run of the real llama-bench when built."""
+"""bench/llamacpp.py: argument parsing, one-line errors, llama-bench output parsing; one run of the real llama-bench when built."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import llamacpp
+from bench import llamacpp
 
 # Captured from a real run of this module's build (llama.cpp 0c1e570, llama-cpp-python 0.3.36) on the
 # embedded Q4_1 SmolLM2-135M, 2 threads, 1 repetition, verbatim stdout (on a busy machine: slow figures):
@@ -262,7 +262,7 @@ def test_default_cache(monkeypatch, tmp_path):
 def test_user_errors_are_one_line(capsys, argv, message):
     rc, out, err = run_main(capsys, *argv)
     assert rc == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith("python -m scripts.llamacpp: error: ") and message in err, err
+    assert err.count("\n") == 1 and err.startswith("python -m bench.llamacpp: error: ") and message in err, err
 
 
 def test_missing_cmake_is_one_line(capsys, monkeypatch, tmp_path):
@@ -385,7 +385,7 @@ def test_parse_rejects_other_output(text):
 def llama_build():
     found = llamacpp.find_build()
     if found is None:
-        pytest.skip(f"llama.cpp not built in {llamacpp.default_cache()} (optional: `python -m scripts.llamacpp build`)")
+        pytest.skip(f"llama.cpp not built in {llamacpp.default_cache()} (optional: `python -m bench.llamacpp build`)")
     return found
 
 

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from model import KVCache, dense_attention_torch
+from attention import dense_attention_torch
+from cache import KVCache
 from sparq import SparQConfig, SparQDecode, sparq_reference
 
 
@@ -137,7 +138,8 @@ def test_config_validation_messages():
 
 
 def test_transfer_accounting_matches_paper_formulas():
-    from model import DenseDecode, ModelArgs, Transformer
+    from attention import DenseDecode
+    from model import ModelArgs, Transformer
 
     args = ModelArgs(vocab_size=10, dim=576, n_layer=30, n_head=9, n_kv_head=3, head_dim=64, intermediate_size=10)
     S, B = 8192, 4
@@ -169,7 +171,7 @@ def test_compiled_sparq_equals_eager():
 
 def test_bucketed_lengths_equal_exact_lengths():
     """Reading past the live length (CUDA-graph buckets) with masking gives the exact-length result."""
-    from model import DenseDecode
+    from attention import DenseDecode
 
     B, n_kv, g_, d, S, bucket = 2, 3, 3, 64, 300, 128
     exact, _, _ = filled_cache(B, n_kv, d, S, 512, garbage=False)
@@ -248,7 +250,7 @@ def test_window_cache_views_and_running_sum():
 
 def test_window_policies_attend_exactly_their_window():
     """Dense and SparQ (r = d, k >= W) on a window cache equal dense attention over the last W positions."""
-    from model import DenseDecode
+    from attention import DenseDecode
 
     B, n_kv, g_, d, S, W = 2, 2, 3, 16, 50, 12
     cache = KVCache(B, 64, n_kv, d, torch.float32, window=W)
@@ -266,7 +268,7 @@ def test_window_policies_attend_exactly_their_window():
 def test_per_row_live_lengths_equal_each_row_run_alone():
     """A (B,) live length (ragged batches): every row of dense and SparQ attention equals that row
     computed alone at its own exact length."""
-    from model import dense_attention_torch
+    from attention import dense_attention_torch
     from sparq import sparq_attention_torch
 
     B, n_kv, g_, d, S_max = 3, 2, 3, 32, 300
@@ -290,7 +292,7 @@ def test_per_row_live_lengths_equal_each_row_run_alone():
 def test_short_contexts_take_the_dense_path_with_the_same_result():
     """S <= k: SparQ would select every position; the policy runs dense attention instead (same
     output, fewer transfers), and switches to the sparse path once S exceeds k."""
-    from model import DenseDecode
+    from attention import DenseDecode
 
     B, n_kv, g_, d = 2, 3, 3, 64
     cache, _, _ = filled_cache(B, n_kv, d, 200, 256, garbage=False)

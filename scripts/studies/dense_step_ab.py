@@ -2,7 +2,7 @@
 int8 cache, alternating in one process: the speedup of the int8 cache with nothing else in between
 (bench decode interleaves every policy and format; README, "The quantized KV cache, measured here").
 
-    python -m scripts.dense_step_ab --checkpoint checkpoints/SmolLM2-135M-Instruct --batch-size 8 --context 8192
+    python -m scripts.studies.dense_step_ab --checkpoint checkpoints/SmolLM2-135M-Instruct --batch-size 8 --context 8192
 
 The caches hold random keys and values (no prefill: the steps read the same bytes either way).
 """
@@ -16,9 +16,9 @@ import torch
 import cli
 import kernels
 from bench.common import alternating_medians
+from cache import KVFormat
 from decoding import compiled_decode_step, decode_step, own_step
-from generate import load_checkpoint
-from model import KVFormat
+from assemble import load_checkpoint
 from policies import AttentionSettings, policy_factory
 
 FORMATS = {"auto": KVFormat("twice", "auto", "same"), "int8": KVFormat("twice", "int8", "same")}

@@ -2,7 +2,7 @@
 AOTInductor, decoding.compiled_decode_step's two CPU backends), alternating in one process on the same
 model and cache: what dynamo, its guards and the Python around each step cost (README, "Measured here").
 
-    python -m scripts.compile_backend_ab --checkpoint checkpoints/SmolLM2-135M-Instruct/model_int4.g32.pth \\
+    python -m scripts.studies.compile_backend_ab --checkpoint checkpoints/SmolLM2-135M-Instruct/model_int4.g32.pth \\
         --dtype bfloat16 --context 16,1024 --attention dense,sparq
 
 Each (context, policy) gets both steps; blocks of --steps steps take turns, and the medians of --rounds
@@ -19,9 +19,9 @@ import cli
 import data
 import kernels
 from bench.common import alternating_medians
+from cache import KVFormat
 from decoding import compiled_decode_step, decode_step, own_step, prefill
-from generate import DTYPES, load_checkpoint, load_tokenizer
-from model import KVFormat
+from assemble import DTYPES, load_checkpoint, load_tokenizer
 from policies import AttentionSettings, policy_factory
 
 BACKENDS = ("inductor", "aot")

@@ -1,0 +1,520 @@
+"""The static KV cache: K twice (d-contiguous for the rows SparQ's step 2 and dense attention read,
+S-contiguous K^T for step 1's r rows), V, and running sums, preallocated for (max batch, max length)
+and written in place.
+
+KVFormat says how it stores them (--kv-layout, --kv-dtype, --kt-dtype: floats, or int8 K and V and an
+int8 / int4 K^T with fp32 scales); KVCache holds the buffers and is the only code that names them;
+CacheView is what one decode step of one layer attends to. stored_bytes counts a policy's transfers
+in the bytes this cache stores.
+
+Shapes: B batch, n_kv KV heads, S positions, d head dim, T new tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from kernels import KVScales
+
+
+
+SUM_CHUNK = 1024  # positions per step when the running sums are recomputed
+
+
+def position_sums(k: Tensor, v: Tensor, weight: Optional[Tensor] = None) -> Tensor:
+    """The running sums' terms added over positions: k, v (B, n_kv, T, d) -> (B, n_kv, 3, d) fp32, the
+    sums of V, K and K^2 (KVCache.sums); weight (B, T) of 0s and 1s says which positions count."""
+    kf, vf = k.float(), v.float()
+    terms = torch.stack([vf, kf, kf * kf], dim=3)  # (B, n_kv, T, 3, d)
+    return terms.sum(2) if weight is None else torch.einsum("bhtsd,bt->bhsd", terms, weight.float())
+
+
+KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")  # --kv-dtype: K and V ("auto": the activations')
+KT_DTYPES = ("same", "int8", "int4")  # --kt-dtype: SparQ's copy of K^T ("same": as K is stored)
+QMAX = {"int8": 127, "int4": 7}  # symmetric integer range [-qmax, qmax] of each quantized format
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How the KV caches store K, V and SparQ's copy of K^T (--kv-layout, --kv-dtype, --kt-dtype).
+
+    Float formats store values as they are. Quantized ones store integers and one fp32 scale per
+    (position, KV head): a write quantizes only its own new positions, so a scale is never revised
+    after its positions are written (snapshot, restore, truncate and rollback rely on that). K is
+    first divided by a per-channel scale fixed at each row's first write (its prompt's absmax per
+    channel): keys have outlier channels, and a per-token scale alone spends the integer range on
+    them (docs/NOTES.md: on Qwen2.5-Coder-0.5B the worst layer's int8 attention drifts by a
+    total-variation distance of 0.95 without it, 0.22 with it)."""
+
+    layout: str = "twice"  # "twice": K^T kept beside K for SparQ's step 1; "once": K alone
+    kv_dtype: str = "auto"  # KV_DTYPES
+    kt_dtype: str = "same"  # KT_DTYPES
+
+    def __post_init__(self):
+        if self.layout not in ("twice", "once"):
+            raise ValueError(f"unknown KV layout {self.layout!r} (expected 'twice' or 'once')")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown --kv-dtype {self.kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
+        if self.kt_dtype not in KT_DTYPES:
+            raise ValueError(f"unknown --kt-dtype {self.kt_dtype!r} (choose from {', '.join(KT_DTYPES)})")
+        if self.layout == "once" and self.kt_dtype != "same":
+            raise ValueError("--kt-dtype stores SparQ's copy of K^T, which --kv-layout once does not keep")
+
+    @property
+    def int8_kv(self) -> bool:
+        """K and V are stored as int8 (whatever the activations)."""
+        return self.kv_dtype == "int8"
+
+    @property
+    def quantized_kt(self) -> bool:
+        """SparQ's K^T is stored quantized: int8 or int4, or K's int8 with --kt-dtype same."""
+        return self.layout == "twice" and (self.kt_dtype in QMAX or (self.kt_dtype == "same" and self.int8_kv))
+
+    def kv_storage(self, activation: torch.dtype) -> str:
+        """K and V's stored format: the activations' dtype's name or "int8". A float cache in another
+        dtype than the activations is a ValueError (the torch paths read the cache in theirs)."""
+        own = str(activation).removeprefix("torch.")
+        if self.kv_dtype not in ("auto", own, *QMAX):
+            raise ValueError(f"--kv-dtype {self.kv_dtype} with {own} activations: a float cache is stored in the "
+                             f"activations' dtype (give --kv-dtype auto or int8, or --dtype {self.kv_dtype})")
+        return own if self.kv_dtype == "auto" else self.kv_dtype
+
+    def kt_storage(self, activation: torch.dtype) -> Optional[str]:
+        """K^T's stored format (None without K^T): a float dtype's name, "int8" or "int4"."""
+        if self.layout == "once":
+            return None
+        return self.kv_storage(activation) if self.kt_dtype == "same" else self.kt_dtype
+
+    def bytes_per_element(self, activation: torch.dtype) -> float:
+        """Stored bytes of one K or V element, its share of the row's scale included."""
+        return _stored_bytes(self.kv_storage(activation))
+
+    def kt_bytes_per_element(self, activation: torch.dtype) -> float:
+        return _stored_bytes(self.kt_storage(activation) or self.kv_storage(activation))
+
+    def kt_scale_bytes(self, activation: torch.dtype) -> int:
+        """Bytes of scale per position step 1 reads (K^T's, or K's with layout "once")."""
+        return 4 if (self.kt_storage(activation) or self.kv_storage(activation)) in QMAX else 0
+
+    def row_scale_bytes(self, activation: torch.dtype) -> int:
+        """Bytes of the scale per stored row of K or V."""
+        return 4 if self.kv_storage(activation) in QMAX else 0
+
+
+def _stored_bytes(storage: str) -> float:
+    return {"int8": 1.0, "int4": 0.5}.get(storage) or getattr(torch, storage).itemsize
+
+
+def stored_bytes(elements: int, positions: int, rows: int, head_dim: int, fmt: KVFormat,
+                 activation: torch.dtype) -> float:
+    """`elements` moved per KV head in bytes as `fmt` stores them, `positions` x `rows` of them step 1's
+    K^T elements (at K^T's size, plus one scale per position), the rest K and V elements (plus one
+    scale per row of head_dim)."""
+    kt = positions * rows
+    rest = elements - kt
+    return (kt * fmt.kt_bytes_per_element(activation) + positions * fmt.kt_scale_bytes(activation)
+            + rest * fmt.bytes_per_element(activation) + rest / head_dim * fmt.row_scale_bytes(activation))
+
+
+def quantize_symmetric(x: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
+    """x (..., n) -> (q int8 (..., n) in [-qmax, qmax], scale (...,) fp32) with x ~ q * scale: one
+    scale per row of n (its absmax / qmax), rounding to nearest."""
+    x = x.float()
+    scale = x.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / qmax
+    return torch.round(x / scale[..., None]).clamp(-qmax, qmax).to(torch.int8), scale
+
+
+def channel_scale(k: Tensor, counted: Optional[Tensor] = None) -> Tensor:
+    """The per-channel scale of a row's keys from its first write k (B, n_kv, T, d) -> (B, n_kv, d)
+    fp32: each channel's absmax over the positions `counted` (B, 1, T, 1) bool (default all), floored
+    at 1e-3 of the largest so that a channel the prompt left near zero cannot blow up a later token's
+    per-token scale."""
+    a = k.float().abs()
+    a = (a if counted is None else a * counted).amax(2)
+    return torch.maximum(a, 1e-3 * a.amax(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def dequantize_kv(k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, chan: Tensor) -> tuple[Tensor, Tensor]:
+    """An int8 cache's K and V as stored -> fp32: k, v (..., T, d) int8, their scales (..., T), K's
+    channel scale chan (..., 1, d)."""
+    return k.float() * k_scale[..., None] * chan, v.float() * v_scale[..., None]
+
+
+def unpack_int4(packed: Tensor, n: int) -> Tensor:
+    """(..., ceil(n / 2)) uint8, position 2i in the low nibble and 2i + 1 in the high one, each
+    stored as q + 8 -> (..., n) int8 in [-7, 7]."""
+    nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)[..., :n]
+    return nibbles.to(torch.int8) - 8
+
+
+@dataclass
+class CacheView:
+    """What one decode step of a layer attends to: positions [start, start + length) of its cache.
+
+    k, k_t, v are views of the buffers from position `start` on (so the kernels see a plain prefix
+    of `length` positions); v_sum and k_moments are running sums over exactly the visible positions.
+    live_length: None when every position read is live; else a device tensor beyond which reads are
+    masked: 0-dim (bucketed lengths, every row alike) or (B,) (ragged rows: each row's live length).
+    Kernels take exactly these (kernels.py docstring)."""
+
+    k: Tensor  # (B_max, n_kv, S_max - start, d)
+    k_t: Optional[Tensor]  # (B_max, n_kv, d, S_max - start)
+    v: Tensor  # (B_max, n_kv, S_max - start, d)
+    v_sum: Tensor  # (B_max, n_kv, d) fp32: sum of V
+    k_moments: Tensor  # (B_max, n_kv, 2, d) fp32: sums of K and K^2
+    length: int
+    live_length: Optional[Tensor]
+    start: int = 0
+    scales: Optional[KVScales] = None  # an int8 k and v as stored (KVCache.view(stored=True)): their scales
+
+
+class KVCache(nn.Module):
+    """Static cache, preallocated for (max_batch, max_seq_length), written in place.
+
+    k     (B, n_kv, S_max, d)  d-contiguous: rows gathered by SparQ step 2 and by dense attention
+    k_t   (B, n_kv, d, S_max)  S-contiguous: the r rows SparQ step 1 reads (absent with layout "once")
+    v     (B, n_kv, S_max, d)
+    sums  (B, n_kv, 3, d) fp32 running sums over the visible positions of V (`v_sum`: SparQ mean-V),
+                               K and K^2 (`k_moments`: the keys' spread per dimension, sparq-adaptive)
+    A quantized cache (KVFormat: --kv-dtype int8, --kt-dtype int8/int4) stores k, v as int8 beside
+    k_scale, v_scale (B, n_kv, S) fp32, K^T as int8 (B, n_kv, d, S) or int4 (uint8 (B, n_kv, d, S/2 + 1 rounded up to 16),
+    two positions per byte) beside kt_scale (B, n_kv, S) (none when K^T is K's int8 transposed: K's
+    scales), and chan (B, n_kv, d) fp32, K's per-channel scale: K = k k_scale chan, V = v v_scale,
+    K^T = k_t kt_scale chan. view() gives the torch paths dequantized copies, view(stored=True) the
+    kernels that read it the buffers and their scales; the sums are over the values as stored.
+    live_length (B,) int64     row b's positions [0, live_length[b]) are live: a device tensor, so
+                               a step never syncs with the host. Rows share one live length unless
+                               set_live_lengths made them ragged (batches of different prompts).
+
+    window: a sliding-window layer's cache; a decode step sees only the last `window` live positions
+    (the buffers still hold every position: a window layer reads min(S, window) of them, which is
+    what the transfer accounting counts), and the running sums cover only those.
+
+    length_bucket: decode attention reads `read_length(live)` positions, the live length rounded up
+    to a multiple of length_bucket. With 1 (CPU) it reads exactly the live prefix and needs no
+    mask; with larger buckets (CUDA graphs: one graph per bucket, not per length) the positions
+    from live_length to the read length are masked (`CacheView.live_length`).
+
+    Only this class names its buffers: the rest of the repo uses the methods below.
+    """
+
+    def __init__(self, max_batch: int, max_seq_length: int, n_kv_head: int, head_dim: int,
+                 dtype: torch.dtype, layout: str = "twice", length_bucket: int = 1, window: Optional[int] = None,
+                 kv_dtype: str = "auto", kt_dtype: str = "same"):
+        super().__init__()
+        if window is not None and length_bucket > 1:
+            raise ValueError("sliding-window layers read exact lengths: use --length-bucket 1")
+        self.format = KVFormat(layout, kv_dtype, kt_dtype)
+        self.length_bucket = length_bucket
+        self.window = window
+        self.dtype = dtype  # the activations': what reads return
+        self.kv_storage, self.kt_storage = self.format.kv_storage(dtype), self.format.kt_storage(dtype)
+        B, S, d = max_batch, max_seq_length, head_dim
+        self.quantized = self.kv_storage in QMAX or self.kt_storage in QMAX
+        stored = torch.int8 if self.kv_storage in QMAX else dtype
+        self.register_buffer("k", torch.zeros((B, n_kv_head, S, d), dtype=stored), persistent=False)
+        self.register_buffer("v", torch.zeros((B, n_kv_head, S, d), dtype=stored), persistent=False)
+        # int8 K and V: one fp32 scale per (row, head, position); K divided by `chan` first
+        row_scales = self.kv_storage in QMAX
+        self.register_buffer("k_scale", torch.zeros((B, n_kv_head, S)) if row_scales else None, persistent=False)
+        self.register_buffer("v_scale", torch.zeros((B, n_kv_head, S)) if row_scales else None, persistent=False)
+        self.register_buffer("chan", torch.ones((B, n_kv_head, d)) if self.quantized else None, persistent=False)
+        if self.kt_storage is None:
+            k_t = None
+        elif self.kt_storage == "int4":  # two positions per byte along S, + a spare column that absorbs
+            # no-op writes, the row padded to 16 bytes: with S a multiple of 32 (Transformer.CACHE_ALIGN)
+            # every row starts 16-byte aligned, as float and int8 rows do, so a kernel may load it in
+            # wide vectors (S / 2 + 1 bytes left every other row at an odd address)
+            k_t = torch.zeros((B, n_kv_head, d, -(-(S // 2 + 1) // 16) * 16), dtype=torch.uint8)
+        else:
+            k_t = torch.zeros((B, n_kv_head, d, S), dtype=torch.int8 if self.kt_storage == "int8" else dtype)
+        self.register_buffer("k_t", k_t, persistent=False)
+        # K^T's own scales, unless it is K's int8 transposed (then it shares K's)
+        self.shares_k_scale = self.kt_storage == "int8" and self.kv_storage == "int8"
+        own_kt_scale = self.kt_storage in QMAX and not self.shares_k_scale
+        self.register_buffer("kt_scale", torch.zeros((B, n_kv_head, S)) if own_kt_scale else None, persistent=False)
+        self.register_buffer("sums", torch.zeros((B, n_kv_head, 3, d), dtype=torch.float32), persistent=False)
+        self.register_buffer("live_length", torch.zeros((B,), dtype=torch.long), persistent=False)
+        self.ragged = False  # rows have their own live lengths (set_live_lengths); reset clears it
+
+    @property
+    def k_t_scale(self) -> Optional[Tensor]:  # (B_max, n_kv, S_max) fp32 scales of a quantized K^T
+        return self.k_scale if self.shares_k_scale else self.kt_scale
+
+    @property
+    def v_sum(self) -> Tensor:  # (B_max, n_kv, d), strided: the kernels take its strides
+        return self.sums[:, :, 0]
+
+    @property
+    def k_moments(self) -> Tensor:  # (B_max, n_kv, 2, d)
+        return self.sums[:, :, 1:]
+
+    @property
+    def max_seq_length(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, row: Optional[int] = None,
+               lengths: Optional[Tensor] = None) -> None:
+        """Write k, v (B, n_kv, T, d) at positions input_pos: (T,) for every row, or (B, T) per row
+        (ragged rows). Positions must be new (past the row's live length). row: write batch row `row`
+        alone (B = 1), the others keeping their state: a prefill into one row (the rows are then ragged).
+        lengths (B,): a right-padded prefill of prompts of these lengths; the padding does not count
+        toward a quantized K's channel scale (a row's cache is then what its prompt alone writes)."""
+        B, n_kv = k.shape[:2]
+        first = 0 if row is None else row
+        if row is not None:
+            self._check_row_operation()
+            self.ragged = True
+        # Advanced indexing on the whole buffers, not index_copy_ into a [:B] slice: with a dynamic
+        # batch size torch.compile cannot write through that slice in place and copied every
+        # cache buffer whole, several times per layer and step.
+        rows = torch.arange(first, first + B, device=k.device).view(B, 1, 1)
+        heads = torch.arange(n_kv, device=k.device).view(1, n_kv, 1)
+        input_pos = input_pos.view(-1, 1, input_pos.shape[-1])  # (1 or B, 1, T)
+        if self.quantized:
+            k, v = self._write_quantized(rows, heads, input_pos, k, v, first, B, lengths)
+        else:
+            self.k[rows, heads, input_pos] = k  # indexes (B, n_kv, T) -> rows of d
+            self.v[rows, heads, input_pos] = v
+            if self.k_t is not None:
+                self.k_t[rows, heads, :, input_pos] = k  # advanced indices first: the same (B, n_kv, T, d)
+        self.sums[first:first + B] += position_sums(k, v)  # of the values as stored
+        if self.window is not None:  # the positions that leave the window (still in the buffers)
+            leaving = input_pos - self.window  # (1 or B, 1, T)
+            at, gone = leaving.clamp(min=0), (leaving >= 0)[..., None]
+            k_out, v_out = self._stored(rows, heads, at)
+            self.sums[first:first + B] -= position_sums(k_out * gone, v_out * gone)
+        self.live_length[first:first + B] = input_pos[:, 0, -1] + 1
+
+    def _write_quantized(self, rows: Tensor, heads: Tensor, input_pos: Tensor, k: Tensor, v: Tensor, first: int,
+                         B: int, lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """update()'s writes into a cache with a quantized part; returns k, v as stored (fp32)."""
+        fresh = (self.live_length[first:first + B] == 0)[:, None, None]  # a row's first write fixes its channel scale
+        counted = None if lengths is None else (input_pos[..., None] < lengths.view(-1, 1, 1, 1))  # (B, 1, T, 1)
+        chan = torch.where(fresh, channel_scale(k, counted), self.chan[first:first + B])  # (B, n_kv, d)
+        self.chan[first:first + B] = chan
+        kn = k.float() / chan[:, :, None]  # (B, n_kv, T, d)
+        if self.kv_storage in QMAX:
+            kq, k_scale = quantize_symmetric(kn, QMAX["int8"])
+            vq, v_scale = quantize_symmetric(v, QMAX["int8"])
+            self.k[rows, heads, input_pos], self.k_scale[rows, heads, input_pos] = kq, k_scale
+            self.v[rows, heads, input_pos], self.v_scale[rows, heads, input_pos] = vq, v_scale
+            k, v = dequantize_kv(kq, k_scale, vq, v_scale, chan[:, :, None])
+        else:
+            self.k[rows, heads, input_pos] = k
+            self.v[rows, heads, input_pos] = v
+        if self.shares_k_scale:
+            self.k_t[rows, heads, :, input_pos] = kq
+        elif self.kt_storage == "int8":
+            self.k_t[rows, heads, :, input_pos], self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int8"])
+        elif self.kt_storage == "int4":
+            q4, self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int4"])
+            nibble = (q4 + 8).to(torch.uint8)  # (B, n_kv, T, d)
+            # Two positions share a byte: write the even positions' low nibbles, then the odd ones'
+            # high nibbles (read-modify-write), each pass sending the other parity's writes to the
+            # spare last column, so no byte is written twice in one pass.
+            spare = self.k_t.shape[3] - 1
+            for parity, keep, shift in ((0, 0xF0, 0), (1, 0x0F, 4)):
+                byte = torch.where(input_pos % 2 == parity, input_pos // 2, spare)
+                old = self.k_t[rows, heads, :, byte]
+                self.k_t[rows, heads, :, byte] = (old & keep) | (nibble << shift)
+        return k, v
+
+    def _stored(self, rows, heads, pos) -> tuple[Tensor, Tensor]:
+        """K and V at advanced indices (rows, heads, pos) -> (..., d), as stored (dequantized in fp32)."""
+        if self.kv_storage not in QMAX:
+            return self.k[rows, heads, pos], self.v[rows, heads, pos]
+        return dequantize_kv(self.k[rows, heads, pos], self.k_scale[rows, heads, pos], self.v[rows, heads, pos],
+                             self.v_scale[rows, heads, pos], self.chan[rows, heads])  # chan: (B, n_kv, 1, d)
+
+    def read(self, rows: slice, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """K and V (rows, n_kv, end - start, d) at positions [start, end) of batch rows `rows`, in the
+        activations' dtype: the buffers themselves, or dequantized copies of an int8 cache."""
+        k, v = self.k[rows, :, start:end], self.v[rows, :, start:end]
+        if self.kv_storage not in QMAX:
+            return k, v
+        k, v = dequantize_kv(k, self.k_scale[rows, :, start:end], v, self.v_scale[rows, :, start:end],
+                             self.chan[rows, :, None])
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def read_k_t(self, rows: slice, start: int, end: int) -> Optional[Tensor]:
+        """K^T (rows, n_kv, d, end - start) at positions [start, end), in the activations' dtype
+        (dequantized from int8 or int4), or None with layout "once"."""
+        if self.k_t is None:
+            return None
+        if self.kt_storage not in QMAX:
+            return self.k_t[rows, :, :, start:end]
+        if self.kt_storage == "int4":
+            lo = start // 2 * 2  # unpack whole bytes
+            q = unpack_int4(self.k_t[rows, :, :, lo // 2:-(-end // 2)], end - lo)[..., start - lo:]
+        else:
+            q = self.k_t[rows, :, :, start:end]
+        kt = q.float() * self.k_t_scale[rows, :, None, start:end] * self.chan[rows, :, :, None]
+        return kt.to(self.dtype)
+
+    def set_live_lengths(self, lengths: Tensor) -> None:
+        """Make rows ragged: row b's live positions are [0, lengths[b]) (B,), whatever a padded prefill
+        wrote beyond them; the running sums are recomputed over each row's visible positions."""
+        if self.window is not None:
+            raise ValueError("ragged batches with sliding-window layers are not supported: run such prompts one at a time")
+        B = lengths.shape[0]
+        self.sums[:B] = 0
+        for start in range(0, int(lengths.max()), SUM_CHUNK):  # an fp32 copy of one chunk at a time
+            end = min(start + SUM_CHUNK, self.max_seq_length)
+            live = torch.arange(start, end, device=lengths.device) < lengths[:, None]  # (B, chunk)
+            self.sums[:B] += position_sums(*self.read(slice(0, B), start, end), live)
+        self.live_length[:B] = lengths
+        self.ragged = True
+
+    def read_length(self, live_length: int) -> int:
+        """Positions decode attention reads at this live length: rounded up to the bucket, capped at S_max."""
+        return min(-(-live_length // self.length_bucket) * self.length_bucket, self.max_seq_length)
+
+    def visible_start(self, length: int) -> int:
+        """The first position a decode step reading `length` positions sees (0 but for window layers)."""
+        return 0 if self.window is None else max(0, length - self.window)
+
+    def visible_length(self, length: int) -> int:
+        return length - self.visible_start(length)
+
+    def stored_view_readable(self, length: int) -> bool:
+        """A fused kernel can read view(length, stored=True): not a window starting inside an int4
+        K^T byte (its first position would be a high nibble; the torch paths read it dequantized)."""
+        return not (self.kt_storage == "int4" and self.visible_start(length) % 2)
+
+    def view(self, length: int, rows: int, stored: bool = False) -> CacheView:
+        """The positions a decode step of `rows` rows reading `length` positions attends to: values in
+        the activations' dtype (dequantized copies of a quantized cache's visible positions, for the
+        torch paths), or with stored=True the buffers as stored (int8 K and V with their scales, for
+        kernels that read them; K^T as stored)."""
+        start = self.visible_start(length)
+        if self.ragged:
+            live = self.live_length[:rows]
+        elif self.length_bucket > 1:
+            live = self.live_length[0]  # every row alike: one 0-dim live length
+        else:
+            live = None
+        scales = None
+        if self.quantized and not stored:  # what the torch paths read: dequantized copies of the visible positions
+            k, v = self.read(slice(0, rows), start, length)
+            k_t = self.read_k_t(slice(0, rows), start, length)
+        else:
+            if self.kt_storage == "int4" and start % 2:
+                raise ValueError("an int4 K^T is read from an even position (its bytes hold two)")
+            k, v = self.k[:, :, start:], self.v[:, :, start:]
+            k_t = None if self.k_t is None else self.k_t[..., start // 2 if self.kt_storage == "int4" else start:]
+            if self.quantized:
+                k_scale, v_scale, kt_scale = (None if s is None else s[:, :, start:]
+                                              for s in (self.k_scale, self.v_scale, self.kt_scale))
+                if self.shares_k_scale:  # K^T is K's int8 transposed: the same scales (the kernels see it is)
+                    kt_scale = k_scale
+                scales = KVScales(k_scale, v_scale, self.chan, kt_scale)
+        return CacheView(k, k_t, v, self.v_sum, self.k_moments, length - start, live, start, scales)
+
+    def reset(self, row: Optional[int] = None) -> None:
+        """Empty the cache, or batch row `row` alone (the other rows keep their state). An emptied
+        row's buffers are not cleared: positions past a live length are never read unmasked."""
+        if row is None:
+            for buffer in self._buffers.values():
+                if buffer is not None:
+                    buffer.zero_()
+            if self.chan is not None:
+                self.chan.fill_(1.0)
+            self.ragged = False
+            return
+        self.truncate(row, 0)
+
+    def truncate(self, row: int, length: int) -> None:
+        """Row `row` keeps positions [0, length) live, as if nothing after them had been written; the
+        other rows keep their state (the rows are then ragged). The running sums lose exactly the
+        removed positions' terms, or are summed again over the kept ones when they are fewer (a window
+        layer's: over the window ending at `length`, restoring what the window had dropped): the work
+        is min(removed, kept) positions (a window at most), never the whole cache."""
+        self._check_row_operation()
+        live = int(self.live_length[row])
+        if not 0 <= length <= live:
+            raise ValueError(f"cannot truncate row {row} to {length} positions: it holds {live}")
+        rows = slice(row, row + 1)
+        if self.window is None and live - length <= length:
+            self.sums[row] -= self.sum_positions(rows, length, live)[0]
+        elif self.window is None:  # fewer positions kept than removed: summing the kept ones is cheaper
+            self.sums[row] = self.sum_positions(rows, 0, length)[0]
+        else:
+            self.sums[row] = self.sum_positions(rows, self.visible_start(length), length)[0]
+        self.live_length[row] = length
+        self.ragged = True
+
+    def truncate_rows(self, lengths: Tensor) -> None:
+        """Row b keeps positions [0, lengths[b]) (B,) for every row at once (speculative decoding's
+        rollback: rows accept different counts in one round); the removed positions' terms leave the
+        running sums in one pass over the positions any row removes. Window layers: truncate(0, L)."""
+        B = lengths.shape[0]
+        if self.window is not None:
+            self._check_row_operation()
+            self.truncate(0, int(lengths[0]))
+            return
+        old = self.live_length[:B]
+        lo, hi = int(lengths.min()), int(old.max())
+        if hi > lo:
+            positions = torch.arange(lo, hi, device=lengths.device)
+            removed = (positions >= lengths[:, None]) & (positions < old[:, None])  # (B, hi - lo)
+            self.sums[:B] -= position_sums(*self.read(slice(0, B), lo, hi), removed)
+        self.live_length[:B] = lengths
+        self.ragged = True
+
+    def _check_row_operation(self) -> None:
+        if self.window is not None and self.max_batch > 1:
+            raise ValueError("a sliding-window layer reads one window for every row, so its rows cannot hold "
+                             "different lengths: per-row operations need a batch of one on this model")
+
+    @property
+    def max_batch(self) -> int:
+        return self.k.shape[0]
+
+    def snapshot(self) -> dict[str, Tensor]:
+        """Copies of the state that is not indexed by position (running sums, live length).
+
+        Decode steps write K, K^T and V only at new positions, which are never read before being
+        rewritten, so restore(snapshot) rewinds the cache exactly to when the snapshot was taken."""
+        state = {"sums": self.sums.clone(), "live_length": self.live_length.clone(), "ragged": self.ragged}
+        if self.chan is not None:  # fixed at a row's first write: a snapshot of an empty row precedes it
+            state["chan"] = self.chan.clone()
+        return state
+
+    def restore(self, snapshot: dict) -> None:
+        self.sums.copy_(snapshot["sums"])
+        if self.chan is not None:
+            self.chan.copy_(snapshot["chan"])
+        self.live_length.copy_(snapshot["live_length"])
+        self.ragged = snapshot["ragged"]
+
+    def rewind(self, length: int) -> None:
+        """Keep positions [0, length) of every row live, as if nothing after them had been written."""
+        self.sums.copy_(self.sum_positions(slice(None), self.visible_start(length), length))
+        self.live_length.fill_(length)
+        self.ragged = False
+
+    def broadcast_row(self, n_rows: int) -> None:
+        """Copy batch row 0 into rows 1..n_rows-1 (every row then holds the same prompt)."""
+        for buffer in self._buffers.values():
+            if buffer is not None:
+                buffer[1:n_rows].copy_(buffer[:1].expand_as(buffer[1:n_rows]))
+
+    def sum_positions(self, rows: slice, start: int, end: int) -> Tensor:
+        """position_sums over positions [start, end) of batch rows `rows` -> (rows, n_kv, 3, d), of the
+        values as stored, SUM_CHUNK positions at a time: never a whole fp32 copy of the cache (4.3 GB
+        per layer at Llama-2's shape, B = 8, 32k)."""
+        k = self.k[rows]
+        total = torch.zeros(k.shape[0], k.shape[1], 3, k.shape[3], dtype=torch.float32, device=k.device)
+        for s in range(start, end, SUM_CHUNK):
+            total += position_sums(*self.read(rows, s, min(s + SUM_CHUNK, end)))
+        return total
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer as allocated (K, V, K^T, scales, sums; K's scales once when K^T shares them)."""
+        return sum(b.numel() * b.element_size() for name, b in self._buffers.items()
+                   if b is not None and name != "live_length")

@@ -1,0 +1,1 @@
+"""One-off studies kept with their records (docs/NOTES.md): run with python -m scripts.studies.NAME."""
