@@ -20,6 +20,8 @@
 // queries: T > 1 query tokens per row (speculative verification), q's g = heads x T (head-major):
 // query t of a row of length n attends to positions [0, n - T + 1 + t), as the one-token step at
 // its position would; every K and V row is still read once, for all of them.
+// Each row splits its positions into chunks as it would alone (parallel.h), so each row of a batch
+// is that row's call alone bit for bit, whatever the other rows and their lengths.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -55,8 +57,9 @@ struct DenseProblem {
   // an int8 cache's scales (nullptr otherwise): per position (strides ss0, ss1; positions contiguous), per channel
   const float *k_scale = nullptr, *v_scale = nullptr, *chan = nullptr;
   int64_t kss0 = 0, kss1 = 0, vss0 = 0, vss1 = 0, cs0 = 0, cs1 = 0;
-  int64_t cs;                      // chunk length (a multiple of 64)
   const int64_t* len;              // (B,) live length of each row
+  std::vector<int64_t> cs;         // (B,) each row's chunk length, as alone (parallel.h; a multiple of 64)
+  int64_t most_cs;                 // the largest of them: the logits buffer's length
   std::vector<int64_t> unit0;      // (B * H + 1,) first unit of each bh: bh owns ceil(len / cs) chunks
   std::vector<int32_t> unit_bh;    // the bh of each unit
   int64_t units() const { return unit0.back(); }
@@ -441,7 +444,7 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
   const int64_t BH = P.B * P.H, units = P.units(), g = P.g, d = P.d;
   const bool single = units == BH;  // one chunk per bh: write the output directly
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));
-  const int64_t ldL = round_up(P.cs, 16);
+  const int64_t ldL = round_up(P.most_cs, 16);
   const int64_t scratch_floats = DenseScratch::floats(g, d, ldL);
   const int64_t slot_floats = scratch_floats + g * ldL + round_up(g * d, 16) + round_up(2 * g, 16);
   const int64_t unit_floats = single ? 0 : round_up(g * d + 2 * g, 16);  // y (g x d), m (g), Z (g)
@@ -455,8 +458,8 @@ static void run_dense(const DenseProblem& P, const QT* q, const KT* k, const KT*
     float* y = L + g * ldL;
     float* mz = y + round_up(g * d, 16);
     if (phase == 0) {
-      const int64_t bh = P.unit_bh[u], c = u - P.unit0[bh];
-      const int64_t p0 = c * P.cs, p1 = std::min(P.len[bh / P.H], p0 + P.cs);
+      const int64_t bh = P.unit_bh[u], c = u - P.unit0[bh], cs = P.cs[bh / P.H];
+      const int64_t p0 = c * cs, p1 = std::min(P.len[bh / P.H], p0 + cs);
       if (single) {
         dense_unit<KT, QT>(P, q, k, v, bh, p0, p1, w, L, ldL, y, mz);
         QT* o = out + bh * g * d;
@@ -535,11 +538,14 @@ at::Tensor dense_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     P.v_scale = v_scale->data_ptr<float>(); P.vss0 = v_scale->stride(0); P.vss1 = v_scale->stride(1);
     P.chan = chan->data_ptr<float>(); P.cs0 = chan->stride(0); P.cs1 = chan->stride(1);
   }
-  // chunks: balance the threads, and bound the logits buffer (g x cs floats per thread). The bound
-  // counts one query token's heads: T queries per row split their positions as the one-token step
-  // at each of them would (one chunk per row where it reads one), so each is that step's bit for bit.
-  P.cs = chunk_length(len, H, thread_count(),
-                      std::max<int64_t>(1024, (int64_t(1) << 18) / std::max<int64_t>(g / queries, 1)));
+  // chunks: each row's own, the split it takes alone (parallel.h row_chunk_lengths: a row's output
+  // never depends on the other rows of its batch), balancing the threads over that row's KV heads and
+  // bounding the logits buffer (g x cs floats per thread). The bound counts one query token's heads, so
+  // T queries per row split their positions by the one-token step's rule: each query is the one-token
+  // step at its position bit for bit where the two split alike (one chunk each: any row of <= 1024).
+  P.cs = row_chunk_lengths(len, H, thread_count(),
+                           std::max<int64_t>(1024, (int64_t(1) << 18) / std::max<int64_t>(g / queries, 1)));
+  P.most_cs = *std::max_element(P.cs.begin(), P.cs.end());
   split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
 #define SPARQ_RUN(KT, QT) run_dense<KT, QT>(P, q.data_ptr<QT>(), k.data_ptr<KT>(), v.data_ptr<KT>(), out.data_ptr<QT>())

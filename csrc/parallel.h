@@ -173,7 +173,12 @@ static void over_weight_rows_into(at::Tensor& y, Rows&& rows, int64_t align = 4)
 
 // ---------------------------------------------------------------------------------------------
 // Ragged batches: each batch row b reads its own live positions [0, len[b]). Every (row, KV head)
-// "bh" splits into ceil(len[b] / cs) chunks of one chunk length cs; the units are numbered bh by bh.
+// "bh" splits into ceil(len[b] / cs[b]) chunks of its row's own chunk length cs[b]: what
+// chunk_length chooses for that row alone (row_chunk_lengths), so a row's split, and with it the
+// order of its sums (chunk partials combined, SparQ's chunk candidates merged), depends on its own
+// length and the thread count only. A row in any batch is then bit for bit the row alone: a server
+// stepping whichever rows are busy relies on it. The cost: a batch that would keep the threads
+// busy with fewer chunks may split its rows into more. The units are numbered bh by bh.
 // ---------------------------------------------------------------------------------------------
 
 // The live length of each of the B rows: `length` for all (no lengths tensor), else lengths[b],
@@ -212,8 +217,9 @@ static inline double claim_efficiency(const std::vector<int64_t>& len, int64_t H
   return total / (nthreads * last);
 }
 
-// The chunk length: the fewest chunks of the longest row (chunks >= 1024 positions, at most
-// max_cs, a multiple of 64) that keep the threads >= 90% busy, else the best balance found.
+// The chunk length of rows `len`: the fewest chunks of the longest row (chunks >= 1024 positions,
+// at most max_cs, a multiple of 64) that keep the threads >= 90% busy, else the best balance found.
+// The kernels ask it of one row at a time (row_chunk_lengths).
 static inline int64_t chunk_length(const std::vector<int64_t>& len, int64_t H, int nthreads, int64_t max_cs) {
   const int64_t S = len.empty() ? 1 : *std::max_element(len.begin(), len.end());
   auto cs_for = [&](int nc) { return std::min(round_up((S + nc - 1) / nc, 64), std::max<int64_t>(64, max_cs / 64 * 64)); };
@@ -229,14 +235,25 @@ static inline int64_t chunk_length(const std::vector<int64_t>& len, int64_t H, i
   return best;
 }
 
-// unit0[bh] = first unit of bh (bh = b * H + h), unit0[B * H] = the number of units; unit_bh[u] = its bh.
-static inline void split_rows(const std::vector<int64_t>& len, int64_t H, int64_t cs, std::vector<int64_t>* unit0,
-                              std::vector<int32_t>* unit_bh) {
+// Each row's chunk length: chunk_length of a batch of that row alone (its length, the same H, thread
+// count and max_cs), never of the whole batch; a row of the previous row's length reuses its answer.
+static inline std::vector<int64_t> row_chunk_lengths(const std::vector<int64_t>& len, int64_t H, int nthreads,
+                                                     int64_t max_cs) {
+  std::vector<int64_t> cs(len.size());
+  for (size_t b = 0; b < len.size(); ++b)
+    cs[b] = b > 0 && len[b] == len[b - 1] ? cs[b - 1] : chunk_length({len[b]}, H, nthreads, max_cs);
+  return cs;
+}
+
+// unit0[bh] = first unit of bh (bh = b * H + h, ceil(len[b] / cs[b]) of them), unit0[B * H] = the
+// number of units; unit_bh[u] = its bh.
+static inline void split_rows(const std::vector<int64_t>& len, int64_t H, const std::vector<int64_t>& cs,
+                              std::vector<int64_t>* unit0, std::vector<int32_t>* unit_bh) {
   const int64_t B = (int64_t)len.size();
   unit0->assign(B * H + 1, 0);
   unit_bh->clear();
   for (int64_t bh = 0; bh < B * H; ++bh) {
-    const int64_t n = (len[bh / H] + cs - 1) / cs;
+    const int64_t n = (len[bh / H] + cs[bh / H] - 1) / cs[bh / H];
     (*unit0)[bh + 1] = (*unit0)[bh] + n;
     for (int64_t c = 0; c < n; ++c) unit_bh->push_back((int32_t)bh);
   }

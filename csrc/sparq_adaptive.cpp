@@ -22,7 +22,8 @@
 //     group-summed s_hat over the row's heads (ties: lower head, then lower position);
 //   y_h = softmax(q_h . K[i2_h] / sqrt(d)) @ V[i2_h], mean-V as SparQ's with alpha over i2_h.
 //
-// Phases over units (bh = b * H + h split over S into chunks, as sparq_decode.cpp's chunked path):
+// Phases over units (bh = b * H + h split over S into chunks, as sparq_decode.cpp's chunked path; each
+// row's chunk length the one it takes alone, parallel.h, so a row of any batch is the row alone):
 //   0 (units)  the row's pooled components (cheap: H x d values, recomputed by each unit), pass A over
 //              the unit's chunk with the head's r_h rows (a bh of one chunk, without mean-V, goes on
 //              to phase 1's work at once, from its E still in L2);
@@ -144,8 +145,8 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
   const int64_t H = P.H, g = P.g, d = P.d, BH = P.B * H;
   const int64_t units = P.units();
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));
-  const int64_t ldE = round_up(P.cs, kBlock), nblk = ldE / kBlock;
-  const int64_t most_chunks = (P.S + P.cs - 1) / P.cs;
+  const int64_t ldE = round_up(P.most_cs, kBlock), nblk = ldE / kBlock;
+  const int64_t most_chunks = P.most_chunks();
   int64_t cap = 1;  // candidates per unit: H m of its row
   for (const RowPlan& w : A.rows) cap = std::max(cap, H * w.m);
   // per-thread scratch
@@ -180,9 +181,9 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
   auto own = [&](int64_t u) { return !P.mean_v && P.chunks(P.unit_bh[u]) == 1; };
   // softmax weights from every chunk's maximum and sum, then the chunk's best H m candidates
   auto candidates = [&](int64_t u, int slot, float* E, float* mb) {
-    const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh);
+    const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh), cs = P.cs_of(bh);
     const RowPlan& w = A.rows[bh / H];
-    const int64_t p0 = (u - u0) * P.cs, p1 = std::min(w.S, p0 + P.cs);
+    const int64_t p0 = (u - u0) * cs, p1 = std::min(w.S, p0 + cs);
     for (int64_t gg = 0; gg < g; ++gg)
       chunk_block_weights(ustat, u0, nc, g, gg, mb + gg * nblk, (p1 - p0 + kBlock - 1) / kBlock);
     int32_t* count = reinterpret_cast<int32_t*>(ucand(u));
@@ -202,8 +203,8 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
   auto fn = [&](int phase, int64_t u, int slot) {
     float* qf = scratch(slot, s_qf);
     if (phase == 0) {  // pass A over the unit's chunk with the head's own components
-      const int64_t bh = P.unit_bh[u], b = bh / H, h = bh % H, c = u - P.unit0[bh];
-      const int64_t p0 = c * P.cs, p1 = std::min(P.len[b], p0 + P.cs);
+      const int64_t bh = P.unit_bh[u], b = bh / H, h = bh % H, c = u - P.unit0[bh], cs = P.cs_of(bh);
+      const int64_t p0 = c * cs, p1 = std::min(P.len[b], p0 + cs);
       int32_t* i1 = reinterpret_cast<int32_t*>(scratch(slot, s_i1));
       float* qhat = scratch(slot, s_qhat);
       const int64_t r_h = prepare_pooled(A, q, b, h, qf, scratch(slot, s_w),
@@ -259,14 +260,14 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
         *bh_count(b * H + h) = (int32_t)kk;
       }
     } else {  // mean-V's alpha, exact attention over the head's positions
-      const int64_t bh = u, b = bh / H, h = bh % H, u0 = P.unit0[bh];
+      const int64_t bh = u, b = bh / H, h = bh % H, u0 = P.unit0[bh], cs = P.cs_of(bh);
       const int32_t* pos = bh_pos(bh);
       const int64_t kk = *bh_count(bh);
       float* alpha = scratch(slot, s_alpha);
       if (P.mean_v) {
         for (int64_t gg = 0; gg < g; ++gg) alpha[gg] = 0.f;
         for (int64_t j = 0; j < kk; ++j) {
-          const int64_t c = pos[j] / P.cs, off = pos[j] - c * P.cs;
+          const int64_t c = pos[j] / cs, off = pos[j] - c * cs;
           for (int64_t gg = 0; gg < g; ++gg)
             alpha[gg] += uE(u0 + c)[gg * ldE + off] * umb(u0 + c)[gg * nblk + off / kBlock];
         }
@@ -324,7 +325,8 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
   P.vsum = v_sum.data_ptr<float>();
   A.spread = spread.data_ptr<float>();
   A.sps0 = spread.stride(0); A.sps1 = spread.stride(1);
-  P.cs = chunk_length(len, H, thread_count(), std::numeric_limits<int64_t>::max());
+  P.cs = row_chunk_lengths(len, H, thread_count(), std::numeric_limits<int64_t>::max());
+  P.most_cs = *std::max_element(P.cs.begin(), P.cs.end());
   split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
 
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));

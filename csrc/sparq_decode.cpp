@@ -17,8 +17,9 @@
 //   y_h = softmax(q_h . K[i2] / sqrt(d)) @ V[i2];  mean-V: y = alpha y + (1 - alpha) v_sum / S,
 //        alpha_h = sum_{i2} s_hat_h.
 //
-// Work per (batch row, KV head) -- "bh" -- split over S into chunks when there are too few bh
-// for the threads (B = 1 with 3 KV heads on 2 cores):
+// Work per (batch row, KV head) -- "bh" -- split over S into chunks where the row's bh alone are too
+// few for the threads (3 KV heads on 2 cores): each row takes the chunk length it takes alone
+// (parallel.h), never one chosen for the whole batch, so a row of any batch is the row alone bit for bit:
 //   A. stream the r rows i1 of K^T (S-contiguous) once for all g heads (without k_t: read whole
 //      K rows, dotted with q masked to i1), in groups of <= 8 rows over 4096-position segments, software-prefetched
 //      into L2; the exp of the softmax is fused in (lazy running max, see finish_block), so the
@@ -38,8 +39,9 @@
 // pass A and step 2 and into step 2's softmax weights: nothing is dequantized into memory.
 // Buffers are reused across calls (one workspace that only grows, on huge pages).
 // Threads: torch's OpenMP team, sized by torch.get_num_threads(), claiming units dynamically; with
-// chunks, passes A, B-C and D of each bh are tasks of one list, each waiting only for its own bh's
-// earlier passes (run_stages).
+// chunks (any row of more than one), passes A, B-C and D of each bh are tasks of one list, each
+// waiting only for its own bh's earlier passes (run_stages); a bh of one chunk there computes what
+// the path without chunks computes for it, bit for bit.
 //
 // The passes live in headers, one step each: sparq_problem.h (the problem), sparq_select.h (top-k
 // without sorting, pass C), sparq_step1.h (passes A and B), sparq_step2.h (pass D); this file holds
@@ -90,7 +92,7 @@ static Scratch scratch_layout(const Problem& P, int64_t len, bool own_logits) {
   s.st = take(g * (int64_t)(sizeof(RunState) / sizeof(float)));
   s.sc = take(len);
   s.bmax = take(len / kBlock + 1);
-  const int64_t most_chunks = (P.S + P.cs - 1) / P.cs;  // a merge concatenates a bh's chunk candidates
+  const int64_t most_chunks = P.most_chunks();  // a merge concatenates a bh's chunk candidates
   s.ss = take(std::max(len, m * most_chunks) + 16);  // + 16: compress_store slack
   s.si = take(std::max(len, m * most_chunks) + 16);
   s.pos = take(P.kk);
@@ -151,7 +153,7 @@ static void run(const Problem& P, const QT* q, const KT* k, const KTT* kt, const
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));  // slots
   const int64_t g = P.g;
   const bool single = units == BH;  // one unit per bh: everything in the slot's own buffers
-  const int64_t len = single ? P.S : P.cs;
+  const int64_t len = single ? P.S : P.most_cs;
   const int64_t ldE = round_up(len, kBlock), nblk = ldE / kBlock;
   const Scratch L = scratch_layout(P, len, single);
   const int64_t slot_floats = round_up(L.total, 16);
@@ -235,10 +237,10 @@ static void run(const Problem& P, const QT* q, const KT* k, const KTT* kt, const
       locals_into(w, x.pos);
       std::copy(x.si, x.si + nsel, x.pos + w.n_local);
       const int64_t kk = w.n_local + nsel;
-      if (P.mean_v) {
+      if (P.mean_v) {  // fused multiply-adds in position order, as the chunked path's (bit for bit)
         for (int64_t hh = 0; hh < g; ++hh) {
           float a = 0.f;
-          for (int64_t j = 0; j < kk; ++j) a += x.E[hh * ldE + x.pos[j]] * x.mb[hh * nblk + x.pos[j] / kBlock];
+          for (int64_t j = 0; j < kk; ++j) a = std::fma(x.E[hh * ldE + x.pos[j]], x.mb[hh * nblk + x.pos[j] / kBlock], a);
           x.alpha[hh] = a;
         }
       }
@@ -255,8 +257,8 @@ static void run(const Problem& P, const QT* q, const KT* k, const KTT* kt, const
   auto fn = [&](int phase, int64_t u, int slot) {
     const Slot x = slot_of(slot);
     if (phase == 0) {
-      const int64_t bh = P.unit_bh[u], c = u - P.unit0[bh];
-      const int64_t p0 = c * P.cs, p1 = std::min(P.len[bh / P.H], p0 + P.cs);
+      const int64_t bh = P.unit_bh[u], c = u - P.unit0[bh], cs = P.cs_of(bh);
+      const int64_t p0 = c * cs, p1 = std::min(P.len[bh / P.H], p0 + cs);
       float* stat = ustat(u);
       const KT* kbh = setup_bh(x, bh);
       reset_state(x);
@@ -264,9 +266,9 @@ static void run(const Problem& P, const QT* q, const KT* k, const KTT* kt, const
                       P.kt_scale_of(bh / P.H, bh % P.H));
       for (int64_t hh = 0; hh < g; ++hh) { stat[hh] = x.st[hh].m; stat[g + hh] = hsum(load(x.st[hh].z)); }
     } else if (phase == 1) {
-      const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh);
+      const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh), cs = P.cs_of(bh);
       const Row w = row_of(P, bh / P.H);
-      const int64_t p0 = (u - u0) * P.cs, p1 = std::min(w.S, p0 + P.cs);
+      const int64_t p0 = (u - u0) * cs, p1 = std::min(w.S, p0 + cs);
       int32_t* count = reinterpret_cast<int32_t*>(ucand(u));
       *count = 0;
       for (int64_t hh = 0; hh < g; ++hh)
@@ -279,7 +281,7 @@ static void run(const Problem& P, const QT* q, const KT* k, const KTT* kt, const
         std::copy(x.si, x.si + cnt, reinterpret_cast<int32_t*>(ucand(u) + 16 + m1));
       }
     } else {
-      const int64_t bh = u, u0 = P.unit0[bh], nc = P.chunks(bh);
+      const int64_t bh = u, u0 = P.unit0[bh], nc = P.chunks(bh), cs = P.cs_of(bh);
       const Row w = row_of(P, bh / P.H);
       int64_t n = 0;
       for (int64_t c = 0; c < nc; ++c) {  // chunks hold ascending positions: so does the concatenation
@@ -294,12 +296,13 @@ static void run(const Problem& P, const QT* q, const KT* k, const KTT* kt, const
       locals_into(w, x.pos);
       std::copy(x.si, x.si + n, x.pos + w.n_local);
       const int64_t kk = w.n_local + n;
-      if (P.mean_v) {
+      if (P.mean_v) {  // as the path without chunks sums them: a bh of one chunk is that path's bit for bit
         for (int64_t hh = 0; hh < g; ++hh) x.alpha[hh] = 0.f;
         for (int64_t j = 0; j < kk; ++j) {
-          const int64_t c = x.pos[j] / P.cs, o = x.pos[j] - c * P.cs;
+          const int64_t c = x.pos[j] / cs, o = x.pos[j] - c * cs;
           const int64_t uu = u0 + c;
-          for (int64_t hh = 0; hh < g; ++hh) x.alpha[hh] += uE(uu)[hh * ldE + o] * umb(uu)[hh * nblk + o / kBlock];
+          for (int64_t hh = 0; hh < g; ++hh)
+            x.alpha[hh] = std::fma(uE(uu)[hh * ldE + o], umb(uu)[hh * nblk + o / kBlock], x.alpha[hh]);
         }
       }
       prefetch_rows(P, k, v, bh / P.H, bh % P.H, x.pos, kk);
@@ -338,7 +341,8 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const std::opti
   P.qs0 = q.stride(0); P.qs1 = q.stride(1); P.qs2 = q.stride(2); P.qs3 = q.stride(3);
   P.vss0 = v_sum.stride(0); P.vss1 = v_sum.stride(1);
   P.vsum = v_sum.data_ptr<float>();
-  P.cs = chunk_length(len, H, thread_count(), std::numeric_limits<int64_t>::max());
+  P.cs = row_chunk_lengths(len, H, thread_count(), std::numeric_limits<int64_t>::max());
+  P.most_cs = *std::max_element(P.cs.begin(), P.cs.end());
   split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
 
   at::Tensor out = at::empty({B, H, g, d}, q.options().memory_format(at::MemoryFormat::Contiguous));

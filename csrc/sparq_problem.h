@@ -33,13 +33,20 @@ struct Problem {
   int64_t ksc0 = 0, ksc1 = 0, vsc0 = 0, vsc1 = 0, chs0 = 0, chs1 = 0, ktsc0 = 0, ktsc1 = 0;
   const float* chan_of(int64_t b, int64_t h) const { return chan ? chan + b * chs0 + h * chs1 : nullptr; }
   const float* kt_scale_of(int64_t b, int64_t h) const { return kt_scale ? kt_scale + b * ktsc0 + h * ktsc1 : nullptr; }
-  // ragged rows and chunking over S
+  // ragged rows and chunking over S (parallel.h: each row's chunk length is its own, as if alone)
   const int64_t* len;            // (B,) live length of each row
-  int64_t cs;                    // chunk length (multiple of 64)
+  std::vector<int64_t> cs;       // (B,) each row's chunk length (multiple of 64)
+  int64_t most_cs;               // the largest of them: a chunk's buffers are sized by it
   std::vector<int64_t> unit0;    // (B * H + 1,) first unit of each bh: bh owns ceil(len / cs) chunks
   std::vector<int32_t> unit_bh;  // the bh of each unit
   int64_t units() const { return unit0.back(); }
   int64_t chunks(int64_t bh) const { return unit0[bh + 1] - unit0[bh]; }
+  int64_t cs_of(int64_t bh) const { return cs[bh / H]; }
+  int64_t most_chunks() const {  // the most chunks of one bh (a merge concatenates its chunks' candidates)
+    int64_t n = 1;
+    for (size_t bh = 0; bh + 1 < unit0.size(); ++bh) n = std::max(n, unit0[bh + 1] - unit0[bh]);
+    return n;
+  }
 };
 
 // The lengths of one row: S live positions, the last n_local forced in, m more chosen among the

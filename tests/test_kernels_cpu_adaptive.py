@@ -12,21 +12,24 @@ import torch
 
 import kernels
 from cache import KVCache
-from sparq_adaptive import SparQAdaptiveDecode, key_spread, sparq_adaptive_attention_torch
+from sparq_adaptive import SparQAdaptiveDecode, StepCosts, key_spread, sparq_adaptive_attention_torch
+from test_kernels_cpu import INVARIANT_LENGTHS, stored_row
 from test_sparq import random_query
 
 pytestmark = pytest.mark.usefixtures("fused_cpu_kernels")
 
 
 def scaled_cache(lengths: list[int], n_kv: int, d: int, S_max: int, layout: str = "twice",
-                 dtype: torch.dtype = torch.float32, seed: int = 0) -> KVCache:
+                 dtype: torch.dtype = torch.float32, seed: int = 0, kv_dtype: str = "auto",
+                 kt_dtype: str = "same") -> KVCache:
     """Row b holds lengths[b] positions of random K (dimensions scaled 1-30x apart, per head) and V;
-    NaN beyond them and in the spare last row, which must never be read."""
+    NaN beyond them and in the spare last row, which must never be read (where stored as floats)."""
     gen = torch.Generator().manual_seed(seed)
     B = len(lengths)
-    cache = KVCache(B + 1, S_max, n_kv, d, dtype, layout)
+    cache = KVCache(B + 1, S_max, n_kv, d, dtype, layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
     for t in (cache.k, cache.v) + ((cache.k_t,) if cache.k_t is not None else ()):
-        t.fill_(float("nan"))
+        if t.is_floating_point():
+            t.fill_(float("nan"))
     scale = torch.logspace(0, 1.5, d)[torch.stack([torch.randperm(d, generator=gen) for _ in range(n_kv)])]
     for b, n in enumerate(lengths):
         k = torch.randn(1, n_kv, n, d, generator=gen) * scale[None, :, None, :]
@@ -90,6 +93,30 @@ def test_ragged_rows_each_at_its_own_split(n_threads, threads):
                                            cache.v_sum[b:b + 1], key_spread(cache.k_moments[b:b + 1], n), n, None,
                                            1 / 8, 128, None, True)
         torch.testing.assert_close(fused[b:b + 1], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", INVARIANT_LENGTHS)
+@pytest.mark.parametrize("kv_dtype,kt_dtype", [("auto", "same"), ("int8", "int4")])
+def test_rows_are_each_row_alone_bit_for_bit(lengths, kv_dtype, kt_dtype, threads):
+    """Batch invariance (tests/test_kernels_cpu.py, INVARIANT_LENGTHS: rows the former whole-batch chunk
+    length split otherwise than alone): on a ragged batch, float or quantized cache, mean-V, each row is
+    its B = 1 call at its own length bit for bit."""
+    threads(2)
+    n_kv, g, d, S = 3, 3, 64, max(lengths)
+    cache = scaled_cache(list(lengths), n_kv, d, -(-S // 32) * 32 + 32, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+    view, live = cache.view(S, len(lengths), stored=True), torch.tensor(lengths)
+    costs = StepCosts.of(cache.format, torch.float32, d)
+    spread = key_spread(view.k_moments[:len(lengths)], live)
+    q = random_query(len(lengths), n_kv, g, d, seed=6)
+    settings = (1 / 8, 128, None, True)  # compression, k_max, k_cap, mean_v
+    out = kernels.sparq_adaptive_cpu(q, view.k, view.k_t, view.v, view.v_sum, spread, S, live, *settings,
+                                     scales=view.scales, costs=costs)
+    assert torch.isfinite(out).all()
+    for b, n in enumerate(lengths):
+        k, k_t, v, v_sum, scales = stored_row(view, b)
+        alone = kernels.sparq_adaptive_cpu(q[b:b + 1], k, k_t, v, v_sum, spread[b:b + 1], n, None, *settings,
+                                           scales=scales, costs=costs)
+        assert torch.equal(out[b:b + 1], alone), (b, n)
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
