@@ -647,8 +647,8 @@ def _check_kernel(kernel: str, device: torch.device, group_size: int, bits: int 
         else:
             layer = Int8Linear(K, N, group_size or None)
             layer.weight, layer.scales = quantize_int8(w, group_size or None)
+        expected = x @ layer.dequantized_weight().T  # on the CPU, before the layer moves to `device`
         layer = layer.to(device)
-        expected = (x @ layer.dequantized_weight().T).cpu()
         layer.use_kernel(kernel)
         actual = layer(x.to(device)).cpu()
         # The same weights on both sides; the kernel rounds its output to bf16 (8 bits of mantissa).

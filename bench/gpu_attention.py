@@ -91,8 +91,10 @@ def time_host(calls: list[Callable[[], object]], replays: int = 2) -> float:
 
 
 def short_kernel_name(name: str) -> str:
-    """A profiler kernel name shortened for the report: Triton's '_sparq_step1_kernel' -> 'sparq_step1'."""
-    name = name.split("(")[0].split("<")[0].strip()
+    """A profiler kernel name shortened for the report: Triton's '_sparq_step1_kernel' -> 'sparq_step1',
+    ATen's 'void at::native::(anonymous namespace)::tinygemm_m16n8k16_chunk_kernel<...>(...)' ->
+    'void at::native::tinygemm_m16n8k16_chunk' (the anonymous namespace's parenthesis is not the arguments')."""
+    name = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0].strip()
     return name.strip("_").removesuffix("_kernel") or name
 
 
