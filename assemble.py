@@ -22,9 +22,28 @@ from cache import KT_DTYPES, KV_DTYPES, KVFormat
 from cli import UserError
 from kernels import Kernels, resolve_kernels
 from model import ModelArgs, Transformer, checkpoint_paths, load_model
-from policies import AttentionSettings, Storage, policy_factory, solve_target
+from policies import POLICIES, AttentionSettings, Storage, policy_factory, solve_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TokenIds:
+    """The stand-in tokenizer of a --random-weights run (a GPU machine carries no tokenizer files): no
+    vocabulary, no stop token; prompts are token ids, and a row's text is its token ids."""
+
+    stop_ids: set[int] = set()
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+    @staticmethod
+    def encode_prompt(text: str, chat: bool = False) -> list[int]:
+        raise ValueError("random weights have no tokenizer: send the prompt as token ids")
+
+    @staticmethod
+    def encode_chat(messages: list[dict]) -> list[int]:
+        raise ValueError("random weights have no tokenizer, so no chat template: use /v1/completions with token ids")
 
 
 def load_checkpoint(checkpoint: Path, device: str, dtype: torch.dtype, kernels: Kernels,
@@ -122,23 +141,42 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="K and V as stored: auto = the activations' dtype; int8 = per-token int8 (K after a "
                         "per-channel scale fixed by each row's prompt)")
-    p.add_argument("--kt-dtype", choices=KT_DTYPES, default="same",
-                   help="SparQ's copy of K^T (step 1 only ranks positions with it): same = as K is stored, or "
+    p.add_argument("--kt-dtype", choices=("auto", *KT_DTYPES), default="auto",
+                   help="SparQ's copy of K^T (step 1 only ranks positions with it): auto = int4 on the CPU for the "
+                        "policies that read it (kt_storage_for), else as K is stored; same = as K is stored; or "
                         "int8 / int4 (with --kv-layout twice)")
 
 
-def cache_format(args: argparse.Namespace) -> KVFormat:
-    """The KVFormat of add_cache_flags' flags; a combination that makes no sense is a user error."""
+def kt_storage_for(flag: str, layout: str, device: str, policies: Sequence[str]) -> str:
+    """--kt-dtype as KVFormat takes it, "auto" decided once per run: int4 on the CPU when a policy of the
+    run scans K^T (SparQ's step 1: POLICIES' reads_kt). At the bytes of a K^T in the activations' dtype,
+    an int4 one buys step 1 four times the components, which a low budget needs: adaptive SparQ at 1/8
+    is within a SQuAD point of dense on every model on it, and loses up to 2.4 on a bf16 K^T
+    (docs/accuracy.md). Elsewhere "same": on CUDA the int4 step-1 kernel has not been timed against
+    bf16 on a GPU yet (docs/gpu.md), and dense and the page selectors never read K^T."""
+    if flag != "auto":
+        return flag
+    reads_kt = any(POLICIES[name].reads_kt for name in policies if name in POLICIES)
+    return "int4" if layout == "twice" and device == "cpu" and reads_kt else "same"
+
+
+def cache_format(args: argparse.Namespace, device: str, policies: Sequence[str] = ()) -> KVFormat:
+    """The KVFormat of add_cache_flags' flags for a run on `device` of these policies (kt_storage_for);
+    a combination that makes no sense is a user error."""
     try:
-        return KVFormat(args.kv_layout, args.kv_dtype, args.kt_dtype)
+        return KVFormat(args.kv_layout, args.kv_dtype, kt_storage_for(args.kt_dtype, args.kv_layout, device, policies))
     except ValueError as e:
         raise UserError(str(e)) from None
 
 
-def describe_format(kv_format: KVFormat, dtype: torch.dtype) -> str:
-    """The startup line's words for a cache format: "layout twice, K/V bfloat16, K^T int4"."""
+def describe_format(kv_format: KVFormat, dtype: torch.dtype, kt_flag: Optional[str] = None) -> str:
+    """The startup line's words for a cache format: "layout twice, K/V bfloat16, K^T int4", and why
+    K^T is stored so when --kt-dtype auto chose it (`kt_flag` "auto")."""
     kt = kv_format.kt_storage(dtype)
-    return f"layout {kv_format.layout}, K/V {kv_format.kv_storage(dtype)}" + (f", K^T {kt}" if kt else "")
+    words = f"layout {kv_format.layout}, K/V {kv_format.kv_storage(dtype)}" + (f", K^T {kt}" if kt else "")
+    if kt_flag == "auto" and kv_format.kt_dtype != "same":
+        words += " (--kt-dtype auto: SparQ's step 1 on the CPU; --kt-dtype same keeps the activations')"
+    return words
 
 
 

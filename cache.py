@@ -403,10 +403,12 @@ class KVCache(nn.Module):
             k, v = self.read(slice(0, rows), start, length)
             k_t = self.read_k_t(slice(0, rows), start, length)
         else:
-            if self.kt_storage == "int4" and start % 2:
-                raise ValueError("an int4 K^T is read from an even position (its bytes hold two)")
             k, v = self.k[:, :, start:], self.v[:, :, start:]
-            k_t = None if self.k_t is None else self.k_t[..., start // 2 if self.kt_storage == "int4" else start:]
+            if self.k_t is None or (self.kt_storage == "int4" and start % 2):
+                k_t = None  # an int4 K^T is read from an even position (its bytes hold two): unreadable here,
+                # which stored_view_readable tells SparQ's kernels (dense reads K and V alone)
+            else:
+                k_t = self.k_t[..., start // 2 if self.kt_storage == "int4" else start:]
             if self.quantized:
                 k_scale, v_scale, kt_scale = (None if s is None else s[:, :, start:]
                                               for s in (self.k_scale, self.v_scale, self.kt_scale))

@@ -507,20 +507,21 @@ class Policy:
     knob_min: Callable[[AttentionSettings], int] = lambda s: 1  # the knob's smallest value (LM-Infinite: more than
     # its sink tokens; Quest: a page)
     reads_buckets: bool = False  # honours bucketed reads (CacheView.live_length): CUDA graphs per bucket
+    reads_kt: bool = False  # its step 1 scans rows of the cache's K^T copy (assemble.kt_storage_for decides its storage)
 
 
 POLICIES: dict[str, Policy] = {
     "dense": Policy(lambda s, args, kernels, layer: DenseDecode(kernels, args.attn_softcap),
                     "exact attention over the live prefix", reads_buckets=True),
     "sparq": Policy(_build_sparq, "SparQ (--sparq-r/-k/-local/-mean-v)", ("sparq_r",), knob="sparq_r",
-                    reads_buckets=True),
+                    reads_buckets=True, reads_kt=True),
     # The same policy, budgeted the other way (the paper's length sweep): r fixed, k set by the compression.
     "sparq-fixed-r": Policy(_build_sparq, "SparQ budgeted by k at a fixed --sparq-r", ("sparq_r",), knob="sparq_k",
-                            reads_buckets=True),
+                            reads_buckets=True, reads_kt=True),
     # Budgeted by the target itself: r and k per layer and step (sparq_adaptive.adaptive_split)
     "sparq-adaptive": Policy(_build_sparq_adaptive, "SparQ with r and k per layer and step from --compression "
                              f"(default 1/{ADAPTIVE_DEFAULT.denominator}), shared by a layer's KV heads",
-                             ("adaptive_k_cap",), knob="compression"),
+                             ("adaptive_k_cap",), knob="compression", reads_kt=True),
     "topk": Policy(lambda s, args, kernels, layer: TopKDecode(s.budget, args.attn_softcap),
                    "FlexGen top-k: exact scores, top-k values", ("kv_budget",), knob="kv_budget"),
     "oracle": Policy(lambda s, args, kernels, layer: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget),
@@ -534,7 +535,7 @@ POLICIES: dict[str, Policy] = {
                               "components of q (default d/4), the top pages read in full",
                               ("kv_budget", "hybrid_r", "page_size"), knob="kv_budget", knob_min=lambda s: s.page_size),
     "doublesparse": Policy(_build_doublesparse, "DoubleSparse: SparQ with r channels per head fixed offline "
-                           "(scripts/calibrate_doublesparse.py)", ("sparq_r",), knob="sparq_r"),
+                           "(scripts/calibrate_doublesparse.py)", ("sparq_r",), knob="sparq_r", reads_kt=True),
     "local": Policy(lambda s, args, kernels, layer: LocalDecode(s.budget, cap=args.attn_softcap),
                     "LM-Infinite: 16 sinks + recent window", ("kv_budget",), knob="kv_budget",
                     knob_min=lambda s: LocalDecode.SINKS + 1),

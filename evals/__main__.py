@@ -28,6 +28,17 @@ Long runs (a SQuAD length sweep is hours on a 2-core CPU): with --json, every fi
 results go to a journal beside it (FILE.journal.jsonl); the same command with --resume replays those
 batches and runs only the rest, and the tables come out as from one uninterrupted run.
 `--report FILE.json` prints the tables (and --plot) of the results so far, while the run goes on.
+
+The needle map (the long-context picture: context length against needle depth, per method):
+
+    python -m evals --task needle --lengths 1k,2k,4k,8k,16k,32k --depths 0,10,20,30,40,50,60,70,80,90,100 \\
+        --examples 2 --attention dense,sparq-adaptive,sparq,quest --compression 1/8,1/16 \\
+        --json results/needle_map.json --plot docs/needle_map.png
+
+builds --examples needle examples at each depth (percent of the haystack before the needle) and length;
+the usual tables pool the depths, the JSON's needle_map has a row per (length, depth, method, target),
+a text map and the cells where dense finds the needle and a policy misses it are printed last, and
+--plot draws the map (the usual score plot goes beside it, FILE_scores.png); --report redraws them.
 """
 from __future__ import annotations
 
@@ -46,12 +57,13 @@ import torch
 
 import cli
 import data
+from assemble import DTYPES, add_cache_flags, cache_format, kernels_for, load_checkpoint, load_tokenizer, model_args
+from cache import KVFormat
 from cli import UserError
 from evals.journal import Journal, journal_path
 from evals.report import budget_records, budget_summary, no_selection, plot_title, print_results, report, write_json
 from evals.runner import Cell, Results, Runner, evaluate_batch
 from evals.tasks import TASKS, Example, TaskOptions
-from assemble import DTYPES, add_cache_flags, cache_format, kernels_for, load_checkpoint, load_tokenizer, model_args
 from kernels import KERNEL_CHOICES
 from policies import (DENSE, POLICIES, QUEST_PAGE, AttentionSettings, add_selector_flags, fraction_label,
                       parse_compression, selector_settings)
@@ -95,6 +107,23 @@ def parse_lengths(text: str) -> list[int]:
     return out
 
 
+def parse_depths(text: str) -> list[float]:
+    """--depths: needle depths in percent of the haystack, 0 (its start) to 100 (its end); whole numbers
+    kept as ints, so that the run identity and the JSON read 50, not 50.0."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = float(item.rstrip("%"))
+        except ValueError:
+            raise UserError(f"bad --depths value {item!r} (expected percentages from 0 to 100, e.g. 0,10,50,100)") from None
+        if not 0 <= value <= 100:
+            raise UserError(f"--depths {item} is outside 0..100 (percent of the haystack before the needle)")
+        out.append(int(value) if value.is_integer() else value)
+    if not out:
+        raise UserError("--depths is empty")
+    return list(dict.fromkeys(out))
+
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m evals", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", type=cli.positive_int, default=8, help="examples per task and length")
     p.add_argument("--lengths", default=None,
                    help=f"prompt lengths in tokens for every task sized in tokens, e.g. 2k,4k (default {DEFAULT_LENGTH})")
+    p.add_argument("--depths", default=None,
+                   help="needle task only: needle depths in percent of the haystack (0 = its start, 100 = its end), "
+                        "comma list, --examples at each; the results gain the needle map (table, JSON needle_map, "
+                        "--plot draws it)")
     p.add_argument("--squad-contexts", default=None,
                    help="confusion paragraphs per SQuAD prompt, comma list (default 7; the paper's sweep: 7,15,31,63)")
     p.add_argument("--sparq-r", type=cli.positive_int, default=32,
@@ -133,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                                               "batches done beside it (FILE.journal.jsonl)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run whose journal is beside --json: its batches are replayed, the rest run")
-    p.add_argument("--plot", type=Path, help="write a PNG of score vs compression per task (vs prompt length for a task at several sizes)")
+    p.add_argument("--plot", type=Path, help="write a PNG of score vs compression per task (vs prompt length for a task at several "
+                                              "sizes); with --depths the needle map, the score plot beside it (FILE_scores.png)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
                    help="print the tables (and --plot) of an earlier run's --json, also of one still going; "
@@ -142,21 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_identity(args: argparse.Namespace, tasks: list[str], methods: list[str], targets: list[Fraction],
-                 lengths: dict[str, list[int]]) -> dict:
-    """What decides a run's batches and results: a resumed run must match its journal in all of it."""
+                 lengths: dict[str, list[int]], kv_format: KVFormat) -> dict:
+    """What decides a run's batches and results: a resumed run must match its journal in all of it (the
+    K^T storage as --kt-dtype auto resolved it)."""
     run = {"checkpoint": str(args.checkpoint), "tasks": tasks, "attention": methods,
            "compression": [fraction_label(t) for t in targets], "lengths": lengths}
     for flag in ("examples", "batch_size", "seed", "dtype", "kernel", "kv_layout", "sparq_r", "sparq_k", "sparq_mean_v",
                  "bpc_tokens", "repetition_chars", "repetition_passage", "retrieval_keys"):
         run[flag] = getattr(args, flag)
-    for flag, default in (("kv_dtype", "auto"), ("kt_dtype", "same"), ("page_size", QUEST_PAGE),
-                          ("hybrid_r", None)):  # absent from the journals of earlier runs
-        if getattr(args, flag) != default:
-            run[flag] = getattr(args, flag)
+    for flag, value, default in (("kv_dtype", args.kv_dtype, "auto"), ("kt_dtype", kv_format.kt_dtype, "same"),
+                                 ("page_size", args.page_size, QUEST_PAGE),
+                                 ("hybrid_r", args.hybrid_r, None)):  # absent from the journals of earlier runs
+        if value != default:
+            run[flag] = value
     if "sparq-adaptive" in methods and args.adaptive_k_cap != args.sparq_k:  # earlier runs capped k at --sparq-k
         run["adaptive_k_cap"] = args.adaptive_k_cap
     if "doublesparse" in methods:  # its channels come from a file: a recalibration is another run
         run["doublesparse_channels"] = file_identity(selector_settings(args)["channels"])
+    if getattr(args, "depths", None):  # the needle map's (the journals of runs without it have none)
+        run["depths"] = parse_depths(args.depths)
     return json.loads(json.dumps(run))  # as the journal's header reads back
 
 
@@ -191,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--repetition-passage must be at least 128 characters")
     if args.sparq_k < 4:
         raise UserError("--sparq-k must be at least 4")
+    depths = parse_depths(args.depths) if args.depths is not None else None
+    if depths is not None and "needle" not in tasks:
+        raise UserError("--depths is for the needle task (the needle map): add needle to --task, or drop --depths")
     torch.set_num_threads(args.threads)
 
     from tqdm import tqdm
@@ -207,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
                 raise UserError(f"--lengths {length} does not fit the model's context of {model_config.max_context} "
                                 f"tokens with room for the question and answer: use at most "
                                 f"{model_config.max_context - 300}")
-    options = TaskOptions(args.bpc_tokens, args.repetition_chars, args.repetition_passage, args.retrieval_keys)
+    options = TaskOptions(args.bpc_tokens, args.repetition_chars, args.repetition_passage, args.retrieval_keys,
+                          tuple(depths) if depths else None)
 
     # Build every example first (fast), so that a prompt that cannot run is an error before the model
     # loads and the progress bar knows the total. Batches are interleaved across tasks and lengths, so a
@@ -229,12 +271,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.resume and not args.json:
         raise UserError("--resume continues the run whose journal is beside --json: give that --json")
-    journal = Journal(journal_path(args.json), run_identity(args, tasks, methods, targets, lengths),
+    kv_format = cache_format(args, "cpu", methods)  # one cache for every method: int4 K^T if one scans it
+    journal = Journal(journal_path(args.json), run_identity(args, tasks, methods, targets, lengths, kv_format),
                       args.resume) if args.json else None
     from_journal = [journal.check(done, task, length, len(batch)) if journal else None  # before the model loads
                     for done, (task, length, batch) in enumerate(work, 1)]
 
-    kv_format = cache_format(args)
     kernels = kernels_for(args.kernel, "cpu", model_config, kv_formats=[kv_format])
     model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels)
     try:
@@ -253,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
                 "compression": [fraction_label(t) for t in targets], "lengths": lengths,
                 "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
                 "kernels": kernels.name, "kv_layout": args.kv_layout, "kv_dtype": args.kv_dtype,
-                "kt_dtype": args.kt_dtype, "sparq_k": args.sparq_k, "adaptive_k_cap": args.adaptive_k_cap,
+                "kt_dtype": kv_format.kt_dtype, "sparq_k": args.sparq_k, "adaptive_k_cap": args.adaptive_k_cap,
+                **({"depths": depths} if depths else {}),
                 "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,
                 "batches_from_journal": replayed, "budgets": budget_records(results.budgets)}
 
@@ -284,16 +327,18 @@ def run(args: argparse.Namespace) -> int:
                     journal.append(done, task, length, len(batch), record)
             if args.json and (entry is None or done == len(work)):  # the results so far (and at the end, always)
                 write_json(args.json, results.rows(), {**meta(), "complete": done == len(work),
-                                                       "batches_done": done, "batches": len(work)})
+                                                       "batches_done": done, "batches": len(work)},
+                           results.needle_map())
     elapsed = time.perf_counter() - start
 
     print(f"model {args.checkpoint}: {model.args.n_layer} layers, head dim {model.args.head_dim}, "
           f"{model.args.n_head} heads / {model.args.n_kv_head} KV heads, {args.dtype}, kernels {kernels.name}; "
-          f"{args.examples} examples per task and length; {elapsed / 60:.1f} min"
+          f"{args.examples} examples per task and length{' (needle: per depth)' if depths else ''}; "
+          f"{elapsed / 60:.1f} min"
           + (f" ({replayed} of {len(work)} batches from the journal)" if replayed else ""))
     print(budget_summary(results.budgets))
     print_results(results.rows(), methods, targets, args.plot, plot_title(args.checkpoint, args.dtype),
-                  no_selection(budget_records(results.budgets)))
+                  no_selection(budget_records(results.budgets)), results.needle_map())
     return 0
 
 

@@ -241,8 +241,136 @@ def budget_summary(budgets: dict[tuple, Budget]) -> str:
     return "budgets (setting: transfers / dense at the prompt length)\n" + "\n".join(lines) if lines else ""
 
 
-def write_json(path: Path, rows: list[dict], meta: dict) -> None:
-    cli.write_json(path, {"results": rows, "meta": meta})
+def write_json(path: Path, rows: list[dict], meta: dict, needle_map: Optional[list[dict]] = None) -> None:
+    """The results rows and the run's meta; a run with --depths also its needle map (Results.needle_map)."""
+    cli.write_json(path, {"results": rows, "meta": meta, **({"needle_map": needle_map} if needle_map else {})})
+
+
+# =============================================================================================
+# The needle map (--task needle --depths): context length against needle depth, per method
+# =============================================================================================
+
+
+def length_label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def depth_label(depth: float) -> str:
+    return f"{depth:g}%"
+
+
+def _map_panels(needle_map: list[dict]) -> dict[tuple[str, str], dict[tuple[int, float], dict]]:
+    """(method, compression label) -> (length, depth) -> row, dense first, then the methods as run, each
+    at its compressions from the largest."""
+    panels: dict[tuple[str, str], dict] = {}
+    order = {m: i for i, m in enumerate(dict.fromkeys(["dense"] + [r["attention"] for r in needle_map]))}
+    for r in sorted(needle_map, key=lambda r: (order[r["attention"]], -r["compression"])):
+        panels.setdefault((r["attention"], r["compression_label"]), {})[(r["length"], r["depth"])] = r
+    return panels
+
+
+def _panel_name(method: str, label: str) -> str:
+    return "dense" if method == "dense" else f"{method} {label}"
+
+
+def _found(r: dict) -> str:
+    """+ found in every example, - in none, else k/n; ! when dense found it in an example this one missed."""
+    k = round(r["exact_match"] * r["n"])
+    text = "+" if k == r["n"] else "-" if k == 0 else f"{k}/{r['n']}"
+    return text + ("!" if r.get("missed_vs_dense") else "")
+
+
+def needle_map_table(needle_map: list[dict], width: int = 120) -> str:
+    """The needle map as text: a block per method and compression (rows = depths, columns = lengths),
+    side by side up to `width` characters; then every cell where dense found the needle in an example
+    the method missed, named."""
+    if not needle_map:
+        return ""
+    lengths = sorted({r["length"] for r in needle_map})
+    depths = sorted({r["depth"] for r in needle_map})
+    n = sorted({r["n"] for r in needle_map})
+    blocks = []
+    for (method, label), cells in _map_panels(needle_map).items():
+        header = ["depth"] + [length_label(t) for t in lengths]
+        body = [[depth_label(d)] + [_found(cells[(t, d)]) if (t, d) in cells else "." for t in lengths] for d in depths]
+        widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
+        lines = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
+                 for row in [header] + body]
+        blocks.append([_panel_name(method, label)] + lines)
+    out = [f"\nneedle map (rows = needle depth, columns = prompt tokens; n = {', '.join(map(str, n))} per cell): found in "
+           f"every example (+),\nin none (-), in k of n (k/n); ! = dense found it in an example this one missed; . = not run"]
+    line: list[list[str]] = []
+    for block in blocks + [None]:
+        if line and (block is None or sum(max(map(len, b)) + 4 for b in line + [block]) > width):
+            widths = [max(map(len, b)) for b in line]
+            out.append("")
+            out += ["    ".join(b[i].ljust(w) for b, w in zip(line, widths)).rstrip() for i in range(len(line[0]))]
+            line = []
+        if block is not None:
+            line.append(block)
+    missed = [r for r in needle_map if r.get("missed_vs_dense")]
+    dense = {(r["length"], r["depth"]): r for r in needle_map if r["attention"] == "dense"}
+    if not any("missed_vs_dense" in r for r in needle_map if r["attention"] != "dense"):
+        return "\n".join(out)
+    out.append(f"\ncells where dense finds the needle and a policy misses it (same examples): {len(missed) or 'none'}")
+    for r in missed:
+        d = dense.get((r["length"], r["depth"]))
+        found = lambda row: f"{round(row['exact_match'] * row['n'])}/{row['n']}"
+        out.append(f"  {_panel_name(r['attention'], r['compression_label'])} at {length_label(r['length'])} tokens, "
+                   f"depth {depth_label(r['depth'])}: missed {r['missed_vs_dense']} that dense found (dense "
+                   f"{found(d) if d else '?'}, {r['attention']} {found(r)})")
+    return "\n".join(out)
+
+
+def plot_needle_map(needle_map: list[dict], path: Path, model: str = "") -> None:
+    """The needle-in-a-haystack picture: a panel per method and compression (dense first), x = prompt
+    length, y = needle depth (0% at the top), colour = fraction found (red to green); a cell where
+    dense found the needle in an example the method missed is outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    panels = _map_panels(needle_map)
+    lengths = sorted({r["length"] for r in needle_map})
+    depths = sorted({r["depth"] for r in needle_map})
+    n = sorted({r["n"] for r in needle_map})
+    cols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    w, h = max(2.8, 0.45 * len(lengths) + 1.4), max(2.6, 0.24 * len(depths) + 1.4)
+    fig, axes = plt.subplots(nrows, cols, figsize=(w * cols + 1.2, h * nrows + 0.8), squeeze=False,
+                             constrained_layout=True)
+    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="lightgray")  # not run
+    image = None
+    for index, (ax, ((method, label), cells)) in enumerate(zip(axes.flat, panels.items())):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for (length, depth), r in cells.items():
+            y, x = depths.index(depth), lengths.index(length)
+            grid[y, x] = r["exact_match"]
+            if r.get("missed_vs_dense"):
+                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2.2))
+        image = ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+        ax.set_xticks(range(len(lengths)), [length_label(t) for t in lengths], fontsize=8)
+        ax.set_yticks(range(len(depths)), [depth_label(d) for d in depths], fontsize=8)
+        ax.set_title(_panel_name(method, label), fontsize=10)
+        ax.set_xlabel("context length (tokens)", fontsize=8)
+        if index % cols == 0:
+            ax.set_ylabel("needle depth", fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="fraction found")
+    fig.suptitle(f"{model}{': ' if model else ''}needle in a haystack, n = {n[0] if len(n) == 1 else f'{n[0]}-{n[-1]}'} "
+                 f"per cell\noutlined: dense found the needle in an example this method missed", fontsize=11)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def scores_plot_path(path: Path) -> Path:
+    """Where the score plot goes when --plot draws the needle map: beside it, _scores added."""
+    return path.with_name(f"{path.stem}_scores{path.suffix}")
 
 
 def plot(rows: list[dict], path: Path, methods: list[str], model: str = "") -> None:
@@ -346,16 +474,24 @@ def _plot_against_length(ax, rows: list[dict], methods: list[str], target: float
 
 
 def print_results(rows: list[dict], methods: list[str], targets: list[Fraction], plot_path: Optional[Path],
-                  model: str, empty: set[tuple]) -> None:
+                  model: str, empty: set[tuple], needle_map: Optional[list[dict]] = None) -> None:
     """The tables (and the plot) of a run's result rows: at its end, or from its --json by --report.
-    model: how the plot's title names the run; empty: the cells with no selection (no_selection)."""
+    model: how the plot's title names the run; empty: the cells with no selection (no_selection);
+    needle_map (a run with --depths): its table last, and --plot draws it (the score plot goes beside)."""
     print(table(rows, methods, targets, empty))
     if sweeps(rows):
         print(sweep_table(rows, methods, targets, empty))
     print(delta_table(rows, methods, targets))
     print(achieved_table(rows, methods, targets))
+    if needle_map:
+        print(needle_map_table(needle_map))
     if plot_path:
-        plot(rows, plot_path, methods, model)
+        if needle_map:
+            plot_needle_map(needle_map, plot_path, model)
+            plot(rows, scores_plot_path(plot_path), methods, model)
+            print(f"\nplots: {plot_path} (needle map), {scores_plot_path(plot_path)} (scores)")
+        else:
+            plot(rows, plot_path, methods, model)
 
 
 def report(paths: list[Path], plot_path: Optional[Path]) -> int:
@@ -366,6 +502,7 @@ def report(paths: list[Path], plot_path: Optional[Path]) -> int:
     methods: list[str] = []
     targets: list[Fraction] = []
     empty: set[tuple] = set()
+    needle_map: dict[tuple, dict] = {}
     titles = set()
     for path in paths:
         try:  # everything read from the file, so that a file of another shape is one line, not a traceback
@@ -380,6 +517,8 @@ def report(paths: list[Path], plot_path: Optional[Path]) -> int:
             titles.add(plot_title(Path(meta["checkpoint"]), meta["dtype"]))
             empty |= no_selection(meta["budgets"])
             cells = {(r["task"], r["size"], r["metric"], r["attention"], r["compression"]): r for r in mine}
+            map_cells = {(r["length"], r["depth"], r["attention"], r["compression"]): r
+                         for r in saved.get("needle_map", [])}
         except FileNotFoundError:
             raise UserError(f"--report {path}: no such file") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -393,8 +532,13 @@ def report(paths: list[Path], plot_path: Optional[Path]) -> int:
                 raise UserError(f"--report {path}: {' '.join(map(str, cell))} scores {row['score']:.4g} (n = {row['n']}) "
                                 f"here and {rows[cell]['score']:.4g} (n = {rows[cell]['n']}) in an earlier file")
             rows.setdefault(cell, row)
+        for cell, row in map_cells.items():
+            if cell in needle_map and (needle_map[cell]["exact_match"], needle_map[cell]["n"]) != (row["exact_match"], row["n"]):
+                raise UserError(f"--report {path}: the needle map's {row['attention']} {row['compression_label']} at "
+                                f"{row['length']} tokens, depth {depth_label(row['depth'])} differs from an earlier file's")
+            needle_map.setdefault(cell, row)
         print(heading)
-    print_results(list(rows.values()), methods, targets, plot_path, titles.pop(), empty)
+    print_results(list(rows.values()), methods, targets, plot_path, titles.pop(), empty, list(needle_map.values()))
     return 0
 
 

@@ -221,6 +221,8 @@ class Results:
         self.achieved: dict[tuple, list[float]] = defaultdict(list)  # (cell, method, target) -> per batch
         self.per_layer: dict[tuple, list[list[float]]] = defaultdict(list)  # (cell, metric, method, target)
         self.prompt_tokens: dict[Cell, list[int]] = defaultdict(list)  # per example
+        # per example, in the order of every key's values, for the needle map (--depths): the depth in percent
+        self.depths: dict[Cell, list[float]] = defaultdict(list)
         self.budgets: dict[tuple, Budget] = {}  # (task, method, target, size)
 
     def add(self, cell: Cell, config: Config, metric: str, values: list[float]) -> None:
@@ -233,7 +235,9 @@ class Results:
                 "achieved": [[c.task, c.size, method, label(t), v] for (c, method, t), v in self.achieved.items()],
                 "per_layer": [[c.task, c.size, metric, method, label(t), v]
                               for (c, metric, method, t), v in self.per_layer.items()],
-                "prompt_tokens": [[c.task, c.size, v] for c, v in self.prompt_tokens.items()]}
+                "prompt_tokens": [[c.task, c.size, v] for c, v in self.prompt_tokens.items()],
+                # only in a run with --depths: the records (journals) of other runs are as they were
+                **({"depths": [[c.task, c.size, v] for c, v in self.depths.items()]} if self.depths else {})}
 
     def add_record(self, record: dict) -> None:
         """Append a record's values (record() of a batch run earlier) after those already held."""
@@ -245,6 +249,8 @@ class Results:
             self.per_layer[(Cell(task, size), metric, method, Fraction(t))] += v
         for task, size, v in record["prompt_tokens"]:
             self.prompt_tokens[Cell(task, size)] += v
+        for task, size, v in record.get("depths", []):
+            self.depths[Cell(task, size)] += v
 
     def rows(self) -> list[dict]:
         out = []
@@ -270,6 +276,34 @@ class Results:
             out.append(row)
         return out
 
+    def needle_map(self) -> list[dict]:
+        """The needle map (a run with --depths): one row per (length, depth, method, target) with the
+        fraction of its examples that found the needle (exact_match), their count n, the mean answer_nll,
+        and missed_vs_dense: how many of them dense found and this one missed (the same examples: every
+        policy decodes every example of a batch, in one order). Dense first, then the methods as run;
+        empty without depths."""
+        out = []
+        for (cell, metric, method, target), values in self.values.items():
+            depths = self.depths.get(cell)
+            if cell.task != "needle" or metric != "exact_match" or not depths or len(depths) != len(values):
+                continue
+            dense = self.values.get((cell, metric, "dense", DENSE))
+            nll = self.values.get((cell, "answer_nll", method, target))
+            by_depth: dict[float, list[int]] = defaultdict(list)  # depth -> example indices
+            for i, depth in enumerate(depths):
+                by_depth[depth].append(i)
+            for depth, at in by_depth.items():
+                row = {"length": cell.size, "depth": depth, "attention": method, "compression": float(target),
+                       "compression_label": fraction_label(target),
+                       "exact_match": sum(values[i] for i in at) / len(at), "n": len(at)}
+                if nll is not None and len(nll) == len(values):
+                    row["answer_nll"] = sum(nll[i] for i in at) / len(at)
+                if dense is not None and len(dense) == len(values):
+                    row["missed_vs_dense"] = sum(1 for i in at if dense[i] > 0.5 > values[i])
+                out.append(row)
+        order = {m: i for i, m in enumerate(dict.fromkeys(["dense"] + [r["attention"] for r in out]))}
+        return sorted(out, key=lambda r: (order[r["attention"]], -r["compression"], r["length"], r["depth"]))
+
 
 def row_cell(row: dict) -> Cell:
     return Cell(row["task"], row["size"])
@@ -281,6 +315,9 @@ def evaluate_batch(cell: Cell, runner: Runner, tokenizer, examples: list[Example
     advance() after each config (the progress bar)."""
     task = TASKS[cell.task]
     results.prompt_tokens[cell] += [len(e.prompt) for e in examples]
+    depths = [e.meta.get("depth_percent") for e in examples]
+    if all(d is not None for d in depths):  # the needle map's (--depths)
+        results.depths[cell] += depths
     if task.score is None:
         return diagnose_batch(cell, runner, examples, configs, results, advance)
     extra = max(max(len(e.answer), e.max_new) for e in examples) + 1

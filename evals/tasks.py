@@ -6,6 +6,7 @@ Tasks (offline data only; examples are built by token count, so a batch shares o
   needle      Paul Graham essays with a needle at a depth: the paper's San Francisco sentence or a
               numeric pass key. Chat prompt. exact_match (the answer contains the key phrase) and
               answer_nll (mean NLL per token, nats, of the reference answer, teacher-forced).
+              With --depths (percent), --examples at each of those depths: the needle map.
   repetition  Shakespeare context (>= 6000 characters), then a --repetition-passage (256) character
               passage from inside it (the paper's Appendix G.1.4 format); chars = characters generated
               greedily before diverging from the true continuation (at most --repetition-chars).
@@ -172,11 +173,26 @@ class TextSource:
             chars *= 2
 
 
-def needle_examples(tokenizer, length: int, n: int, seed: int) -> list[Example]:
+def needle_examples(tokenizer, length: int, n: int, seed: int, depths: Optional[tuple[float, ...]] = None
+                    ) -> list[Example]:
+    """n needle examples, the two variants (the San Francisco sentence, a pass key) alternating, at depths
+    spread over the haystack (both variants at each). depths (percent, --depths): n examples at each of
+    those depths instead, for the needle map (0 = at the start of the haystack, 100 = at its end, at
+    the sentence boundary insert_at_depth takes). Example i at every depth is example i of one
+    haystack, variant and key, the needle moved: a column of the map differs in depth alone. Their
+    meta["depth_percent"] (absent without depths) is the depth the map groups by."""
+    if depths is not None:
+        return [example for d in depths
+                for example in _needle_examples(tokenizer, length, n, seed, lambda i: d / 100, d)]
+    return _needle_examples(tokenizer, length, n, seed, lambda i: (i // 2 + 0.5) / math.ceil(n / 2))
+
+
+def _needle_examples(tokenizer, length: int, n: int, seed: int, depth_of: Callable[[int], float],
+                     depth_percent: Optional[float] = None) -> list[Example]:
     source = TextSource(tokenizer, data.essays_text())
     out = []
     for i in range(n):
-        depth = (i // 2 + 0.5) / math.ceil(n / 2)  # both variants at each depth
+        depth = depth_of(i)
         for attempt in range(20):
             rng = example_rng("needle", seed, length, i, attempt)
             if i % 2 == 0:
@@ -199,8 +215,10 @@ def needle_examples(tokenizer, length: int, n: int, seed: int) -> list[Example]:
                 break
         else:
             raise UserError(f"cannot build a needle example of exactly {length} tokens")
-        out.append(Example(prompt=ids, answer=tokenizer.encode(answer), key=key, max_new=24,
-                           meta={"variant": variant, "depth": round(depth, 3)}))
+        meta = {"variant": variant, "depth": round(depth, 3)}
+        if depth_percent is not None:
+            meta["depth_percent"] = depth_percent
+        out.append(Example(prompt=ids, answer=tokenizer.encode(answer), key=key, max_new=24, meta=meta))
     return out
 
 
@@ -488,6 +506,8 @@ class TaskOptions:
     repetition_chars: int = 256
     repetition_passage: int = 256
     retrieval_keys: int = 4
+    needle_depths: Optional[tuple[float, ...]] = None  # --depths (percent): the needle map's depths
+
 
 
 @dataclass
@@ -556,7 +576,7 @@ def _line_ended(example: Example, text: str) -> bool:
 
 TASKS: dict[str, Task] = {task.name: task for task in (
     Task("needle", (("exact_match", True), ("answer_nll", False)),
-         lambda tok, length, n, seed, o: needle_examples(tok, length, n, seed),
+         lambda tok, length, n, seed, o: needle_examples(tok, length, n, seed, o.needle_depths),
          _score_question, _answers_question),
     Task("repetition", (("chars", True),),
          lambda tok, length, n, seed, o: repetition_examples(tok, length, n, seed, o.repetition_chars,

@@ -209,6 +209,78 @@ def test_needle_examples_have_exact_length_and_the_needle():
     assert depths == sorted(depths) and depths[0] < 0.5 < depths[-1]
 
 
+def test_needle_depths_put_the_needle_at_those_depths_of_one_haystack():
+    """--depths: --examples examples at each depth (the two variants alternating), the needle further into
+    the prompt at each larger depth: at the haystack's start at 0, after its last sentence boundary at
+    100; example i at every depth is one haystack and key, the needle moved. Without --depths the
+    examples are today's (no map depth)."""
+    tok = ByteTokenizer()
+    examples = tasks.needle_examples(tok, 3000, 2, seed=0, depths=(0, 50, 100))
+    assert {len(e.prompt) for e in examples} == {3000}
+    assert [e.meta["depth_percent"] for e in examples] == [0, 0, 50, 50, 100, 100]
+    assert [e.meta["variant"] for e in examples] == ["sf", "passkey"] * 3
+    assert [e.meta["depth"] for e in examples] == [0, 0, 0.5, 0.5, 1.0, 1.0]
+    built = tasks.TASKS["needle"].build(tok, 3000, 2, 0, tasks.TaskOptions(needle_depths=(0, 50, 100)))
+    assert [e.prompt for e in built] == [e.prompt for e in examples]
+    for i in range(2):
+        same = examples[i::2]  # example i at 0, 50, 100
+        needle = tasks.SF_NEEDLE if i == 0 else f"The pass key is {same[0].key}. Remember it. {same[0].key} is the pass key."
+        texts = [tok.decode(e.prompt) for e in same]
+        at = [text.index(needle) for text in texts]
+        assert at[0] == len("<user>") and at[0] < at[1] < at[2]  # 0: the haystack's first words
+        assert 0.4 < (at[1] - at[0]) / (at[2] - at[0]) < 0.6  # 50: the middle
+        tail = texts[2][at[2] + len(needle):texts[2].index("\n\nAnswer the question")]
+        assert ". " not in tail  # 100: no sentence boundary after it
+        assert len({text.replace(needle + " ", "", 1) for text in texts}) == 1 and len({e.key for e in same}) == 1
+    default = tasks.TASKS["needle"].build(tok, 3000, 4, 0, tasks.TaskOptions())
+    assert [e.prompt for e in default] == [e.prompt for e in tasks.needle_examples(tok, 3000, 4, seed=0)]
+    assert not any("depth_percent" in e.meta for e in default)
+    assert evals_cli.parse_depths("0, 12.5,50%,100,50") == [0, 12.5, 50, 100]
+
+
+def test_needle_map_rows_and_their_records(tmp_path):
+    """Results.needle_map: a row per (length, depth, method, target), n the examples at that depth, the
+    fraction found and the examples dense found and the method missed; a batch record holds the depths
+    (and a run without them records none), and add_record of the records gives the same map."""
+    short, long = evals_runner.Cell("needle", 1024), evals_runner.Cell("needle", 2048)
+    dense = evals_runner.Config(budget("dense", Fraction(1), 1024), [])
+    sparq = evals_runner.Config(budget("sparq", Fraction(1, 8), 1024, r=8, k=16, achieved=0.125), [])
+    batches = []
+    for cell, depths, d_em, s_em in ((short, [0, 0, 50, 50], [1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0]),
+                                     (long, [0, 0], [1.0, 0.0], [0.0, 0.0]),
+                                     (short, [100, 100], [1.0, 1.0], [1.0, 1.0])):
+        batch = evals_runner.Results()
+        batch.depths[cell] += depths
+        for config, em in ((dense, d_em), (sparq, s_em)):
+            batch.add(cell, config, "exact_match", em)
+            batch.add(cell, config, "answer_nll", [0.5] * len(em))
+        batches.append(batch.record())
+    assert all("depths" in r for r in batches) and "depths" not in evals_runner.Results().record()
+    results = evals_runner.Results()
+    for record in batches:
+        results.add_record(json.loads(json.dumps(record)))
+    rows = {(r["attention"], r["depth"]): r for r in results.needle_map() if r["length"] == 1024}
+    assert len(rows) == 6 and {r["n"] for r in results.needle_map()} == {2} and len(results.needle_map()) == 8
+    assert rows[("dense", 50)]["exact_match"] == 0.5 and rows[("sparq", 0)]["exact_match"] == 0.5
+    assert [rows[("sparq", d)]["missed_vs_dense"] for d in (0, 50, 100)] == [1, 0, 0]  # 50: dense missed one, sparq none
+    assert rows[("sparq", 0)]["compression_label"] == "1/8" and rows[("sparq", 0)]["answer_nll"] == 0.5
+    assert [r["attention"] for r in results.needle_map()][:3] == ["dense"] * 3
+    pooled = {(r["size"], r["attention"], r["metric"]): r for r in results.rows()}
+    assert pooled[(1024, "sparq", "exact_match")]["n"] == 6  # the usual rows pool the depths
+    text = evals_report.needle_map_table(results.needle_map())
+    assert "sparq 1/8 at 1k tokens, depth 0%: missed 1 that dense found (dense 2/2, sparq 1/2)" in text
+    assert "sparq 1/8 at 2k tokens, depth 0%: missed 1 that dense found (dense 1/2, sparq 0/2)" in text
+    assert re.search(r"depth\s+1k\s+2k\s+depth\s+1k\s+2k", text)
+    assert re.search(r"0%\s+\+\s+1/2\s+0%\s+1/2!\s+-!\n", text)
+    assert re.search(r"50%\s+1/2\s+\.\s+50%\s+\+\s+\.\n", text)  # . = not run at 2k
+    evals_report.plot_needle_map(results.needle_map(), tmp_path / "map.png", "M (float32)")
+    assert (tmp_path / "map.png").stat().st_size > 5000
+    legacy = {k: v for k, v in batches[0].items() if k != "depths"}  # a journal line of a run without --depths
+    old = evals_runner.Results()
+    old.add_record(legacy)
+    assert old.needle_map() == [] and old.rows()
+
+
 def test_repetition_examples_repeat_a_passage_from_the_context():
     tok = ByteTokenizer()
     for e in tasks.repetition_examples(tok, 8000, 2, seed=0):
@@ -443,6 +515,11 @@ def test_a_length_sweep_keeps_each_size_apart(tmp_path):
     (["--lengths", "two"], "--lengths"),
     (["--task", "needle", "--lengths", "8k"], "use at most 7892"),  # SmolLM2's 8192 less room for the answer
     (["--checkpoint", "/nonexistent/model.pth"], "checkpoint not found"),
+    (["--task", "needle", "--depths", "101"], "--depths 101 is outside 0..100"),
+    (["--task", "needle", "--depths", "0,-10"], "--depths -10 is outside 0..100"),
+    (["--task", "needle", "--depths", "0,half"], "bad --depths value 'half'"),
+    (["--task", "needle", "--depths", ","], "--depths is empty"),
+    (["--task", "bpc,retrieval", "--depths", "50"], "--depths is for the needle task"),
 ])
 def test_bad_input_is_one_line_error(argv, message, capsys):
     status = evals_cli.main(argv + ["--quiet"])
@@ -462,8 +539,10 @@ def test_bad_flag_is_one_line_without_traceback():
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
 def test_smoke_every_task_on_the_embedded_model(tmp_path, capsys):
     out, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    # a float K^T: SparQ reaches 1/2 at 512 tokens with r = 32 of 64 (an int4 K^T, --kt-dtype auto, makes step 1
+    # so cheap that r = 64 leaves it at 0.32: a target that high is the float cache's)
     common = ["--attention", "dense,sparq,h2o,local", "--batch-size", "2", "--kernel", "torch", "--json", str(out),
-              "--quiet"]
+              "--quiet", "--kt-dtype", "same"]
     rows = []
     for argv in (["--task", "needle,retrieval", "--lengths", "1024", "--examples", "2", "--compression", "1/8",
                   "--plot", str(png)],
@@ -647,7 +726,7 @@ def test_report_prints_the_tables_of_a_finished_or_running_run(tmp_path, monkeyp
     out, argv = small_squad_run(tmp_path, monkeypatch)
     snapshots = []
     write = evals_report.write_json
-    monkeypatch.setattr(evals_cli, "write_json", lambda path, rows, meta: write(path, rows, meta) or
+    monkeypatch.setattr(evals_cli, "write_json", lambda path, rows, meta, *a: write(path, rows, meta, *a) or
                         snapshots.append(path.read_text()))
     capsys.readouterr()
     assert evals_cli.main(argv) == 0
@@ -677,6 +756,55 @@ def test_report_prints_the_tables_of_a_finished_or_running_run(tmp_path, monkeyp
                           (partial, "not a python -m evals --json results file"),
                           (empty, "no results yet")):
         assert_one_line_error((evals_cli.main(["--report", str(path)]), capsys.readouterr().err), message)
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason=f"no embedded checkpoint at {CHECKPOINT} (run `make model`)")
+def test_needle_map_run_resumes_and_reports_the_same_map(tmp_path, monkeypatch, capsys):
+    """--task needle --depths on the embedded model (one batch: a decode step is most of the time): the
+    JSON's needle_map has a row per (length, depth, method, target) with n = --examples, pooling to the
+    usual rows; the text map and the heatmap come out; --resume, replaying the journal, and --report of
+    the JSON give the same map; other depths are another run, and a run without --depths keeps the
+    identity it had."""
+    out, plot = tmp_path / "map.json", tmp_path / "map.png"
+    argv = ["--task", "needle", "--lengths", "192", "--depths", "0,100", "--examples", "2", "--batch-size", "4",
+            "--attention", "dense,sparq", "--compression", "1/4", "--sparq-k", "16", "--kernel", "torch",
+            "--json", str(out), "--quiet"]
+    assert evals_cli.main(argv + ["--plot", str(plot)]) == 0
+    printed = capsys.readouterr().out
+    whole = read_json(out)
+    needle_map = whole["needle_map"]
+    keys = [(r["length"], r["depth"], r["attention"], r["compression_label"]) for r in needle_map]
+    assert sorted(keys) == sorted((192, d, m, c) for d in (0, 100) for m, c in (("dense", "1"), ("sparq", "1/4")))
+    assert {r["n"] for r in needle_map} == {2} and whole["meta"]["depths"] == [0, 100]
+    for pooled in whole["results"]:  # the usual rows: every depth of a length, pooled
+        if pooled["metric"] == "exact_match":
+            mine = [r["exact_match"] for r in needle_map if (r["attention"], r["compression_label"])
+                    == (pooled["attention"], pooled["compression_label"])]
+            assert pooled["n"] == 4 and pooled["score"] == pytest.approx(sum(mine) / 2)
+    assert "needle map (rows = needle depth, columns = prompt tokens; n = 2 per cell)" in printed
+    assert re.search(r"depth\s+192\s+depth\s+192", printed) and "cells where dense finds the needle" in printed
+    assert plot.stat().st_size > 5000 and evals_report.scores_plot_path(plot).stat().st_size > 5000
+    map_text = printed[printed.index("\nneedle map"):printed.index("\nplots:")]
+
+    header, first = evals_journal.journal_path(out).read_text().splitlines()
+    assert strict_json(header)["run"]["depths"] == [0, 100]
+    assert strict_json(first)["record"]["depths"] == [["needle", 192, [0, 0, 100, 100]]]
+    out.unlink()
+    monkeypatch.setattr(evals_cli, "evaluate_batch", None)  # everything from the journal
+    assert evals_cli.main(argv + ["--resume"]) == 0
+    resumed = read_json(out)
+    assert resumed["needle_map"] == needle_map and resumed["results"] == whole["results"]
+    assert resumed["meta"]["batches_from_journal"] == 1 and map_text in capsys.readouterr().out
+
+    monkeypatch.setattr(evals_cli, "load_checkpoint", None)  # --report loads no model
+    again = tmp_path / "again.png"
+    assert evals_cli.main(["--report", str(out), "--plot", str(again)]) == 0
+    assert map_text in capsys.readouterr().out and again.stat().st_size > 5000
+    other = [x if x != "0,100" else "0,50,100" for x in argv]
+    assert_one_line_error((evals_cli.main(other + ["--resume"]), capsys.readouterr().err), "depths differ")
+    plain = evals_cli.build_parser().parse_args(argv[:argv.index("--depths")] + argv[argv.index("--examples"):])
+    assert "depths" not in evals_cli.run_identity(plain, ["needle"], ["dense", "sparq"], [Fraction(1), Fraction(1, 4)],
+                                                  {"needle": [192]}, evals_cli.cache_format(plain, "cpu", ["sparq"]))
 
 
 def test_report_of_several_files_is_one_run_across_their_lengths(tmp_path, capsys):
@@ -763,7 +891,8 @@ def test_a_doublesparse_run_is_identified_by_its_calibration(tmp_path):
     def identity(argv):
         args = evals_cli.build_parser().parse_args(argv)
         methods = args.attention.split(",")
-        return evals_cli.run_identity(args, ["squad"], methods, [Fraction(1, 4)], {"squad": [0]})
+        return evals_cli.run_identity(args, ["squad"], methods, [Fraction(1, 4)], {"squad": [0]},
+                                      evals_cli.cache_format(args, "cpu", methods))
 
     torch.save({"ranking": torch.arange(12).view(1, 3, 4)}, channels)
     first = identity(argv)
@@ -781,7 +910,9 @@ def test_an_adaptive_run_is_identified_by_its_cap_on_k(tmp_path):
 
     def identity(argv):
         args = evals_cli.build_parser().parse_args(argv)
-        return evals_cli.run_identity(args, ["squad"], args.attention.split(","), [Fraction(1, 4)], {"squad": [0]})
+        methods = args.attention.split(",")
+        return evals_cli.run_identity(args, ["squad"], methods, [Fraction(1, 4)], {"squad": [0]},
+                                      evals_cli.cache_format(args, "cpu", methods))
 
     earlier = identity(base + ["--adaptive-k-cap", "128"])
     assert "adaptive_k_cap" not in earlier  # as the journals made before the flag read back

@@ -107,6 +107,21 @@ def test_fused_cpu_linears_generate_the_same_tokens_as_f_linear(smollm2, smollm2
         assert fused == reference
 
 
+FP32 = 4  # the embedded model's bytes per element on the CPU
+
+
+def sparq_step_bytes(S: int, r: int, k: int, d: int) -> float:
+    """One KV head's SparQ step in bytes as the CPU's default cache stores them (assemble.kt_storage_for):
+    step 1 reads r of K^T's d rows at S positions in int4 (half a byte each, one fp32 scale per position),
+    step 2 k rows of K and V and the 4 vectors of q, mean-V and the outputs in fp32: the paper's Sr + 2kd + 4d
+    with K^T at its stored size."""
+    return S * (r / 2 + 4) + (2 * k * d + 4 * d) * FP32
+
+
+def dense_step_bytes(S: int, d: int) -> float:
+    return (2 * S * d + 2 * d) * FP32
+
+
 @pytest.mark.parametrize("policy, target", [("sparq", "1/4"), ("local", "0.3")])
 def test_compression_solves_the_policy_knob_at_the_longest_prompt(tmp_path, smollm2_checkpoint, policy, target):
     """--compression picks the knob whose transfers at the prompt's length come closest to the target;
@@ -120,14 +135,16 @@ def test_compression_solves_the_policy_knob_at_the_longest_prompt(tmp_path, smol
     d, lengths = 64, range(601, 606)
     if policy == "sparq":
         r, k = report["sparq"]["r"], report["sparq"]["k"]
-        assert k == 128 and abs((600 * r + 2 * k * d + 4 * d) / (2 * 600 * d + 2 * d) - 0.25) <= 1 / (4 * d)
-        moved = [S * r + 2 * k * d + 4 * d for S in lengths]
+        step = lambda S: sparq_step_bytes(S, r, k, d)
+        assert k == 128 and abs(step(600) / dense_step_bytes(600, d) - 0.25) <= 2 / d  # r: one of d steps
+        moved = [step(S) for S in lengths]
     else:
         k = report["kv_budget"]
         assert abs((2 * k * d + 2 * d) / (2 * 600 * d + 2 * d) - 0.3) <= 1 / 600
-        moved = [2 * k * d + 2 * d for S in lengths]
+        moved = [(2 * k * d + 2 * d) * FP32 for S in lengths]
+    dense = [dense_step_bytes(S, d) for S in lengths]
     assert report["compression_target"] == float(eval(target))
-    assert report["compression_achieved"] == pytest.approx(sum(moved) / sum(2 * S * d + 2 * d for S in lengths))
+    assert report["compression_achieved"] == pytest.approx(sum(moved) / sum(dense))
     assert f"budget: --compression {float(eval(target)):.4g} at 600 tokens" in result.stderr
 
 
@@ -158,11 +175,11 @@ def test_generate_cli_json_with_sparq(tmp_path, smollm2_checkpoint):
     assert report["attention"] == "sparq"
     assert report["sparq"] == {"r": 16, "k": 64, "local": 16, "mean_v": False}  # GQA: mean-V off by default
     assert all(len(s["tokens"]) == 8 for s in report["samples"])
-    # KV bytes per step by the SparQ formula, averaged over the 7 decode steps at lengths 301..307.
-    per_head = [S * 16 + 2 * 64 * 64 + 4 * 64 for S in range(301, 308)]
-    expected = sum(per_head) * 3 * 30 * 2 * 4 // 7
-    assert report["kv_bytes_read_per_step"] == expected
-    dense_per_head = [2 * S * 64 + 2 * 64 for S in range(301, 308)]
+    # KV bytes per step by the SparQ formula (int4 K^T, the CPU default), averaged over the 7 decode steps at
+    # lengths 301..307, for 3 KV heads, 30 layers and 2 rows.
+    per_head = [sparq_step_bytes(S, 16, 64, 64) for S in range(301, 308)]
+    assert report["kv_bytes_read_per_step"] == sum(per_head) * 3 * 30 * 2 // 7
+    dense_per_head = [dense_step_bytes(S, 64) for S in range(301, 308)]
     assert report["compression_achieved"] == pytest.approx(sum(per_head) / sum(dense_per_head))
     assert report["compression_target"] is None
     for key in ("prefill_s", "decode_tokens_per_s", "total_tokens_per_s", "bandwidth_gb_s", "weight_bytes"):

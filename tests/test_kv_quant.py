@@ -16,7 +16,7 @@ import torch
 from conftest import assert_one_line_error, channels_file
 from cache import QMAX, KVCache, KVFormat, quantize_symmetric, unpack_int4
 from decoding import Generator
-from model import Transformer
+from model import ModelArgs, Transformer
 from policies import POLICIES, AttentionSettings, policy_factory
 from sparq_adaptive import StepCosts
 from test_generate import run_generate
@@ -496,3 +496,34 @@ def test_resolve_kernels_keeps_what_reads_a_quantized_cache_and_says_what_falls_
     if kernels_triton.HAS_TRITON:  # the Triton kernels read it too (tests/test_kernels_triton.py)
         triton = resolve_kernels("triton", "cuda", int8_kv=True, quantized_kt=True, announce=said.append)
         assert triton.dense_attention and triton.dense_verify and triton.sparq_attention and said == []
+
+
+# ---------------------------------------------------------------------------------------------
+# --kt-dtype auto: the K^T storage a run gets by default
+# ---------------------------------------------------------------------------------------------
+
+
+def test_kt_auto_is_int4_on_the_cpu_for_the_policies_that_scan_it():
+    from assemble import kt_storage_for
+
+    for policy in ("sparq", "sparq-fixed-r", "sparq-adaptive", "doublesparse"):
+        assert kt_storage_for("auto", "twice", "cpu", [policy]) == "int4"
+        assert kt_storage_for("auto", "twice", "cpu", ["dense", policy]) == "int4"  # one cache for the run
+    for policy in ("dense", "quest", "h2o", "local", "rocketkv-hybrid"):
+        assert kt_storage_for("auto", "twice", "cpu", [policy]) == "same"  # K^T is never read: as before
+    assert kt_storage_for("auto", "twice", "cuda", ["sparq"]) == "same"  # not yet timed on a GPU
+    assert kt_storage_for("auto", "once", "cpu", ["sparq"]) == "same"  # no K^T kept
+    assert kt_storage_for("same", "twice", "cpu", ["sparq"]) == "same"
+    assert kt_storage_for("int8", "twice", "cuda", ["dense"]) == "int8"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", ["smollm2", "llama-3.1-8b"])
+def test_the_default_sparq_cache_is_at_most_1_15x_dense(shape, dtype):
+    """The whole cache as allocated (K, V, the int4 K^T and its scales, the running sums) against K and V
+    alone, at 8k positions: a K^T in the activations' dtype made it 1.5x."""
+    args = ModelArgs.from_shape(shape)
+    dense = Transformer.cache_bytes(args, 1, 8192, KVFormat("once"), dtype)
+    default = Transformer.cache_bytes(args, 1, 8192, KVFormat("twice", "auto", "int4"), dtype)
+    same = Transformer.cache_bytes(args, 1, 8192, KVFormat("twice"), dtype)
+    assert default / dense <= 1.15 and same / dense >= 1.49
