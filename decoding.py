@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import re
 import sys
-import tempfile
 import time
 import types
-import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
@@ -18,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aot import AOTDecodeStep
 from attention import DenseDecode
 from model import Transformer
 
@@ -154,6 +152,15 @@ def own_step(step: Callable, name: str) -> Callable:
     return types.FunctionType(code, step.__globals__, code.co_name)
 
 
+COMPILE_BACKENDS = ("inductor", "aot")  # --compile-backend (compiled_decode_step also takes "cudagraphs")
+
+
+def default_compile_backend(device_type: str) -> str:
+    """The backend --compile takes unless told: on the CPU the step built ahead of time (aot: no Python
+    between its ops, a quarter faster at short context; README), on CUDA inductor's CUDA graphs."""
+    return "aot" if device_type == "cpu" else "inductor"
+
+
 def compiled_decode_step(step: Callable, device_type: str, backend: str = "inductor") -> Callable:
     """torch.compile of a decode step (fullgraph, dynamic lengths), the one place its settings live:
     generate.py, python -m bench, bench/gpu_check.py and the tests compile this way.
@@ -192,95 +199,6 @@ def compiled_decode_step(step: Callable, device_type: str, backend: str = "induc
             return compiled(*args)
 
     return floats_as_constants
-
-
-class _StepModule(torch.nn.Module):
-    """A step over the model as a module torch.export can trace. The read length arrives as the length
-    of `span` (a tensor of that many bytes, never read): an exported program's dynamic sizes are tensor
-    dimensions, and AOTInductor (torch 2.13) fails on a plain int input marked dynamic."""
-
-    def __init__(self, step: Callable, model: Transformer):
-        super().__init__()
-        self.step, self.model = step, model
-
-    def forward(self, tokens: Tensor, input_pos: Tensor, span: Tensor) -> Tensor:
-        return self.step(self.model, tokens, input_pos, span.shape[0])
-
-
-@dataclass
-class _Program:
-    low: int  # the read lengths it holds for (its exported range, both ends included)
-    high: float
-    run: Callable  # (tokens, input_pos, span) -> logits
-
-
-class AOTDecodeStep:
-    """A decode step built ahead of time by AOTInductor (CPU): torch.export traces the step, inductor
-    compiles it into a shared library whose C++ calls the step's kernels and ops in turn, and a call
-    runs that library: no dynamo, no guard checks, no Python between ops (the short step's remainder
-    after its GEMVs; README, docs/NOTES.md). Same signature as the compiled step: (model, tokens,
-    input_pos, length) -> logits.
-
-    A program holds for the range of read lengths its branches allow (export's Dim.AUTO: dense for
-    every length; SparQ one program up to k positions, where its layers run dense, and one above); a
-    length outside every built range exports and builds another, as dynamo recompiles. The library
-    reads the model's own parameters and buffers in place (user-managed constants: no copy of the
-    weights, and the caches it writes are the model's). Programs are kept per model, input shapes,
-    installed policies and cache storage, since set_decode_attention and setup_caches replace what a
-    program was built on. What a program does not see: Python values changed in place after it was
-    built (a norm's eps, a policy's settings), which torch.compile's guards would catch; install a new
-    policy instead. Building one takes a minute on 2 cores (a C++ compile; torch.compile's cold
-    build of the same step took 3-4)."""
-
-    def __init__(self, step: Callable):
-        self.step = step
-        self.programs: dict[tuple, list[_Program]] = {}
-        self._attention_modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its layers' _modules
-        self._span = torch.empty(0, dtype=torch.int8)
-        self._dir = tempfile.TemporaryDirectory(prefix="sparq-fast-aot-")
-
-    def __call__(self, model: Transformer, tokens: Tensor, input_pos: Tensor, length: int) -> Tensor:
-        if self._span.numel() < length:
-            self._span = torch.empty(max(length, 2 * self._span.numel()), dtype=torch.int8)
-        span = self._span[:length]
-        programs = self.programs.setdefault(self._key(model, tokens, input_pos), [])
-        for program in programs:
-            if program.low <= length <= program.high:
-                return program.run(tokens, input_pos, span)
-        program = self._build(model, tokens, input_pos, span, len(self.programs), len(programs))
-        programs.append(program)
-        return program.run(tokens, input_pos, span)
-
-    def _key(self, model: Transformer, tokens: Tensor, input_pos: Tensor) -> tuple:
-        """What a program is built on: the model, the input shapes, the cache's storage and each layer's
-        policy object. Read from the attention modules' own module dicts, kept per model: through
-        nn.Module's attribute lookup this key took 0.1-0.25 ms of a 6 ms step (SmolLM2, int4)."""
-        modules = self._attention_modules.get(model)
-        if modules is None:
-            modules = self._attention_modules[model] = [layer.attention._modules for layer in model.layers]
-        return (id(model), tokens.shape, input_pos.shape, modules[0]["kv_cache"].k.data_ptr(),
-                *[id(m["decode_attention"]) for m in modules])
-
-    def _build(self, model: Transformer, tokens: Tensor, input_pos: Tensor, span: Tensor, n_key: int,
-               n_range: int) -> _Program:
-        from torch.export import Dim
-
-        module, length = _StepModule(self.step, model), span.shape[0]
-        with warnings.catch_warnings():  # torch 2.13's export and packaging warn of its own deprecated pytree API
-            warnings.simplefilter("ignore", FutureWarning)
-            exported = torch.export.export(module, (tokens, input_pos, span), strict=False,
-                                           dynamic_shapes={"tokens": None, "input_pos": None, "span": {0: Dim.AUTO}})
-            path = torch._inductor.aoti_compile_and_package(
-                exported, package_path=f"{self._dir.name}/step_{n_key}_{n_range}.pt2",
-                inductor_configs={"aot_inductor.package_constants_in_so": False})
-        ranges = list(exported.range_constraints.values())  # the span's length, unless export specialised it
-        low, high = (int(ranges[0].lower), float(ranges[0].upper)) if ranges else (length, length)
-        runner = torch._inductor.aoti_load_package(path)
-        named = {**dict(module.named_parameters(remove_duplicate=False)),
-                 **dict(module.named_buffers(remove_duplicate=False))}
-        runner.load_constants({name: named[name] for name in runner.get_constant_fqns()},
-                              check_full_update=True, user_managed=True)
-        return _Program(low, high, runner)
 
 
 @dataclass
@@ -392,6 +310,10 @@ class Generator:
         return time.perf_counter() - start
 
     @torch.no_grad()
+    def build_summary(self) -> str:
+        """What compiling the decode step made, in words (AOT programs built or loaded from the cache), or ""."""
+        return self._decode.summary() if isinstance(self._decode, AOTDecodeStep) else ""
+
     def warm_up_decode(self, lengths: list[int], max_new_tokens: int) -> float:
         """warm_up for decode() from filled caches (benchmarks): the caches are as before afterwards."""
         start = time.perf_counter()

@@ -1,18 +1,28 @@
 """Continuous batching on the static cache: the scheduler behind serve.py.
 
-The caches hold `max_batch` rows. A request takes a free row, is prefilled into it `prefill_chunk`
-tokens at a time (one chunk between two decode steps, so a long prompt never stalls the others for
-its whole prefill; several per step while nothing decodes), then decodes with the other busy rows,
-each at its own position; a finished or cancelled request frees its row at once. The decode step always runs every row (the shapes never
-change, so one compiled step serves any mix): a row that is free or still prefilling computes a
-token nobody reads, written at its own live length (a free row's: position 0) and truncated away
-after the step (a free row's when a request takes it).
+The caches hold `max_batch` rows. A request waits in a queue for a free row (the lowest free one),
+is prefilled into it, then decodes with the other decoding rows, each at its own position; a
+finished or cancelled request frees its row at once.
 
-Each request samples with its own torch.Generator (its `seed`), so its tokens depend on its prompt
-and settings alone, never on what else is in the batch; greedy requests are token for token their
-solo run (tests/test_serve.py; the fused CPU attention kernels split S over threads by the whole
-batch's lengths, which at long ragged contexts can change a row's rounding: README). The engine runs in one thread (`run_forever`); `submit` and `cancel`
-may be called from any other, and a request's events reach its `emit` callback from the engine's.
+A step carries at most `step_tokens` tokens (vLLM's chunked-prefill rule): one for each decoding
+row, then prompt pieces of the oldest prefilling requests while the budget lasts (at least one piece
+while a prompt waits, so prefill always advances). While prompts wait, every step carries about the
+same work, so the decoding rows' tokens keep an even pace; with none waiting, a step is a decode step
+alone. Prompts are cut at fixed places, `prefill_chunk` tokens a piece as decoding.prefill cuts them
+(the first piece may be short), whatever the load: a piece is one forward pass.
+
+A decode step computes only the first n rows, n the smallest of ROW_BUCKETS holding every decoding
+row (rows are taken lowest first, so the busy ones sit at the front). A row inside the bucket that
+is not decoding (free, or still prefilling) computes a token nobody reads, written at its own live
+length and truncated away after the step. The buckets bound the compiled steps: one per bucket.
+
+Each row's arithmetic is its own: the decode GEMVs compute each row alone (kernels.linear_cpu, the
+same bits for any row count up to 16), the fused attention kernels split a row's positions by its own
+length (csrc/parallel.h), and each request samples with its own torch.Generator (its `seed`). So a
+greedy request is token for token its solo run, and a sampled one depends on its seed alone, whatever
+else is in the batch (tests/test_serve.py). The engine runs in one thread (`run_forever`); `submit`
+and `cancel` may be called from any other, and a request's events reach its callbacks from the
+engine's.
 """
 from __future__ import annotations
 
@@ -27,8 +37,18 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from decoding import PREFILL_CHUNK, chunk_ends, decode_step, prefill, probabilities
+from decoding import chunk_ends, decode_step, probabilities
 from model import Transformer
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows a decode step computes: the first n of the cache
+PREFILL_CHUNK = 128  # prompt tokens per prefill piece (one forward pass)
+STEP_TOKENS = 512  # tokens per step: the decoding rows' plus prompt pieces
+
+
+def row_bucket(rows: int, max_batch: int) -> int:
+    """The rows a decode step computes when its decoding rows are among the first `rows`: the smallest
+    bucket holding them, at most the cache's max_batch."""
+    return min(next((b for b in ROW_BUCKETS if b >= rows), rows), max_batch)
 
 
 class QueueFull(Exception):
@@ -40,9 +60,20 @@ class Stopped(Exception):
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability under the model (log-softmax of its logits, whatever the sampling
+    temperature), and the `top` most likely tokens at that position with theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Request:
     """What to generate. stop_ids end it (the stop token is reported, not returned); max_new_tokens
-    counts the generated tokens; temperature 0 is greedy; seed: its own sampler (None: random)."""
+    counts the generated tokens (0: the prompt is only scored, with echo_logprobs); temperature 0 is
+    greedy; seed: its own sampler (None: random)."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -50,10 +81,16 @@ class Request:
     temperature: float = 0.0
     top_k: Optional[int] = None
     seed: Optional[int] = None
-    # emit(token or None, finish_reason or None): a token as it comes, then (None, reason) once at the
-    # end: "stop" (a stop token, or cancel()), "length" (max_new_tokens or the context), "shutdown",
-    # "error" (a step failed: run_forever ends the requests in the rows and goes on)
-    emit: Callable[[Optional[int], Optional[str]], None] = lambda token, reason: None
+    logprobs: Optional[int] = None  # each generated token's TokenLogprob with this many alternatives (None: none)
+    echo_logprobs: bool = False  # the prompt's own TokenLogprobs too (its first token has none)
+    # emit(token or None, finish_reason or None, TokenLogprob or None): a token as it comes (with its
+    # logprob when asked), then (None, reason, logprob) once at the end: "stop" (a stop token, whose
+    # TokenLogprob comes with it when logprobs are asked, or cancel()), "length" (max_new_tokens or the
+    # context), "shutdown", "error" (a step failed: run_forever ends the requests in the rows and goes on)
+    emit: Callable[[Optional[int], Optional[str], Optional[TokenLogprob]], None] = \
+        lambda token, reason, logprob=None: None
+    # emit_prompt([None, TokenLogprob, ...]): once, when the prompt is prefilled (echo_logprobs only)
+    emit_prompt: Callable[[list[Optional[TokenLogprob]]], None] = lambda logprobs: None
 
 
 @dataclass
@@ -63,10 +100,11 @@ class _Row:
     request: Request
     id: int
     sampler: torch.Generator
+    pieces: list[int] = field(default_factory=list)  # where its prompt pieces end (chunk_ends)
     prefilled: int = 0  # prompt tokens in the cache
     generated: int = 0
     next_token: Optional[int] = None  # sampled, not yet in the cache (decoding)
-    cancelled: bool = False
+    prompt_logprobs: list[Optional[TokenLogprob]] = field(default_factory=list)
 
     @property
     def decoding(self) -> bool:
@@ -77,24 +115,32 @@ class _Row:
         """Positions of this row the cache holds."""
         return self.prefilled + max(0, self.generated - 1)
 
+    def next_piece(self) -> int:
+        """Tokens of the prompt's next piece."""
+        return next(e for e in self.pieces if e > self.prefilled) - self.prefilled
+
 
 @dataclass
 class Engine:
     model: Transformer  # caches set up for max_batch rows, the policy installed
     max_seq_length: int
-    prefill_chunk: int = 128  # prompt tokens per prefill chunk: one chunk between two decode steps
-    idle_prefill: int = PREFILL_CHUNK  # prompt tokens per step while no row decodes (whole chunks)
+    prefill_chunk: int = PREFILL_CHUNK  # where prompts are cut: pieces of this many tokens (one pass each)
+    step_tokens: int = STEP_TOKENS  # the per-step token budget: decoding rows + prompt pieces
     max_queue: int = 64  # requests waiting for a row before submit() refuses (QueueFull)
     decode: Callable = decode_step  # the step (decoding.compiled_decode_step for --compile)
     rows: list[Optional[_Row]] = field(init=False)
     waiting: deque = field(init=False, default_factory=deque)
+    stats: dict = field(init=False)  # counters since the start: decode steps, tokens and seconds; prefill's (/health)
 
     def __post_init__(self):
+        if self.prefill_chunk < 1 or self.step_tokens < 1:
+            raise ValueError("the prefill chunk and the step's token budget must be positive")
         self.rows = [None] * self.model.caches[0].max_batch
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._stopping = False
         self._cancelled: set[int] = set()
+        self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0}
         self.model.check_row_operations()  # a policy with per-row state cannot share the cache (ValueError)
 
     # -- any thread -----------------------------------------------------------------------------
@@ -104,6 +150,8 @@ class Engine:
         ValueError for a prompt that leaves no room in the context."""
         if not request.prompt or len(request.prompt) >= self.max_seq_length:
             raise ValueError(f"the prompt has {len(request.prompt)} tokens; the context holds {self.max_seq_length}")
+        if request.max_new_tokens < 0 or (request.max_new_tokens == 0 and not request.echo_logprobs):
+            raise ValueError("max_new_tokens must be positive (0 only to score the prompt, with echo_logprobs)")
         with self._lock:
             if self._stopping:
                 raise Stopped("the server is shutting down")
@@ -112,7 +160,8 @@ class Engine:
             request_id = next(self._ids)
             sampler = torch.Generator()
             sampler.manual_seed(request.seed if request.seed is not None else torch.seed())
-            self.waiting.append(_Row(request, request_id, sampler))
+            pieces = chunk_ends(0, len(request.prompt), self.prefill_chunk)
+            self.waiting.append(_Row(request, request_id, sampler, pieces))
             self._lock.notify()
         return request_id
 
@@ -131,6 +180,24 @@ class Engine:
     @property
     def busy_rows(self) -> int:
         return sum(row is not None for row in self.rows)
+
+    @torch.no_grad()
+    def warm_up(self, lengths: list[int]) -> None:
+        """Run the decode step once for every row bucket at each of these live lengths (the positions a
+        row holds before the step), on whatever the rows hold, then empty them: a compiled step builds
+        (or loads) its programs now, not while a request waits (SparQ runs dense while a layer sees at
+        most k positions: a length on either side). Call before any request."""
+        if self.busy_rows or self.waiting:
+            raise RuntimeError("warm_up runs on an idle engine")
+        device = self.model.device
+        for n in sorted({row_bucket(b, len(self.rows)) for b in range(1, len(self.rows) + 1)}):
+            for length in lengths:
+                self.model.set_live_lengths(torch.full((n,), length, device=device))
+                positions = torch.full((n, 1), length, device=device)
+                self.decode(self.model, torch.zeros((n, 1), dtype=torch.long, device=device), positions,
+                            self.model.read_length(length + 1))
+                for i in range(n):
+                    self.model.reset_row(i)
 
     # -- the engine's thread ----------------------------------------------------------------------
 
@@ -155,19 +222,24 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> None:
-        """End what was cancelled, admit, prefill (one chunk, or up to idle_prefill tokens while no row
-        decodes), then one decode step of every decoding row."""
+        """End what was cancelled, admit, prefill prompt pieces of the oldest prefilling requests within
+        the step's token budget (at least one piece), then one decode step of the decoding rows."""
         self._end_cancelled()
         self._admit()
-        decoding = any(row is not None and row.decoding for row in self.rows)
-        # One chunk between two decode steps while rows decode (their tokens wait for it); with none
-        # decoding, chunks up to idle_prefill tokens (nobody waits). Chunk boundaries stay the same.
-        budget = self.prefill_chunk if decoding else max(self.prefill_chunk, self.idle_prefill)
-        while budget > 0:
+        decoding = sum(row is not None and row.decoding for row in self.rows)
+        budget = self.step_tokens - decoding
+        first = True
+        while True:
             prefilling = [i for i, row in enumerate(self.rows) if row is not None and not row.decoding]
             if not prefilling:
                 break
-            budget -= self._prefill_chunk(min(prefilling, key=lambda i: self.rows[i].id))  # oldest first
+            i = min(prefilling, key=lambda i: self.rows[i].id)  # oldest first
+            piece = self.rows[i].next_piece()
+            if piece > budget and not first:
+                break
+            self._prefill_piece(i)
+            budget -= piece
+            first = False
         if any(row is not None and row.decoding for row in self.rows):
             self._decode_step()
 
@@ -181,7 +253,7 @@ class Engine:
                 waiting = [row for row in self.waiting if row.id in cancelled]
                 self.waiting = deque(row for row in self.waiting if row.id not in cancelled)
         for row in waiting:
-            row.request.emit(None, "shutdown" if stopping else "stop")
+            row.request.emit(None, "shutdown" if stopping else "stop", None)
         for i, row in enumerate(self.rows):
             if row is not None and (stopping or row.id in cancelled):
                 self._finish(i, "shutdown" if stopping else "stop")
@@ -193,33 +265,56 @@ class Engine:
                     self.rows[i] = self.waiting.popleft()
                     self.model.reset_row(i)
 
-    def _prefill_chunk(self, i: int) -> int:
-        """The next prefill chunk of row i; returns its tokens."""
+    def _prefill_piece(self, i: int) -> None:
+        """The next piece of row i's prompt, one forward pass into its row of the caches."""
         row = self.rows[i]
-        prompt = row.request.prompt
-        end = next(e for e in chunk_ends(0, len(prompt), self.prefill_chunk) if e > row.prefilled)  # as prefill() cuts
-        tokens = torch.tensor([prompt[row.prefilled:end]], device=self.model.device)
-        logits = prefill(self.model, tokens, chunk=end - row.prefilled, start=row.prefilled, row=i)  # (1, vocab)
-        tokens_done, row.prefilled = end - row.prefilled, end
-        if end == len(prompt):
-            self._take(i, self._sample(row, logits[0]))
-        return tokens_done
+        request, begin = row.request, row.prefilled
+        end = begin + row.next_piece()
+        tokens = torch.tensor([request.prompt[begin:end]], device=self.model.device)
+        positions = torch.arange(begin, end, device=self.model.device)
+        every = request.echo_logprobs
+        start = time.perf_counter()
+        logits = self.model(tokens, positions, end, None, i, every_position=every)  # (1, [T,] vocab)
+        logits = logits.float().cpu()  # on the host (one sync: the piece's time is its own)
+        self.stats["prefill_tokens"] += end - begin
+        self.stats["prefill_s"] += time.perf_counter() - start
+        row.prefilled = end
+        if every:  # position p's logits score the token at p + 1
+            top = request.logprobs or 0
+            scored = request.prompt[begin + 1:end + 1]
+            row.prompt_logprobs += [None] * (begin == 0) + token_logprobs(logits[0, :len(scored)], scored, top)
+            logits = logits[:, -1]
+        if end == len(request.prompt):
+            if every:
+                request.emit_prompt(row.prompt_logprobs)
+            if request.max_new_tokens == 0:  # scored, nothing to generate
+                self._finish(i, "length")
+            else:
+                self._take(i, logits[0])
 
     def _decode_step(self) -> None:
-        """Every row steps: a decoding row feeds its next token at its length; any other row feeds a
-        dummy token at its own length, which is truncated away (its cache is as before)."""
-        B, device = len(self.rows), self.model.device
-        tokens = [row.next_token if row is not None and row.decoding else 0 for row in self.rows]
-        lengths = [0 if row is None else row.length for row in self.rows]
-        input_pos = torch.tensor(lengths, device=device).view(B, 1)
-        token = torch.tensor(tokens, device=device).view(B, 1)
-        logits = self.decode(self.model, token, input_pos, self.model.read_length(max(lengths) + 1))  # (B, vocab)
-        for i, row in enumerate(self.rows):
+        """The first n rows step (row_bucket): a decoding row feeds its next token at its length; any
+        other row among them feeds a dummy token at its own length, which is truncated away (its
+        cache is as before)."""
+        last = max(i for i, row in enumerate(self.rows) if row is not None and row.decoding)
+        n, device = row_bucket(last + 1, len(self.rows)), self.model.device
+        rows = self.rows[:n]
+        tokens = [row.next_token if row is not None and row.decoding else 0 for row in rows]
+        lengths = [0 if row is None else row.length for row in rows]
+        input_pos = torch.tensor(lengths, device=device).view(n, 1)
+        token = torch.tensor(tokens, device=device).view(n, 1)
+        start = time.perf_counter()
+        logits = self.decode(self.model, token, input_pos, self.model.read_length(max(lengths) + 1))  # (n, vocab)
+        decoding = [i for i, row in enumerate(rows) if row is not None and row.decoding]
+        picked = logits[decoding].float().cpu()  # the decoding rows' logits, on the host: the step has ended
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += len(decoding)
+        self.stats["decode_s"] += time.perf_counter() - start
+        for i, row in enumerate(rows):
             if row is not None and not row.decoding:  # a free row's scratch position is reset when it is taken
                 self.model.truncate_row(i, lengths[i])
-        for i, row in enumerate(self.rows):
-            if row is not None and row.decoding:
-                self._take(i, self._sample(row, logits[i]))
+        for i, row_logits in zip(decoding, picked):
+            self._take(i, row_logits)
 
     def _sample(self, row: _Row, logits: Tensor) -> int:
         """The next token from (vocab,) logits with the request's own sampler."""
@@ -229,23 +324,38 @@ class Engine:
         probs = probabilities(logits.float(), request.temperature, request.top_k).cpu()
         return int(torch.multinomial(probs, 1, generator=row.sampler))
 
-    def _take(self, i: int, token: int) -> None:
-        """Row i sampled `token`: pass it on, or end the request."""
+    def _take(self, i: int, logits: Tensor) -> None:
+        """Row i's next token from its logits (vocab,): pass it on, or end the request."""
         row, request = self.rows[i], self.rows[i].request
+        token = self._sample(row, logits)
         row.generated += 1
-        if token in request.stop_ids:
-            self._finish(i, "stop")
+        logprob = None if request.logprobs is None else token_logprobs(logits[None], [token], request.logprobs)[0]
+        if token in request.stop_ids:  # reported with the finish (and its logprob when asked), not returned
+            self._finish(i, "stop", logprob)
             return
-        request.emit(token, None)
+        request.emit(token, None, logprob)
         if row.generated >= request.max_new_tokens or row.prefilled + row.generated >= self.max_seq_length:
             self._finish(i, "length")
         else:
             row.next_token = token
 
-    def _finish(self, i: int, reason: str) -> None:
+    def _finish(self, i: int, reason: str, stop_logprob: Optional[TokenLogprob] = None) -> None:
         row = self.rows[i]
         self.rows[i] = None  # reset when the next request takes the row
-        row.request.emit(None, reason)
+        row.request.emit(None, reason, stop_logprob)
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """logits (T, vocab) at T positions, the token that follows each -> their TokenLogprobs with the
+    `top` most likely alternatives (log-softmax in fp32)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if top > 0:
+        values, ids = logprobs.topk(top, dim=-1)
+        alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alternatives = [[] for _ in tokens]
+    return [TokenLogprob(t, lp, alt) for t, lp, alt in zip(tokens, chosen, alternatives)]
 
 
 def run_alone(engine: Engine, request: Request) -> tuple[list[int], str]:
@@ -254,7 +364,7 @@ def run_alone(engine: Engine, request: Request) -> tuple[list[int], str]:
     out: list[int] = []
     reason: list[str] = []
 
-    def emit(token, finish):
+    def emit(token, finish, logprob=None):
         if token is not None:
             out.append(token)
         if finish is not None:

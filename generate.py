@@ -38,12 +38,14 @@ import cli
 import data
 import quantize
 import tp
-from assemble import (DTYPES, add_cache_flags, cache_format, cache_storage, check_same_tokenizer, describe_format,
+from assemble import (DTYPES, TokenIds, add_cache_flags, cache_format, cache_storage, check_same_tokenizer, describe_format,
                       kernels_for, load_checkpoint, load_tokenizer, model_args, setup, solve_compression)
-from chat import chat_loop
 from cli import UserError
-from decoding import DecodeStats, Generator, Speculator, TextStream, expected_tokens_per_round, speculation_summary
+from chat import chat_loop
+from decoding import (COMPILE_BACKENDS, DecodeStats, Generator, Speculator, TextStream, default_compile_backend,
+                      expected_tokens_per_round, speculation_summary)
 from kernels import KERNEL_CHOICES, Kernels
+from cache import KVFormat
 from model import SHAPES, ModelArgs, Transformer, random_model
 from policies import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
                       policy_factory)
@@ -87,10 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights, activations and KV cache (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (a warm-up generation compiles it before the timed ones)")
-    p.add_argument("--compile-backend", choices=["inductor", "aot"], default="inductor",
-                   help="with --compile: inductor = torch.compile (dynamo checks its guards and calls the graph "
-                        "at every step); aot = CPU only, the step built ahead of time by AOTInductor and run "
-                        "with no Python between its ops (faster at short context; README)")
+    p.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default=None,
+                   help="with --compile: aot (the CPU's default) = the step built ahead of time by AOTInductor, "
+                        "cached across runs, and run with no Python between its ops (a quarter faster at short "
+                        "context than inductor: docs/cpu.md); inductor (CUDA's default, and the CPU's with "
+                        "--speculate-k or torchrun) = torch.compile, dynamo checking its guards at every step")
     p.add_argument("--compile-prefill", action="store_true", help="torch.compile the prefill")
     p.add_argument("--length-bucket", type=cli.positive_int, default=None,
                    help="decode attention reads the live length rounded up to a multiple of this, masking "
@@ -98,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stream", action="store_true", help="at batch size 1, print the text at the end, not as it comes")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, help="write the results as JSON")
+    p.add_argument("--profile", type=Path, default=None, metavar="PATH",
+                   help=f"after the timed generation, trace {PROFILE_STEPS} decode steps with torch.profiler (CPU and, "
+                        f"on CUDA, CUDA activities) into PATH, a Chrome trace (chrome://tracing, ui.perfetto.dev)")
     add_cache_flags(p)
     p.add_argument("--kernel", choices=KERNEL_CHOICES, default="auto",
                    help="decode kernels: auto = the fused kernels of the device (cpu: C++ dense and SparQ attention "
@@ -121,23 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DEFAULT_PROMPT = "Hello, my name is"
+PROFILE_STEPS = 8  # decode steps --profile traces
 
 
 @dataclass
 class Prompt:
     text: str
     chat: bool
-
-
-class TokenIds:
-    """The stand-in tokenizer of a --random-weights run: no vocabulary, no stop token; what is printed
-    of a row is its token ids."""
-
-    stop_ids: set[int] = set()
-
-    @staticmethod
-    def decode(ids: list[int]) -> str:
-        return " ".join(map(str, ids))
 
 
 def read_prompts(args: argparse.Namespace) -> list[Prompt]:
@@ -240,8 +236,14 @@ def check_flags(args: argparse.Namespace) -> None:
                             f"(N random token ids)")
         if args.prompt_tokens is None:
             raise UserError("--random-weights loads no tokenizer: give --prompt-tokens N (N random token ids)")
+    if args.profile is not None and (args.interactive or not args.profile.parent.is_dir()):
+        raise UserError(f"--profile {args.profile}: " + ("--interactive has no decode steps to trace" if args.interactive
+                                                           else f"no directory {args.profile.parent}"))
     args.checkpoint = args.checkpoint or (None if args.random_weights else data.DEFAULT_CHECKPOINT)
-    if args.compile_backend == "aot":
+    if args.compile_backend is None:  # aot where it runs: one process's CPU step, without speculation
+        runs_aot = args.speculate_k is None and tp.world_size() == 1
+        args.compile_backend = default_compile_backend(args.device) if runs_aot else "inductor"
+    elif args.compile_backend == "aot":
         refused = [flag for flag, given in (("without --compile", not args.compile), ("on CUDA", args.device == "cuda"),
                                             ("with --speculate-k", args.speculate_k is not None),
                                             ("under torchrun", tp.world_size() > 1)) if given]
@@ -273,7 +275,9 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     if args.top_k is not None and args.top_k > config.vocab_size:
         raise UserError(f"--top-k {args.top_k} exceeds the vocabulary of {config.vocab_size} tokens")
-    kernels = kernels_for(args.kernel, args.device, config, length_bucket, [cache_format(args)])
+    policies = [settings.policy] + ([draft_settings.policy] if draft_settings is not None else [])
+    kv_format = cache_format(args, args.device, policies)  # the K^T storage decided once (assemble.kt_storage_for)
+    kernels = kernels_for(args.kernel, args.device, config, length_bucket, [kv_format])
     if args.random_weights:
         model, tokenizer = random_model(config, args.device, DTYPES[args.dtype], kernels), TokenIds()
     else:
@@ -288,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
         return chat_loop(args, model, tokenizer, settings, length_bucket)
     world = tp.maybe_shard(model, args.device)  # under torchrun: this rank's KV heads (tp.py)
     try:
-        return generate_rows(args, model, tokenizer, settings, kernels, length_bucket, world, config, draft_settings)
+        return generate_rows(args, model, tokenizer, settings, kernels, kv_format, length_bucket, world, config,
+                             draft_settings)
     finally:
         tp.shutdown()
 
@@ -310,7 +315,7 @@ def length_bucket_for(args: argparse.Namespace, config: ModelArgs, settings: Att
 
 
 def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, settings: AttentionSettings,
-                  kernels: Kernels, length_bucket: int, world: Optional[int], config: ModelArgs,
+                  kernels: Kernels, kv_format: KVFormat, length_bucket: int, world: Optional[int], config: ModelArgs,
                   draft_settings: Optional[AttentionSettings] = None) -> int:
     """The prompts of the command line, generated as one batch; reported and written as asked. `config` is the
     whole model's shape (under torchrun, model.args is this rank's share)."""
@@ -335,14 +340,14 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
         print(f"note: --max-new-tokens capped at {max_new_tokens}: the cache holds {max_seq_length} positions "
               f"and the longest prompt {longest}", file=sys.stderr)
 
-    settings = solve_compression(settings, longest, config, cache_storage(cache_format(args), model))
-    setup(model, cache_format(args), settings, len(rows), max_seq_length, length_bucket)
-    speculator = (make_speculator(args, model, tokenizer, settings, draft_settings, len(rows), max_seq_length, longest)
-                  if args.speculate_k else None)
+    settings = solve_compression(settings, longest, config, cache_storage(kv_format, model))
+    setup(model, kv_format, settings, len(rows), max_seq_length, length_bucket)
+    speculator = (make_speculator(args, model, tokenizer, settings, draft_settings, kv_format, len(rows), max_seq_length,
+                                  longest) if args.speculate_k else None)
     source = f"random weights of the {args.random_weights} shape" if args.random_weights else str(args.checkpoint)
     print(f"model: {source}, {config.n_layer} layers, dim {config.dim}, {config.n_head} heads / "
           f"{config.n_kv_head} KV heads, {args.dtype} on {args.device}; "
-          f"KV cache {model.kv_cache_bytes() / 2**20:.1f} MiB ({describe_format(cache_format(args), model.cache_dtype)}, "
+          f"KV cache {model.kv_cache_bytes() / 2**20:.1f} MiB ({describe_format(kv_format, model.cache_dtype, args.kt_dtype)}, "
           f"batch {len(rows)} x {max_seq_length} positions); kernels: {kernels.name} ({kernels.describe})",
           file=sys.stderr)
     print(f"attention: {describe_layers(model)}", file=sys.stderr)
@@ -364,8 +369,10 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
               f"tokens/s below)", file=sys.stderr)
     elif args.compile:  # compile (and capture) every step variant outside the timed runs
         compile_s = generator.warm_up(rows, max_new_tokens)
+        built = f"; {generator.build_summary()}" if generator.build_summary() else ""
         print(f"warm-up: compilation{' and CUDA graph capture' if args.device == 'cuda' else ''} of every "
-              f"decode length the run reads, {compile_s:.1f} s (not in the tokens/s below)", file=sys.stderr)
+              f"decode length the run reads ({args.compile_backend}), {compile_s:.1f} s (not in the tokens/s "
+              f"below){built}", file=sys.stderr)
 
     stream = len(rows) == 1 and not args.no_stream and speculator is None
     results = []
@@ -388,6 +395,8 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
             report_speculation(stats, args.speculate_k)
         results.append((samples, stats))
 
+    if args.profile is not None:
+        write_profile(args.profile, speculator or generator, rows, max_new_tokens)
     samples, stats = results[-1]
     summary = stats.summary(len(rows), model.weight_bytes())
     if speculator is not None:
@@ -403,15 +412,14 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
 
 
 def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, settings: AttentionSettings,
-                    draft_settings: Optional[AttentionSettings], batch: int, max_seq_length: int,
+                    draft_settings: Optional[AttentionSettings], kv_format: KVFormat, batch: int, max_seq_length: int,
                     longest: int) -> Speculator:
     """The draft of --draft-attention (self-speculation) or --draft-checkpoint (a model of its own, loaded,
     its caches set up and its policy installed), said on stderr."""
     layers = range(model.args.n_layer)
     verify = [policy_factory(settings, model.args, model.kernels)(i) for i in layers]
     if draft_settings is not None:
-        draft_settings = solve_compression(draft_settings, longest, model.args,
-                                           cache_storage(cache_format(args), model))
+        draft_settings = solve_compression(draft_settings, longest, model.args, cache_storage(kv_format, model))
     if draft_settings is not None:
         try:
             probe = policy_factory(draft_settings, model.args, model.kernels)(model.args.n_layer - 1)
@@ -427,17 +435,34 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
         return Speculator(model, args.speculate_k, verify, [make(i) for i in layers], stop_ids=tokenizer.stop_ids,
                           temperature=args.temperature, top_k=args.top_k, compile=args.compile)
     draft_config = model_args(args.draft_checkpoint)
-    draft_kernels = kernels_for(args.kernel, args.device, draft_config, kv_formats=[cache_format(args)])
+    draft_kernels = kernels_for(args.kernel, args.device, draft_config, kv_formats=[kv_format])
     draft = load_checkpoint(args.draft_checkpoint, args.device, DTYPES[args.dtype], draft_kernels, args.quantized_kernel)
     check_same_tokenizer(tokenizer, load_tokenizer(args.draft_checkpoint), draft_config, model.args)
     if max_seq_length > draft_config.max_context:
         raise UserError(f"the draft's context of {draft_config.max_context} tokens is shorter than the "
                         f"{max_seq_length} positions of this run")
-    setup(draft, cache_format(args), draft_settings or AttentionSettings("dense"), batch, max_seq_length, 1)
+    setup(draft, kv_format, draft_settings or AttentionSettings("dense"), batch, max_seq_length, 1)
     print(f"speculation: {args.speculate_k} tokens per round drafted by {args.draft_checkpoint} "
           f"({describe_layers(draft)}), verified by {settings.policy} in one pass", file=sys.stderr)
     return Speculator(model, args.speculate_k, verify, draft_model=draft, stop_ids=tokenizer.stop_ids,
                       temperature=args.temperature, top_k=args.top_k, compile=args.compile)
+
+
+def write_profile(path: Path, decoder, rows: list[list[int]], max_new_tokens: int) -> None:
+    """--profile (gpt-fast's flag): the prompts prefilled again (not traced), then up to PROFILE_STEPS decode
+    steps of `decoder` (the Generator, or the Speculator's rounds) under torch.profiler, CUDA activities
+    included on CUDA, written as a Chrome trace at `path`; where it went, on stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    first, _ = decoder.generate(rows, 1)  # the caches now hold the prompts; first: each row's next token
+    token = torch.tensor([row[0] for row in first], device=decoder.model.device)
+    cuda = decoder.model.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        _, stats = decoder.decode(token, [len(row) for row in rows], min(PROFILE_STEPS + 1, max_new_tokens))
+    if tp.rank() == 0:  # every rank traced its own steps; one writes
+        prof.export_chrome_trace(str(path))
+        print(f"profile: {stats.steps} decode steps traced ({'CPU and CUDA' if cuda else 'CPU'} activities) to "
+              f"{path}: open it in chrome://tracing or ui.perfetto.dev", file=sys.stderr)
 
 
 def report_speculation(stats: DecodeStats, n: int) -> None:

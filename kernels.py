@@ -52,6 +52,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -352,13 +353,16 @@ def linear_cpu_pays(rows: int, weight_dtype: torch.dtype) -> bool:
     return rows <= (LINEAR_CPU_MAX_ROWS if up_to_max else 4)
 
 
-def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, every_decode_row: bool = False) -> Tensor:
     """x (..., K) @ weight (N, K)^T (+ bias): the fused C++ GEMV for decode-sized x, F.linear otherwise.
 
     The GEMV takes the few rows of a decode step (where linear_cpu_pays); a prefill's many rows are
     a GEMM, torch's own. fp32 accumulation, result in x.dtype; weight fp32/bf16/fp16, contiguous
     along K. It streams the weights, most of a decode step's bytes, near the memory bandwidth where
-    torch's GEMV does not (python -m bench linear; docs/NOTES.md).
+    torch's GEMV does not (python -m bench linear; docs/NOTES.md). every_decode_row (a server's
+    steps, batch_invariant_kernels): every decode-sized call takes the GEMV, which computes each row
+    alone (the same bits for any row count up to LINEAR_CPU_MAX_ROWS), so that a row's result never
+    depends on how many rows step beside it, even where torch's GEMM would be faster at that count.
     """
     rows = x.numel() // x.shape[-1]
     # A few tokens per row (x (B, T, K), T <= VERIFY_MAX_TOKENS: speculative verification) take the
@@ -367,7 +371,8 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
     step_rows = x.shape[0] if x.dim() == 3 and x.shape[1] <= VERIFY_MAX_TOKENS else rows
     # The C++ op has no backward: where autograd would need one (fine-tuning a fork), F.linear.
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if needs_grad or not linear_cpu_pays(step_rows, weight.dtype):
+    gemv = step_rows <= LINEAR_CPU_MAX_ROWS if every_decode_row else linear_cpu_pays(step_rows, weight.dtype)
+    if needs_grad or not gemv:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     y = torch.cat([torch.ops.sparq.linear_cpu.default(flat[i:i + LINEAR_CPU_MAX_ROWS], weight)
@@ -375,6 +380,18 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
         torch.ops.sparq.linear_cpu.default(flat, weight)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
+
+
+def batch_invariant_kernels(kernels: Kernels) -> Kernels:
+    """The kernels for steps whose rows come and go (serve.py's row buckets): a row's result must not
+    depend on the rows beside it. The fused decode GEMV computes each row alone at any row count; where
+    linear_cpu_pays would hand a larger step to torch's GEMM (bf16 without AVX512_BF16, from 8 rows),
+    the GEMV keeps it. The fused attention kernels split each row's positions by its own length
+    (csrc/parallel.h) and quantized linears always take their GEMVs for decode steps: nothing else changes."""
+    if kernels.linear is not linear_cpu:
+        return kernels
+    return replace(kernels, linear=partial(linear_cpu, every_decode_row=True),
+                   describe=kernels.describe + " (every decode step's rows on the GEMV)")
 
 
 def prefill_attention_cpu(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -57,7 +57,7 @@ def cache_formats(text: str):
     formats = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         kv, _, kt = item.partition("/")
-        formats.append((item, cache_format(argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same"))))
+        formats.append((item, cache_format(argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same"), "cpu")))
     if not formats:
         raise UserError("--cache-format: give at least one format")
     return formats

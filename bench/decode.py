@@ -64,9 +64,10 @@ def add_parser(sub) -> None:
     p.add_argument("--ragged", default=None,
                    help="also time one batch of rows at these different contexts (comma list), e.g. 1024,4096,8192")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (dynamic shapes)")
-    p.add_argument("--compile-backend", choices=["inductor", "aot"], default="inductor",
-                   help="with --compile: torch.compile's inductor, or the step built ahead of time by AOTInductor "
-                        "(decoding.AOTDecodeStep)")
+    p.add_argument("--compile-backend", choices=("aot", "inductor"), default=None,  # decoding.COMPILE_BACKENDS (torch
+                   # is imported after the flags are read: THP_MEM_ALLOC_ENABLE, bench/__main__.py)
+                   help="with --compile: the step built ahead of time by AOTInductor (aot: the CPU's default, as "
+                        "generate.py --compile) or torch.compile's inductor")
     p.add_argument("--prefill", action="store_true",
                    help="also time our prefill of each context (N tokens into an empty cache, B = 1), printed "
                         "with the rows and beside llama.cpp's prefill with --llamacpp")
@@ -192,8 +193,12 @@ def run(args) -> int:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
     if args.rounds < 1:
         raise UserError("--rounds must be at least 1")
-    if args.compile_backend == "aot" and not args.compile:
-        raise UserError("--compile-backend aot builds the compiled step: give --compile")
+    if args.compile_backend is not None and not args.compile:
+        raise UserError(f"--compile-backend {args.compile_backend} builds the compiled step: give --compile")
+    if args.compile and args.compile_backend is None:
+        from decoding import default_compile_backend
+
+        args.compile_backend = default_compile_backend("cpu")
     quantize.check_backend(args.quantized_kernel)
     if (args.llamacpp_format or args.llamacpp_kv) and not args.llamacpp:
         raise UserError("--llamacpp-format and --llamacpp-kv need --llamacpp GGUF")

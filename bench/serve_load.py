@@ -26,6 +26,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,8 +55,9 @@ class Outcome:
     error: str = ""
 
 
-def stream_completion(url: str, prompt: str, new_tokens: int, timeout: float = 600) -> Outcome:
-    """POST {url}/completions with stream: true; time each server-sent chunk that carries text."""
+def stream_completion(url: str, prompt: str | list[int], new_tokens: int, timeout: float = 600) -> Outcome:
+    """POST {url}/completions with stream: true (a text prompt, or token ids); time each server-sent chunk
+    that carries text."""
     parsed = urlparse(url)
     body = json.dumps({"model": "any", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True, "cache_prompt": False})  # llama-server: no prompt cache
@@ -108,9 +110,11 @@ def percentile(values: list[float], q: float) -> Optional[float]:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def closed_loop(url: str, prompts: list[str], clients: int, new_tokens: int, duration: float) -> dict:
+def closed_loop(url: str, prompts: list[str] | list[list[int]], clients: int, new_tokens: int, duration: float) -> dict:
     """`clients` threads, each sending its next prompt (round robin over `prompts`, from its own offset)
-    when the last finished, until `duration` seconds have passed; then every request in flight finishes."""
+    when the last finished, until `duration` seconds have passed; then every request in flight finishes.
+    Each request gets a head of its own (text "Request i. ", or token ids: i's digits as ids 10 + digit
+    ahead of the prompt's ids) so that no server reuses another's cached prefix."""
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     start = time.perf_counter()
@@ -119,7 +123,9 @@ def closed_loop(url: str, prompts: list[str], clients: int, new_tokens: int, dur
         i = c
         while time.perf_counter() - start < duration:
             # a head of its own: no server reuses another request's cached prefix (llama-server would)
-            outcome = stream_completion(url, f"Request {i}. {prompts[i % len(prompts)]}", new_tokens)
+            prompt = prompts[i % len(prompts)]
+            head = f"Request {i}. " if isinstance(prompt, str) else [10 + int(c) for c in str(i)]
+            outcome = stream_completion(url, head + prompt, new_tokens)
             i += clients
             with lock:
                 outcomes.append(outcome)
@@ -140,6 +146,49 @@ def closed_loop(url: str, prompts: list[str], clients: int, new_tokens: int, dur
                 itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99))
 
 
+def token_prompts(n_tokens: int, count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """`count` different prompts of n_tokens random token ids in [20, vocab_size) (below 20: the heads'
+    digits), for a server without a tokenizer (--random-weights)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(20, vocab_size) for _ in range(n_tokens)] for _ in range(count)]
+
+
+def get_json(url: str, path: str) -> Optional[dict]:
+    """GET {server}{path} as JSON, None if the server does not answer it (llama-server's differ)."""
+    parsed = urlparse(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=30)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return json.loads(response.read()) if response.status == 200 else None
+    except (OSError, http.client.HTTPException, json.JSONDecodeError):
+        return None
+    finally:
+        conn.close()
+
+
+def served_model(url: str) -> dict:
+    """/v1/models' entry of the served model ({} where it says nothing): serve.py says "tokenizer": false
+    under --random-weights, and its vocab_size."""
+    models = get_json(url, urlparse(url).path.rstrip("/") + "/models") or {}
+    return (models.get("data") or [{}])[0]
+
+
+def server_decode_rate(before: Optional[dict], after: Optional[dict]) -> dict:
+    """serve.py's own counters (/health) over a run: decode tokens per second of its decode steps' time
+    (prefill excluded: a long prompt's prefill would otherwise hide what the decode step costs), and its
+    prefill rate; {} for a server without them (llama-server)."""
+    if not before or not after or "decode_s" not in after:
+        return {}
+    d = {k: after[k] - before[k] for k in ("decode_tokens", "decode_s", "decode_steps", "prefill_tokens", "prefill_s")}
+    return {"server_decode_tokens_per_s": d["decode_tokens"] / d["decode_s"] if d["decode_s"] > 0 else None,
+            "server_decode_step_ms": 1e3 * d["decode_s"] / d["decode_steps"] if d["decode_steps"] else None,
+            "server_rows_per_step": d["decode_tokens"] / d["decode_steps"] if d["decode_steps"] else None,
+            "server_prefill_tokens_per_s": d["prefill_tokens"] / d["prefill_s"] if d["prefill_s"] > 0 else None}
+
+
 def essay_prompts(n_tokens: int, count: int) -> list[str]:
     """`count` different prompts of n_tokens essay tokens each (the embedded model's tokenizer), at offsets
     far apart; each is decoded back to text, which both servers tokenize the same way."""
@@ -156,18 +205,31 @@ def essay_prompts(n_tokens: int, count: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+def last_lines(proc: subprocess.Popen, n: int = 3) -> list[str]:
+    """The last lines a server started here wrote to stderr (its log, or its pipe once it has exited)."""
+    log = getattr(proc, "log", None)
+    if log is not None:
+        log.seek(0)
+        text = log.read()
+    else:
+        text = proc.stderr.read() if proc.stderr else ""
+    return text.strip().splitlines()[-n:]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 1800) -> None:
     parsed = urlparse(url)
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise UserError(f"{what} exited with status {proc.returncode} before answering")
+            said = last_lines(proc)
+            raise UserError(f"{what} exited with status {proc.returncode} before answering"
+                            + (f": {' | '.join(said)}" if said else ""))
         try:
             conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=5)
             conn.request("GET", "/health")
@@ -180,10 +242,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 6
 
 
 def start_ours(rows: int, context: int, extra: list[str]) -> tuple[str, subprocess.Popen]:
+    """serve.py on a free port, its stderr in a temporary log (a pipe nobody reads could fill and stall
+    it); a server that exits before answering is a UserError with the log's last lines."""
     port = free_port()
     cmd = [sys.executable, "serve.py", "--port", str(port), "--max-batch-size", str(rows),
            "--max-seq-length", str(context), *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
     url = f"http://127.0.0.1:{port}/v1"
     wait_healthy(url, proc, "serve.py")
     return url, proc
@@ -255,7 +321,6 @@ def run(args: argparse.Namespace) -> int:
     if args.url is not None and urlparse(args.url).hostname not in LOOPBACK:
         raise UserError(f"--url must be a loopback address (this load generator stays on this machine), got {args.url}")
     rows, context = max(clients), max(lengths) + args.new_tokens + 64
-    prompts = {n: essay_prompts(n, 2 * max(clients)) for n in lengths}
     targets = []  # (label, url, process or None)
     if args.url:
         targets.append(("serve.py (given URL)", args.url, None))
@@ -264,6 +329,13 @@ def run(args: argparse.Namespace) -> int:
         targets.append((f"serve.py {args.server_args}".strip(), url, proc))
     results = []
     try:
+        model = served_model(targets[0][1])
+        text = model.get("tokenizer", True) is not False
+        if not text and args.llama_server:
+            raise UserError("--llama-server runs the embedded GGUF, and a server without a tokenizer (--random-weights) "
+                            "does not: drop one of them")
+        prompts = {n: essay_prompts(n, 2 * max(clients)) if text else token_prompts(n, 2 * max(clients), model["vocab_size"])
+                   for n in lengths}
         if args.llama_server:
             url, proc, version = start_llama_server(rows, context, args.llama_format, args.threads)
             targets.append((f"llama-server {version.split(' (')[0]} {args.llama_format}", url, proc))
@@ -271,8 +343,10 @@ def run(args: argparse.Namespace) -> int:
             for c in clients:
                 for label, url, _ in targets:
                     print(f"{label}: C={c} N={n} ...", file=sys.stderr, flush=True)
+                    before = get_json(url, "/health")
                     row = dict(server=label, prompt_tokens=n, new_tokens=args.new_tokens,
                                **closed_loop(url, prompts[n], c, args.new_tokens, args.duration))
+                    row.update(server_decode_rate(before, get_json(url, "/health")))
                     results.append(row)
                     print(format_row(row), file=sys.stderr, flush=True)
     finally:
@@ -295,11 +369,17 @@ def format_row(r: dict) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
+    """The rows as a table; serve.py's own decode rate (server_decode_rate) where it reports one."""
     head = ["server", "C", "prompt", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-            "p99/p50", "requests", "failed"]
+            "p99/p50", "requests", "failed", "decode tok/s", "step ms"]
+
+    def num(x: Optional[float], spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
     body = [[r["server"], r["clients"], r["prompt_tokens"], f"{r['tokens_per_s']:.1f}", ms(r["ttft_p50_s"]),
              ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
-             f"{r['itl_p99_s'] / r['itl_p50_s']:.1f}" if r["itl_p50_s"] else "-", r["requests"], r["failed"]]
+             f"{r['itl_p99_s'] / r['itl_p50_s']:.1f}" if r["itl_p50_s"] else "-", r["requests"], r["failed"],
+             num(r.get("server_decode_tokens_per_s"), ".1f"), num(r.get("server_decode_step_ms"), ".1f")]
             for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(line, widths)))

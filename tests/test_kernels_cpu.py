@@ -731,19 +731,25 @@ def test_gemv_rows_are_each_row_alone_bit_for_bit(w_dtype):
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 16])
-def test_bf16_decode_rows_take_the_gemv_where_it_pays(rows):
+def test_bf16_decode_rows_take_the_gemv_where_it_pays(rows, monkeypatch):
     """kernels.linear_cpu sends a decode step's bf16 rows to the fused GEMV up to 16 rows where the build
     has vdpbf16ps (1.5-1.7x F.linear at 8-16 rows), up to 4 elsewhere: its output is then the GEMV's bit
-    for bit, else F.linear's."""
+    for bit, else F.linear's. Which one ran is watched on F.linear itself (on some CPUs, AMD Zen 3 with
+    AVX2, torch's bf16 GEMM and the GEMV round these rows alike, so the outputs cannot tell). With
+    every_decode_row (a server's steps) every row count up to 16 takes the GEMV."""
     torch.manual_seed(0)
     x, w = torch.randn(rows, 1, 576).bfloat16(), torch.randn(960, 576).bfloat16()
+    calls = []
+    original = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     with torch.no_grad():
         y = kernels.linear_cpu(x, w)
-    gemv = torch.ops.sparq.linear_cpu.default(x.reshape(rows, 576), w).reshape(rows, 1, 960)
-    takes_gemv = rows <= 4 or torch.ops.sparq.linear_cpu_isa() == "avx512-bf16"
-    assert torch.equal(y, gemv if takes_gemv else torch.nn.functional.linear(x, w))
-    if rows >= 8:  # where the decision lies, the two paths' roundings differ (so the check can fail)
-        assert not torch.equal(gemv, torch.nn.functional.linear(x, w))
+        gemv = torch.ops.sparq.linear_cpu.default(x.reshape(rows, 576), w).reshape(rows, 1, 960)
+        takes_gemv = rows <= 4 or torch.ops.sparq.linear_cpu_isa() == "avx512-bf16"
+        assert bool(calls) == (not takes_gemv)
+        assert torch.equal(y, gemv if takes_gemv else original(x, w))
+        calls.clear()
+        assert torch.equal(kernels.linear_cpu(x, w, every_decode_row=True), gemv) and not calls
 
 
 
@@ -783,9 +789,10 @@ def test_kernel_variants_without_cpu_features_match_fp64():
 def test_dense_verify_equals_one_token_steps(dtype, lengths, threads):
     """Speculative verification (kernels.dense_verify_cpu): T = 5 queries per row, query t at position
     n - T + t of a row of n live positions, attend as the one-token kernel does at that position: bit
-    for bit where both read one chunk per row (n <= 1024; or one row of as many KV heads as threads,
-    16k positions, where the logits buffer's bound must count one token's heads); within fp32
-    rounding of the chunk sums where the positions split differently."""
+    for bit where both read one chunk per row. Each row splits by its own length alone (csrc/parallel.h),
+    and with as many KV heads as threads every row here is one chunk, the verifying row and its steps
+    alike, whatever the other rows (at 16k positions because the logits buffer's bound counts one
+    token's heads). Where a row and a step split differently they agree within fp32 rounding only."""
     threads(2)
     gen = torch.Generator().manual_seed(5)
     B, H, g, T, d, S = len(lengths), 2, 4, 5, 64, max(lengths)
@@ -797,10 +804,98 @@ def test_dense_verify_equals_one_token_steps(dtype, lengths, threads):
     for b, n in enumerate(lengths):
         for t in range(T):
             one = kernels.dense_attention_cpu(q[b:b + 1, :, :, t].contiguous(), k[b:b + 1], v[b:b + 1], n - T + 1 + t)
-            if S <= 1024 or B == 1:
-                assert torch.equal(out[b:b + 1, :, :, t], one)
-            else:
-                torch.testing.assert_close(out[b:b + 1, :, :, t], one, rtol=1e-5, atol=1e-6 if dtype == torch.float32 else 1e-2)
+            assert torch.equal(out[b:b + 1, :, :, t], one), (b, n, t)
+
+
+# Batch invariance (csrc/parallel.h): each row splits its positions into chunks of the length it takes
+# alone, so a row of any ragged batch is that row alone bit for bit, whatever its neighbours (a server
+# steps changing sets of busy rows). 3 KV heads on 2 threads: alone, a row of 5000 or 9000 positions
+# splits in 2 chunks (3 units leave a thread idle); the former rule, one chunk length for the whole
+# batch, kept them whole beside their neighbours (12 or 6 units keep both threads busy), so their sums
+# ran in another order. The short rows, one chunk either way, check that a row of one chunk among split
+# rows (the chunked path) is that row alone (the path without chunks): of 100 and 300 positions SparQ
+# keeps them all, of 1500 it selects.
+INVARIANT_LENGTHS = [(100, 5000, 9000, 300), (9000, 2100, 1500)]
+
+
+def invariant_cache(lengths, n_kv, d, dtype, layout="twice", kv_dtype="auto", kt_dtype="same", seed=0):
+    """A KVCache of len(lengths) rows (+ one spare), row b written alone with lengths[b] random positions
+    (keys with an outlier channel, as a quantized K's channel scale expects), and its stored view."""
+    B, S = len(lengths), max(lengths)
+    cache = KVCache(B + 1, -(-S // 32) * 32 + 32, n_kv, d, dtype, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+    gen = torch.Generator().manual_seed(seed)
+    for b, n in enumerate(lengths):
+        k = torch.randn(1, n_kv, n, d, generator=gen) * (1 + 4 * (torch.arange(d) == 1))
+        cache.update(torch.arange(n), k.to(dtype), torch.randn(1, n_kv, n, d, generator=gen).to(dtype), row=b)
+    view = cache.view(S, B, stored=True)
+    assert torch.equal(view.live_length, torch.tensor(lengths))
+    return cache, view
+
+
+def stored_row(view, b):
+    """Row b of a stored cache view as a batch of one: k, k_t, v, v_sum and the scales, each [b:b + 1]."""
+    def one(t):
+        return None if t is None else t[b:b + 1]
+
+    scales = view.scales
+    if scales is not None:  # K^T sharing K's scales keeps sharing them (the kernels see that it does)
+        k_scale = one(scales.k_scale)
+        kt_scale = k_scale if scales.kt_scale is scales.k_scale else one(scales.kt_scale)
+        scales = kernels.KVScales(k_scale, one(scales.v_scale), one(scales.chan), kt_scale)
+    return one(view.k), one(view.k_t), one(view.v), one(view.v_sum), scales
+
+
+@pytest.mark.parametrize("lengths", INVARIANT_LENGTHS)
+@pytest.mark.parametrize("kv_dtype,dtype", [("auto", torch.float32), ("auto", torch.bfloat16), ("int8", torch.float32)])
+def test_dense_rows_are_each_row_alone_bit_for_bit(lengths, kv_dtype, dtype, threads):
+    """kernels.dense_attention_cpu on a ragged batch (float or int8 cache): each row is its B = 1 call
+    at its own length, bit for bit."""
+    threads(2)
+    n_kv, g, d = 3, 3, 64
+    _, view = invariant_cache(lengths, n_kv, d, dtype, "once", kv_dtype)
+    q = torch.randn(len(lengths), n_kv, g, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = kernels.dense_attention_cpu(q, view.k, view.v, view.length, view.live_length, scales=view.scales)
+    for b, n in enumerate(lengths):
+        k, _, v, _, scales = stored_row(view, b)
+        assert torch.equal(out[b:b + 1], kernels.dense_attention_cpu(q[b:b + 1], k, v, n, scales=scales)), (b, n)
+
+
+@pytest.mark.parametrize("lengths", INVARIANT_LENGTHS)
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_dense_verify_rows_are_each_row_alone_bit_for_bit(lengths, kv_dtype, threads):
+    """kernels.dense_verify_cpu (T = 4 queries per row) on a ragged batch: each row is its B = 1
+    verification at its own length, bit for bit (the T queries split the row as its one-token step does)."""
+    threads(2)
+    n_kv, g, d, T = 3, 3, 64, 4
+    _, view = invariant_cache(lengths, n_kv, d, torch.float32, "once", kv_dtype)
+    q = torch.randn(len(lengths), n_kv, g, T, d, generator=torch.Generator().manual_seed(2))
+    out = kernels.dense_verify_cpu(q, view.k, view.v, view.length, view.live_length, scales=view.scales)
+    for b, n in enumerate(lengths):
+        k, _, v, _, scales = stored_row(view, b)
+        alone = kernels.dense_verify_cpu(q[b:b + 1], k, v, n, torch.tensor([n]), scales=scales)
+        assert torch.equal(out[b:b + 1], alone), (b, n)
+
+
+@pytest.mark.parametrize("lengths", INVARIANT_LENGTHS)
+@pytest.mark.parametrize("layout,kv_dtype,kt_dtype,dtype", [
+    ("twice", "auto", "same", torch.float32), ("once", "auto", "same", torch.float32),
+    ("twice", "int8", "same", torch.float32),  # int8 K/V, K^T K's int8 transposed
+    ("twice", "auto", "int8", torch.float32), ("twice", "int8", "int4", torch.float32)])
+def test_sparq_rows_are_each_row_alone_bit_for_bit(lengths, layout, kv_dtype, kt_dtype, dtype, threads):
+    """kernels.sparq_attention_cpu (mean-V: the softmax weights of step 1 reach the output) on a ragged
+    batch, float and quantized caches: each row is its B = 1 call at its own length, bit for bit."""
+    threads(2)
+    n_kv, g, d = 3, 3, 64
+    _, view = invariant_cache(lengths, n_kv, d, dtype, layout, kv_dtype, kt_dtype)
+    q = torch.randn(len(lengths), n_kv, g, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+    settings = (8, 128, 32, True)  # r, k_top, local, mean_v
+    out = kernels.sparq_attention_cpu(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
+                                      *settings, scales=view.scales)
+    assert torch.isfinite(out).all()
+    for b, n in enumerate(lengths):
+        k, k_t, v, v_sum, scales = stored_row(view, b)
+        alone = kernels.sparq_attention_cpu(q[b:b + 1], k, k_t, v, v_sum, n, None, *settings, scales=scales)
+        assert torch.equal(out[b:b + 1], alone), (b, n)
 
 
 def test_each_op_registers_one_fake():

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from conftest import REPO, channels_file, skip_or_fail
-from decoding import Generator
-from engine import Engine, QueueFull, Request, Stopped, run_alone
+import kernels
+from decoding import Generator, compiled_decode_step, decode_step
+from engine import Engine, QueueFull, Request, Stopped, row_bucket, run_alone
 from policies import POLICIES, AttentionSettings, policy_factory
 from test_ragged import tiny_model
 
@@ -46,14 +47,15 @@ def engine_for(model, settings, rows=3, chunk=16, **kw) -> Engine:
 
 
 class Collect:
-    """A request's emit: its tokens and finish reason."""
+    """A request's emit: its tokens, their logprobs (when asked) and the finish reason."""
 
     def __init__(self):
-        self.tokens, self.reason = [], None
+        self.tokens, self.logprobs, self.reason = [], [], None
 
-    def __call__(self, token, reason):
+    def __call__(self, token, reason, logprob=None):
         if token is not None:
             self.tokens.append(token)
+            self.logprobs.append(logprob)
         if reason is not None:
             assert self.reason is None, "a second finish"
             self.reason = reason
@@ -88,6 +90,158 @@ def test_engine_rows_equal_each_request_alone(policy):
     assert [out.tokens for out in outs] == expected
     assert all(out.reason == "length" for out in outs)
     assert len({str(t) for t in expected}) == 5
+
+
+@pytest.mark.parametrize("policy", ["dense", "sparq", "sparq-adaptive"])
+def test_engine_rows_equal_alone_on_the_fused_kernels(policy):
+    """The fused CPU kernels (GEMVs, attention split by each row's own length): rows stepping in buckets
+    of 1, 2 and 4 beside ragged neighbours are token for token each request alone."""
+    error = kernels.cpu_kernel_error()
+    if error is not None:
+        pytest.fail(f"the fused CPU kernels did not build: {error}")
+    model = tiny_model(kernels=kernels.CPU_KERNELS)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (90, 7, 150, 33, 61, 12)]
+    budgets = [9, 30, 12, 25, 8, 19]
+    settings = settings_for(policy)
+    expected = [alone(model, p, n, settings, 16) for p, n in zip(prompts, budgets)]
+    engine = engine_for(model, settings, rows=4)
+    outs = [Collect() for _ in prompts]
+    run_all(engine, [Request(p, n, emit=out) for p, n, out in zip(prompts, budgets, outs)], arrive_every=2)
+    assert [out.tokens for out in outs] == expected
+
+
+def recording(step):
+    """A decode step that records how many rows each call computes."""
+    def run(model, token, input_pos, length):
+        run.rows.append(token.shape[0])
+        return step(model, token, input_pos, length)
+
+    run.rows = []
+    return run
+
+
+def test_a_decode_step_computes_only_the_busy_rows_bucket():
+    """One request in an 8-row cache steps one row; three at once step the first four (the bucket);
+    never all eight."""
+    assert [row_bucket(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8] and row_bucket(5, 6) == 6
+    step = recording(decode_step)
+    engine = engine_for(tiny_model(), AttentionSettings("dense"), rows=8, decode=step)
+    run_alone(engine, Request(list(range(3, 20)), 6))
+    assert step.rows == [1] * 5
+    step.rows.clear()
+    outs = [Collect() for _ in range(3)]
+    for out in outs:
+        engine.submit(Request(list(range(5, 30)), 5, emit=out))
+    while engine.busy_rows or engine.waiting:
+        engine.step()
+    assert max(step.rows) == 4 and all(n in (1, 2, 4) for n in step.rows)
+    assert all(out.reason == "length" and len(out.tokens) == 5 for out in outs)
+
+
+def test_warm_up_steps_every_bucket_and_leaves_the_engine_as_new():
+    """Engine.warm_up: one decode step per row bucket and length (what a compiled step builds on), after
+    which requests run as on a fresh engine."""
+    model = tiny_model()
+    request = Request(list(range(4, 40)), 8)
+    fresh, _ = run_alone(engine_for(model, AttentionSettings("sparq", sparq_r=6, sparq_k=24), rows=5), request)
+    step = recording(decode_step)
+    engine = engine_for(model, AttentionSettings("sparq", sparq_r=6, sparq_k=24), rows=5, decode=step)
+    engine.warm_up([8, 100])
+    assert step.rows == [1, 1, 2, 2, 4, 4, 5, 5] and engine.busy_rows == 0
+    assert run_alone(engine, request)[0] == fresh
+
+
+def test_a_step_carries_prompt_pieces_within_its_token_budget():
+    """With two rows decoding and a budget of 40 tokens a step, a 100-token prompt (pieces of 16, the
+    first short) goes in 38 tokens a step at most, at least one piece a step, and the decoding rows
+    get a token at every step meanwhile."""
+    engine = engine_for(tiny_model(), AttentionSettings("dense"), rows=4, chunk=16, step_tokens=40)
+    pieces, original = [], engine._prefill_piece
+
+    def counting(i):
+        pieces[-1] += engine.rows[i].next_piece()
+        original(i)
+
+    engine._prefill_piece = counting
+    early = [Collect(), Collect()]
+    for out in early:
+        engine.submit(Request(list(range(1, 11)), 60, emit=out))
+    for _ in range(3):
+        pieces.append(0)
+        engine.step()
+    late = Collect()
+    engine.submit(Request(list(range(1, 101)), 4, emit=late))
+    before = len(early[0].tokens)
+    per_step = []
+    while not late.tokens:
+        pieces.append(0)
+        engine.step()
+        per_step.append(pieces[-1])
+    assert per_step == [36, 32, 32], per_step  # 4 + 16 + 16, then two pieces of 16 (a third would exceed 38)
+    assert len(early[0].tokens) - before == len(per_step)  # a decoding row's token at every step
+
+
+def test_prompt_and_token_logprobs_are_the_models_own():
+    """echo_logprobs: the prompt's logprobs (the first None), then each generated token's, with the top
+    alternatives; against one forward pass of the whole sequence on a fresh one-row cache."""
+    model = tiny_model()
+    prompt = torch.randint(0, 101, (45,), generator=torch.Generator().manual_seed(2)).tolist()
+    engine = engine_for(model, AttentionSettings("dense"), chunk=16)
+    out, prompt_lps = Collect(), []
+    run_all(engine, [Request(prompt, 4, logprobs=3, echo_logprobs=True, emit=out, emit_prompt=prompt_lps.extend)])
+    scored = Collect()
+    run_all(engine, [Request(prompt, 0, logprobs=0, echo_logprobs=True, emit=scored,
+                             emit_prompt=lambda lps: scored.logprobs.extend(lps))])
+    assert scored.tokens == [] and scored.reason == "length"
+    model.setup_caches(1, 512)
+    model.set_decode_attention(policy_factory(AttentionSettings("dense"), model.args))
+    sequence = prompt + out.tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([sequence[:-1]]), torch.arange(len(sequence) - 1), len(sequence) - 1,
+                       every_position=True)[0]
+    reference = torch.log_softmax(logits.float(), -1)
+    assert prompt_lps[0] is None and len(prompt_lps) == len(prompt)
+    entries = prompt_lps[1:] + out.logprobs
+    for position, entry in enumerate(entries):
+        assert entry.token == sequence[position + 1]
+        assert entry.logprob == pytest.approx(reference[position, entry.token].item(), abs=1e-4)
+        values, ids = reference[position].topk(3)
+        assert [i for i, _ in entry.top] == ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+    for generated in out.logprobs:  # greedy: the token taken is the most likely
+        assert generated.token == generated.top[0][0]
+    assert [e.logprob for e in scored.logprobs[1:]] == [e.logprob for e in prompt_lps[1:]]
+    assert all(e.top == [] for e in scored.logprobs[1:])
+
+
+def test_the_compiled_row_bucket_steps_equal_the_eager_engine():
+    """serve.py's default: the decode step built ahead of time (one program per row bucket) gives the
+    eager engine's tokens for requests alone and two at a time."""
+    error = kernels.cpu_kernel_error()
+    if error is not None:
+        pytest.fail(f"the fused CPU kernels did not build: {error}")
+    model = tiny_model(kernels=kernels.CPU_KERNELS)
+    prompts = [list(range(1, 40)), list(range(7, 30)), list(range(50, 99))]
+    outs = {}
+    for name, step in (("eager", decode_step), ("aot", compiled_decode_step(decode_step, "cpu", "aot"))):
+        engine = engine_for(model, AttentionSettings("dense"), rows=2, decode=step)
+        outs[name] = [Collect() for _ in prompts]
+        run_all(engine, [Request(p, 12, emit=o) for p, o in zip(prompts, outs[name])], arrive_every=1)
+    assert [o.tokens for o in outs["aot"]] == [o.tokens for o in outs["eager"]]
+    assert {key[1][0] for key in step.programs} == {1, 2}  # the token shapes' rows: one program per bucket
+
+
+def test_models_reports_no_absolute_path(tmp_path):
+    from serve import public_settings
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.pth").write_bytes(b"")
+    inside = AttentionSettings("doublesparse", sparq_r=8, channels=checkpoint / "doublesparse_channels.pt")
+    assert public_settings(inside, checkpoint)["channels"] == "doublesparse_channels.pt"
+    outside = AttentionSettings("doublesparse", sparq_r=8, channels=tmp_path / "elsewhere" / "c.pt")
+    assert public_settings(outside, checkpoint)["channels"] == "c.pt"
 
 
 def test_engine_smollm2_dense_and_sparq_rows_equal_alone(smollm2_checkpoint):
@@ -236,8 +390,10 @@ class Server:
     """serve.py in a subprocess on a free loopback port."""
 
     def __init__(self, checkpoint, *flags):
-        self.proc = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", "0",
-                                      "--max-seq-length", "1024", *flags], cwd=REPO, stderr=subprocess.PIPE, text=True)
+        model = ["--checkpoint", str(checkpoint)] if checkpoint is not None else []
+        compile_flag = [] if any(f.startswith("--compile") or f == "--no-compile" for f in flags) else ["--no-compile"]
+        self.proc = subprocess.Popen([sys.executable, "serve.py", *model, "--port", "0", "--max-seq-length", "1024",
+                                      *compile_flag, *flags], cwd=REPO, stderr=subprocess.PIPE, text=True)
         self.lines = []
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -328,6 +484,89 @@ def test_completions_and_chat_streamed_and_not(dense_server):
     assert models[0].id == "SmolLM2-135M-Instruct"
 
 
+def test_completions_logprobs_echo_and_scoring(dense_server):
+    """logprobs and echo in OpenAI's legacy format (what lm-evaluation-harness scores choices with): the
+    prompt's own logprobs (the first null), then the generated tokens', each greedy token its position's
+    most likely; max_tokens 0 scores the prompt alone; a token-id prompt is the text's; streamed = whole."""
+    client = dense_server.client()
+    prompt = "The capital of France is"
+    reply = client.completions.create(model="x", prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    choice, n = reply.choices[0], reply.usage.prompt_tokens
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert all(lp.token_logprobs[i] == max(lp.top_logprobs[i].values()) for i in range(n, n + 3))  # greedy
+    assert "".join(lp.tokens) == choice.text and lp.text_offset == sorted(lp.text_offset)
+    plain = client.completions.create(model="x", prompt=prompt, max_tokens=3, temperature=0)
+    assert choice.text == prompt + plain.choices[0].text and plain.choices[0].logprobs is None
+    scored = client.completions.create(model="x", prompt=prompt, max_tokens=0, temperature=0, logprobs=0, echo=True)
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].text == prompt
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    ids = client.completions.create(model="x", prompt=[[1, 504, 3575, 282, 4649, 314]], max_tokens=0, echo=True,
+                                    logprobs=1)
+    assert ids.usage.prompt_tokens == 6 and len(ids.choices[0].logprobs.token_logprobs) == 6
+    parts = list(client.completions.create(model="x", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                           echo=True, stream=True))
+    streamed = [v for p in parts if p.choices[0].logprobs for v in p.choices[0].logprobs.token_logprobs]
+    assert "".join(p.choices[0].text for p in parts) == choice.text and streamed == lp.token_logprobs
+
+
+def test_tokenizer_endpoints_and_decode_counters(dense_server):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (lm-evaluation-harness's remote tokenizer): the ids
+    this server runs, special-token strings as their ids; /health counts decode steps and tokens."""
+    code, tokens, _ = dense_server.post("/tokenize", json.dumps({"prompt": "The capital<|im_end|>",
+                                                                 "add_special_tokens": False}).encode())
+    assert code == 200 and tokens["count"] == len(tokens["tokens"]) and tokens["tokens"][-1] == 2  # <|im_end|>
+    code, text, _ = dense_server.post("/detokenize", json.dumps({"tokens": tokens["tokens"][:-1]}).encode())
+    assert code == 200 and text["prompt"] == "The capital"
+    with urllib.request.urlopen(dense_server.url.removesuffix("/v1") + "/tokenizer_info", timeout=30) as response:
+        info = json.loads(response.read())
+    assert info["eos_token"] and info["chat_template"] and info["model_max_length"] == 1024
+    code, payload, _ = dense_server.post("/tokenize", json.dumps({"prompt": "hi", "messages": []}).encode())
+    assert code == 400 and payload["error"]["param"] == "messages"
+    before = dense_server.health()
+    dense_server.client().completions.create(model="x", prompt="Once upon a time", max_tokens=5, temperature=0)
+    after = dense_server.health()
+    assert after["decode_tokens"] - before["decode_tokens"] == 4  # the first token comes from the prefill
+    assert after["decode_s"] > before["decode_s"] and after["prefill_tokens"] > before["prefill_tokens"]
+
+
+def test_chat_logprobs(dense_server):
+    client = dense_server.client()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(model="x", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                           top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 5 and "".join(c.token for c in content) == reply.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.logprob == c.top_logprobs[0].logprob  # greedy: the most likely
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob
+    plain = client.chat.completions.create(model="x", messages=messages, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_a_random_weights_server_takes_token_ids(openai_client):
+    """--random-weights SHAPE: no checkpoint and no tokenizer (a GPU machine's server): token-id prompts,
+    replies of token ids; text prompts and chat are 400s that say why."""
+    server = Server(None, "--random-weights", "tiny", "--max-batch-size", "2")
+    try:
+        code, payload, _ = server.post("/v1/completions", json.dumps({"prompt": [5, 6, 7], "max_tokens": 4,
+                                                                      "temperature": 0}).encode())
+        assert code == 200 and len(payload["choices"][0]["text"].split()) == 4
+        assert all(0 <= int(t) < 256 for t in payload["choices"][0]["text"].split())
+        code, payload, _ = server.post("/v1/completions", json.dumps({"prompt": "hello"}).encode())
+        assert code == 400 and "token ids" in payload["error"]["message"]
+        code, payload, _ = server.post("/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}]}).encode())
+        assert code == 400 and payload["error"]["param"] == "messages"
+        with urllib.request.urlopen(server.url + "/models", timeout=30) as response:
+            assert json.loads(response.read())["data"][0]["tokenizer"] is False
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("which", ["dense_server", "sparq_server"])
 def test_concurrent_requests_each_equal_their_solo_run(which, request):
     server = request.getfixturevalue(which)
@@ -353,11 +592,16 @@ def test_concurrent_requests_each_equal_their_solo_run(which, request):
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
     (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "max_tokens": 1024}).encode(), 400, "max_tokens"),  # beyond the 1024 of context
+    (json.dumps({"prompt": "hi", "top_p": 0.5}).encode(), 400, "top_p"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"5": 10}}).encode(), 400, "logit_bias"),
+    (json.dumps({"prompt": "hi", "frequency_penalty_v9": 3}).encode(), 400, "frequency_penalty_v9"),
+    (json.dumps({"prompt": "hi", "logprobs": 21}).encode(), 400, "logprobs"),
+    (json.dumps({"prompt": "hi", "echo": "yes"}).encode(), 400, "echo"),
     (json.dumps({"prompt": "hi", "max_tokens": "12"}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"prompt": 12}).encode(), 400, "prompt"),
     (json.dumps({"prompt": "hi", "n": 2}).encode(), 400, "n"),
-    (json.dumps({"prompt": "hi", "logprobs": 2}).encode(), 400, "logprobs"),
     (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"prompt": "word " * 1100}).encode(), 400, "prompt"),
     (json.dumps({"prompt": [1, 2, 10 ** 9]}).encode(), 400, "prompt"),
@@ -370,12 +614,15 @@ def test_bad_input_is_a_400_with_an_openai_error_body(dense_server, body, status
     assert dense_server.health()["status"] == "ok"
 
 
-def test_bad_chat_messages_and_unknown_fields(dense_server):
+def test_bad_chat_messages_and_fields_that_change_nothing(dense_server):
     code, payload, _ = dense_server.post("/v1/chat/completions", json.dumps({"messages": [{"role": "user"}]}).encode())
     assert code == 400 and payload["error"]["param"] == "messages"
+    code, payload, _ = dense_server.post("/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": []}).encode())
+    assert code == 400 and payload["error"]["param"] == "tools" and "tools" in payload["error"]["message"]
     code, payload, _ = dense_server.post("/v1/completions", json.dumps(
-        {"prompt": "hi", "max_tokens": 2, "frequency_penalty_v9": 3, "user": "me"}).encode())
-    assert code == 200 and payload["usage"]["completion_tokens"] == 2  # unknown fields are ignored
+        {"prompt": "hi", "max_tokens": 2, "top_p": 1, "presence_penalty": 0, "user": "me", "cache_prompt": False}).encode())
+    assert code == 200 and payload["usage"]["completion_tokens"] == 2  # neutral values pass
     assert "Traceback" not in "".join(dense_server.lines)
 
 
