@@ -342,14 +342,27 @@ LINEAR_CPU_MAX_ROWS = 16  # the fused GEMV serves decode steps; prefill-sized in
 VERIFY_MAX_TOKENS = 16  # tokens per row up to which x (B, T, K) is a verify pass, not a prefill chunk
 
 
+def bf16_gemm_widens() -> bool:
+    """Whether a bf16 GEMM (a prefill's linears) runs faster widened to fp32: where torch's best CPU code is
+    AVX2 or less (no AVX-512), its bf16 GEMM is 6-8x slower than its fp32 GEMM at 16-512 rows, widening the
+    weight on every call included (AMD Zen 3, docs/NOTES.md): a 512-token bf16 prompt took 7.6 s, 1.6 s
+    widened. AVX-512 CPUs keep torch's bf16 GEMM (not measured widened there)."""
+    return torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "NO AVX", "AVX2")
+
+
+_BF16_GEMM_WIDENS = bf16_gemm_widens()  # the CPU does not change under a process
+
+
 def linear_cpu_pays(rows: int, weight_dtype: torch.dtype) -> bool:
     """Whether the fused GEMV beats F.linear for `rows` input rows (python -m bench linear; docs/NOTES.md):
     fp32 weights up to 16 rows; bf16 up to 16 where the build takes them straight into vdpbf16ps
-    (linear_cpu_isa "avx512-bf16": 1.5-1.7x F.linear at 8 and 16 rows on Zen 5), else up to 4 (widened
-    to fp32, it lost to torch's bf16 GEMM from 8 rows on Intel)."""
+    (linear_cpu_isa "avx512-bf16": 1.5-1.7x F.linear at 8 and 16 rows on Zen 5) or where torch's own bf16
+    GEMM is slow (bf16_gemm_widens: 3.3x F.linear at 16 rows on Zen 3 with AVX2), else up to 4 (widened
+    to fp32, it lost to torch's bf16 GEMM from 8 rows on Intel with AVX-512)."""
     if not _cpu_ext["tried"]:  # the ISA is known once the kernels load: decide the same before and after
         cpu_kernel_error()
-    up_to_max = weight_dtype == torch.float32 or (weight_dtype == torch.bfloat16 and _cpu_ext["gemv_isa"] == "avx512-bf16")
+    up_to_max = weight_dtype == torch.float32 or (weight_dtype == torch.bfloat16 and (
+        _cpu_ext["gemv_isa"] == "avx512-bf16" or _BF16_GEMM_WIDENS))
     return rows <= (LINEAR_CPU_MAX_ROWS if up_to_max else 4)
 
 
@@ -373,6 +386,8 @@ def linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, every_d
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     gemv = step_rows <= LINEAR_CPU_MAX_ROWS if every_decode_row else linear_cpu_pays(step_rows, weight.dtype)
     if needs_grad or not gemv:
+        if weight.dtype == torch.bfloat16 and not needs_grad and _BF16_GEMM_WIDENS:
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     y = torch.cat([torch.ops.sparq.linear_cpu.default(flat[i:i + LINEAR_CPU_MAX_ROWS], weight)

@@ -733,7 +733,8 @@ def test_gemv_rows_are_each_row_alone_bit_for_bit(w_dtype):
 @pytest.mark.parametrize("rows", [1, 4, 8, 16])
 def test_bf16_decode_rows_take_the_gemv_where_it_pays(rows, monkeypatch):
     """kernels.linear_cpu sends a decode step's bf16 rows to the fused GEMV up to 16 rows where the build
-    has vdpbf16ps (1.5-1.7x F.linear at 8-16 rows), up to 4 elsewhere: its output is then the GEMV's bit
+    has vdpbf16ps (1.5-1.7x F.linear at 8-16 rows) or torch's bf16 GEMM is slow (AVX2 CPUs), up to 4
+    elsewhere: its output is then the GEMV's bit
     for bit, else F.linear's. Which one ran is watched on F.linear itself (on some CPUs, AMD Zen 3 with
     AVX2, torch's bf16 GEMM and the GEMV round these rows alike, so the outputs cannot tell). With
     every_decode_row (a server's steps) every row count up to 16 takes the GEMV."""
@@ -745,13 +746,33 @@ def test_bf16_decode_rows_take_the_gemv_where_it_pays(rows, monkeypatch):
     with torch.no_grad():
         y = kernels.linear_cpu(x, w)
         gemv = torch.ops.sparq.linear_cpu.default(x.reshape(rows, 576), w).reshape(rows, 1, 960)
-        takes_gemv = rows <= 4 or torch.ops.sparq.linear_cpu_isa() == "avx512-bf16"
+        takes_gemv = rows <= 4 or torch.ops.sparq.linear_cpu_isa() == "avx512-bf16" or kernels.bf16_gemm_widens()
         assert bool(calls) == (not takes_gemv)
-        assert torch.equal(y, gemv if takes_gemv else original(x, w))
+        assert torch.equal(y, gemv if takes_gemv else torch_gemm(original, x, w))
         calls.clear()
         assert torch.equal(kernels.linear_cpu(x, w, every_decode_row=True), gemv) and not calls
 
 
+def torch_gemm(linear, x, w):
+    """What linear_cpu's torch side gives a bf16 input: torch's bf16 GEMM, or where it is slow (AVX2 CPUs:
+    kernels.bf16_gemm_widens) the same product widened to fp32 and rounded back."""
+    if kernels.bf16_gemm_widens():
+        return linear(x.float(), w.float()).bfloat16()
+    return linear(x, w)
+
+
+@pytest.mark.parametrize("rows", [17, 128])
+def test_bf16_prefill_rows_take_torchs_gemm_widened_where_it_is_slow(rows):
+    """A prefill's bf16 rows (more than a decode step's 16) go to torch's GEMM, widened to fp32 on CPUs whose
+    torch has no AVX-512 (its bf16 GEMM 6-8x slower there, docs/NOTES.md): either way within bf16's rounding
+    of the fp64 product, and exactly the chosen side's result."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, rows, 576).bfloat16(), torch.randn(960, 576).bfloat16()
+    with torch.no_grad():
+        y = kernels.linear_cpu(x, w)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, torch_gemm(torch.nn.functional.linear, x, w))
+    exact = (x.double() @ w.double().T)
+    torch.testing.assert_close(y.double(), exact, atol=0.05, rtol=2 ** -7)
 
 
 def test_kernel_variants_without_cpu_features_match_fp64():
