@@ -21,7 +21,7 @@ import tokenizer as tokenizer_module
 from cache import KT_DTYPES, KV_DTYPES, KVFormat
 from cli import UserError
 from kernels import Kernels, resolve_kernels
-from model import ModelArgs, Transformer, checkpoint_paths, load_model
+from model import SHAPES, ModelArgs, Transformer, checkpoint_paths, load_model
 from policies import POLICIES, AttentionSettings, Storage, policy_factory, solve_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -132,6 +132,17 @@ def check_cache_fits(args: ModelArgs, batch: int, seq_len: int, kv_format: KVFor
         raise UserError(f"the KV cache needs {need / 2**30:.1f} GiB (batch {batch} x {seq_len} positions, "
                         f"{describe_format(kv_format, dtype)}) but only {free / 2**30:.1f} GiB are free: lower "
                         f"--batch-size or --max-seq-length" + (f" (or use {' or '.join(hints)})" if hints else ""))
+
+
+def add_model_flags(p: argparse.ArgumentParser, without_tokenizer: str) -> None:
+    """--checkpoint or --random-weights (generate.py and serve.py); `without_tokenizer` says what the command
+    takes and gives instead of text when random weights bring no tokenizer."""
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--checkpoint", type=Path, default=None,
+                       help="model.pth or its directory (default: the embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--random-weights", choices=list(SHAPES), metavar="SHAPE",
+                       help=f"no checkpoint: random weights of a published shape ({', '.join(SHAPES)}); "
+                            f"{without_tokenizer}")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:

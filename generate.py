@@ -38,7 +38,7 @@ import cli
 import data
 import quantize
 import tp
-from assemble import (DTYPES, TokenIds, add_cache_flags, cache_format, cache_storage, check_same_tokenizer, describe_format,
+from assemble import (add_model_flags, DTYPES, TokenIds, add_cache_flags, cache_format, cache_storage, check_same_tokenizer, describe_format,
                       kernels_for, load_checkpoint, load_tokenizer, model_args, setup, solve_compression)
 from cli import UserError
 from chat import chat_loop
@@ -46,7 +46,7 @@ from decoding import (COMPILE_BACKENDS, DecodeStats, Generator, Speculator, Text
                       expected_tokens_per_round, speculation_summary)
 from kernels import KERNEL_CHOICES, Kernels
 from cache import KVFormat
-from model import SHAPES, ModelArgs, Transformer, random_model
+from model import ModelArgs, Transformer, random_model
 from policies import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
                       policy_factory)
 
@@ -58,12 +58,7 @@ from policies import (POLICIES, AttentionSettings, add_attention_flags, attentio
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="generate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--checkpoint", type=Path, default=None,
-                       help="model.pth or its directory (default: the embedded SmolLM2-135M-Instruct)")
-    model.add_argument("--random-weights", choices=list(SHAPES), metavar="SHAPE",
-                       help=f"no checkpoint: random weights of a published shape ({', '.join(SHAPES)}); "
-                            f"no tokenizer either: give --prompt-tokens N, the output is token ids")
+    add_model_flags(p, "no tokenizer either: give --prompt-tokens N, the output is token ids")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None, help=f"prompt text (default {DEFAULT_PROMPT!r})")
     prompt.add_argument("--prompt-file", type=Path,

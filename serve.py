@@ -45,12 +45,12 @@ import torch
 import cli
 import data
 from cli import UserError
-from assemble import (DTYPES, TokenIds, add_cache_flags, cache_format, cache_storage, kernels_for, load_checkpoint,
+from assemble import (add_model_flags, DTYPES, TokenIds, add_cache_flags, cache_format, cache_storage, kernels_for, load_checkpoint,
                       load_tokenizer, model_args, setup, solve_compression)
 from aot import AOTDecodeStep
 from decoding import COMPILE_BACKENDS, compiled_decode_step, decode_step, default_compile_backend
 from engine import PREFILL_CHUNK, STEP_TOKENS, Engine, QueueFull, Request, Stopped, TokenLogprob, run_alone
-from model import SHAPES, ModelArgs, checkpoint_paths, random_model
+from model import ModelArgs, checkpoint_paths, random_model
 from kernels import KERNEL_CHOICES, batch_invariant_kernels
 from policies import add_attention_flags, attention_settings, describe_layers
 
@@ -557,12 +557,8 @@ class Reply:
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="serve.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--checkpoint", type=Path, default=None,
-                       help="model.pth or its directory (default: the embedded SmolLM2-135M-Instruct)")
-    model.add_argument("--random-weights", choices=list(SHAPES), metavar="SHAPE",
-                       help=f"no checkpoint: random weights of a published shape ({', '.join(SHAPES)}) and no "
-                            f"tokenizer: prompts are token ids, replies their token ids (a GPU machine carries no files)")
+    add_model_flags(p, "no tokenizer either: prompts are token ids, replies their token ids (a GPU machine carries "
+                       "no files)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=cli.non_negative_int, default=8000, help="0: any free port (printed)")
     p.add_argument("--max-batch-size", type=cli.positive_int, default=8, help="rows decoding together")
