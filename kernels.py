@@ -218,7 +218,7 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
     # the same with x quantized to int8 per group, integer dot products (quantize.py's "gemv-q8")
     torch.library.define("sparq::linear_int4_q8_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros, int N) -> Tensor")
     torch.library.define("sparq::linear_int8_q8_cpu", "(Tensor x, Tensor w, Tensor scales, int N) -> Tensor")
-    torch.library.define("sparq::linear_q8_path", "() -> str")  # "vnni" or "portable" in this build
+    torch.library.define("sparq::linear_q8_path", "() -> str")  # "vnni", "avx2" or "portable" in this build
 
     @torch.library.impl("sparq::decode_cpu", "CompositeExplicitAutograd")
     def _decode_cpu_first_call(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):

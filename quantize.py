@@ -209,10 +209,11 @@ def _gemv_available(device: torch.device) -> bool:
 
 def gemv_kernel(device: torch.device) -> str:
     """The decode GEMV "auto" picks for int8 and int4 layers: "gemv-q8" (x rounded to int8 per group,
-    as llama.cpp's Q8_0, then integer dot products) where this build has its vpdpbusd path, which is
-    faster there; else "gemv" (fp32 activations), where the portable integer path would be slower.
+    as llama.cpp's Q8_0, then integer dot products) where this build has its vpdpbusd or AVX2
+    (vpmaddubsw) path, which is faster there; else "gemv" (fp32 activations), where the portable
+    integer path would be slower.
     The rounding costs less than llama.cpp's own formats do (python -m scripts.quant_bpc; docs/NOTES.md)."""
-    if _gemv_available(device) and torch.ops.sparq.linear_q8_path() == "vnni":
+    if _gemv_available(device) and torch.ops.sparq.linear_q8_path() in ("vnni", "avx2"):
         return "gemv-q8"
     return "gemv"
 

@@ -8,7 +8,7 @@
 // At batch 1 every weight is read once per step, so this is a bandwidth problem that stock torch's
 // GEMV leaves far from the memory's speed (python -m bench linear; docs/NOTES.md). Each thread streams
 // its weight rows in order, 4 at a time for several rows of x (each x vector loaded once for 4 rows),
-// one at a time for a single row (linear_rows), dotted with every row of x (L1-resident); the rows of
+// one at a time for a single row or on AVX2 (linear_rows), dotted with every row of x (L1-resident); the rows of
 // w are split over torch's threads in units claimed dynamically.
 //
 // The instruction set is chosen at build time from the compiler's feature macros (the build is
@@ -17,7 +17,8 @@
 //                  exact products; x in fp32 / fp16: split into bf16 hi + lo parts, two dot products,
 //                  |x - hi - lo| <= 2^-17 |x|); fp32 / fp16 weights as "avx512".
 //   "avx512"       every weight dtype widened to fp32 (16 lanes), FMA: the readable reference path.
-//   "avx2"         the same with 8-lane AVX2 vectors (CPUs without AVX-512).
+//   "avx2"         8-lane AVX2 vectors, FMA, one weight row at a time; bf16 weights widened as even / odd
+//                  halves of 32-bit lanes (CPUs without AVX-512).
 //   "portable"     the reference path on simd.h's portable vectors.
 // (AMX-BF16 would add tile multiplies for many rows; at <= 16 rows the GEMV is bound by the weight
 // stream, which vdpbf16ps already keeps up with. Not tried on the one AMX machine seen so far, a VM
@@ -39,7 +40,8 @@
 
 // Software prefetch distance, in weight rows: while a block of rows streams, the rows SPARQ_LPF ahead
 // (the next block) are prefetched into L2 line by line, so a new block does not start cold (0: off;
-// 4 measured best, docs/NOTES.md; the AVX2 path has none).
+// 4 measured best, docs/NOTES.md; the AVX2 path streams one row at a time and has none: prefetching
+// 4 rows ahead made it slower on a Zen 3).
 #ifndef SPARQ_LPF
 #define SPARQ_LPF 4
 #endif
@@ -60,9 +62,13 @@ static const char* gemv_isa() {
 }
 
 // The rows of x, prepared once per call for the path that reads them.
+// The layouts of x: fp32 rows; fp32 rows with each full 16-block stored as its 8 even then its 8 odd
+// elements (the AVX2 path's bf16 weights); bf16 planes (the vdpbf16ps path's bf16 weights).
+enum class XLayout { rows, pairs, planes };
+
 struct XRows {
   int64_t M, K;
-  std::vector<float> f;   // (M, K) fp32: the widening paths (empty on the bf16 planes' path)
+  std::vector<float> f;   // (M, K) fp32: the widening paths, rows or pairs (empty on the bf16 planes' path)
   int64_t Kp = 0;         // bf16 planes: K padded to 32 with zeros
   int nt = 0;             // bf16 terms: 1 (x was bf16), 2 (hi + lo of fp32 / fp16 x)
   std::vector<bf16> h;    // (nt, M, Kp)
@@ -119,44 +125,58 @@ static inline void dot_rows(const XRows& x, const WT* w, int64_t ws, float* y, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// AVX2: the reference path with 8-lane vectors (the K % 8 tail in scalar code).
+// AVX2: one weight row at a time (one sequential stream per thread: 4 interleaved rows streamed a
+// step's weights 1.3-1.5x slower on a Zen 3, docs/NOTES.md), dotted with up to 4 rows of x; each x row
+// keeps 2 accumulators (16 weights an iteration) and the K % 16 tail is scalar, so a row's sums are the
+// same in every block. bf16 weights are widened in place: the low half of each 32-bit lane is the even
+// weight (a shift moves it up), the high half the odd one (a mask keeps it), so x is stored per
+// 16-block as its 8 even then its 8 odd elements (XRows::pairs): one 256-bit load and 2 integer ops
+// per 16 weights, against 2 loads and 4 ops widening 8 at a time.
 // ---------------------------------------------------------------------------------------------
 #ifdef SPARQ_AVX2
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const bf16* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+// 16 weights from k as (w[k..k+8), w[k+8..k+16)), or for bf16 as (evens, odds)
+static inline void load16(const float* p, __m256& a, __m256& b) { a = _mm256_loadu_ps(p); b = _mm256_loadu_ps(p + 8); }
+static inline void load16(const f16* p, __m256& a, __m256& b) {
+  a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
 }
-static inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+static inline void load16(const bf16* p, __m256& a, __m256& b) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  b = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 
-template <int MB, int RB, class WT>
-static inline void dot_block_avx2(const float* x, int64_t K, const WT* w, int64_t ws, float* y, int64_t N) {
-  __m256 acc[MB][RB];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < RB; ++r) acc[m][r] = _mm256_setzero_ps();
+// y[m * N] = x_m . w for MB rows of x (K floats apart, in the layout load16 pairs with) and one row w
+template <int MB, class WT>
+static inline void dot_row_avx2(const float* x, int64_t K, const WT* w, float* y, int64_t N) {
+  __m256 acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = load8(w + r * ws + k);
+  for (; k + 16 <= K; k += 16) {
+    __m256 wa, wb;
+    load16(w + k, wa, wb);
     for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int r = 0; r < RB; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+      acc[m][0] = _mm256_fmadd_ps(wa, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(x + m * K + k + 8), acc[m][1]);
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < RB; ++r) {
-      float s = hsum8(acc[m][r]);
-      for (int64_t t = k; t < K; ++t) s += x[m * K + t] * to_f(w[r * ws + t]);
-      y[m * N + r] = s;
-    }
+  for (int m = 0; m < MB; ++m) {
+    float s = hsum8(_mm256_add_ps(acc[m][0], acc[m][1]));
+    for (int64_t t = k; t < K; ++t) s += x[m * K + t] * to_f(w[t]);  // the tail is in x's natural order
+    y[m * N] = s;
+  }
 }
 
-template <int RB, class WT>
-static inline void dot_rows_avx2(const XRows& x, const WT* w, int64_t ws, float* y, int64_t N) {
-  for (int64_t m = 0; m < x.M; m += 2) {  // 2 x-rows x 4 w-rows: 8 of the 16 ymm registers accumulate
+template <class WT>
+static inline void dot_rows_avx2(const XRows& x, const WT* w, float* y, int64_t N) {
+  for (int64_t m = 0; m < x.M; m += 4) {
     const float* xm = x.f.data() + m * x.K;
-    if (x.M - m == 1) dot_block_avx2<1, RB>(xm, x.K, w, ws, y + m * N, N);
-    else dot_block_avx2<2, RB>(xm, x.K, w, ws, y + m * N, N);
+    switch (std::min<int64_t>(4, x.M - m)) {
+      case 1: dot_row_avx2<1>(xm, x.K, w, y + m * N, N); break;
+      case 2: dot_row_avx2<2>(xm, x.K, w, y + m * N, N); break;
+      case 3: dot_row_avx2<3>(xm, x.K, w, y + m * N, N); break;
+      default: dot_row_avx2<4>(xm, x.K, w, y + m * N, N); break;
+    }
   }
 }
 #endif
@@ -236,7 +256,7 @@ static inline void dot_rows_bf16(const XRows& x, const bf16* w, int64_t ws, floa
 // rows [n0, n1) of w: y[m, n] for every m, on this build's path: 4 weight rows at a time (each x
 // vector loaded once for 4 rows), or on the AVX-512 paths one row at a time when x is a single row (a
 // B = 1 decode step: one sequential stream per thread read 9-24% faster than 4 interleaved, Zen 5,
-// docs/NOTES.md)
+// docs/NOTES.md); the AVX2 path always one row at a time (see dot_row_avx2)
 template <class WT>
 static void linear_rows(const XRows& x, const WT* w, int64_t ws, int64_t n0, int64_t n1, float* y, int64_t N) {
 #if defined(SPARQ_AVX512)
@@ -253,8 +273,7 @@ static void linear_rows(const XRows& x, const WT* w, int64_t ws, int64_t n0, int
   }
 #endif
 #if defined(SPARQ_AVX2)
-  for (; n + 4 <= n1; n += 4) dot_rows_avx2<4>(x, w + n * ws, ws, y + n, N);
-  for (; n < n1; ++n) dot_rows_avx2<1>(x, w + n * ws, ws, y + n, N);
+  for (; n < n1; ++n) dot_rows_avx2(x, w + n * ws, y + n, N);
 #else
   for (; blocks && n + 4 <= n1; n += 4) dot_rows<4>(x, w + n * ws, ws, y + n, N);
   for (; n < n1; ++n) dot_rows<1>(x, w + n * ws, ws, y + n, N);
@@ -263,14 +282,14 @@ static void linear_rows(const XRows& x, const WT* w, int64_t ws, int64_t n0, int
 
 // x (M, K) of any float dtype -> what this call's path reads: (bf16 weights on the vdpbf16ps path) the
 // bf16 planes only, x's own rows when it is bf16, else hi = bf16(x), lo = bf16(x - hi); otherwise the
-// fp32 rows. (Converting every element both ways took ~5 us a call at 8 rows, a third of a small
+// fp32 rows, in pairs order for the AVX2 path's bf16 weights. (Converting every element both ways took ~5 us a call at 8 rows, a third of a small
 // layer's GEMV.)
 template <class XT>
-static XRows prepare_x(const XT* x, int64_t M, int64_t K, int64_t xs, bool bf16_planes) {
+static XRows prepare_x(const XT* x, int64_t M, int64_t K, int64_t xs, XLayout layout) {
   XRows r;
   r.M = M;
   r.K = K;
-  if (bf16_planes) {
+  if (layout == XLayout::planes) {
     r.Kp = round_up(std::max<int64_t>(K, 1), 32);
     r.nt = std::is_same_v<XT, bf16> ? 1 : 2;
     r.h.assign(r.nt * M * r.Kp, bf16(0.f));
@@ -291,6 +310,13 @@ static XRows prepare_x(const XT* x, int64_t M, int64_t K, int64_t xs, bool bf16_
   r.f.resize(std::max<int64_t>(M * K, 1));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) r.f[m * K + k] = static_cast<float>(x[m * xs + k]);
+  if (layout == XLayout::pairs)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k0 = 0; k0 + 16 <= K; k0 += 16)
+        for (int64_t i = 0; i < 8; ++i) {
+          r.f[m * K + k0 + i] = static_cast<float>(x[m * xs + k0 + 2 * i]);
+          r.f[m * K + k0 + 8 + i] = static_cast<float>(x[m * xs + k0 + 2 * i + 1]);
+        }
   return r;
 }
 
@@ -304,15 +330,17 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) {
   const auto xdt = x.scalar_type(), wdt = w.scalar_type();
   TORCH_CHECK(xdt == at::kFloat || xdt == at::kBFloat16 || xdt == at::kHalf, "sparq::linear_cpu: unsupported x dtype");
   TORCH_CHECK(wdt == at::kFloat || wdt == at::kBFloat16 || wdt == at::kHalf, "sparq::linear_cpu: unsupported w dtype");
-#ifdef SPARQ_AVX512_BF16
-  const bool planes = wdt == at::kBFloat16;
+#if defined(SPARQ_AVX512_BF16)
+  const XLayout layout = wdt == at::kBFloat16 ? XLayout::planes : XLayout::rows;
+#elif defined(SPARQ_AVX2)
+  const XLayout layout = wdt == at::kBFloat16 ? XLayout::pairs : XLayout::rows;
 #else
-  const bool planes = false;
+  const XLayout layout = XLayout::rows;
 #endif
   XRows xr;
-  if (xdt == at::kFloat) xr = prepare_x(x.data_ptr<float>(), M, K, x.stride(0), planes);
-  else if (xdt == at::kBFloat16) xr = prepare_x(x.data_ptr<bf16>(), M, K, x.stride(0), planes);
-  else xr = prepare_x(x.data_ptr<f16>(), M, K, x.stride(0), planes);
+  if (xdt == at::kFloat) xr = prepare_x(x.data_ptr<float>(), M, K, x.stride(0), layout);
+  else if (xdt == at::kBFloat16) xr = prepare_x(x.data_ptr<bf16>(), M, K, x.stride(0), layout);
+  else xr = prepare_x(x.data_ptr<f16>(), M, K, x.stride(0), layout);
   at::Tensor y = at::empty({M, N}, x.options());
   const int64_t ws = w.stride(0);
   over_weight_rows_into(y, [&](int64_t n0, int64_t n1, float* out, int64_t ldo) {

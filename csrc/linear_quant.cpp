@@ -16,7 +16,8 @@
 //   linear_int8_q8_cpu(Tensor x, Tensor w, Tensor scales, int N) -> Tensor
 //       linear_int8_cpu's weights repacked in rows of 16 (below int8_q8_rows16_ref), x quantized to
 //       int8 per group of 32 first
-//   linear_q8_path() -> str     "vnni" (vpdpbusd) or "portable": this build's path for both *_q8 ops
+//   linear_q8_path() -> str     "vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "portable": this build's path
+//                               for both *_q8 ops
 // y = x @ W^T in fp32 (x any float dtype, returned in x's dtype); scales / zeros bf16 or fp32.
 //
 // Each weight vector is dequantized in registers to exactly the fp32 values quantize.py's
@@ -46,6 +47,12 @@
 
 #ifndef SPARQ_QPF
 #define SPARQ_QPF 4
+#endif
+
+// The *_q8 ops' integer dot products: vpdpbusd (AVX512_VNNI), else vpmaddubsw where the build has AVX2
+// (an AVX-512 CPU without VNNI too), else the readable per-row path.
+#if !defined(SPARQ_AVX512_VNNI) && defined(__AVX2__) && defined(__FMA__)
+#define SPARQ_Q8_AVX2 1
 #endif
 
 namespace sparq_cpu {
@@ -462,6 +469,61 @@ static inline void int4_q8_rows16_vnni(const XQ& xq, int64_t m0, int64_t C, cons
 
 #endif
 
+#ifdef SPARQ_Q8_AVX2
+// 8 scales (bf16 or fp32) as fp32
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const bf16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// The same on AVX2 (CPUs without AVX512_VNNI), one block of 16 rows per call: its 64-byte chunk is two
+// 32-byte halves (rows 0-7, rows 8-15). vpdpbusd has no AVX2 form; vpmaddubsw multiplies unsigned
+// nibbles (<= 15) with x's signed int8 (|xq| <= 127) into 16-bit pair sums (<= 3810: no saturation),
+// the even and odd columns' pair sums add in 16 bits (<= 7620), and vpmaddwd with ones sums them into
+// int32 lanes: the exact integer dot products of the vpdpbusd path, then its formula, in the same order.
+template <int MB, class ST>
+static inline void int4_q8_rows16_avx2(const XQ& xq, int64_t m0, int64_t C, const uint8_t* w16, const ST* s16,
+                                       const ST* z16, float* y, int64_t ldy) {
+  const int64_t G = xq.G, cpg = C / G;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i t[MB][2];
+    for (int m = 0; m < MB; ++m) t[m][0] = t[m][1] = _mm256_setzero_si256();
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+      const uint8_t* p = w16 + c * 64;
+      prefetch_l2(p + C * 64);  // the next block, same offset
+      for (int h = 0; h < 2; ++h) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+        const __m256i lo = _mm256_and_si256(bytes, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        for (int m = 0; m < MB; ++m) {
+          int32_t e, o;
+          std::memcpy(&e, xq.plane(0, m0 + m) + 4 * c, 4);
+          std::memcpy(&o, xq.plane(1, m0 + m) + 4 * c, 4);
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(e)),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(o)));
+          t[m][h] = _mm256_add_epi32(t[m][h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sv = load8(s16 + g * 16 + 8 * h), zv = load8(z16 + g * 16 + 8 * h);
+      for (int m = 0; m < MB; ++m) {
+        const int64_t mg = (m0 + m) * G + g;
+        const __m256 u = _mm256_fmsub_ps(_mm256_cvtepi32_ps(t[m][h]), _mm256_set1_ps(xq.a[mg]), _mm256_set1_ps(xq.off[mg]));
+        acc[m][h] = _mm256_fmadd_ps(sv, u, acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xq.X[mg]), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + m * ldy + 8 * h, acc[m][h]);
+}
+#endif
+
 // int8 in rows of 16 (quantize.pack_int8_rows16, made at load), the same layout over K instead of
 // K / 2 with each code stored unsigned:
 //   w16[b, c, r, j] = q[16 b + r, 4 c + j] + 128   (NB, C = K / 4, 16, 4) uint8
@@ -546,6 +608,53 @@ static inline void int8_q8_rows16_vnni(const XQ& xq, int64_t m0, int64_t C, int6
   }
   for (int m = 0; m < MB; ++m)
     for (int b = 0; b < NBK; ++b) _mm512_storeu_ps(y + m * ldy + 16 * b, acc[m][b]);
+}
+#endif
+
+#ifdef SPARQ_Q8_AVX2
+// int8 on AVX2, one block of 16 rows per call (halves as int4's). The unsigned codes u = q + 128 times
+// xq would overflow vpmaddubsw's 16-bit pair sums, so the signed codes q = u ^ 0x80 meet x as
+// |q| (unsigned, <= 128) times xq with q's sign (|pair sum| <= 2 * 128 * 127 < 2^15), llama.cpp's
+// way: the exact x_g . q_g = x_g . u_g - 128 sum(xq_g), so a_g x_g . q_g is the formula's term.
+template <int MB, class ST>
+static inline void int8_q8_rows16_avx2(const XQ& xq, int64_t m0, int64_t C, int64_t Gw, const uint8_t* w16,
+                                       const ST* s16, float* y, int64_t ldy) {
+  const int64_t G = xq.G, cpg = C / G, gpw = G / Gw;  // cpg = 8
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t gw = 0; gw < Gw; ++gw) {
+    __m256 t[MB][2];
+    for (int m = 0; m < MB; ++m) t[m][0] = t[m][1] = _mm256_setzero_ps();
+    for (int64_t g = gw * gpw; g < (gw + 1) * gpw; ++g) {
+      __m256i d[MB][2];
+      for (int m = 0; m < MB; ++m) d[m][0] = d[m][1] = _mm256_setzero_si256();
+      for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+        const uint8_t* p = w16 + c * 64;
+        prefetch_l2(p + C * 64);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h)), flip);
+          const __m256i aq = _mm256_abs_epi8(q);
+          for (int m = 0; m < MB; ++m) {
+            int32_t v;
+            std::memcpy(&v, xq.plane(0, m0 + m) + 4 * c, 4);
+            const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(v), q);
+            d[m][h] = _mm256_add_epi32(d[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones));
+          }
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256 a = _mm256_set1_ps(xq.a[(m0 + m) * G + g]);
+        for (int h = 0; h < 2; ++h) t[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[m][h]), a, t[m][h]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sv = load8(s16 + gw * 16 + 8 * h);
+      for (int m = 0; m < MB; ++m) acc[m][h] = _mm256_fmadd_ps(sv, t[m][h], acc[m][h]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + m * ldy + 8 * h, acc[m][h]);
 }
 #endif
 
@@ -762,10 +871,16 @@ at::Tensor linear_int4_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at
     over_row_blocks(y, [&](int64_t b, auto nbk, float* out, int64_t ldo) {
       const uint8_t* wb = wp + b * C * 64;
       const auto *sb = s + b * G * 16, *zb = z + b * G * 16;
-#ifdef SPARQ_AVX512_VNNI
+#if defined(SPARQ_AVX512_VNNI)
       over_x_rows(M, [&](auto mb, int64_t m) {
         int4_q8_rows16_vnni<decltype(mb)::value, decltype(nbk)::value>(xq, m, C, wb, sb, zb, out + m * ldo, ldo);
       });
+#elif defined(SPARQ_Q8_AVX2)
+      for (int i = 0; i < decltype(nbk)::value; ++i)
+        over_x_rows(M, [&](auto mb, int64_t m) {
+          int4_q8_rows16_avx2<decltype(mb)::value>(xq, m, C, wb + i * C * 64, sb + i * G * 16, zb + i * G * 16,
+                                                   out + m * ldo + 16 * i, ldo);
+        });
 #else
       for (int i = 0; i < decltype(nbk)::value; ++i)
         int4_q8_rows16_ref(xq, C, wb + i * C * 64, sb + i * G * 16, zb + i * G * 16, out + 16 * i, ldo);
@@ -788,10 +903,15 @@ at::Tensor linear_int8_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at
     over_row_blocks(y, [&](int64_t b, auto nbk, float* out, int64_t ldo) {
       const uint8_t* wb = wp + b * C * 64;
       const auto* sb = s + b * Gw * 16;
-#ifdef SPARQ_AVX512_VNNI
+#if defined(SPARQ_AVX512_VNNI)
       over_x_rows(M, [&](auto mb, int64_t m) {
         int8_q8_rows16_vnni<decltype(mb)::value, decltype(nbk)::value>(xq, m, C, Gw, wb, sb, out + m * ldo, ldo);
       });
+#elif defined(SPARQ_Q8_AVX2)
+      for (int i = 0; i < decltype(nbk)::value; ++i)
+        over_x_rows(M, [&](auto mb, int64_t m) {
+          int8_q8_rows16_avx2<decltype(mb)::value>(xq, m, C, Gw, wb + i * C * 64, sb + i * Gw * 16, out + m * ldo + 16 * i, ldo);
+        });
 #else
       for (int i = 0; i < decltype(nbk)::value; ++i)
         int8_q8_rows16_ref(xq, C, Gw, wb + i * C * 64, sb + i * Gw * 16, out + 16 * i, ldo);
@@ -803,8 +923,10 @@ at::Tensor linear_int8_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at
   return y;
 }
 
-#ifdef SPARQ_AVX512_VNNI
+#if defined(SPARQ_AVX512_VNNI)
 std::string linear_q8_path() { return "vnni"; }
+#elif defined(SPARQ_Q8_AVX2)
+std::string linear_q8_path() { return "avx2"; }
 #else
 std::string linear_q8_path() { return "portable"; }
 #endif

@@ -702,10 +702,15 @@ def test_int8_rows16_layout_round_trips():
 
 
 def test_int4_q8_path_matches_the_cpu():
-    """The int8-activation int4 GEMV uses vpdpbusd where the build targets AVX512_VNNI (-march=native)."""
+    """The int8-activation GEMVs use vpdpbusd where the build targets AVX512_VNNI (-march=native), else
+    vpmaddubsw where it has AVX2 and FMA, else the portable path."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
-    assert torch.ops.sparq.linear_q8_path() == ("vnni" if avx512 else "portable")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags:
+        assert torch.ops.sparq.linear_q8_path() == "vnni"
+    elif {"avx2", "fma"} <= flags:
+        assert torch.ops.sparq.linear_q8_path() == "avx2"
+    else:
+        assert torch.ops.sparq.linear_q8_path() == "portable"
 
 
 def test_gemv_isa_matches_the_cpu():
@@ -782,26 +787,26 @@ def test_kernel_variants_without_cpu_features_match_fp64():
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the variants are x86-64 -march flags")
     cpu = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    variants = [(["-march=x86-64"], "portable")]
+    variants = [(["-march=x86-64"], "portable", "portable")]  # flags, the GEMV's path, the q8 GEMVs' path
     if {"avx2", "fma", "f16c"} <= cpu:
-        variants.append((["-march=x86-64-v3"], "avx2"))
+        variants.append((["-march=x86-64-v3"], "avx2", "avx2"))
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
-        variants.append((["-march=native", "-mno-avx512bf16", "-mno-avx512vnni"], "avx512"))
+        variants.append((["-march=native", "-mno-avx512bf16", "-mno-avx512vnni"], "avx512", "avx2"))
     csrc = Path(kernels.__file__).resolve().parent / "csrc"
     tag = hashlib.sha1(torch.__version__.encode())
     for path in sorted(csrc.iterdir()):
         tag.update(path.name.encode() + path.read_bytes())
     procs = []
-    for flags, isa in variants:  # built in parallel, one subprocess each
+    for flags, isa, q8 in variants:  # built in parallel, one subprocess each
         name = "sparq_variant_" + "_".join(f.strip("-").replace("=", "").replace("-", "") for f in flags)
         name += "_" + tag.hexdigest()[:10]
-        procs.append((flags, isa, subprocess.Popen([sys.executable, str(csrc.parent / "tests" / "variant_check.py"),
+        procs.append((flags, isa, q8, subprocess.Popen([sys.executable, str(csrc.parent / "tests" / "variant_check.py"),
                                                     name, *flags], cwd=csrc.parent, stdout=subprocess.PIPE,
                                                    stderr=subprocess.STDOUT, text=True)))
-    for flags, isa, proc in procs:
+    for flags, isa, q8, proc in procs:
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0 and out.rstrip().endswith("OK"), f"{flags}:\n{out[-3000:]}"
-        assert f"ISA {isa}" in out and "INT8 float" in out and "Q8 portable" in out, \
+        assert f"ISA {isa}" in out and "INT8 float" in out and f"Q8 {q8}" in out, \
             f"{flags} built the wrong path:\n{out[-3000:]}"
 
 

@@ -571,11 +571,11 @@ def test_quantize_out_elsewhere_brings_config_and_tokenizer(tmp_path, smollm2_ch
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_auto_kernel_and_the_quantized_kernel_choice(tmp_path, mode):
     """"auto" gives int8 and int4 layers gemv_kernel's GEMV (gemv-q8 where the build has the vpdpbusd
-    path); loading("gemv") / loading("gemv-q8") force one; an unknown backend is a one-line error."""
+    or AVX2 path); loading("gemv") / loading("gemv-q8") force one; an unknown backend is a one-line error."""
     path = quantize_file(tiny_checkpoint(tmp_path, True), mode, 32 if mode == "int4" else None)
     if not Q._gemv_available(torch.device("cpu")):
         pytest.skip("the fused GEMVs are not built here")
-    expected = "gemv-q8" if torch.ops.sparq.linear_q8_path() == "vnni" else "gemv"
+    expected = "gemv-q8" if torch.ops.sparq.linear_q8_path() in ("vnni", "avx2") else "gemv"
     assert Q.gemv_kernel(torch.device("cpu")) == expected
     kinds = {}
     for backend in ("auto", "gemv", "gemv-q8"):
