@@ -1,4 +1,5 @@
-"""Command-line plumbing shared by every tool: one-line user errors, one exit code, comma lists, JSON files.
+"""Command-line plumbing shared by every tool: one-line user errors, one exit code, comma lists, JSON files,
+prompt files.
 
 Every mistake a user can make (a bad flag, a missing checkpoint, a corrupt file, data that `make`
 has not fetched) raises UserError or a subclass of it; `main` prints it as one line on stderr and
@@ -10,6 +11,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -106,3 +108,43 @@ def write_json(path: Path, value: Any, flag: str = "--json", default: Optional[C
         tmp.replace(path)
     except OSError as e:
         raise UserError(f"cannot write {flag} {path}: {e.strerror}") from None
+
+
+@dataclass
+class Prompt:
+    text: str
+    chat: bool
+
+
+def read_prompts(prompt: str, prompt_file: Optional[Path], chat: bool) -> list[Prompt]:
+    """The prompts of a command line: `prompt` (--prompt), or those of --prompt-file: a .jsonl file of
+    {"prompt": ..., "chat": ...} lines ("chat" optional, default `chat`), any other file one prompt,
+    its whole text. One-line errors."""
+    if prompt_file is None:
+        if not prompt.strip():
+            raise UserError("the prompt is empty")
+        return [Prompt(prompt, chat)]
+    try:
+        text = prompt_file.read_text(encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read --prompt-file: {e.strerror}: {prompt_file}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompt-file {prompt_file} is not UTF-8 text (byte {e.start})") from None
+    if prompt_file.suffix != ".jsonl":
+        if not text.strip():
+            raise UserError(f"--prompt-file {prompt_file} is empty")
+        return [Prompt(text, chat)]
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{prompt_file}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
+            raise UserError(f'{prompt_file}:{number}: expected {{"prompt": "<non-empty text>"}}')
+        prompts.append(Prompt(entry["prompt"], bool(entry.get("chat", chat))))
+    if not prompts:
+        raise UserError(f"--prompt-file {prompt_file} holds no prompt")
+    return prompts

@@ -25,10 +25,8 @@ in float32.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -125,45 +123,6 @@ DEFAULT_PROMPT = "Hello, my name is"
 PROFILE_STEPS = 8  # decode steps --profile traces
 
 
-@dataclass
-class Prompt:
-    text: str
-    chat: bool
-
-
-def read_prompts(args: argparse.Namespace) -> list[Prompt]:
-    """The prompts of the command line (--prompt, a .jsonl or text --prompt-file); one-line errors."""
-    if args.prompt_file is None:
-        text = DEFAULT_PROMPT if args.prompt is None else args.prompt
-        if not text.strip():
-            raise UserError("the prompt is empty")
-        return [Prompt(text, args.chat)]
-    try:
-        text = args.prompt_file.read_text(encoding="utf-8")
-    except OSError as e:
-        raise UserError(f"cannot read --prompt-file: {e.strerror}: {args.prompt_file}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {e.start})") from None
-    if args.prompt_file.suffix != ".jsonl":
-        if not text.strip():
-            raise UserError(f"--prompt-file {args.prompt_file} is empty")
-        return [Prompt(text, args.chat)]
-    prompts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{args.prompt_file}:{number}: not JSON ({e.msg})") from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
-            raise UserError(f'{args.prompt_file}:{number}: expected {{"prompt": "<non-empty text>"}}')
-        prompts.append(Prompt(entry["prompt"], bool(entry.get("chat", args.chat))))
-    if not prompts:
-        raise UserError(f"--prompt-file {args.prompt_file} holds no prompt")
-    return prompts
-
-
 def prompt_ids(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     """The token ids of every row of the batch."""
     if isinstance(tokenizer, TokenIds):  # random weights: random ids, seeded
@@ -173,7 +132,8 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[list[int]]:
         rows = [data.essay_tokens(tokenizer, args.prompt_tokens)]
     else:
         try:
-            rows = [tokenizer.encode_prompt(p.text, chat=p.chat) for p in read_prompts(args)]
+            prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+            rows = [tokenizer.encode_prompt(p.text, chat=p.chat) for p in cli.read_prompts(prompt, args.prompt_file, args.chat)]
         except ValueError as e:
             raise UserError(str(e)) from None
     if len(rows) > 1 and args.batch_size not in (None, len(rows)):
