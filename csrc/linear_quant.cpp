@@ -51,7 +51,7 @@
 
 // The *_q8 ops' integer dot products: vpdpbusd (AVX512_VNNI), else vpmaddubsw where the build has AVX2
 // (an AVX-512 CPU without VNNI too), else the readable per-row path.
-#if !defined(SPARQ_AVX512_VNNI) && defined(__AVX2__) && defined(__FMA__)
+#if !defined(SPARQ_AVX512_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SPARQ_Q8_AVX2 1
 #endif
 
@@ -336,6 +336,43 @@ static inline int32_t quantize_group(const float* x, int64_t gs, int8_t* dst, in
     *amax_out = amax;
     *sum_out = hsum(sm);
     return _mm512_reduce_add_epi32(qsum);
+  }
+#elif defined(SPARQ_Q8_AVX2)
+  if (gs % 16 == 0) {  // the same, 8 lanes at a time
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
+    for (int64_t i = 0; i < gs; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+      sm = _mm256_add_ps(sm, v);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i qsum = _mm256_setzero_si256();
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t i = 0; i < gs; i += 16) {
+      const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));  // |q| <= 127
+      const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv));
+      qsum = _mm256_add_epi32(qsum, _mm256_add_epi32(q0, q1));
+      const __m128i w0 = _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1));
+      const __m128i w1 = _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1));
+      const __m128i bytes = _mm_packs_epi16(w0, w1);  // the 16 values in order
+      if (PLANES == 1) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bytes);
+      } else {
+        const __m128i eo = _mm_shuffle_epi8(bytes, split);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2), eo);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2 + plane_stride), _mm_unpackhi_epi64(eo, eo));
+      }
+    }
+    __m128i q4 = _mm_add_epi32(_mm256_castsi256_si128(qsum), _mm256_extracti128_si256(qsum, 1));
+    q4 = _mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0x4E));
+    q4 = _mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0xB1));
+    *amax_out = amax;
+    *sum_out = hsum8(sm);
+    return _mm_cvtsi128_si32(q4);
   }
 #endif
   float amax = 0.f, sum = 0.f;
