@@ -8,8 +8,8 @@
 // At batch 1 every weight is read once per step, so this is a bandwidth problem that stock torch's
 // GEMV leaves far from the memory's speed (python -m bench linear; docs/NOTES.md). Each thread streams
 // its weight rows in order, 4 at a time for several rows of x (each x vector loaded once for 4 rows),
-// one at a time for a single row or on AVX2 (linear_rows), dotted with every row of x (L1-resident); the rows of
-// w are split over torch's threads in units claimed dynamically.
+// one at a time for a single row or on AVX2 (linear_rows), dotted with every row of x (L1-resident);
+// the rows of w are split over torch's threads in units claimed dynamically.
 //
 // The instruction set is chosen at build time from the compiler's feature macros (the build is
 // -march=native, and kernels.py puts the CPU's flags in the build tag), never per call:
@@ -61,11 +61,11 @@ static const char* gemv_isa() {
 #endif
 }
 
-// The rows of x, prepared once per call for the path that reads them.
 // The layouts of x: fp32 rows; fp32 rows with each full 16-block stored as its 8 even then its 8 odd
 // elements (the AVX2 path's bf16 weights); bf16 planes (the vdpbf16ps path's bf16 weights).
 enum class XLayout { rows, pairs, planes };
 
+// The rows of x, prepared once per call for the path that reads them.
 struct XRows {
   int64_t M, K;
   std::vector<float> f;   // (M, K) fp32: the widening paths, rows or pairs (empty on the bf16 planes' path)
