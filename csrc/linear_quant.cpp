@@ -302,6 +302,20 @@ struct XQ {
   const int8_t* plane(int p, int64_t m) const { return q.data() + (p * M + m) * Kp; }
 };
 
+#if defined(SPARQ_AVX512) || defined(SPARQ_Q8_AVX2)
+// 16 quantized values of x (bytes, in column order, from column i of the group) into quantize_group's dst
+template <int PLANES>
+static inline void store_q16(__m128i bytes, int8_t* dst, int64_t i, int64_t plane_stride) {
+  if (PLANES == 1) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bytes);
+  } else {  // bytes 0, 2, .., 14 then 1, 3, .., 15: the 16 columns' even then odd values
+    const __m128i eo = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2), eo);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2 + plane_stride), _mm_unpackhi_epi64(eo, eo));
+  }
+}
+#endif
+
 // One group of x (gs values) -> xq into dst (planes 1: dst[i]; planes 2: even columns to dst[i / 2],
 // odd ones to dst[i / 2 + plane_stride]); returns sum(xq), sets *amax and *sum. Rounding to nearest
 // even, as std::nearbyint in the default rounding mode (and as the AVX-512 conversion below).
@@ -319,19 +333,11 @@ static inline int32_t quantize_group(const float* x, int64_t gs, int8_t* dst, in
     const float amax = hmax(mx);
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     __m512i qsum = _mm512_setzero_si512();
-    // bytes 0, 2, .., 14 then 1, 3, .., 15: a group of 16 columns' even then odd values
-    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t i = 0; i < gs; i += 16) {
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv));  // |q| <= 127
       qsum = _mm512_add_epi32(qsum, q);
       const __m128i bytes = _mm512_cvtepi32_epi8(q);
-      if (PLANES == 1) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bytes);
-      } else {
-        const __m128i eo = _mm_shuffle_epi8(bytes, split);
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2), eo);
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2 + plane_stride), _mm_unpackhi_epi64(eo, eo));
-      }
+      store_q16<PLANES>(bytes, dst, i, plane_stride);
     }
     *amax_out = amax;
     *sum_out = hsum(sm);
@@ -351,7 +357,6 @@ static inline int32_t quantize_group(const float* x, int64_t gs, int8_t* dst, in
     const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     __m256i qsum = _mm256_setzero_si256();
-    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t i = 0; i < gs; i += 16) {
       const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));  // |q| <= 127
       const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv));
@@ -359,13 +364,7 @@ static inline int32_t quantize_group(const float* x, int64_t gs, int8_t* dst, in
       const __m128i w0 = _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1));
       const __m128i w1 = _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1));
       const __m128i bytes = _mm_packs_epi16(w0, w1);  // the 16 values in order
-      if (PLANES == 1) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bytes);
-      } else {
-        const __m128i eo = _mm_shuffle_epi8(bytes, split);
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2), eo);
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2 + plane_stride), _mm_unpackhi_epi64(eo, eo));
-      }
+      store_q16<PLANES>(bytes, dst, i, plane_stride);
     }
     __m128i q4 = _mm_add_epi32(_mm256_castsi256_si128(qsum), _mm256_extracti128_si256(qsum, 1));
     q4 = _mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0x4E));
