@@ -15,13 +15,13 @@
 //
 // Work unit: (batch row, KV head, block of BQ queries); its rows are the g query heads of those
 // queries, t-major (row i = query t0 + i / g, head i % g), so a group of 4 rows shares its causal
-// limit up to one position. Per block of BK keys:
+// limit up to one position. Per block of BK keys (R = kTileRows rows at a time):
 //   scores  S (rows x BK) = Q K^T: K's block transposed to fp32 (dp x BK) once per unit and block,
-//           then for each channel c one broadcast of q[i][c] against 4 vectors of 16 keys (4 rows x
+//           then for each channel c one broadcast of q[i][c] against 4 vectors of 16 keys (R rows x
 //           64 keys of accumulators in registers);
 //   softmax running max m and sum l per row, O rescaled when m grows; masked keys weigh 0;
 //   P V     O (rows x dp) += P V: V's block widened to fp32 once, each weight broadcast against 4
-//           vectors of 16 channels.
+//           vectors of 16 channels (R rows).
 // The head dim is padded to dp = a multiple of 16 with zeros in Q, K^T and V (any d works).
 // Units are claimed longest first (the last query blocks see the most keys) by torch's OpenMP team.
 
@@ -42,6 +42,16 @@ namespace {
 
 constexpr int64_t kBQ = 64;  // queries per unit
 constexpr int64_t kBK = 64;  // keys per block: 4 vectors of 16
+
+// Rows per micro-kernel call: R rows x 4 vectors of 16 lanes of accumulators, plus the 4 vectors loaded.
+// AVX-512 has 32 registers: 4 rows (16 + 4). AVX2's V is two 8-lane halves in 16 registers, where 4 rows
+// (32 + 8 halves) spilled: 1 row (8 halves, the loads folded into the FMAs) ran 1.4x faster on a Zen 3,
+// 2 x 2 and 3 x 2 tiles in between (docs/NOTES.md).
+#if defined(SPARQ_AVX2)
+constexpr int kTileRows = 1;
+#else
+constexpr int kTileRows = 4;
+#endif
 
 struct Dims {
   int64_t B, H, n_kv, g, T, S, d, dp, off;  // off = S - T: query t sees keys j <= t + off
@@ -110,11 +120,11 @@ static inline void pv_cols(const float* p, const float* vf, int64_t dp, int64_t 
   }
 }
 
-// Rows [0, rows) in groups of 4, then the rest one by one.
-template <class F4, class F1>
-static inline void by_fours(int64_t rows, F4&& four, F1&& one) {
+// Rows [0, rows) in groups of kTileRows, then the rest one by one.
+template <class FT, class F1>
+static inline void by_tiles(int64_t rows, FT&& tile, F1&& one) {
   int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) four(i);
+  for (; i + kTileRows <= rows; i += kTileRows) tile(i);
   for (; i < rows; ++i) one(i);
 }
 
@@ -183,14 +193,14 @@ static void unit(const Dims& D, const T* q, const T* k, const T* v, T* out, int6
     }
     float* P = w.p.data();
     const float* Q = w.q.data();
-    by_fours(rows, [&](int64_t i) { scores_rows<4>(Q + i * dp, dp, w.kt.data(), P + i * kBK); },
+    by_tiles(rows, [&](int64_t i) { scores_rows<kTileRows>(Q + i * dp, dp, w.kt.data(), P + i * kBK); },
              [&](int64_t i) { scores_rows<1>(Q + i * dp, dp, w.kt.data(), P + i * kBK); });
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t valid = std::min(nb, t0 + i / g + D.off - j0 + 1);  // keys j0 .. t + off
       softmax_row(P + i * kBK, valid, w.m[i], w.l[i], w.o.data() + i * dp, dp);
     }
     float* O = w.o.data();
-    by_fours(rows, [&](int64_t i) { pv_cols<4>(P + i * kBK, w.vf.data(), dp, nb, O + i * dp); },
+    by_tiles(rows, [&](int64_t i) { pv_cols<kTileRows>(P + i * kBK, w.vf.data(), dp, nb, O + i * dp); },
              [&](int64_t i) { pv_cols<1>(P + i * kBK, w.vf.data(), dp, nb, O + i * dp); });
   }
   for (int64_t i = 0; i < rows; ++i) {  // out (B, H, T, d) contiguous
