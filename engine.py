@@ -43,8 +43,9 @@ from model import Transformer
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows a decode step computes: the first n of the cache
 # Prompt tokens per prefill piece (one forward pass). Half the step's budget: on 2 AVX2 cores torch's fp32
 # GEMM runs 256-row pieces at ~1.3x the rate of 128-row ones (which also widen bf16 weights more often),
-# while a step beside decoding rows carries one piece, so a 4k-deep step stays near 3x a decode step
-# (512: ITL p99 9.4x p50 at 16 clients and 4k prompts; 256: 1.7x; docs/serving.md).
+# and beside decoding rows a step carries one piece, half of a 512-token one's cost, so the decoding
+# rows' tokens keep an even pace (16 clients, 4k prompts: ITL p99 1.7x p50 with 256, 9.4x with 512, at
+# the same throughput; docs/serving.md).
 PREFILL_CHUNK = 256
 STEP_TOKENS = 512  # tokens per step: the decoding rows' plus prompt pieces
 
