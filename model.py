@@ -613,7 +613,66 @@ def random_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: tor
                 p.fill_(0.0 if name.endswith("bias") else 1.0 - args.norm_offset)
     model.rope = model.rope_local = torch.empty(0, device=device)
     model.activation_dtype = dtype
+    if torch.device(device).type == "cpu":
+        weights_on_huge_pages(model)
     return model.eval()
+
+
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def _transparent_huge_pages() -> bool:
+    """Whether this kernel backs memory advised MADV_HUGEPAGE with 2 MB pages ("always" or "madvise")."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:  # not Linux, or no THP
+        return False
+
+
+def weights_on_huge_pages(model: nn.Module) -> None:
+    """Copy a CPU model's parameters and buffers into one buffer advised as transparent huge pages.
+
+    A decode step streams every weight once, a page after another: on 4 KB pages (glibc's heap, or the
+    checkpoint's file mapping) each 4 KB costs a TLB miss and ends the hardware prefetcher's stream. On 2 MB
+    pages a step's GEMVs ran 1.09-1.10x faster (bf16 and fp32, SmolLM2's 269 / 538 MB, 2 threads, an AMD EPYC
+    Zen 3; docs/NOTES.md). The buffer is advised before anything is written to it, so its pages fault in as
+    2 MB pages. Values, dtypes and shapes stay; tied weights stay one tensor. A kernel without transparent
+    huge pages, or a failed madvise, leaves the model as it was."""
+    import ctypes
+
+    if not _transparent_huge_pages():
+        return
+    slots: dict[int, list[tuple[nn.Module, str, bool]]] = {}  # one slot per tensor (tied ones share it)
+    tensors: dict[int, Tensor] = {}
+    for module in model.modules():
+        for kind, table in ((True, module._parameters), (False, module._buffers)):
+            for name, t in table.items():
+                if t is not None and t.device.type == "cpu" and t.numel() > 0 and t.is_contiguous():
+                    tensors.setdefault(id(t), t)
+                    slots.setdefault(id(t), []).append((module, name, kind))
+    sizes = {key: -(-t.numel() * t.element_size() // 64) * 64 for key, t in tensors.items()}
+    if sum(sizes.values()) < HUGE_PAGE:
+        return
+    length = -(-sum(sizes.values()) // HUGE_PAGE) * HUGE_PAGE  # whole huge pages: the last weight's too
+    arena = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)
+    start = -arena.data_ptr() % HUGE_PAGE  # the first 2 MB boundary in it
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(arena.data_ptr() + start, length, _MADV_HUGEPAGE) != 0:
+        return
+    offset = start
+    with torch.no_grad():
+        for key, t in tensors.items():
+            moved = arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            moved.copy_(t)
+            offset += sizes[key]
+            for module, name, is_parameter in slots[key]:
+                if is_parameter:
+                    module._parameters[name].data = moved
+                else:
+                    module._buffers[name] = moved
 
 
 def load_model(checkpoint: Path | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -647,4 +706,6 @@ def load_model(checkpoint: Path | str, device: str | torch.device = "cpu", dtype
     model.activation_dtype = dtype
     if quantization is not None:
         quantized.finalize(model, kernels)  # pick the kernels and pack the weights for `device`
+    if torch.device(device).type == "cpu":
+        weights_on_huge_pages(model)
     return model.eval()

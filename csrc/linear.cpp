@@ -40,10 +40,17 @@
 
 // Software prefetch distance, in weight rows: while a block of rows streams, the rows SPARQ_LPF ahead
 // (the next block) are prefetched into L2 line by line, so a new block does not start cold (0: off;
-// 4 measured best, docs/NOTES.md; the AVX2 path streams one row at a time and has none: prefetching
-// 4 rows ahead made it slower on a Zen 3).
+// 4 measured best, docs/NOTES.md; the AVX2 path streams one row at a time and prefetching 4 rows ahead made it
+// slower on a Zen 3: it uses SPARQ_AVX2_PF_BYTES instead).
 #ifndef SPARQ_LPF
 #define SPARQ_LPF 4
+#endif
+// The AVX2 path's prefetch distance in bytes along its one stream (0: off): each 64-byte line of a weight row
+// asks for the line this far ahead into L1. Its loop spends ~7 instructions per 32 weight bytes, so the
+// out-of-order window alone keeps too few lines in flight: on a Zen 3, 1 KB ahead streamed a step's bf16
+// GEMVs 1.11x faster (0.5 KB 1.05x, 1.5 KB 1.08x, 2 KB 1.05x), fp32 1.04x (docs/NOTES.md).
+#ifndef SPARQ_AVX2_PF_BYTES
+#define SPARQ_AVX2_PF_BYTES 1024
 #endif
 
 namespace sparq_cpu {
@@ -154,6 +161,9 @@ static inline void dot_row_avx2(const float* x, int64_t K, const WT* w, float* y
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     __m256 wa, wb;
+    if constexpr (SPARQ_AVX2_PF_BYTES > 0)
+      if (((k * (int64_t)sizeof(WT)) & 63) == 0)  // once a line (a hint: no fault past the weight's end)
+        _mm_prefetch(reinterpret_cast<const char*>(w + k) + SPARQ_AVX2_PF_BYTES, _MM_HINT_T0);
     load16(w + k, wa, wb);
     for (int m = 0; m < MB; ++m) {
       acc[m][0] = _mm256_fmadd_ps(wa, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
