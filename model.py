@@ -647,11 +647,11 @@ def weights_on_huge_pages(model: nn.Module) -> None:
     slots: dict[int, list[tuple[nn.Module, str, bool]]] = {}  # one slot per tensor (tied ones share it)
     tensors: dict[int, Tensor] = {}
     for module in model.modules():
-        for kind, table in ((True, module._parameters), (False, module._buffers)):
+        for is_parameter, table in ((True, module._parameters), (False, module._buffers)):
             for name, t in table.items():
                 if t is not None and t.device.type == "cpu" and t.numel() > 0 and t.is_contiguous():
                     tensors.setdefault(id(t), t)
-                    slots.setdefault(id(t), []).append((module, name, kind))
+                    slots.setdefault(id(t), []).append((module, name, is_parameter))
     sizes = {key: -(-t.numel() * t.element_size() // 64) * 64 for key, t in tensors.items()}
     if sum(sizes.values()) < HUGE_PAGE:
         return
@@ -664,10 +664,12 @@ def weights_on_huge_pages(model: nn.Module) -> None:
         return
     offset = start
     with torch.no_grad():
-        for key, t in tensors.items():
+        for key in list(tensors):
+            t = tensors.pop(key)  # the last reference here: each old tensor is freed once moved (peak: one copy)
             moved = arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             moved.copy_(t)
             offset += sizes[key]
+            del t
             for module, name, is_parameter in slots[key]:
                 if is_parameter:
                     module._parameters[name].data = moved
