@@ -227,8 +227,8 @@ def test_embeddings_dequantize_the_rows_they_gather():
 TINY = dict(vocab_size=320, dim=128, n_layer=2, n_head=4, n_kv_head=2, head_dim=32, intermediate_size=256)
 
 
-def tiny_checkpoint(directory, tie):
-    args = M.ModelArgs(**TINY, tie_embeddings=tie)
+def tiny_checkpoint(directory, tie, dims=TINY):
+    args = M.ModelArgs(**dims, tie_embeddings=tie)
     torch.manual_seed(0)
     model = M.Transformer(args)
     for p in model.parameters():

@@ -7,25 +7,16 @@ import torch
 
 import model as M
 import quantize as Q
-from test_quantize import PACKED, quantize_file
+from test_quantize import PACKED, quantize_file, tiny_checkpoint
 
 # ~12 MB of fp32 weights: past the 2 MB below which weights_on_huge_pages leaves a model alone
 WIDE = dict(vocab_size=8192, dim=256, n_layer=2, n_head=4, n_kv_head=2, head_dim=64, intermediate_size=512)
 
 
 def wide_checkpoint(directory, tie):
-    args = M.ModelArgs(**WIDE, tie_embeddings=tie)
-    torch.manual_seed(0)
-    model = M.Transformer(args)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    state = model.state_dict()
-    if tie:
-        state.pop("output.weight")
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.save(state, directory / "model.pth")
-    args.to_json(directory / "config.json")
-    return directory / "model.pth", state
+    """test_quantize's tiny checkpoint at WIDE's dimensions -> (its path, the state it saved)."""
+    path = tiny_checkpoint(directory, tie, dims=WIDE)
+    return path, torch.load(path, weights_only=True)
 
 
 def mapping_of(address: int) -> dict[str, str]:
