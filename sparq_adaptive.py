@@ -108,21 +108,32 @@ def key_spread(k_moments: Tensor, count: Tensor | int) -> Tensor:
     return (k_moments[:, :, 1] / n - mean * mean).clamp(min=SPREAD_FLOOR ** 2).sqrt()
 
 
-def pooled_components(q: Tensor, r: Tensor | int, spread: Tensor) -> Tensor:
+def _take_top_per_head(score: Tensor, counts: Tensor, per_head: bool) -> Tensor:
+    """score (B, n_kv, N) -> (B, n_kv, N) bool: n_kv x counts[b] entries of row b shared by its heads (the
+    largest over all of them), or per_head: counts[b] of each head's own."""
+    B, n_kv, N = score.shape
+    if per_head:
+        return _take_top(score.flatten(0, 1), counts.repeat_interleave(n_kv)).view(B, n_kv, N)
+    return _take_top(score.flatten(1), n_kv * counts).view(B, n_kv, N)
+
+
+def pooled_components(q: Tensor, r: Tensor | int, spread: Tensor, per_head: bool = False) -> Tensor:
     """Step 1's components, n_kv x r shared by a row's KV heads (r: an int, or (B,) per row): each head's
-    largest group-summed |q_i| spread_i, then the largest shares of their heads' sums over all heads.
+    largest group-summed |q_i| spread_i, then the largest shares of their heads' sums over all heads
+    (per_head: r of each head's own, the paper's per-head ranking).
     q (B, n_kv, g, d), spread (B, n_kv, d) -> (B, n_kv, 1, d) bool."""
     B, n_kv, _, d = q.shape
     a = q.float().abs().sum(2) * spread  # (B, n_kv, d)
     share = (a / a.sum(-1, keepdim=True)).scatter(-1, a.argmax(-1, keepdim=True), float("inf"))
-    counts = n_kv * torch.as_tensor(r, device=q.device).expand(B)  # (B,) over (head, component)
-    return _take_top(share.flatten(1), counts).view(B, n_kv, 1, d)
+    counts = torch.as_tensor(r, device=q.device).expand(B)  # (B,) per head
+    return _take_top_per_head(share, counts, per_head).view(B, n_kv, 1, d)
 
 
 def pooled_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor | int,
-                     live_length: Optional[Tensor]) -> Tensor:
+                     live_length: Optional[Tensor], per_head: bool = False) -> Tensor:
     """Step 2's positions, n_kv x min(k, S) shared by a row's KV heads (k, local: ints or (B,) per row):
-    each head's last `local` live positions, then the largest group-summed s_hat over all heads.
+    each head's last `local` live positions, then the largest group-summed s_hat over all heads (per_head:
+    min(k, S) of each head's own).
     s_hat (B, n_kv, g, S) -> (B, n_kv, 1, S) bool (positions past a row's live length never selected)."""
     B, n_kv = s_hat.shape[:2]
     position = torch.arange(length, device=s_hat.device)
@@ -131,20 +142,22 @@ def pooled_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor 
     score = s_hat.sum(2)  # (B, n_kv, S)
     score = torch.where(position >= live - local, float("inf"), score)
     score = torch.where(position >= live, float("-inf"), score)
-    counts = n_kv * torch.as_tensor(k, device=s_hat.device).clamp(max=length).expand(B)  # over (head, position)
-    return _take_top(score.flatten(1), counts).view(B, n_kv, 1, length) & (position < live)[..., None, :]
+    counts = torch.as_tensor(k, device=s_hat.device).clamp(max=length).expand(B)  # (B,) per head
+    return _take_top_per_head(score, counts, per_head).view(B, n_kv, 1, length) & (position < live)[..., None, :]
 
 
 def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread: Tensor, length: int,
                          live_length: Optional[Tensor], r: Tensor | int, k_top: Tensor | int, local: Tensor | int,
-                         mean_v: bool, cap: Optional[float] = None, k_t: Optional[Tensor] = None) -> Tensor:
+                         mean_v: bool, cap: Optional[float] = None, k_t: Optional[Tensor] = None,
+                         per_head: bool = False) -> Tensor:
     """sparq_adaptive_reference for all rows at once, with masks where the heads' counts differ: the
     components a head did not get are zeros of q (so step 1 multiplies all of K^T here: this path is
     the readable one, the transfers counted are the policy's), the positions it did not get are -inf
     before the softmax. q (B, n_kv, g, d) -> (B, n_kv, g, d); spread (B, n_kv, d) (key_spread);
     live_length as sparq_attention_torch's; r, k_top, local: ints, or (B,) per row (ragged rows, each
     at its own split). Step 1 reads k_t (B_max, n_kv, d, S_max) where given (a quantized cache's K^T
-    holds other values than its K), else K."""
+    holds other values than its K), else K. per_head: each KV head its own r components and k positions
+    instead of the row's heads pooling them (a study's variant: scripts/studies/cwe_selection_study.py)."""
     B, d = q.shape[0], q.shape[-1]
     qf = q.float()
     keys, values = k[:B, :, :length].float(), v[:B, :, :length].float()  # (B, n_kv, S, d)
@@ -152,7 +165,7 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread:
         live = (torch.arange(length, device=q.device) < per_row(live_length, 3))[..., None]  # (B or 1, 1, S, 1)
         keys, values = keys.masked_fill(~live, 0.0), values.masked_fill(~live, 0.0)
     # Step 1
-    chosen = pooled_components(q, r, spread)  # (B, n_kv, 1, d)
+    chosen = pooled_components(q, r, spread, per_head)  # (B, n_kv, 1, d)
     q_hat = qf * chosen  # (B, n_kv, g, d)
     weight = qf.abs() * spread[:, :, None, :]  # (B, n_kv, g, d)
     tau = torch.sqrt(d * (weight * chosen).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True))  # (B, n_kv, g, 1)
@@ -162,7 +175,7 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread:
         logits = logits.masked_fill(beyond_live(length, live_length), float("-inf"))
     s_hat = torch.softmax(logits, dim=-1)
     # Step 2
-    selected = pooled_positions(s_hat, length, k_top, local, live_length)  # (B, n_kv, 1, S)
+    selected = pooled_positions(s_hat, length, k_top, local, live_length, per_head)  # (B, n_kv, 1, S)
     scores = softcap((qf @ keys.transpose(-1, -2)) / math.sqrt(d), cap).masked_fill(~selected, float("-inf"))
     y = torch.softmax(scores, dim=-1) @ values  # (B, n_kv, g, d)
     # Step 3

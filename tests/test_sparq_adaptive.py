@@ -167,6 +167,26 @@ def test_per_row_live_lengths_equal_each_row_run_alone(mean_v):
         torch.testing.assert_close(batch[b:b + 1], alone, atol=2e-6, rtol=1e-5)
 
 
+def test_per_head_selection_is_each_kv_head_run_alone():
+    """per_head: each KV head takes its own r components and k positions, so a row of n_kv heads computes
+    what each head computes alone (one head pools with nobody); pooled selection, the default, does not."""
+    B, n_kv, g_, d, S, lengths = 2, 2, 3, 32, 300, [300, 171]
+    gen = torch.Generator().manual_seed(12)
+    k, v = torch.randn(B, n_kv, S, d, generator=gen), torch.randn(B, n_kv, S, d, generator=gen)
+    k[:, 1] *= 3.0  # one head's scores sharper than the other's: pooling then shifts the picks toward it
+    v_sum = torch.stack([v[b, :, :n].sum(1) for b, n in enumerate(lengths)])
+    q = random_query(B, n_kv, g_, d)
+    spread = spread_of(k, lengths)
+    live = torch.tensor(lengths)
+    per_head = sparq_adaptive_torch(q, k, v, v_sum, spread, S, live, 6, 24, 6, False, per_head=True)
+    pooled = sparq_adaptive_torch(q, k, v, v_sum, spread, S, live, 6, 24, 6, False)
+    for h in range(n_kv):
+        alone = sparq_adaptive_torch(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], v_sum[:, h:h + 1],
+                                     spread[:, h:h + 1], S, live, 6, 24, 6, False)
+        torch.testing.assert_close(per_head[:, h:h + 1], alone, atol=2e-6, rtol=1e-5)
+    assert not torch.allclose(per_head, pooled, atol=1e-3)
+
+
 @pytest.mark.parametrize("k_cap", [None, 128])
 @pytest.mark.parametrize("S,d,c", [(1400, 64, 1 / 8), (512, 256, 1 / 4), (1401, 256, 1 / 4), (30000, 128, 1 / 16),
                                    (200, 64, 1 / 8), (8000, 64, 1 / 4)])

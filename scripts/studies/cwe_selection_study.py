@@ -1,0 +1,118 @@
+"""Why adaptive SparQ loses common-word extraction (ruler-cwe) where fixed SparQ does not: its selection's
+variants, teacher-forced on dense's greedy answer (docs/accuracy.md, the 4k n = 32 table; docs/NOTES.md).
+
+    python -m scripts.studies.cwe_selection_study --checkpoint checkpoints/Qwen2.5-Coder-0.5B-Instruct --examples 12
+
+Per ruler-cwe example (evals/tasks.py's, seed 0: the RULER runs' first examples): a dense prefill, dense's greedy
+answer (the task's 60 new tokens), then for each variant every layer on sparq_adaptive_torch at adaptive's split
+for an int4 K^T (sparq_adaptive.adaptive_split; r = 32, k = 189 at 4k and 1/8; step 1 reads the float K here),
+teacher-forced on dense's answer: the share of steps whose argmax is dense's, the answers reproduced whole and
+the mean KL(dense || variant) of the next token. Variants: the KV heads pooling their components and positions
+(the policy's) or each head its own (per_head), ranking components by |q_i| times the keys' spread (the policy's)
+or by |q_i| alone; and fixed SparQ's split (r = 40, k = 128) per head by |q|. One thread; ~3 min an example at 4k.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import cli  # noqa: E402
+from assemble import kernels_for, load_checkpoint, load_tokenizer  # noqa: E402
+from attention import DenseDecode  # noqa: E402
+from decoding import decode_step, prefill  # noqa: E402
+from evals.tasks import common_words_examples  # noqa: E402
+from model import ModelArgs, checkpoint_paths  # noqa: E402
+from sparq_adaptive import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
+
+INT4_KT = StepCosts(kt=0.25, kt_scale=2.0)  # an int4 K^T beside bf16 K and V: the CPU's default split
+COMPRESSION = 0.125
+
+
+class Variant(SparQAdaptiveDecode):
+    """sparq-adaptive on the torch path at the int4 K^T's split (or a given r, k), its selection varied."""
+
+    def __init__(self, kernels, per_head: bool, spread: bool, r: Optional[int] = None, k: Optional[int] = None):
+        super().__init__(COMPRESSION, kernels=kernels)
+        self.per_head, self.use_spread, self.r, self.k = per_head, spread, r, k
+
+    def forward(self, q, cache, length):
+        if cache.visible_length(length) <= self.k_max:
+            return super().forward(q, cache, length)
+        B, d = q.shape[0], q.shape[-1]
+        view = cache.view(length, B)
+        r, k = adaptive_split(view.length, d, COMPRESSION, costs=INT4_KT)
+        r, k = self.r or r, self.k or k
+        spread = self.spread(view, B) if self.use_spread else torch.ones(B, q.shape[1], d)
+        return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, spread, view.length, view.live_length, r, k,
+                                    max(1, k // 4), False, per_head=self.per_head)
+
+
+VARIANTS = {  # name: (per_head, spread, r, k)
+    "adaptive (pooled, |q| x spread)": (False, True, None, None),
+    "per head, |q| x spread": (True, True, None, None),
+    "pooled, |q|": (False, False, None, None),
+    "per head, |q|": (True, False, None, None),
+    "SparQ r = 40, k = 128 (per head, |q|)": (True, False, 40, 128),
+}
+
+
+def build_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser(prog="python -m scripts.studies.cwe_selection_study", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--examples", type=cli.positive_int, default=12)
+    p.add_argument("--length", type=cli.positive_int, default=4096, help="prompt tokens")
+    return p
+
+
+def run(args) -> None:
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(args.checkpoint)
+    kernels = kernels_for("auto", "cpu", ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json"))
+    model = load_checkpoint(args.checkpoint, "cpu", torch.bfloat16, kernels)
+    stats = {name: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for name in VARIANTS}
+    start = time.time()
+    with torch.no_grad():
+        for ex in tqdm(common_words_examples(tokenizer, args.length, args.examples, 0), desc="examples"):
+            T = len(ex.prompt)
+            model.setup_caches(1, T + ex.max_new + 1)
+            model.set_decode_attention(lambda i: DenseDecode(kernels))
+            logits = prefill(model, torch.tensor([ex.prompt]))
+            snapshots = model.save_caches()
+            answer, dense_logprobs = [], []
+            for j in range(ex.max_new):  # dense's greedy answer
+                dense_logprobs.append(torch.log_softmax(logits.float().view(-1), -1))
+                answer.append(int(logits.view(-1).argmax()))
+                if answer[-1] in tokenizer.stop_ids:
+                    break
+                logits = decode_step(model, torch.tensor([[answer[-1]]]), torch.tensor([T + j]), T + j + 1)
+            for name, (per_head, spread, r, k) in VARIANTS.items():
+                model.restore_caches(snapshots)
+                policies = [Variant(kernels, per_head, spread, r, k) for _ in range(model.args.n_layer)]
+                model.set_decode_attention(lambda i: policies[i])
+                whole = True  # the first token comes from the (dense) prefill: steps 1.. are scored
+                for j in range(len(answer) - 1):
+                    lp = torch.log_softmax(decode_step(model, torch.tensor([[answer[j]]]), torch.tensor([T + j]),
+                                                       T + j + 1).float().view(-1), -1)
+                    agree = int(lp.argmax()) == answer[j + 1]
+                    ref = dense_logprobs[j + 1]
+                    stats[name]["steps"] += 1
+                    stats[name]["agree"] += agree
+                    stats[name]["kl"] += float((ref.exp() * (ref - lp)).sum())
+                    whole &= agree
+                stats[name]["whole"] += whole
+    print(f"{args.checkpoint.name}, {args.examples} ruler-cwe examples at {args.length} tokens, 1/8, "
+          f"{time.time() - start:.0f} s")
+    print(f"{'variant':40} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
+    for name, st in stats.items():
+        steps = max(st["steps"], 1)
+        print(f"{name:40} {st['agree'] / steps:>15.4f} {st['whole']:>8}/{args.examples:<5} {st['kl'] / steps:>8.4f}")
+
+
+if __name__ == "__main__":
+    sys.exit(cli.main(build_parser(), run))
