@@ -343,3 +343,22 @@ def test_the_split_study_on_an_int4_kt_counts_its_bytes():
     expected = SparQAdaptiveDecode(compression=c)(q, cache, S)
     torch.testing.assert_close(SplitAt(c, position_share(c, d, costs, S))(q, cache, S), expected)
     assert adaptive_split(S, d, c, costs=costs)[0] > adaptive_split(S, d, c)[0]
+
+
+def test_the_cwe_study_runs_the_policy_at_the_cpu_default_split():
+    """scripts/studies/cwe_selection_study.py: its split is the one the CPU's default int4 K^T beside bf16 K and V
+    gives (StepCosts of that format), its pooled variant with the keys' spread is the policy's torch path at that
+    split, and its per-head variant selects otherwise."""
+    from kernels import TORCH_KERNELS
+    from scripts.studies.cwe_selection_study import COMPRESSION, INT4_KT, Variant
+
+    B, n_kv, g_, d, S = 1, 2, 3, 64, 700
+    assert INT4_KT == StepCosts.of(KVFormat(kt_dtype="int4"), torch.bfloat16, d)
+    cache, _, _ = filled_cache(B, n_kv, d, S, S + 8)
+    q = random_query(B, n_kv, g_, d)
+    r, k = adaptive_split(S, d, COMPRESSION, costs=INT4_KT)
+    view = cache.view(S, B)
+    expected = sparq_adaptive_torch(q, view.k, view.v, view.v_sum, key_spread(view.k_moments[:B], S), S, None, r, k,
+                                    k // 4, False)
+    torch.testing.assert_close(Variant(TORCH_KERNELS, per_head=False, spread=True)(q, cache, S), expected)
+    assert not torch.allclose(Variant(TORCH_KERNELS, per_head=True, spread=True)(q, cache, S), expected)
