@@ -108,7 +108,7 @@ def key_spread(k_moments: Tensor, count: Tensor | int) -> Tensor:
     return (k_moments[:, :, 1] / n - mean * mean).clamp(min=SPREAD_FLOOR ** 2).sqrt()
 
 
-def _take_top_per_head(score: Tensor, counts: Tensor, per_head: bool) -> Tensor:
+def _take_top_for_heads(score: Tensor, counts: Tensor, per_head: bool) -> Tensor:
     """score (B, n_kv, N) -> (B, n_kv, N) bool: n_kv x counts[b] entries of row b shared by its heads (the
     largest over all of them), or per_head: counts[b] of each head's own."""
     B, n_kv, N = score.shape
@@ -126,7 +126,7 @@ def pooled_components(q: Tensor, r: Tensor | int, spread: Tensor, per_head: bool
     a = q.float().abs().sum(2) * spread  # (B, n_kv, d)
     share = (a / a.sum(-1, keepdim=True)).scatter(-1, a.argmax(-1, keepdim=True), float("inf"))
     counts = torch.as_tensor(r, device=q.device).expand(B)  # (B,) per head
-    return _take_top_per_head(share, counts, per_head).view(B, n_kv, 1, d)
+    return _take_top_for_heads(share, counts, per_head).view(B, n_kv, 1, d)
 
 
 def pooled_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor | int,
@@ -143,7 +143,7 @@ def pooled_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor 
     score = torch.where(position >= live - local, float("inf"), score)
     score = torch.where(position >= live, float("-inf"), score)
     counts = torch.as_tensor(k, device=s_hat.device).clamp(max=length).expand(B)  # (B,) per head
-    return _take_top_per_head(score, counts, per_head).view(B, n_kv, 1, length) & (position < live)[..., None, :]
+    return _take_top_for_heads(score, counts, per_head).view(B, n_kv, 1, length) & (position < live)[..., None, :]
 
 
 def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread: Tensor, length: int,
