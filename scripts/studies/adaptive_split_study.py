@@ -80,6 +80,23 @@ def fractions(text: str) -> list[Fraction]:
     return out
 
 
+def score_teacher_forced(model, answer: list[int], dense_logprobs: list[torch.Tensor], T: int, stats: dict) -> None:
+    """Decode dense's answer (prompt of T tokens, caches at its end) with the model's installed policies, adding to
+    stats: steps, those whose argmax is dense's next token ("agree"), the summed KL(dense || policy) and whether the
+    whole answer agreed. The first token comes from the (dense) prefill: steps 1.. are scored."""
+    whole = True
+    for j in range(len(answer) - 1):
+        lp = torch.log_softmax(decode_step(model, torch.tensor([[answer[j]]]), torch.tensor([T + j]),
+                                           T + j + 1).float().view(-1), -1)
+        agree = int(lp.argmax()) == answer[j + 1]
+        ref = dense_logprobs[j + 1].view(-1)
+        stats["steps"] += 1
+        stats["agree"] += agree
+        stats["kl"] += float((ref.exp() * (ref - lp)).sum())
+        whole &= agree
+    stats["whole"] += whole
+
+
 def run(args) -> None:
     torch.set_num_threads(1)
     model = load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], TORCH_KERNELS)
@@ -107,17 +124,7 @@ def run(args) -> None:
                 model.restore_caches(snapshots)
                 policies = [SplitAt(float(v[0]), float(v[1]), args.k_cap) for _ in range(n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
-                whole = True  # the first token comes from the (dense) prefill: steps 1.. are scored
-                for j in range(len(answer) - 1):
-                    lp = torch.log_softmax(decode_step(model, torch.tensor([[answer[j]]]), torch.tensor([T + j]),
-                                                       T + j + 1).float(), -1)
-                    agree = int(lp.argmax(-1)) == answer[j + 1]
-                    ref = dense_logprobs[j + 1]
-                    stats[v]["steps"] += 1
-                    stats[v]["agree"] += agree
-                    stats[v]["kl"] += float((ref.exp() * (ref - lp)).sum())
-                    whole &= agree
-                stats[v]["whole"] += whole
+                score_teacher_forced(model, answer, dense_logprobs, T, stats[v])
     print(f"{args.checkpoint.name}, {args.examples} SQuAD examples, K^T {args.kt_dtype}, {time.time() - start:.0f} s")
     print(f"{'compression':>11} {'share':>6} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
     for (c, f), st in stats.items():

@@ -28,6 +28,7 @@ from attention import DenseDecode  # noqa: E402
 from decoding import decode_step, prefill  # noqa: E402
 from evals.tasks import common_words_examples  # noqa: E402
 from model import ModelArgs, checkpoint_paths  # noqa: E402
+from scripts.studies.adaptive_split_study import score_teacher_forced  # noqa: E402
 from sparq_adaptive import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
 
 INT4_KT = StepCosts(kt=0.25, kt_scale=2.0)  # an int4 K^T beside bf16 K and V: the CPU's default split
@@ -95,17 +96,7 @@ def run(args) -> None:
                 model.restore_caches(snapshots)
                 policies = [Variant(kernels, per_head, spread, r, k) for _ in range(model.args.n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
-                whole = True  # the first token comes from the (dense) prefill: steps 1.. are scored
-                for j in range(len(answer) - 1):
-                    lp = torch.log_softmax(decode_step(model, torch.tensor([[answer[j]]]), torch.tensor([T + j]),
-                                                       T + j + 1).float().view(-1), -1)
-                    agree = int(lp.argmax()) == answer[j + 1]
-                    ref = dense_logprobs[j + 1]
-                    stats[name]["steps"] += 1
-                    stats[name]["agree"] += agree
-                    stats[name]["kl"] += float((ref.exp() * (ref - lp)).sum())
-                    whole &= agree
-                stats[name]["whole"] += whole
+                score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
     print(f"{args.checkpoint.name}, {args.examples} ruler-cwe examples at {args.length} tokens, 1/8, "
           f"{time.time() - start:.0f} s")
     print(f"{'variant':40} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
