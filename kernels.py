@@ -20,9 +20,10 @@ and positions [:length] are read):
       tokens per row at its last T live positions, query t attending to the positions up to its own
       (speculative verification; attention.DenseDecode.verify is the reference)
   sparq_attention(q, k, k_t, v, v_sum, length, live_length, r, k_top, local, mean_v) -> (B, n_kv, g, d)
-  sparq_adaptive(q, k, k_t, v, v_sum, spread, length, live_length, compression, k_max, k_cap, mean_v)
+  sparq_adaptive(q, k, k_t, v, v_sum, spread, length, live_length, compression, k_max, k_cap, mean_v, per_head)
       -> (B, n_kv, g, d): adaptive SparQ, each row at its own split of the budget, dense up to k_max
-      positions, at most k_cap positions kept (None: no cap) (spread (B, n_kv, d) fp32,
+      positions, at most k_cap positions kept (None: no cap), each KV head selecting its own (per_head) or
+      a row's heads pooling their selection (spread (B, n_kv, d) fp32,
       the keys' per-dimension spread; sparq_adaptive.sparq_adaptive_attention_torch is the reference); on a
       quantized cache also scales= and costs= (sparq_adaptive.StepCosts)
   linear(x (..., K), weight (N, K), bias (N,) or None) -> (..., N)
@@ -200,12 +201,13 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
                                                    "int queries, Tensor k_scale, Tensor v_scale, Tensor chan) -> Tensor")
     torch.library.define("sparq::adaptive_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
                                                 "Tensor spread, SymInt length, float compression, int k_max, "
-                                                "int? k_cap, bool mean_v, Tensor? lengths=None) -> Tensor")
+                                                "int? k_cap, bool mean_v, bool per_head, Tensor? lengths=None) "
+                                                "-> Tensor")
     torch.library.define("sparq::adaptive_quant_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
                                                       "Tensor spread, SymInt length, float compression, int k_max, "
-                                                      "int? k_cap, bool mean_v, Tensor? lengths, Tensor? k_scale, "
-                                                      "Tensor? v_scale, Tensor chan, Tensor? kt_scale, float kt_cost, "
-                                                      "float kt_scale_cost) -> Tensor")
+                                                      "int? k_cap, bool mean_v, bool per_head, Tensor? lengths, "
+                                                      "Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale, "
+                                                      "float kt_cost, float kt_scale_cost) -> Tensor")
     torch.library.define("sparq::dense_cpu",
                          "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor")
     torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
@@ -238,19 +240,19 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         return torch.ops.sparq.dense_quant_cpu.default(q, k, v, length, lengths, queries, k_scale, v_scale, chan)
 
     @torch.library.impl("sparq::adaptive_cpu", "CompositeExplicitAutograd")
-    def _adaptive_cpu_first_call(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v,
+    def _adaptive_cpu_first_call(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head,
                                  lengths=None):
         _load_for_first_call("adaptive_cpu")
         return torch.ops.sparq.adaptive_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap,
-                                                    mean_v, lengths)
+                                                    mean_v, per_head, lengths)
 
     @torch.library.impl("sparq::adaptive_quant_cpu", "CompositeExplicitAutograd")
-    def _adaptive_quant_cpu_first_call(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, lengths,
-                                       k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost):
+    def _adaptive_quant_cpu_first_call(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v,
+                                       per_head, lengths, k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost):
         _load_for_first_call("adaptive_quant_cpu")
         return torch.ops.sparq.adaptive_quant_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max,
-                                                          k_cap, mean_v, lengths, k_scale, v_scale, chan, kt_scale,
-                                                          kt_cost, kt_scale_cost)
+                                                          k_cap, mean_v, per_head, lengths, k_scale, v_scale, chan,
+                                                          kt_scale, kt_cost, kt_scale_cost)
 
     @torch.library.impl("sparq::dense_cpu", "CompositeExplicitAutograd")
     def _dense_cpu_first_call(q, k, v, length, lengths=None, queries=1):
@@ -292,12 +294,13 @@ if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must n
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::adaptive_cpu")
-    def _adaptive_cpu_fake(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, lengths=None):
+    def _adaptive_cpu_fake(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head,
+                           lengths=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::adaptive_quant_cpu")
-    def _adaptive_quant_cpu_fake(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, lengths,
-                                 k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost):
+    def _adaptive_quant_cpu_fake(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head,
+                                 lengths, k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("sparq::dense_quant_cpu")
@@ -457,7 +460,8 @@ def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, 
 
 def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, spread: Tensor,
                        length: int, live_length: Optional[Tensor], compression: float, k_max: int,
-                       k_cap: Optional[int], mean_v: bool, scales: Optional[KVScales] = None, costs=None) -> Tensor:
+                       k_cap: Optional[int], mean_v: bool, per_head: bool = True, scales: Optional[KVScales] = None,
+                       costs=None) -> Tensor:
     """sparq_adaptive (the module docstring) with the fused C++ kernel: each row splits the budget at its
     own live length inside the kernel, so nothing reaches the host. Exact lengths only. A quantized
     cache is read as stored, its scales applied in the kernel, the budget split at `costs` (sparq_adaptive.StepCosts:
@@ -465,10 +469,10 @@ def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
     _check_exact_lengths(live_length)
     if scales is None:
         return torch.ops.sparq.adaptive_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap,
-                                                    mean_v, live_length)
+                                                    mean_v, per_head, live_length)
     return torch.ops.sparq.adaptive_quant_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap,
-                                                      mean_v, live_length, scales.k_scale, scales.v_scale, scales.chan,
-                                                      scales.own_kt_scale, costs.kt, costs.kt_scale)
+                                                      mean_v, per_head, live_length, scales.k_scale, scales.v_scale,
+                                                      scales.chan, scales.own_kt_scale, costs.kt, costs.kt_scale)
 
 
 def _check_exact_lengths(live_length: Optional[Tensor]) -> None:

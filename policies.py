@@ -443,6 +443,7 @@ class H2ODecode(DecodePolicy):
 
 DEFAULT_SPARQ_K = 128
 ADAPTIVE_DEFAULT = Fraction(1, 8)  # sparq-adaptive's compression when neither --sparq-r nor --compression is given
+ADAPTIVE_HEADS = ("each", "pooled")  # --adaptive-heads: sparq_adaptive.SparQAdaptiveDecode's per_head, or not
 
 
 @dataclass(frozen=True)
@@ -460,6 +461,7 @@ class AttentionSettings:
     hybrid_r: Optional[int] = None  # the RocketKV hybrid: components of q its page bounds use (None: d / 4)
     channels: Optional[Path] = None  # DoubleSparse: its calibration file (default_channels_file)
     adaptive_k_cap: Optional[int] = None  # sparq-adaptive: a cap on k (sparq_adaptive.adaptive_split; None: the budget's share)
+    adaptive_heads: str = "each"  # sparq-adaptive: "each" KV head selects its own, or a row's heads "pooled"
 
     @property
     def budget(self) -> int:
@@ -486,12 +488,12 @@ def _build_sparq_adaptive(s: AttentionSettings, args: ModelArgs, kernels: Kernel
                           layer: int) -> SparQAdaptiveDecode:
     compression = ADAPTIVE_DEFAULT if s.compression is None else s.compression
     return SparQAdaptiveDecode(float(compression), s.sparq_k, s.mean_v(args), kernels, args.attn_softcap,
-                               s.adaptive_k_cap)
+                               s.adaptive_k_cap, per_head=s.adaptive_heads == "each")
 
 
 # The settings only some policies read (Policy.flags), each with its value when not given
 OPTIONAL_SETTINGS = (("sparq_r", None), ("kv_budget", None), ("page_size", QUEST_PAGE), ("hybrid_r", None),
-                     ("adaptive_k_cap", None))
+                     ("adaptive_k_cap", None), ("adaptive_heads", "each"))
 
 
 @dataclass(frozen=True)
@@ -520,8 +522,8 @@ POLICIES: dict[str, Policy] = {
                             reads_buckets=True, reads_kt=True),
     # Budgeted by the target itself: r and k per layer and step (sparq_adaptive.adaptive_split)
     "sparq-adaptive": Policy(_build_sparq_adaptive, "SparQ with r and k per layer and step from --compression "
-                             f"(default 1/{ADAPTIVE_DEFAULT.denominator}), shared by a layer's KV heads",
-                             ("adaptive_k_cap",), knob="compression", reads_kt=True),
+                             f"(default 1/{ADAPTIVE_DEFAULT.denominator}; --adaptive-k-cap, --adaptive-heads)",
+                             ("adaptive_k_cap", "adaptive_heads"), knob="compression", reads_kt=True),
     "topk": Policy(lambda s, args, kernels, layer: TopKDecode(s.budget, args.attn_softcap),
                    "FlexGen top-k: exact scores, top-k values", ("kv_budget",), knob="kv_budget"),
     "oracle": Policy(lambda s, args, kernels, layer: OracleDecode(s.sparq_config(args, r=args.head_dim, k=s.budget),
@@ -617,6 +619,9 @@ def add_selector_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive-k-cap", type=cli.positive_int, default=None, metavar="K",
                    help="cap on the positions sparq-adaptive's split gives step 2, before what rounding r down leaves "
                         "is added back (default: none, the budget's share decides)")
+    p.add_argument("--adaptive-heads", choices=ADAPTIVE_HEADS, default="each",
+                   help="sparq-adaptive's selection: each KV head its own components and positions (default), or "
+                        "a layer's KV heads pooling theirs (the earlier default, weaker on common-word extraction)")
 
 
 def selector_settings(args: argparse.Namespace) -> dict:
@@ -624,6 +629,7 @@ def selector_settings(args: argparse.Namespace) -> dict:
     file beside the run's --checkpoint, where the command has one."""
     checkpoint = None if getattr(args, "checkpoint", None) is None else Path(args.checkpoint)
     return dict(page_size=args.page_size, hybrid_r=args.hybrid_r, adaptive_k_cap=args.adaptive_k_cap,
+                adaptive_heads=args.adaptive_heads,
                 channels=args.doublesparse_channels or default_channels_file(checkpoint))
 
 
@@ -815,6 +821,7 @@ class Budget:
             cap = self.settings.adaptive_k_cap
             at = "" if self.split is None else f": r={self.split[0]}, k={self.split[1]} on a full-length layer"
             capped = "" if cap is None else f", k capped at {cap} plus what rounding r down leaves"
+            capped += ", the KV heads pooled" if self.settings.adaptive_heads == "pooled" else ""
             setting = f"r and k per layer and step (sparq_adaptive.adaptive_split{capped}){at}"
         else:
             setting = f"r={self.r}, k={self.k_top}" if self.r is not None else f"k={self.k_top}"

@@ -1,11 +1,12 @@
 """Adaptive SparQ: a compression target instead of one (r, k), split per layer and step.
 
-A layer's KV heads share one budget of n_kv x r components and n_kv x k positions per row and step
-(sparq_adaptive_reference says it with loops), so a step moves what fixed SparQ (sparq.py) moves at
-the same (r, k), but a head whose |q| is concentrated, or whose step-1 scores are peaked, lends to
-one that needs more. Components rank by |q_i| times the keys' spread in dimension i (key_spread, from
-the cache's running sums). adaptive_split turns the target into the step's (r, k) at its visible
-length, in the bytes the cache stores (StepCosts: an int4 K^T buys more components).
+adaptive_split turns the target into the step's (r, k) at the layer's visible length, in the bytes the
+cache stores (StepCosts: an int4 K^T buys more components), so a step moves what fixed SparQ (sparq.py)
+moves at that (r, k). Each KV head then takes its own r components and k positions (per_head, the
+default), or a row's KV heads pool n_kv x r and n_kv x k so that one whose |q| is concentrated, or whose
+step-1 scores are peaked, lends to one that needs more (`--adaptive-heads pooled`: it lost common-word
+extraction, docs/accuracy.md). Components rank by |q_i| times the keys' spread in dimension i
+(key_spread, from the cache's running sums). sparq_adaptive_reference says it with loops.
 
 sparq_adaptive_reference is the loop reference, sparq_adaptive_torch the batched path the model
 runs without a fused kernel (kernels.sparq_adaptive_cpu is the fused one), SparQAdaptiveDecode the
@@ -29,20 +30,20 @@ from sparq import SparQConfig
 
 def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, config: SparQConfig,
                              cap: Optional[float] = None, spread: Optional[Tensor] = None,
-                             k_t: Optional[Tensor] = None) -> Tensor:
-    """Adaptive SparQ with loops, as sparq_reference: a row's n_kv KV heads share the layer's budget of
-    n_kv x r components and n_kv x k positions, so the step moves what fixed SparQ moves, but a head whose
-    |q| is concentrated, or whose step-1 scores are peaked, lends to one that needs more.
+                             k_t: Optional[Tensor] = None, per_head: bool = True) -> Tensor:
+    """Adaptive SparQ with loops, as sparq_reference, at one (r, k) = config's. The selection is made over a
+    pool of P KV heads: each head alone (per_head, P = 1), or a row's n_kv heads (P = n_kv), which then share
+    P x r components and P x k positions, so the step moves what fixed SparQ moves, but a head whose |q|
+    is concentrated, or whose step-1 scores are peaked, lends to one that needs more.
 
       1. Components: each head's group-summed |q_i| sigma_i as a share of its sum, sigma_i the keys'
          spread (standard deviation over the positions) in dimension i, so a component counts by how
          much it moves the logits q . k from position to position: every head keeps its largest, and
-         the other n_kv (r - 1) go to the largest shares over all heads. Each head's s_hat =
+         the other P (r - 1) go to the largest shares over the pool's heads. Each head's s_hat =
          softmax(q[i1_h] . K^T[i1_h] / tau_h) as in SparQ, with its own i1_h and tau_h^2 = d x the
          share of sum |q_i| sigma_i its components hold (the paper's |q[i1]|_1 / |q|_1 with sigma = 1).
-      2. Positions: every head keeps its last `local` positions; the other n_kv (k - local) go to the
-         largest group-summed s_hat over all heads (each head's sums to g: comparable masses), so
-         the selection covers the most estimated attention mass the pooled k can.
+      2. Positions: every head keeps its last `local` positions; the other P (k - local) go to the
+         largest group-summed s_hat over the pool's heads (each head's sums to g: comparable masses).
       3. Mean-V (optional) with each head's alpha = its s_hat mass on its own selection.
 
     q (B, n_kv, g, d); k, v (B, n_kv, S_max, d); v_sum (B, n_kv, d); spread (B, n_kv, d), None: all 1
@@ -56,27 +57,30 @@ def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, len
         qs = [q[b, h].float() for h in range(n_kv)]  # (g, d) each
         Ks, Vs = [k[b, h, :S].float() for h in range(n_kv)], [v[b, h, :S].float() for h in range(n_kv)]
         Ks1 = Ks if k_t is None else [k_t[b, h, :, :S].T.float() for h in range(n_kv)]  # step 1's (S, d) each
-        # Step 1: the pooled components
+        pools = [[h] for h in range(n_kv)] if per_head else [list(range(n_kv))]
+        # Step 1: each pool's components
         sigma = [torch.ones(d, device=q.device) if spread is None else spread[b, h].float()
                  for h in range(n_kv)]  # (d,) each
         weight = [qh.abs() * sigma[h] for h, qh in enumerate(qs)]  # (g, d) each
         shares = [w.sum(0) / w.sum() for w in weight]  # (d,) each
         chosen = [[int(sh.argmax())] for sh in shares]
-        rest = sorted(((float(sh[i]), h, i) for h, sh in enumerate(shares) for i in range(d) if i != chosen[h][0]),
-                      key=lambda t: -t[0])
-        for _, h, i in rest[: n_kv * (r - 1)]:
-            chosen[h].append(i)
+        for pool in pools:
+            rest = sorted(((float(shares[h][i]), h, i) for h in pool for i in range(d) if i != chosen[h][0]),
+                          key=lambda t: -t[0])
+            for _, h, i in rest[: len(pool) * (r - 1)]:
+                chosen[h].append(i)
         s_hats = []
         for h, qh in enumerate(qs):
             i1 = torch.tensor(chosen[h], device=q.device)
             tau = torch.sqrt(d * weight[h][:, i1].sum(-1) / weight[h].sum(-1))  # (g,)
             s_hats.append(torch.softmax(softcap(qh[:, i1] @ Ks1[h][:, i1].T / tau[:, None], cap), dim=-1))  # (g, S)
-        # Step 2: the pooled positions, each head's local window first
+        # Step 2: each pool's positions, each head's local window first
         positions = [list(range(S - n_local, S)) for _ in range(n_kv)]
-        rest = sorted(((float(s_hats[h].sum(0)[p]), h, p) for h in range(n_kv) for p in range(S - n_local)),
-                      key=lambda t: -t[0])
-        for _, h, p in rest[: n_kv * (kk - n_local)]:
-            positions[h].append(p)
+        for pool in pools:
+            rest = sorted(((float(s_hats[h].sum(0)[p]), h, p) for h in pool for p in range(S - n_local)),
+                          key=lambda t: -t[0])
+            for _, h, p in rest[: len(pool) * (kk - n_local)]:
+                positions[h].append(p)
         for h, qh in enumerate(qs):
             i2 = torch.tensor(sorted(positions[h]), dtype=torch.long, device=q.device)
             probs = torch.softmax(softcap(qh @ Ks[h][i2].T / math.sqrt(d), cap), dim=-1)  # (g, k_h)
@@ -117,10 +121,10 @@ def _take_top_for_heads(score: Tensor, counts: Tensor, per_head: bool) -> Tensor
     return _take_top(score.flatten(1), n_kv * counts).view(B, n_kv, N)
 
 
-def pooled_components(q: Tensor, r: Tensor | int, spread: Tensor, per_head: bool = False) -> Tensor:
-    """Step 1's components, n_kv x r shared by a row's KV heads (r: an int, or (B,) per row): each head's
-    largest group-summed |q_i| spread_i, then the largest shares of their heads' sums over all heads
-    (per_head: r of each head's own, the paper's per-head ranking).
+def select_components(q: Tensor, r: Tensor | int, spread: Tensor, per_head: bool = True) -> Tensor:
+    """Step 1's components (r: an int, or (B,) per row): per_head, each head's r largest group-summed
+    |q_i| spread_i (the paper's per-head ranking, spread-weighted); else n_kv x r shared by a row's KV
+    heads: each head's largest, then the largest shares of their heads' sums over all heads.
     q (B, n_kv, g, d), spread (B, n_kv, d) -> (B, n_kv, 1, d) bool."""
     B, n_kv, _, d = q.shape
     a = q.float().abs().sum(2) * spread  # (B, n_kv, d)
@@ -129,11 +133,11 @@ def pooled_components(q: Tensor, r: Tensor | int, spread: Tensor, per_head: bool
     return _take_top_for_heads(share, counts, per_head).view(B, n_kv, 1, d)
 
 
-def pooled_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor | int,
-                     live_length: Optional[Tensor], per_head: bool = False) -> Tensor:
-    """Step 2's positions, n_kv x min(k, S) shared by a row's KV heads (k, local: ints or (B,) per row):
-    each head's last `local` live positions, then the largest group-summed s_hat over all heads (per_head:
-    min(k, S) of each head's own).
+def select_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor | int,
+                     live_length: Optional[Tensor], per_head: bool = True) -> Tensor:
+    """Step 2's positions (k, local: ints or (B,) per row): each head's last `local` live positions, then
+    per_head its own largest group-summed s_hat up to min(k, S); else n_kv x min(k, S) shared by a row's KV
+    heads, the largest over all of them.
     s_hat (B, n_kv, g, S) -> (B, n_kv, 1, S) bool (positions past a row's live length never selected)."""
     B, n_kv = s_hat.shape[:2]
     position = torch.arange(length, device=s_hat.device)
@@ -149,15 +153,15 @@ def pooled_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor 
 def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread: Tensor, length: int,
                          live_length: Optional[Tensor], r: Tensor | int, k_top: Tensor | int, local: Tensor | int,
                          mean_v: bool, cap: Optional[float] = None, k_t: Optional[Tensor] = None,
-                         per_head: bool = False) -> Tensor:
+                         per_head: bool = True) -> Tensor:
     """sparq_adaptive_reference for all rows at once, with masks where the heads' counts differ: the
     components a head did not get are zeros of q (so step 1 multiplies all of K^T here: this path is
     the readable one, the transfers counted are the policy's), the positions it did not get are -inf
     before the softmax. q (B, n_kv, g, d) -> (B, n_kv, g, d); spread (B, n_kv, d) (key_spread);
     live_length as sparq_attention_torch's; r, k_top, local: ints, or (B,) per row (ragged rows, each
     at its own split). Step 1 reads k_t (B_max, n_kv, d, S_max) where given (a quantized cache's K^T
-    holds other values than its K), else K. per_head: each KV head its own r components and k positions
-    instead of the row's heads pooling them (a study's variant: scripts/studies/cwe_selection_study.py)."""
+    holds other values than its K), else K. per_head: each KV head its own r components and k positions;
+    False: a row's heads pool them (sparq_adaptive_reference)."""
     B, d = q.shape[0], q.shape[-1]
     qf = q.float()
     keys, values = k[:B, :, :length].float(), v[:B, :, :length].float()  # (B, n_kv, S, d)
@@ -165,7 +169,7 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread:
         live = (torch.arange(length, device=q.device) < per_row(live_length, 3))[..., None]  # (B or 1, 1, S, 1)
         keys, values = keys.masked_fill(~live, 0.0), values.masked_fill(~live, 0.0)
     # Step 1
-    chosen = pooled_components(q, r, spread, per_head)  # (B, n_kv, 1, d)
+    chosen = select_components(q, r, spread, per_head)  # (B, n_kv, 1, d)
     q_hat = qf * chosen  # (B, n_kv, g, d)
     weight = qf.abs() * spread[:, :, None, :]  # (B, n_kv, g, d)
     tau = torch.sqrt(d * (weight * chosen).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True))  # (B, n_kv, g, 1)
@@ -175,7 +179,7 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread:
         logits = logits.masked_fill(beyond_live(length, live_length), float("-inf"))
     s_hat = torch.softmax(logits, dim=-1)
     # Step 2
-    selected = pooled_positions(s_hat, length, k_top, local, live_length, per_head)  # (B, n_kv, 1, S)
+    selected = select_positions(s_hat, length, k_top, local, live_length, per_head)  # (B, n_kv, 1, S)
     scores = softcap((qf @ keys.transpose(-1, -2)) / math.sqrt(d), cap).masked_fill(~selected, float("-inf"))
     y = torch.softmax(scores, dim=-1) @ values  # (B, n_kv, g, d)
     # Step 3
@@ -207,8 +211,8 @@ ELEMENTS = StepCosts()  # a float cache
 
 def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor,
                                    spread: Tensor, length: int, live_length: Optional[Tensor], compression: float,
-                                   k_max: int, k_cap: Optional[int], mean_v: bool, cap: Optional[float] = None,
-                                   costs: StepCosts = ELEMENTS) -> Tensor:
+                                   k_max: int, k_cap: Optional[int], mean_v: bool, per_head: bool = True,
+                                   cap: Optional[float] = None, costs: StepCosts = ELEMENTS) -> Tensor:
     """The kernel contract's sparq_adaptive (kernels.py) in PyTorch: each row splits the budget at its own
     live length (adaptive_split at `costs`, the cache's: a float cache's by default, k at most k_cap; a
     row that sees at most k_max positions takes all of them and every component; the host reads the
@@ -218,7 +222,8 @@ def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], 
     splits = [(d, n) if n <= k_max else adaptive_split(n, d, compression, k_cap, costs) for n in lengths]
     r, k_top = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
     local = (k_top // 4).clamp(min=1)  # every head keeps at least its last position, however small k is
-    return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, local, mean_v, cap, k_t)
+    return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, local, mean_v, cap, k_t,
+                                per_head)
 
 
 MIN_COMPONENTS = 12  # step 1's components below which adaptive_split takes budget from the positions
@@ -275,10 +280,13 @@ def adaptive_split(seq_len: int, head_dim: int, compression: float, k_cap: Optio
 class SparQAdaptiveDecode(DecodePolicy):
     """Adaptive SparQ: a compression target instead of one (r, k) for every layer and step. Each step
     splits the layer's budget at its visible length (adaptive_split: a window layer and a global one
-    get different splits, and the split follows S as it grows) and the layer's KV heads share the
-    resulting n_kv r components and n_kv k positions (sparq_adaptive_reference), the components ranked
-    by |q_i| times the keys' spread in dimension i (key_spread, from the cache's running sums: Gemma 3's
-    k_norm scales its key dimensions 7-70x apart, which |q| alone does not see). Local window k / 4, at least 1.
+    get different splits, and the split follows S as it grows); each KV head takes its own r components
+    and k positions, or with per_head=False (--adaptive-heads pooled) a layer's KV heads share n_kv r and
+    n_kv k (sparq_adaptive_reference), the components ranked by |q_i| times the keys' spread in dimension i
+    (key_spread, from the cache's running sums: Gemma 3's k_norm scales its key dimensions 7-70x apart,
+    which |q| alone does not see). Each head its own is the default since pooling let one head's sharper
+    scores take the positions another needed: common-word extraction at 4k and 1/8 lost 7 points of recall
+    pooled (docs/accuracy.md). Local window k / 4, at least 1.
     Dense attention while a layer sees at most k_max positions, as SparQDecode (--sparq-k). k_cap bounds
     k where given (--adaptive-k-cap; what rounding r down leaves still goes back to k); by default the
     budget's share alone sets it, since a cap (once 128, SparQ's k) starves the positions of a task that
@@ -287,7 +295,7 @@ class SparQAdaptiveDecode(DecodePolicy):
     name = "sparq-adaptive"
 
     def __init__(self, compression: float, k_max: int = 128, mean_v: bool = False, kernels: Kernels = TORCH_KERNELS,
-                 cap: Optional[float] = None, k_cap: Optional[int] = None):
+                 cap: Optional[float] = None, k_cap: Optional[int] = None, per_head: bool = True):
         super().__init__()
         if not 0 < compression <= 1:
             raise ValueError(f"--compression must be in (0, 1], got {compression}")
@@ -296,6 +304,7 @@ class SparQAdaptiveDecode(DecodePolicy):
         if k_cap is not None and k_cap < 1:
             raise ValueError(f"--adaptive-k-cap must be at least 1, got {k_cap}")
         self.compression, self.k_max, self.k_cap, self.mean_v = compression, k_max, k_cap, mean_v
+        self.per_head = per_head
         self.attend_torch = partial(sparq_adaptive_attention_torch, cap=cap)
         self.attend = kernels.sparq_adaptive or self.attend_torch
         self.fused = kernels.sparq_adaptive is not None  # reads the cache as stored (resolve_kernels: it can)
@@ -309,16 +318,18 @@ class SparQAdaptiveDecode(DecodePolicy):
         if not cache.quantized:  # a float cache: the budget in elements, the paper's
             view = cache.view(length, B)
             return self.attend(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
-                               view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v)
+                               view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v,
+                               self.per_head)
         costs = StepCosts.of(cache.format, cache.dtype, d)  # the budget in the bytes this cache stores
         if self.fused and cache.stored_view_readable(length):
             view = cache.view(length, B, stored=True)
             return self.attend(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
                                view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v,
-                               scales=view.scales, costs=costs)
+                               self.per_head, scales=view.scales, costs=costs)
         view = cache.view(length, B)  # the torch path, or a window starting inside an int4 byte: dequantized
         return self.attend_torch(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
-                                 view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v, costs=costs)
+                                 view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v, self.per_head,
+                                 costs=costs)
 
     @staticmethod
     def spread(view, B: int) -> Tensor:

@@ -1,35 +1,38 @@
 // Fused adaptive SparQ decode attention for CPU (sparq-adaptive): the passes of sparq_decode.cpp with
-// one layer's budget shared by a row's KV heads.
+// each layer's budget split per row and step, each KV head selecting its own (the default) or a row's
+// heads pooling their picks.
 //
 // Registered as the CPU kernel of sparq::adaptive_cpu, whose schema (and fake implementation, for
 // torch.compile) kernels.py defines:
 //   adaptive_cpu(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, Tensor spread, SymInt length,
-//                float compression, int k_max, int? k_cap, bool mean_v, Tensor? lengths=None) -> Tensor
+//                float compression, int k_max, int? k_cap, bool mean_v, bool per_head, Tensor? lengths=None)
+//                -> Tensor
 //   adaptive_quant_cpu(..., Tensor? lengths, Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale,
 //                      float kt_cost, float kt_scale_cost) -> Tensor
 // the second on a quantized cache, read as stored as decode_quant_cpu reads it (sparq_decode.cpp's
 // header), its budget split in stored bytes (kt_cost, kt_scale_cost: sparq_adaptive.StepCosts).
 // It computes what sparq_adaptive.sparq_adaptive_attention_torch computes (sparq_adaptive.sparq_adaptive_reference at
-// each row's split), in fp32. Per batch row b, of live length S_b:
+// each row's split), in fp32. Per batch row b, of live length S_b, and pool of P heads (per_head: P = 1, each
+// head alone; else P = H, the row's heads pooled):
 //   (r, k) = adaptive_split(S_b, d, compression, k_cap, costs), or (d, S_b) when S_b <= k_max (k_cap:
 //     the most positions a row's split may take, none when absent; k_max: the length up to which it is dense);
 //     local = max(1, k / 4) (a head never ends with no position);
 //   components: w_hi = sum_g |q_hgi| spread_hi, each head's share w_hi / sum_i w_hi; every head keeps
-//     its largest, the other H (r - 1) go to the largest shares over the row's H heads (ties: lower head,
+//     its largest, the other P (r - 1) go to the largest shares over the pool's P heads (ties: lower head,
 //     then lower index); head h streams its r_h rows of K^T: s_hat_h = softmax(q[i1_h] . K^T[i1_h] / tau),
 //     tau^2 = d sum_{i1_h} |q_gi| spread_i / sum_i |q_gi| spread_i per query head g;
-//   positions: each head its last min(local, S_b), the other H (min(k, S_b) - local) the largest
-//     group-summed s_hat over the row's heads (ties: lower head, then lower position);
+//   positions: each head its last min(local, S_b), the other P (min(k, S_b) - local) the largest
+//     group-summed s_hat over the pool's heads (ties: lower head, then lower position);
 //   y_h = softmax(q_h . K[i2_h] / sqrt(d)) @ V[i2_h], mean-V as SparQ's with alpha over i2_h.
 //
 // Phases over units (bh = b * H + h split over S into chunks, as sparq_decode.cpp's chunked path; each
 // row's chunk length the one it takes alone, parallel.h, so a row of any batch is the row alone):
-//   0 (units)  the row's pooled components (cheap: H x d values, recomputed by each unit), pass A over
+//   0 (units)  the pool's components (cheap: P x d values, recomputed by each unit), pass A over
 //              the unit's chunk with the head's r_h rows (a bh of one chunk, without mean-V, goes on
 //              to phase 1's work at once, from its E still in L2);
-//   1 (units)  softmax weights from all chunks' maxima and sums, the chunk's best H m candidates
-//              (every member of the row's pooled top H m is among its chunk's top H m);
-//   2 (rows)   merge the row's candidates over heads and chunks, keep the top H m: per-head positions;
+//   1 (units)  softmax weights from all chunks' maxima and sums, the chunk's best P m candidates
+//              (every member of the pool's top P m is among its chunk's top P m);
+//   2 (rows)   merge each pool's candidates over heads and chunks, keep the top P m: per-head positions;
 //   3 (bh)     mean-V's alpha, then exact attention over the head's positions (pass D).
 
 #include <ATen/core/Tensor.h>
@@ -84,27 +87,29 @@ static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max, std::
 }
 
 struct RowPlan {  // one batch row: its split and the counts of pass C
-  int64_t S, r, n_local, m;  // m: positions chosen per head on average (H m over the row)
+  int64_t S, r, n_local, m;  // m: positions chosen per head on average (pool m over a pool of heads)
 };
 
 struct Adaptive {
   Problem P;  // sizes are maxima over rows: P.r = d, P.kk = most positions any head can hold
   std::vector<RowPlan> rows;
+  int64_t pool;  // heads that share their components and positions: 1 (each its own), or the row's H (pooled)
   const float* spread;
   int64_t sps0, sps1;
 };
 
-// The row's pooled components, and this head's: i1 (ascending), its count, q_hat = q[i1] / tau ([i][g]).
-// qf receives this head's q in fp32 (g x d); w (H x d + 16) and wi (H x d + 16) are scratch.
+// The components of head h's pool (itself alone, or the row's H heads), and this head's: i1 (ascending), its
+// count, q_hat = q[i1] / tau ([i][g]). qf receives this head's q in fp32 (g x d); w (H x d + 16) and wi
+// (H x d + 16) are scratch.
 template <typename QT>
-static int64_t prepare_pooled(const Adaptive& A, const QT* q, int64_t b, int64_t h, float* qf, float* w, int32_t* wi,
-                              int32_t* i1, float* qhat) {
+static int64_t prepare_components(const Adaptive& A, const QT* q, int64_t b, int64_t h, float* qf, float* w,
+                                  int32_t* wi, int32_t* i1, float* qhat) {
   const Problem& P = A.P;
-  const int64_t g = P.g, d = P.d, H = P.H;
+  const int64_t g = P.g, d = P.d, pool = A.pool, h0 = h - h % pool;
   auto q_at = [&](int64_t hh, int64_t gg, int64_t j) { return to_f(q[b * P.qs0 + hh * P.qs1 + gg * P.qs2 + j * P.qs3]); };
-  for (int64_t hh = 0; hh < H; ++hh) {  // shares of each head's sum of |q_i| spread_i
+  for (int64_t hh = h0; hh < h0 + pool; ++hh) {  // shares of each head's sum of |q_i| spread_i
     const float* sp = A.spread + b * A.sps0 + hh * A.sps1;
-    float* wh = w + hh * d;
+    float* wh = w + (hh - h0) * d;
     float tot = 0.f;
     int64_t best = 0;
     for (int64_t j = 0; j < d; ++j) {
@@ -118,11 +123,11 @@ static int64_t prepare_pooled(const Adaptive& A, const QT* q, int64_t b, int64_t
     for (int64_t j = 0; j < d; ++j) wh[j] *= inv;
     wh[best] += 2.0f;  // every head keeps its largest (shares are at most 1)
   }
-  for (int64_t j = 0; j < H * d; ++j) wi[j] = (int32_t)j;
-  const int64_t n = select_from(w, wi, H * d, H * A.rows[b].r);  // ascending ids: head-major, then index
+  for (int64_t j = 0; j < pool * d; ++j) wi[j] = (int32_t)j;
+  const int64_t n = select_from(w, wi, pool * d, pool * A.rows[b].r);  // ascending ids: head-major, then index
   int64_t r_h = 0;
   for (int64_t j = 0; j < n; ++j)
-    if (wi[j] / d == h) i1[r_h++] = wi[j] % (int32_t)d;
+    if (wi[j] / d == h - h0) i1[r_h++] = wi[j] % (int32_t)d;
   const float* sp = A.spread + b * A.sps0 + h * A.sps1;
   for (int64_t gg = 0; gg < g; ++gg) {
     for (int64_t j = 0; j < d; ++j) qf[gg * d + j] = q_at(h, gg, j);
@@ -147,15 +152,15 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(thread_count(), units));
   const int64_t ldE = round_up(P.most_cs, kBlock), nblk = ldE / kBlock;
   const int64_t most_chunks = P.most_chunks();
-  int64_t cap = 1;  // candidates per unit: H m of its row
-  for (const RowPlan& w : A.rows) cap = std::max(cap, H * w.m);
+  int64_t cap = 1;  // candidates per unit: pool m of its row
+  for (const RowPlan& w : A.rows) cap = std::max(cap, A.pool * w.m);
   // per-thread scratch
   auto take = [](int64_t& o, int64_t n) { int64_t at = o; o += round_up(std::max<int64_t>(n, 1), 16); return at; };
   int64_t o = 0;
   const int64_t s_qf = take(o, g * d + 16), s_w = take(o, H * d + 16), s_wi = take(o, H * d + 16),
                 s_i1 = take(o, d), s_qhat = take(o, d * g), s_rows = take(o, 2 * d), s_qmask = take(o, g * d + 16),
                 s_st = take(o, g * (int64_t)(sizeof(RunState) / sizeof(float))), s_sc = take(o, ldE),
-                s_bmax = take(o, nblk + 1), merge = std::max(ldE, H * most_chunks * cap) + 16,
+                s_bmax = take(o, nblk + 1), merge = std::max(ldE, A.pool * most_chunks * cap) + 16,
                 s_ss = take(o, merge), s_si = take(o, merge), s_lg = take(o, g * P.kk), s_y = take(o, g * d),
                 s_alpha = take(o, g), s_E = take(o, g * ldE), s_mb = take(o, g * nblk);
   const int64_t slot_floats = round_up(o, 16);
@@ -179,7 +184,7 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
   // A bh of one chunk without mean-V finishes its unit in phase 0 from the slot's own E (still in L2);
   // writing every bh's E out for phase 1 cost a fifth of the step at B = 8 (README, adaptive SparQ).
   auto own = [&](int64_t u) { return !P.mean_v && P.chunks(P.unit_bh[u]) == 1; };
-  // softmax weights from every chunk's maximum and sum, then the chunk's best H m candidates
+  // softmax weights from every chunk's maximum and sum, then the chunk's best pool m candidates
   auto candidates = [&](int64_t u, int slot, float* E, float* mb) {
     const int64_t bh = P.unit_bh[u], u0 = P.unit0[bh], nc = P.chunks(bh), cs = P.cs_of(bh);
     const RowPlan& w = A.rows[bh / H];
@@ -192,7 +197,7 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
     if (shi > p0) {
       float* ss = scratch(slot, s_ss);
       int32_t* si = reinterpret_cast<int32_t*>(scratch(slot, s_si));
-      const int64_t cnt = select_top(E, ldE, mb, nblk, g, p0, shi, H * w.m, scratch(slot, s_sc), scratch(slot, s_bmax),
+      const int64_t cnt = select_top(E, ldE, mb, nblk, g, p0, shi, A.pool * w.m, scratch(slot, s_sc), scratch(slot, s_bmax),
                                      ss, si);
       *count = (int32_t)cnt;
       std::copy(ss, ss + cnt, ucand(u) + 16);
@@ -207,8 +212,8 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
       const int64_t p0 = c * cs, p1 = std::min(P.len[b], p0 + cs);
       int32_t* i1 = reinterpret_cast<int32_t*>(scratch(slot, s_i1));
       float* qhat = scratch(slot, s_qhat);
-      const int64_t r_h = prepare_pooled(A, q, b, h, qf, scratch(slot, s_w),
-                                         reinterpret_cast<int32_t*>(scratch(slot, s_wi)), i1, qhat);
+      const int64_t r_h = prepare_components(A, q, b, h, qf, scratch(slot, s_w),
+                                             reinterpret_cast<int32_t*>(scratch(slot, s_wi)), i1, qhat);
       const KTT** rows = reinterpret_cast<const KTT**>(scratch(slot, s_rows));
       float* qmask = scratch(slot, s_qmask);
       const KT* kbh = k + b * P.ks0 + h * P.ks1;
@@ -233,31 +238,33 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
       if (own(u)) candidates(u, slot, E, mb);
     } else if (phase == 1) {
       if (!own(u)) candidates(u, slot, uE(u), umb(u));
-    } else if (phase == 2) {  // the row's top H m over its heads: ids h S + position, ascending
-      const int64_t b = u;
+    } else if (phase == 2) {  // each pool's top pool m over its heads: ids (h - h0) S + position, ascending
+      const int64_t b = u, pool = A.pool;
       const RowPlan& w = A.rows[b];
       float* ss = scratch(slot, s_ss);
       int32_t* si = reinterpret_cast<int32_t*>(scratch(slot, s_si));
-      int64_t n = 0;
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t bh = b * H + h;
-        for (int64_t c = 0; c < P.chunks(bh); ++c) {
-          const float* cu = ucand(P.unit0[bh] + c);
-          const int32_t cnt = *reinterpret_cast<const int32_t*>(cu);
-          const int32_t* ci = reinterpret_cast<const int32_t*>(cu + 16 + cap);
-          std::copy(cu + 16, cu + 16 + cnt, ss + n);
-          for (int32_t j = 0; j < cnt; ++j) si[n + j] = (int32_t)(h * w.S) + ci[j];
-          n += cnt;
+      for (int64_t h0 = 0; h0 < H; h0 += pool) {
+        int64_t n = 0;
+        for (int64_t h = h0; h < h0 + pool; ++h) {
+          const int64_t bh = b * H + h;
+          for (int64_t c = 0; c < P.chunks(bh); ++c) {
+            const float* cu = ucand(P.unit0[bh] + c);
+            const int32_t cnt = *reinterpret_cast<const int32_t*>(cu);
+            const int32_t* ci = reinterpret_cast<const int32_t*>(cu + 16 + cap);
+            std::copy(cu + 16, cu + 16 + cnt, ss + n);
+            for (int32_t j = 0; j < cnt; ++j) si[n + j] = (int32_t)((h - h0) * w.S) + ci[j];
+            n += cnt;
+          }
         }
-      }
-      n = select_from(ss, si, n, H * w.m);
-      int64_t j = 0;
-      for (int64_t h = 0; h < H; ++h) {  // each head: its local window, then its chosen positions
-        int32_t* pos = bh_pos(b * H + h);
-        int64_t kk = 0;
-        for (int64_t p = w.S - w.n_local; p < w.S; ++p) pos[kk++] = (int32_t)p;
-        for (; j < n && si[j] / w.S == h; ++j) pos[kk++] = si[j] % (int32_t)w.S;
-        *bh_count(b * H + h) = (int32_t)kk;
+        n = select_from(ss, si, n, pool * w.m);
+        int64_t j = 0;
+        for (int64_t h = h0; h < h0 + pool; ++h) {  // each head: its local window, then its chosen positions
+          int32_t* pos = bh_pos(b * H + h);
+          int64_t kk = 0;
+          for (int64_t p = w.S - w.n_local; p < w.S; ++p) pos[kk++] = (int32_t)p;
+          for (; j < n && si[j] / w.S == h - h0; ++j) pos[kk++] = si[j] % (int32_t)w.S;
+          *bh_count(b * H + h) = (int32_t)kk;
+        }
       }
     } else {  // mean-V's alpha, exact attention over the head's positions
       const int64_t bh = u, b = bh / H, h = bh % H, u0 = P.unit0[bh], cs = P.cs_of(bh);
@@ -286,7 +293,7 @@ static void run(const Adaptive& A, const QT* q, const KT* k, const KTT* kt, cons
 
 at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                          const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
-                         double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v,
+                         double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v, bool per_head,
                          const std::optional<at::Tensor>& lengths, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& chan,
                          const std::optional<at::Tensor>& kt_scale, double kt_cost, double kt_scale_cost) {
@@ -307,6 +314,7 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
 
   const std::vector<int64_t> len = row_lengths(lengths, B, length, op);
   Adaptive A{};
+  A.pool = per_head ? 1 : H;
   Problem& P = A.P;
   const CacheKind cache = bind_cache(P, op, B, H, d, length, k, k_t, v, k_scale, v_scale, chan, kt_scale);
   int64_t most_k = 1;
@@ -314,7 +322,7 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
     const Split s = adaptive_split(len[b], d, compression, k_max, k_cap, kt_cost, kt_scale_cost);
     const int64_t kk = std::min(s.k, len[b]), n_local = std::min(std::max<int64_t>(1, kk / 4), len[b]);
     A.rows.push_back({len[b], s.r, n_local, kk - n_local});
-    most_k = std::max(most_k, n_local + H * (kk - n_local));  // one head may take all of the row's positions
+    most_k = std::max(most_k, n_local + A.pool * (kk - n_local));  // one head may take all of its pool's positions
   }
   P.B = B; P.H = H; P.g = g; P.d = d; P.r = d; P.len = len.data();
   P.S = *std::max_element(len.begin(), len.end());
@@ -337,21 +345,22 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
 
 at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                         const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
-                        double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v,
+                        double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v, bool per_head,
                         const std::optional<at::Tensor>& lengths) {
-  return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, lengths, std::nullopt,
-                       std::nullopt, std::nullopt, std::nullopt, 1.0, 0.0);
+  return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head, lengths,
+                       std::nullopt, std::nullopt, std::nullopt, std::nullopt, 1.0, 0.0);
 }
 
 // A quantized cache (its scales as decode_quant_cpu's) and step 1's costs in K/V elements (sparq_adaptive.StepCosts).
 at::Tensor adaptive_quant_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                               const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
                               double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v,
-                              const std::optional<at::Tensor>& lengths, const std::optional<at::Tensor>& k_scale,
-                              const std::optional<at::Tensor>& v_scale, const at::Tensor& chan,
-                              const std::optional<at::Tensor>& kt_scale, double kt_cost, double kt_scale_cost) {
-  return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, lengths, k_scale, v_scale,
-                       chan, kt_scale, kt_cost, kt_scale_cost);
+                              bool per_head, const std::optional<at::Tensor>& lengths,
+                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                              const at::Tensor& chan, const std::optional<at::Tensor>& kt_scale, double kt_cost,
+                              double kt_scale_cost) {
+  return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head, lengths,
+                       k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost);
 }
 
 }  // namespace

@@ -191,6 +191,8 @@ def run_identity(args: argparse.Namespace, tasks: list[str], methods: list[str],
             run[flag] = value
     if "sparq-adaptive" in methods and args.adaptive_k_cap != args.sparq_k:  # earlier runs capped k at --sparq-k
         run["adaptive_k_cap"] = args.adaptive_k_cap
+    if "sparq-adaptive" in methods and args.adaptive_heads != "pooled":  # earlier runs pooled the KV heads' picks
+        run["adaptive_heads"] = args.adaptive_heads
     if "doublesparse" in methods:  # its channels come from a file: a recalibration is another run
         run["doublesparse_channels"] = file_identity(selector_settings(args)["channels"])
     if getattr(args, "depths", None):  # the needle map's (the journals of runs without it have none)
@@ -296,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
                 "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
                 "kernels": kernels.name, "kv_layout": args.kv_layout, "kv_dtype": args.kv_dtype,
                 "kt_dtype": kv_format.kt_dtype, "sparq_k": args.sparq_k, "adaptive_k_cap": args.adaptive_k_cap,
+                "adaptive_heads": args.adaptive_heads,
                 **({"depths": depths} if depths else {}),
                 "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,
                 "batches_from_journal": replayed, "budgets": budget_records(results.budgets)}

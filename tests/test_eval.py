@@ -921,6 +921,24 @@ def test_an_adaptive_run_is_identified_by_its_cap_on_k(tmp_path):
     assert "adaptive_k_cap" not in identity(base[:5] + ["dense,sparq"])
 
 
+def test_an_adaptive_run_is_identified_by_its_heads_selection(tmp_path):
+    """Adaptive SparQ's KV heads once pooled their picks: those journals (without the key) resume only with
+    --adaptive-heads pooled, a run with each head its own (the default now) is another run, and runs
+    without sparq-adaptive keep the identity they had."""
+    base = ["--task", "squad", "--checkpoint", str(tmp_path), "--attention", "dense,sparq-adaptive"]
+
+    def identity(argv):
+        args = evals_cli.build_parser().parse_args(argv)
+        methods = args.attention.split(",")
+        return evals_cli.run_identity(args, ["squad"], methods, [Fraction(1, 4)], {"squad": [0]},
+                                      evals_cli.cache_format(args, "cpu", methods))
+
+    earlier = identity(base + ["--adaptive-heads", "pooled"])
+    assert "adaptive_heads" not in earlier  # as the journals made before the flag read back
+    assert identity(base) == {**earlier, "adaptive_heads": "each"}
+    assert "adaptive_heads" not in identity(base[:5] + ["dense,sparq"])
+
+
 def test_budget_lines_give_the_prompt_length_not_the_task_size():
     """A SQuAD cell's size is its context count (7); its budget line gives the tokens the budget was
     solved at, and adaptive SparQ's line its split there."""

@@ -37,23 +37,25 @@ def scaled_cache(lengths: list[int], n_kv: int, d: int, S_max: int, layout: str 
     return cache
 
 
-def both(q, cache, lengths, compression, k_max, mean_v, k_cap=None):
+def both(q, cache, lengths, compression, k_max, mean_v, k_cap=None, per_head=True):
     """The fused kernel's and the reference's outputs on the cache's first len(lengths) rows."""
     B, length = len(lengths), max(lengths)
     live = None if len(set(lengths)) == 1 else torch.tensor(lengths)
     spread = key_spread(cache.k_moments[:B], length if live is None else live)
-    args = (q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, length, live, compression, k_max, k_cap, mean_v)
+    args = (q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, length, live, compression, k_max, k_cap, mean_v,
+            per_head)
     return kernels.sparq_adaptive_cpu(*args), sparq_adaptive_attention_torch(*args)
 
 
-def test_a_budget_too_small_for_a_position_per_head_still_attends_to_the_last():
-    """k = 1 shared by 3 KV heads: each head still keeps its last position (local is at least 1), so
-    no head is left to a softmax over nothing (NaN); with nothing else to choose, each head's output is
-    its last position's V."""
+@pytest.mark.parametrize("per_head", [True, False])
+def test_a_budget_too_small_for_a_position_per_head_still_attends_to_the_last(per_head):
+    """k = 1 (shared by 3 KV heads where pooled): each head still keeps its last position (local is at
+    least 1), so no head is left to a softmax over nothing (NaN); with nothing else to choose, each head's
+    output is its last position's V."""
     S, n_kv = 300, 3
     cache = scaled_cache([S], n_kv, 16, S + 4)
     q = random_query(1, n_kv, 2, 16, seed=3)
-    fused, reference = both(q, cache, [S], 0.01, 8, False)
+    fused, reference = both(q, cache, [S], 0.01, 8, False, per_head=per_head)
     last_v = cache.v[:1, :, S - 1:S].expand(1, n_kv, 2, 16)
     torch.testing.assert_close(reference, last_v)
     torch.testing.assert_close(fused, reference)
@@ -69,12 +71,36 @@ def test_a_budget_too_small_for_a_position_per_head_still_attends_to_the_last():
     (3, 4, 1, 32, 300, 1 / 2, True, "twice", 2),  # MHA
     (1, 2, 2, 48, 200, 1 / 8, False, "once", 1),  # d not a multiple of 16
 ])
-def test_matches_reference(B, n_kv, g, d, S, compression, mean_v, layout, n_threads, threads):
+@pytest.mark.parametrize("per_head", [True, False])
+def test_matches_reference(B, n_kv, g, d, S, compression, mean_v, layout, n_threads, per_head, threads):
     threads(n_threads)
     cache = scaled_cache([S] * B, n_kv, d, S + 7, layout)
     q = random_query(B, n_kv, g, d, seed=S)
-    fused, reference = both(q, cache, [S] * B, compression, 128, mean_v)
+    fused, reference = both(q, cache, [S] * B, compression, 128, mean_v, per_head=per_head)
     torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_each_head_its_own_selection_is_each_head_run_alone(n_threads, threads):
+    """per_head (the default): a row's KV heads select independently, so each head's output is the kernel
+    run on that head alone (bit for bit), and pooling them (per_head=False) gives another output; with one
+    KV head the two are the same selection."""
+    threads(n_threads)
+    S, n_kv = 2000, 3
+    cache = scaled_cache([S], n_kv, 64, S)
+    q = random_query(1, n_kv, 3, 64, seed=8)
+    spread = key_spread(cache.k_moments[:1], S)
+    settings = (1 / 8, 128, None, False)  # compression, k_max, k_cap, mean_v
+    each = kernels.sparq_adaptive_cpu(q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, S, None, *settings, True)
+    pooled = kernels.sparq_adaptive_cpu(q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, S, None, *settings,
+                                        False)
+    for h in range(n_kv):
+        one = slice(h, h + 1)
+        alone = [kernels.sparq_adaptive_cpu(q[:, one], cache.k[:, one], cache.k_t[:, one], cache.v[:, one],
+                                            cache.v_sum[:, one], spread[:, one], S, None, *settings, per_head)
+                 for per_head in (True, False)]
+        assert torch.equal(each[:, one], alone[0]) and torch.equal(alone[0], alone[1])
+    assert (each - pooled).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
@@ -91,13 +117,14 @@ def test_ragged_rows_each_at_its_own_split(n_threads, threads):
     for b, n in enumerate(lengths):  # and each row alone
         alone = kernels.sparq_adaptive_cpu(q[b:b + 1], cache.k[b:b + 1], cache.k_t[b:b + 1], cache.v[b:b + 1],
                                            cache.v_sum[b:b + 1], key_spread(cache.k_moments[b:b + 1], n), n, None,
-                                           1 / 8, 128, None, True)
+                                           1 / 8, 128, None, True, True)
         torch.testing.assert_close(fused[b:b + 1], alone, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("lengths", INVARIANT_LENGTHS)
-@pytest.mark.parametrize("kv_dtype,kt_dtype", [("auto", "same"), ("int8", "int4")])
-def test_rows_are_each_row_alone_bit_for_bit(lengths, kv_dtype, kt_dtype, threads):
+@pytest.mark.parametrize("kv_dtype,kt_dtype,per_head", [("auto", "same", True), ("int8", "int4", True),
+                                                        ("int8", "int4", False)])
+def test_rows_are_each_row_alone_bit_for_bit(lengths, kv_dtype, kt_dtype, per_head, threads):
     """Batch invariance (tests/test_kernels_cpu.py, INVARIANT_LENGTHS: rows the former whole-batch chunk
     length split otherwise than alone): on a ragged batch, float or quantized cache, mean-V, each row is
     its B = 1 call at its own length bit for bit."""
@@ -108,7 +135,7 @@ def test_rows_are_each_row_alone_bit_for_bit(lengths, kv_dtype, kt_dtype, thread
     costs = StepCosts.of(cache.format, torch.float32, d)
     spread = key_spread(view.k_moments[:len(lengths)], live)
     q = random_query(len(lengths), n_kv, g, d, seed=6)
-    settings = (1 / 8, 128, None, True)  # compression, k_max, k_cap, mean_v
+    settings = (1 / 8, 128, None, True, per_head)  # compression, k_max, k_cap, mean_v, per_head
     out = kernels.sparq_adaptive_cpu(q, view.k, view.k_t, view.v, view.v_sum, spread, S, live, *settings,
                                      scales=view.scales, costs=costs)
     assert torch.isfinite(out).all()
@@ -160,7 +187,7 @@ def test_opcheck():
     q = random_query(2, 2, 2, 32)
     spread = key_spread(cache.k_moments[:2], 400)
     torch.library.opcheck(torch.ops.sparq.adaptive_cpu.default,
-                          (q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, 400, 0.125, 64, 40, True, None),
+                          (q, cache.k, cache.k_t, cache.v, cache.v_sum, spread, 400, 0.125, 64, 40, True, True, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 

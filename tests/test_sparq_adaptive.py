@@ -12,15 +12,15 @@ from cache import KVCache, KVFormat
 from model import SHAPES, ModelArgs
 from policies import AttentionSettings, layer_transfers, policy_factory, solve_target
 from sparq import SparQConfig, sparq_reference
-from sparq_adaptive import (ELEMENTS, SparQAdaptiveDecode, StepCosts, adaptive_split, key_spread, pooled_components,
-                            pooled_positions, position_share, sparq_adaptive_reference, sparq_adaptive_torch)
+from sparq_adaptive import (ELEMENTS, SparQAdaptiveDecode, StepCosts, adaptive_split, key_spread, position_share,
+                            select_components, select_positions, sparq_adaptive_reference, sparq_adaptive_torch)
 from test_sparq import filled_cache, random_query
 
 
-def adaptive(q, cache, S, config):
+def adaptive(q, cache, S, config, per_head=True):
     """The torch path on a cache, the keys' spread from the cache's running sums."""
-    return sparq_adaptive_torch(q, cache.k, cache.v, cache.v_sum, key_spread(cache.k_moments[:q.shape[0]], S), S, None, config.r,
-                                config.k_top, config.local, config.mean_v)
+    return sparq_adaptive_torch(q, cache.k, cache.v, cache.v_sum, key_spread(cache.k_moments[:q.shape[0]], S), S,
+                                None, config.r, config.k_top, config.local, config.mean_v, per_head=per_head)
 
 
 def spread_of(k, lengths):
@@ -43,26 +43,28 @@ def scaled_cache(B, n_kv, d, S, S_max):
     (2, 4, 1, 32, 300, 4, 64, True),  # MHA, mean-V
     (1, 2, 7, 64, 400, 3, 48, True),  # Qwen 0.5B-like grouping
 ])
-def test_torch_path_matches_loop_reference(B, n_kv, g_, d, S, r, k, mean_v):
+@pytest.mark.parametrize("per_head", [True, False])
+def test_torch_path_matches_loop_reference(B, n_kv, g_, d, S, r, k, mean_v, per_head):
     """The reference takes the keys' spread computed directly from K, the torch path the cache's running sums."""
     cache = scaled_cache(B, n_kv, d, S, S + 5)
     q = random_query(B, n_kv, g_, d)
+    spread = spread_of(cache.k, [S] * B)
     config = SparQConfig(r=r, k_top=k, mean_v=mean_v)
-    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread_of(cache.k, [S] * B))
-    torch.testing.assert_close(adaptive(q, cache, S, config), expected, atol=1e-5, rtol=1e-5)
+    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread, per_head=per_head)
+    torch.testing.assert_close(adaptive(q, cache, S, config, per_head), expected, atol=1e-5, rtol=1e-5)
     # the policy itself, at its own split of a budget
-    policy = SparQAdaptiveDecode(compression=1 / 8, k_max=k, mean_v=mean_v)
+    policy = SparQAdaptiveDecode(compression=1 / 8, k_max=k, mean_v=mean_v, per_head=per_head)
     r_policy, k_policy = adaptive_split(S, d, 1 / 8)  # dense up to k positions, k uncapped
     config = SparQConfig(r=r_policy, k_top=k_policy, mean_v=mean_v)
-    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread_of(cache.k, [S] * B))
+    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread, per_head=per_head)
     torch.testing.assert_close(policy(q, cache, S), expected, atol=1e-5, rtol=1e-5)
     # and with a cap on k (--adaptive-k-cap) that binds at S: its own split
     cap = 1  # the positions give back all but one: step 1 gets more components
-    capped = SparQAdaptiveDecode(compression=1 / 8, k_max=k, mean_v=mean_v, k_cap=cap)
+    capped = SparQAdaptiveDecode(compression=1 / 8, k_max=k, mean_v=mean_v, k_cap=cap, per_head=per_head)
     r_capped, k_capped = adaptive_split(S, d, 1 / 8, cap)
     assert r_capped > r_policy
     config = SparQConfig(r=r_capped, k_top=k_capped, local=max(1, k_capped // 4), mean_v=mean_v)  # the policy's
-    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread_of(cache.k, [S] * B))
+    expected = sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, S, config, spread=spread, per_head=per_head)
     torch.testing.assert_close(capped(q, cache, S), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -102,7 +104,7 @@ def test_components_follow_the_keys_spread():
     k[..., 5] *= 1000.0  # dimension 5 and 11 carry the logits' variation
     k[..., 11] *= 500.0
     q = torch.ones(1, 1, 1, d)
-    chosen = pooled_components(q, r, spread_of(k, [S]))[0, 0, 0]
+    chosen = select_components(q, r, spread_of(k, [S]))[0, 0, 0]
     assert chosen.nonzero().flatten().tolist() == [5, 11]
     cache = KVCache(1, S, 1, d, torch.float32)
     cache.update(torch.arange(S), k, torch.randn(1, 1, S, d, generator=gen))
@@ -113,14 +115,26 @@ def test_components_follow_the_keys_spread():
     assert (weighted - exact).abs().max() < (by_q - exact).abs().max()
 
 
-def test_one_kv_head_is_the_papers_sparq():
-    """With one KV head there is nothing to share: the reference is sparq_reference's result."""
-    cache, _, _ = filled_cache(2, 1, 64, 300, 300)
-    q = random_query(2, 1, 4, 64)
+@pytest.mark.parametrize("n_kv,per_head", [(1, True), (1, False), (3, True)])
+def test_each_head_alone_ranked_by_q_is_the_papers_sparq(n_kv, per_head):
+    """Ranked by |q| alone (spread None), a KV head selecting alone is the paper's SparQ: each head its own
+    (the default) at any n_kv, or one KV head (nothing to pool with) either way: sparq_reference's result."""
+    cache, _, _ = filled_cache(2, n_kv, 64, 300, 300)
+    q = random_query(2, n_kv, 4, 64)
     for mean_v in (False, True):
         config = SparQConfig(r=6, k_top=40, mean_v=mean_v)
-        torch.testing.assert_close(sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, 300, config),
+        torch.testing.assert_close(sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, 300, config,
+                                                            per_head=per_head),
                                    sparq_reference(q, cache.k, cache.v, cache.v_sum, 300, config), atol=1e-6, rtol=1e-5)
+
+
+def test_pooled_heads_are_not_the_papers_sparq():
+    """The check above can fail: three KV heads pooling their picks select otherwise than each alone."""
+    cache, _, _ = filled_cache(2, 3, 64, 300, 300)
+    q = random_query(2, 3, 4, 64)
+    config = SparQConfig(r=6, k_top=40)
+    assert not torch.allclose(sparq_adaptive_reference(q, cache.k, cache.v, cache.v_sum, 300, config, per_head=False),
+                              sparq_reference(q, cache.k, cache.v, cache.v_sum, 300, config), atol=1e-3)
 
 
 def test_full_r_and_k_are_dense():
@@ -130,25 +144,29 @@ def test_full_r_and_k_are_dense():
     torch.testing.assert_close(adaptive(q, cache, 90, config), dense_attention_torch(q, k, v, 90), atol=1e-5, rtol=1e-5)
 
 
-def test_heads_share_the_budget():
-    """A head whose query is one spike gives its components to a head whose query is flat; a head whose
-    step-1 scores sit on a few positions gives positions to one whose scores are spread: the counts
-    differ per head, their totals are the layer's n_kv r and n_kv k."""
+def test_pooled_heads_share_the_budget():
+    """Pooled (per_head=False): a head whose query is one spike gives its components to a head whose query
+    is flat; a head whose step-1 scores sit on a few positions gives positions to one whose scores are
+    spread: the counts differ per head, their totals are the layer's n_kv r and n_kv k. Each head its own:
+    r and k each."""
     d, S, r, k = 16, 200, 4, 20
     q = torch.zeros(1, 2, 1, d)
     q[0, 0, 0, 0] = 50.0  # head 0: one component
     q[0, 1, 0] = torch.linspace(1.0, 1.1, d)  # head 1: every component alike
-    components = pooled_components(q, r, torch.ones(1, 2, d))[0, :, 0]  # (2, d)
+    components = select_components(q, r, torch.ones(1, 2, d), per_head=False)[0, :, 0]  # (2, d)
     assert components.sum(-1).tolist() == [1, 2 * r - 1]
+    assert select_components(q, r, torch.ones(1, 2, d))[0, :, 0].sum(-1).tolist() == [r, r]
     s_hat = torch.zeros(1, 2, 1, S)
     s_hat[0, 0, 0, :3] = torch.tensor([0.5, 0.3, 0.2])  # head 0: three positions hold everything
     s_hat[0, 1, 0] = torch.softmax(torch.randn(S, generator=torch.Generator().manual_seed(0)), -1)
-    positions = pooled_positions(s_hat, S, k, 0, None)[0, :, 0]  # (2, S)
+    positions = select_positions(s_hat, S, k, 0, None, per_head=False)[0, :, 0]  # (2, S)
     assert positions.sum().item() == 2 * k and positions[0, :3].all() and positions[1].sum() > k
     assert positions.sum(-1)[1] == 2 * k - positions.sum(-1)[0]
+    assert select_positions(s_hat, S, k, 0, None)[0, :, 0].sum(-1).tolist() == [k, k]
     # the local window is every head's, whatever the scores
-    positions = pooled_positions(s_hat, S, k, 5, None)[0, :, 0]
-    assert positions[:, S - 5:].all() and positions.sum().item() == 2 * k
+    for per_head in (True, False):
+        positions = select_positions(s_hat, S, k, 5, None, per_head=per_head)[0, :, 0]
+        assert positions[:, S - 5:].all() and positions.sum().item() == 2 * k
 
 
 @pytest.mark.parametrize("mean_v", [False, True])
@@ -168,8 +186,8 @@ def test_per_row_live_lengths_equal_each_row_run_alone(mean_v):
 
 
 def test_per_head_selection_is_each_kv_head_run_alone():
-    """per_head: each KV head takes its own r components and k positions, so a row of n_kv heads computes
-    what each head computes alone (one head pools with nobody); pooled selection, the default, does not."""
+    """per_head (the default): each KV head takes its own r components and k positions, so a row of n_kv heads
+    computes what each head computes alone (one head pools with nobody); pooled selection does not."""
     B, n_kv, g_, d, S, lengths = 2, 2, 3, 32, 300, [300, 171]
     gen = torch.Generator().manual_seed(12)
     k, v = torch.randn(B, n_kv, S, d, generator=gen), torch.randn(B, n_kv, S, d, generator=gen)
@@ -179,7 +197,7 @@ def test_per_head_selection_is_each_kv_head_run_alone():
     spread = spread_of(k, lengths)
     live = torch.tensor(lengths)
     per_head = sparq_adaptive_torch(q, k, v, v_sum, spread, S, live, 6, 24, 6, False, per_head=True)
-    pooled = sparq_adaptive_torch(q, k, v, v_sum, spread, S, live, 6, 24, 6, False)
+    pooled = sparq_adaptive_torch(q, k, v, v_sum, spread, S, live, 6, 24, 6, False, per_head=False)
     for h in range(n_kv):
         alone = sparq_adaptive_torch(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], v_sum[:, h:h + 1],
                                      spread[:, h:h + 1], S, live, 6, 24, 6, False)
@@ -289,6 +307,15 @@ def test_a_cap_on_k_reaches_the_policy_and_only_its_own():
         policy_factory(AttentionSettings("sparq", sparq_r=8, adaptive_k_cap=64), args)
 
 
+def test_the_heads_selection_reaches_the_policy_and_only_its_own():
+    """--adaptive-heads: each KV head its own by default, pooled when asked; refused for other policies."""
+    args = ModelArgs.from_shape("smollm2")
+    assert policy_factory(AttentionSettings("sparq-adaptive"), args)(0).per_head
+    assert not policy_factory(AttentionSettings("sparq-adaptive", adaptive_heads="pooled"), args)(0).per_head
+    with pytest.raises(ValueError, match="--adaptive-heads applies to"):
+        policy_factory(AttentionSettings("sparq", sparq_r=8, adaptive_heads="pooled"), args)
+
+
 def test_generate_defaults_to_an_eighth(tmp_path, smollm2_checkpoint):
     """generate.py --attention sparq-adaptive without --compression or --sparq-r: 1/8 of dense's KV transfers."""
     out = tmp_path / "run.json"
@@ -347,7 +374,7 @@ def test_the_split_study_on_an_int4_kt_counts_its_bytes():
 
 def test_the_cwe_study_runs_the_policy_at_the_cpu_default_split():
     """scripts/studies/cwe_selection_study.py: its split is the one the CPU's default int4 K^T beside bf16 K and V
-    gives (StepCosts of that format), its pooled variant with the keys' spread is the policy's torch path at that
+    gives (StepCosts of that format), its pooled variant with the keys' spread is the torch path pooled at that
     split, and its per-head variant selects otherwise."""
     from kernels import TORCH_KERNELS
     from scripts.studies.cwe_selection_study import COMPRESSION, INT4_KT, Variant
@@ -359,6 +386,6 @@ def test_the_cwe_study_runs_the_policy_at_the_cpu_default_split():
     r, k = adaptive_split(S, d, COMPRESSION, costs=INT4_KT)
     view = cache.view(S, B)
     expected = sparq_adaptive_torch(q, view.k, view.v, view.v_sum, key_spread(view.k_moments[:B], S), S, None, r, k,
-                                    k // 4, False)
+                                    k // 4, False, per_head=False)
     torch.testing.assert_close(Variant(TORCH_KERNELS, per_head=False, spread=True)(q, cache, S), expected)
     assert not torch.allclose(Variant(TORCH_KERNELS, per_head=True, spread=True)(q, cache, S), expected)
