@@ -8,8 +8,9 @@ answer (the task's 60 new tokens), then for each variant every layer on sparq_ad
 for an int4 K^T (sparq_adaptive.adaptive_split; r = 32, k = 189 at 4k and 1/8; step 1 reads the float K here),
 teacher-forced on dense's answer: the share of steps whose argmax is dense's, the answers reproduced whole and
 the mean KL(dense || variant) of the next token. Variants: the KV heads pooling their components and positions
-(the policy's) or each head its own (per_head), ranking components by |q_i| times the keys' spread (the policy's)
-or by |q_i| alone; and fixed SparQ's split (r = 40, k = 128) per head by |q|. One thread; ~3 min an example at 4k.
+(the policy's default until this study, now --adaptive-heads pooled) or each head its own (per_head, the default
+since), ranking components by |q_i| times the keys' spread (the policy's) or by |q_i| alone; and fixed SparQ's
+split (r = 40, k = 128) per head by |q|. One thread; ~3 min an example at 4k.
 """
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ class Variant(SparQAdaptiveDecode):
 
 
 VARIANTS = {  # name: (per_head, spread, r, k)
-    "adaptive (pooled, |q| x spread)": (False, True, None, None),
-    "per head, |q| x spread": (True, True, None, None),
+    "pooled, |q| x spread": (False, True, None, None),
+    "per head, |q| x spread (the policy)": (True, True, None, None),
     "pooled, |q|": (False, False, None, None),
     "per head, |q|": (True, False, None, None),
     "SparQ r = 40, k = 128 (per head, |q|)": (True, False, 40, 128),
