@@ -80,6 +80,26 @@ def fractions(text: str) -> list[Fraction]:
     return out
 
 
+def dense_answer(model, logits: torch.Tensor, T: int, max_new: int, ended) -> tuple[list[int], list[torch.Tensor]]:
+    """Dense's greedy answer from the prefill's logits (prompt of T tokens, caches at its end, dense installed),
+    at most max_new tokens, until ended(answer) says so: the tokens and each step's log-probabilities."""
+    answer, logprobs = [], []
+    for j in range(max_new):
+        logprobs.append(torch.log_softmax(logits.float().view(-1), -1))
+        answer.append(int(logits.view(-1).argmax()))
+        if ended(answer):
+            break
+        logits = decode_step(model, torch.tensor([[answer[-1]]]), torch.tensor([T + j]), T + j + 1)
+    return answer, logprobs
+
+
+def squad_answer_ended(tokenizer):
+    """SQuAD's answers end with their line (or a stop token): the rule for dense_answer."""
+    newline = set(tokenizer.encode("\n"))
+    return lambda answer: (answer[-1] in newline or answer[-1] in tokenizer.stop_ids
+                           or "\n" in tokenizer.decode(answer).lstrip())
+
+
 def score_teacher_forced(model, answer: list[int], dense_logprobs: list[torch.Tensor], T: int, stats: dict) -> None:
     """Decode dense's answer (prompt of T tokens, caches at its end) with the model's installed policies, adding to
     stats: steps, those whose argmax is dense's next token ("agree"), the summed KL(dense || policy) and whether the
@@ -104,7 +124,7 @@ def run(args) -> None:
     n_layer = model.args.n_layer
     variants = [(c, f) for c in args.compression for f in args.shares]
     stats = {v: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for v in variants}
-    newline = set(tokenizer.encode("\n"))
+    ended = squad_answer_ended(tokenizer)
     start = time.time()
     with torch.no_grad():
         for ex in tqdm(squad_examples(tokenizer, args.contexts, args.examples, 0), desc="examples"):
@@ -113,13 +133,7 @@ def run(args) -> None:
             model.set_decode_attention(lambda i: DenseDecode(TORCH_KERNELS))
             logits = prefill(model, torch.tensor([ex.prompt]))
             snapshots = model.save_caches()
-            answer, dense_logprobs = [], []
-            for j in range(MAX_ANSWER):  # dense's greedy answer, to the end of its line
-                dense_logprobs.append(torch.log_softmax(logits.float(), -1))
-                answer.append(int(logits.argmax(-1)))
-                if answer[-1] in newline or answer[-1] in tokenizer.stop_ids or "\n" in tokenizer.decode(answer).lstrip():
-                    break
-                logits = decode_step(model, torch.tensor([[answer[-1]]]), torch.tensor([T + j]), T + j + 1)
+            answer, dense_logprobs = dense_answer(model, logits, T, MAX_ANSWER, ended)  # to the end of its line
             for v in variants:
                 model.restore_caches(snapshots)
                 policies = [SplitAt(float(v[0]), float(v[1]), args.k_cap) for _ in range(n_layer)]

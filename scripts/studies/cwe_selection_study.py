@@ -2,6 +2,8 @@
 variants, teacher-forced on dense's greedy answer (docs/accuracy.md, the 4k n = 32 table; docs/NOTES.md).
 
     python -m scripts.studies.cwe_selection_study --checkpoint checkpoints/Qwen2.5-Coder-0.5B-Instruct --examples 12
+    python -m scripts.studies.cwe_selection_study --task squad --checkpoint checkpoints/SmolLM2-135M-Instruct \
+        --dtype float32 --examples 60
 
 Per ruler-cwe example (evals/tasks.py's, seed 0: the RULER runs' first examples): a dense prefill, dense's greedy
 answer (the task's 60 new tokens), then for each variant every layer on sparq_adaptive_torch at adaptive's split
@@ -10,7 +12,9 @@ teacher-forced on dense's answer: the share of steps whose argmax is dense's, th
 the mean KL(dense || variant) of the next token. Variants: the KV heads pooling their components and positions
 (the policy's default until this study, now --adaptive-heads pooled) or each head its own (per_head, the default
 since), ranking components by |q_i| times the keys' spread (the policy's) or by |q_i| alone; and fixed SparQ's
-split (r = 40, k = 128) per head by |q|. One thread; ~3 min an example at 4k.
+split (r = 40, k = 128) per head by |q|. --task squad: the same on SQuAD's prompts (adaptive_split_study's, 1-shot
+with 7 confusion paragraphs, ~1.4k tokens; dense's answer to the end of its line), where pooling was the design
+before per-head selection was measured against it. The split is the int4 K^T's beside K and V in --dtype. One thread; ~3 min an example at 4k.
 """
 from __future__ import annotations
 
@@ -24,31 +28,34 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cli  # noqa: E402
-from assemble import kernels_for, load_checkpoint, load_tokenizer  # noqa: E402
+from assemble import DTYPES, kernels_for, load_checkpoint, load_tokenizer  # noqa: E402
 from attention import DenseDecode  # noqa: E402
-from decoding import decode_step, prefill  # noqa: E402
-from evals.tasks import common_words_examples  # noqa: E402
+from cache import KVFormat  # noqa: E402
+from decoding import prefill  # noqa: E402
+from evals.tasks import common_words_examples, squad_examples  # noqa: E402
 from model import ModelArgs, checkpoint_paths  # noqa: E402
-from scripts.studies.adaptive_split_study import score_teacher_forced  # noqa: E402
+from scripts.studies.adaptive_split_study import (MAX_ANSWER, dense_answer, score_teacher_forced,  # noqa: E402
+                                                  squad_answer_ended)
 from sparq_adaptive import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
 
-INT4_KT = StepCosts(kt=0.25, kt_scale=2.0)  # an int4 K^T beside bf16 K and V: the CPU's default split
+INT4_KT = StepCosts(kt=0.25, kt_scale=2.0)  # an int4 K^T beside bf16 K and V: the CPU's default split on a bf16 model
 COMPRESSION = 0.125
 
 
 class Variant(SparQAdaptiveDecode):
     """sparq-adaptive on the torch path at the int4 K^T's split (or a given r, k), its selection varied."""
 
-    def __init__(self, kernels, per_head: bool, spread: bool, r: Optional[int] = None, k: Optional[int] = None):
+    def __init__(self, kernels, per_head: bool, spread: bool, r: Optional[int] = None, k: Optional[int] = None,
+                 costs: StepCosts = INT4_KT):
         super().__init__(COMPRESSION, kernels=kernels)
-        self.per_head, self.use_spread, self.r, self.k = per_head, spread, r, k
+        self.per_head, self.use_spread, self.r, self.k, self.costs = per_head, spread, r, k, costs
 
     def forward(self, q, cache, length):
         if cache.visible_length(length) <= self.k_max:
             return super().forward(q, cache, length)
         B, d = q.shape[0], q.shape[-1]
         view = cache.view(length, B)
-        r, k = adaptive_split(view.length, d, COMPRESSION, costs=INT4_KT)
+        r, k = adaptive_split(view.length, d, COMPRESSION, costs=self.costs)
         r, k = self.r or r, self.k or k
         spread = self.spread(view, B) if self.use_spread else torch.ones(B, q.shape[1], d)
         return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, spread, view.length, view.live_length, r, k,
@@ -67,38 +74,49 @@ VARIANTS = {  # name: (per_head, spread, r, k)
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m scripts.studies.cwe_selection_study", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--task", choices=("ruler-cwe", "squad"), default="ruler-cwe")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--examples", type=cli.positive_int, default=12)
-    p.add_argument("--length", type=cli.positive_int, default=4096, help="prompt tokens")
+    p.add_argument("--length", type=cli.positive_int, default=4096, help="ruler-cwe's prompt tokens")
     return p
+
+
+def examples_and_answers(task: str, tokenizer, length: int, n: int):
+    """The task's examples (seed 0, the eval runs' first ones), each with the most tokens of dense's answer and
+    the rule that ends it: ruler-cwe's 60-token list (its stop tokens), SQuAD's line."""
+    if task == "squad":
+        ended = squad_answer_ended(tokenizer)
+        return [(ex, MAX_ANSWER, ended) for ex in squad_examples(tokenizer, 7, n, 0)]
+    return [(ex, ex.max_new, lambda answer: answer[-1] in tokenizer.stop_ids)
+            for ex in common_words_examples(tokenizer, length, n, 0)]
 
 
 def run(args) -> None:
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(args.checkpoint)
     kernels = kernels_for("auto", "cpu", ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json"))
-    model = load_checkpoint(args.checkpoint, "cpu", torch.bfloat16, kernels)
+    dtype = DTYPES[args.dtype]
+    model = load_checkpoint(args.checkpoint, "cpu", dtype, kernels)
+    costs = StepCosts.of(KVFormat(kt_dtype="int4"), dtype, model.args.head_dim)  # the CPU default's split
     stats = {name: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for name in VARIANTS}
     start = time.time()
     with torch.no_grad():
-        for ex in tqdm(common_words_examples(tokenizer, args.length, args.examples, 0), desc="examples"):
+        for ex, max_new, ended in tqdm(examples_and_answers(args.task, tokenizer, args.length, args.examples),
+                                       desc="examples"):
             T = len(ex.prompt)
-            model.setup_caches(1, T + ex.max_new + 1)
+            model.setup_caches(1, T + max_new + 1)
             model.set_decode_attention(lambda i: DenseDecode(kernels))
             logits = prefill(model, torch.tensor([ex.prompt]))
             snapshots = model.save_caches()
-            answer, dense_logprobs = [], []
-            for j in range(ex.max_new):  # dense's greedy answer
-                dense_logprobs.append(torch.log_softmax(logits.float().view(-1), -1))
-                answer.append(int(logits.view(-1).argmax()))
-                if answer[-1] in tokenizer.stop_ids:
-                    break
-                logits = decode_step(model, torch.tensor([[answer[-1]]]), torch.tensor([T + j]), T + j + 1)
+            answer, dense_logprobs = dense_answer(model, logits, T, max_new, ended)
             for name, (per_head, spread, r, k) in VARIANTS.items():
                 model.restore_caches(snapshots)
-                policies = [Variant(kernels, per_head, spread, r, k) for _ in range(model.args.n_layer)]
+                policies = [Variant(kernels, per_head, spread, r, k, costs) for _ in range(model.args.n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
                 score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
-    print(f"{args.checkpoint.name}, {args.examples} ruler-cwe examples at {args.length} tokens, 1/8, "
+    where = f"at {args.length} tokens" if args.task == "ruler-cwe" else "(7 contexts)"
+    print(f"{args.checkpoint.name}, {args.dtype}, {args.examples} {args.task} examples {where}, 1/8 on an int4 K^T "
+          f"(r, k = {adaptive_split(T, model.args.head_dim, COMPRESSION, costs=costs)} at the last one's {T}), "
           f"{time.time() - start:.0f} s")
     print(f"{'variant':40} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
     for name, st in stats.items():
