@@ -6,7 +6,7 @@ moves at that (r, k). Each KV head then takes its own r components and k positio
 default), or a row's KV heads pool n_kv x r and n_kv x k so that one whose |q| is concentrated, or whose
 step-1 scores are peaked, lends to one that needs more (`--adaptive-heads pooled`: it lost common-word
 extraction, docs/accuracy.md). Components rank by |q_i| times the keys' spread in dimension i
-(key_spread, from the cache's running sums). sparq_adaptive_reference says it with loops.
+(key_spread, from the cache's running sums).
 
 sparq_adaptive_reference is the loop reference, sparq_adaptive_torch the batched path the model
 runs without a fused kernel (kernels.sparq_adaptive_cpu is the fused one), SparQAdaptiveDecode the
