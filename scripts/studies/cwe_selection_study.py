@@ -34,20 +34,23 @@ from cache import KVFormat  # noqa: E402
 from decoding import prefill  # noqa: E402
 from evals.tasks import common_words_examples, squad_examples  # noqa: E402
 from model import ModelArgs, checkpoint_paths  # noqa: E402
+from policies import parse_compression  # noqa: E402
 from scripts.studies.adaptive_split_study import (MAX_ANSWER, dense_answer, score_teacher_forced,  # noqa: E402
                                                   squad_answer_ended)
 from sparq_adaptive import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
 
 INT4_KT = StepCosts(kt=0.25, kt_scale=2.0)  # an int4 K^T beside bf16 K and V: the CPU's default split on a bf16 model
 COMPRESSION = 0.125
+EVERY_COMPONENT = -1  # a variant's r: all d (step 1's scores exact: the selection at k is dense's top k)
+TWICE_K = -2  # a variant's k: twice the split's (over budget: do more positions help?)
 
 
 class Variant(SparQAdaptiveDecode):
     """sparq-adaptive on the torch path at the int4 K^T's split (or a given r, k), its selection varied."""
 
     def __init__(self, kernels, per_head: bool, spread: bool, r: Optional[int] = None, k: Optional[int] = None,
-                 costs: StepCosts = INT4_KT):
-        super().__init__(COMPRESSION, kernels=kernels)
+                 costs: StepCosts = INT4_KT, compression: float = COMPRESSION):
+        super().__init__(compression, kernels=kernels)
         self.per_head, self.use_spread, self.r, self.k, self.costs = per_head, spread, r, k, costs
 
     def forward(self, q, cache, length):
@@ -55,19 +58,26 @@ class Variant(SparQAdaptiveDecode):
             return super().forward(q, cache, length)
         B, d = q.shape[0], q.shape[-1]
         view = cache.view(length, B)
-        r, k = adaptive_split(view.length, d, COMPRESSION, costs=self.costs)
-        r, k = self.r or r, self.k or k
+        r, k = adaptive_split(view.length, d, self.compression, costs=self.costs)
+        r = d if self.r == EVERY_COMPONENT else self.r or r
+        k = 2 * k if self.k == TWICE_K else self.k or k
         spread = self.spread(view, B) if self.use_spread else torch.ones(B, q.shape[1], d)
         return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, spread, view.length, view.live_length, r, k,
                                     max(1, k // 4), False, per_head=self.per_head)
 
 
-VARIANTS = {  # name: (per_head, spread, r, k)
+VARIANTS = {  # name: (per_head, spread, r, k); None: the split's
     "pooled, |q| x spread": (False, True, None, None),
     "per head, |q| x spread (the policy)": (True, True, None, None),
     "pooled, |q|": (False, False, None, None),
     "per head, |q|": (True, False, None, None),
-    "SparQ r = 40, k = 128 (per head, |q|)": (True, False, 40, 128),
+    "SparQ r = 40, k = 128 (per head, |q|)": (True, False, 40, 128),  # SparQ's r at 4k and 1/8 (the RULER runs')
+}
+BUDGET_VARIANTS = {  # at any other target: what limits the policy there, step 1's ranking or the positions
+    "pooled, |q| x spread": (False, True, None, None),
+    "per head, |q| x spread (the policy)": (True, True, None, None),
+    "per head, exact step 1 (r = d), the split's k": (True, True, EVERY_COMPONENT, None),
+    "per head, the split's r, twice its k": (True, True, None, TWICE_K),
 }
 
 
@@ -76,6 +86,9 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, required=True)
     p.add_argument("--task", choices=("ruler-cwe", "squad"), default="ruler-cwe")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--compression", type=parse_compression, default="1/8",
+                   help="the target (default 1/8: the five variants; another: the policy beside exact step-1 scores "
+                        "and twice the positions)")
     p.add_argument("--examples", type=cli.positive_int, default=12)
     p.add_argument("--length", type=cli.positive_int, default=4096, help="ruler-cwe's prompt tokens")
     return p
@@ -98,7 +111,9 @@ def run(args) -> None:
     dtype = DTYPES[args.dtype]
     model = load_checkpoint(args.checkpoint, "cpu", dtype, kernels)
     costs = StepCosts.of(KVFormat(kt_dtype="int4"), dtype, model.args.head_dim)  # the CPU default's split
-    stats = {name: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for name in VARIANTS}
+    compression = float(args.compression)
+    variants = VARIANTS if compression == COMPRESSION else BUDGET_VARIANTS
+    stats = {name: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for name in variants}
     start = time.time()
     with torch.no_grad():
         for ex, max_new, ended in tqdm(examples_and_answers(args.task, tokenizer, args.length, args.examples),
@@ -109,19 +124,20 @@ def run(args) -> None:
             logits = prefill(model, torch.tensor([ex.prompt]))
             snapshots = model.save_caches()
             answer, dense_logprobs = dense_answer(model, logits, T, max_new, ended)
-            for name, (per_head, spread, r, k) in VARIANTS.items():
+            for name, (per_head, spread, r, k) in variants.items():
                 model.restore_caches(snapshots)
-                policies = [Variant(kernels, per_head, spread, r, k, costs) for _ in range(model.args.n_layer)]
+                policies = [Variant(kernels, per_head, spread, r, k, costs, compression)
+                            for _ in range(model.args.n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
                 score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
     where = f"at {args.length} tokens" if args.task == "ruler-cwe" else "(7 contexts)"
-    print(f"{args.checkpoint.name}, {args.dtype}, {args.examples} {args.task} examples {where}, 1/8 on an int4 K^T "
-          f"(r, k = {adaptive_split(T, model.args.head_dim, COMPRESSION, costs=costs)} at the last one's {T}), "
-          f"{time.time() - start:.0f} s")
-    print(f"{'variant':40} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
+    split = adaptive_split(T, model.args.head_dim, compression, costs=costs)
+    print(f"{args.checkpoint.name}, {args.dtype}, {args.examples} {args.task} examples {where}, {args.compression} on an "
+          f"int4 K^T (r, k = {split} at the last one's {T}), {time.time() - start:.0f} s")
+    print(f"{'variant':48} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
     for name, st in stats.items():
         steps = max(st["steps"], 1)
-        print(f"{name:40} {st['agree'] / steps:>15.4f} {st['whole']:>8}/{args.examples:<5} {st['kl'] / steps:>8.4f}")
+        print(f"{name:48} {st['agree'] / steps:>15.4f} {st['whole']:>8}/{args.examples:<5} {st['kl'] / steps:>8.4f}")
 
 
 if __name__ == "__main__":
