@@ -880,6 +880,14 @@ def test_eval_flags_are_one_line_errors(argv, fragment):
     assert_one_line_error(run_python("-m", "evals", *argv, "--quiet"), fragment)
 
 
+def squad_run_identity(argv: list[str]) -> dict:
+    """The run identity (what a --resume must match) of a SQuAD eval at 1/4 with these flags, as evals computes it."""
+    args = evals_cli.build_parser().parse_args(argv)
+    methods = args.attention.split(",")
+    return evals_cli.run_identity(args, ["squad"], methods, [Fraction(1, 4)], {"squad": [0]},
+                                  evals_cli.cache_format(args, "cpu", methods))
+
+
 def test_a_doublesparse_run_is_identified_by_its_calibration(tmp_path):
     """A resumed DoubleSparse run must use the channels its journal was made with: the run's identity
     holds the calibration file's content hash (a recalibration at the same path is another run), and
@@ -888,18 +896,12 @@ def test_a_doublesparse_run_is_identified_by_its_calibration(tmp_path):
     argv = ["--task", "squad", "--checkpoint", str(tmp_path), "--attention", "dense,doublesparse",
             "--sparq-r", "4", "--doublesparse-channels", str(channels)]
 
-    def identity(argv):
-        args = evals_cli.build_parser().parse_args(argv)
-        methods = args.attention.split(",")
-        return evals_cli.run_identity(args, ["squad"], methods, [Fraction(1, 4)], {"squad": [0]},
-                                      evals_cli.cache_format(args, "cpu", methods))
-
     torch.save({"ranking": torch.arange(12).view(1, 3, 4)}, channels)
-    first = identity(argv)
-    assert str(channels) in first["doublesparse_channels"] and identity(argv) == first
+    first = squad_run_identity(argv)
+    assert str(channels) in first["doublesparse_channels"] and squad_run_identity(argv) == first
     torch.save({"ranking": torch.arange(12).flip(0).view(1, 3, 4)}, channels)
-    assert identity(argv)["doublesparse_channels"] != first["doublesparse_channels"]
-    assert "doublesparse_channels" not in identity(argv[:5] + ["dense,sparq"])
+    assert squad_run_identity(argv)["doublesparse_channels"] != first["doublesparse_channels"]
+    assert "doublesparse_channels" not in squad_run_identity(argv[:5] + ["dense,sparq"])
 
 
 def test_an_adaptive_run_is_identified_by_its_cap_on_k(tmp_path):
@@ -908,17 +910,11 @@ def test_an_adaptive_run_is_identified_by_its_cap_on_k(tmp_path):
     sparq-adaptive keep the identity they had."""
     base = ["--task", "squad", "--checkpoint", str(tmp_path), "--attention", "dense,sparq-adaptive"]
 
-    def identity(argv):
-        args = evals_cli.build_parser().parse_args(argv)
-        methods = args.attention.split(",")
-        return evals_cli.run_identity(args, ["squad"], methods, [Fraction(1, 4)], {"squad": [0]},
-                                      evals_cli.cache_format(args, "cpu", methods))
-
-    earlier = identity(base + ["--adaptive-k-cap", "128"])
+    earlier = squad_run_identity(base + ["--adaptive-k-cap", "128"])
     assert "adaptive_k_cap" not in earlier  # as the journals made before the flag read back
-    assert identity(base)["adaptive_k_cap"] is None and identity(base + ["--adaptive-k-cap", "256"])["adaptive_k_cap"] == 256
-    assert identity(base + ["--sparq-k", "64", "--adaptive-k-cap", "64"]) == {**earlier, "sparq_k": 64}
-    assert "adaptive_k_cap" not in identity(base[:5] + ["dense,sparq"])
+    assert squad_run_identity(base)["adaptive_k_cap"] is None and squad_run_identity(base + ["--adaptive-k-cap", "256"])["adaptive_k_cap"] == 256
+    assert squad_run_identity(base + ["--sparq-k", "64", "--adaptive-k-cap", "64"]) == {**earlier, "sparq_k": 64}
+    assert "adaptive_k_cap" not in squad_run_identity(base[:5] + ["dense,sparq"])
 
 
 def test_an_adaptive_run_is_identified_by_its_heads_selection(tmp_path):
@@ -927,16 +923,10 @@ def test_an_adaptive_run_is_identified_by_its_heads_selection(tmp_path):
     without sparq-adaptive keep the identity they had."""
     base = ["--task", "squad", "--checkpoint", str(tmp_path), "--attention", "dense,sparq-adaptive"]
 
-    def identity(argv):
-        args = evals_cli.build_parser().parse_args(argv)
-        methods = args.attention.split(",")
-        return evals_cli.run_identity(args, ["squad"], methods, [Fraction(1, 4)], {"squad": [0]},
-                                      evals_cli.cache_format(args, "cpu", methods))
-
-    earlier = identity(base + ["--adaptive-heads", "pooled"])
+    earlier = squad_run_identity(base + ["--adaptive-heads", "pooled"])
     assert "adaptive_heads" not in earlier  # as the journals made before the flag read back
-    assert identity(base) == {**earlier, "adaptive_heads": "each"}
-    assert "adaptive_heads" not in identity(base[:5] + ["dense,sparq"])
+    assert squad_run_identity(base) == {**earlier, "adaptive_heads": "each"}
+    assert "adaptive_heads" not in squad_run_identity(base[:5] + ["dense,sparq"])
 
 
 def test_budget_lines_give_the_prompt_length_not_the_task_size():
