@@ -14,7 +14,8 @@ the mean KL(dense || variant) of the next token. Variants: the KV heads pooling 
 since), ranking components by |q_i| times the keys' spread (the policy's) or by |q_i| alone; and fixed SparQ's
 split (r = 40, k = 128) per head by |q|. --task squad: the same on SQuAD's prompts (adaptive_split_study's, 1-shot
 with 7 confusion paragraphs, ~1.4k tokens; dense's answer to the end of its line), where pooling was the design
-before per-head selection was measured against it. The split is the int4 K^T's beside K and V in --dtype. One thread; ~3 min an example at 4k.
+before per-head selection was measured against it. The split is the int4 K^T's beside K and V in --dtype. One
+thread; ~3 min an example at 4k.
 """
 from __future__ import annotations
 
@@ -132,8 +133,8 @@ def run(args) -> None:
                 score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
     where = f"at {args.length} tokens" if args.task == "ruler-cwe" else "(7 contexts)"
     split = adaptive_split(T, model.args.head_dim, compression, costs=costs)
-    print(f"{args.checkpoint.name}, {args.dtype}, {args.examples} {args.task} examples {where}, {args.compression} on an "
-          f"int4 K^T (r, k = {split} at the last one's {T}), {time.time() - start:.0f} s")
+    print(f"{args.checkpoint.name}, {args.dtype}, {args.examples} {args.task} examples {where}, {args.compression} "
+          f"on an int4 K^T (r, k = {split} at the last one's {T}), {time.time() - start:.0f} s")
     print(f"{'variant':48} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
     for name, st in stats.items():
         steps = max(st["steps"], 1)
