@@ -389,3 +389,28 @@ def test_the_cwe_study_runs_the_policy_at_the_cpu_default_split():
                                     k // 4, False, per_head=False)
     torch.testing.assert_close(Variant(TORCH_KERNELS, per_head=False, spread=True)(q, cache, S), expected)
     assert not torch.allclose(Variant(TORCH_KERNELS, per_head=True, spread=True)(q, cache, S), expected)
+
+
+@pytest.mark.parametrize("compression", [1 / 8, 1 / 16])
+def test_the_cwe_study_budget_variants(compression):
+    """scripts/studies/cwe_selection_study.py's variants at another target: exact step 1 (r = d) at the split's
+    k is the oracle's exact top-k per KV head (policies.OracleDecode, its own scores and attention), and twice
+    the positions is the torch path at the split's r and 2k."""
+    from kernels import TORCH_KERNELS
+    from policies import OracleDecode
+    from scripts.studies.cwe_selection_study import EVERY_COMPONENT, INT4_KT, TWICE_K, Variant
+
+    B, n_kv, g_, d, S = 2, 2, 3, 64, 700
+    cache, _, _ = filled_cache(B, n_kv, d, S, S + 8)
+    q = random_query(B, n_kv, g_, d)
+    r, k = adaptive_split(S, d, compression, costs=INT4_KT)
+    oracle = OracleDecode(SparQConfig(r=d, k_top=k, local=max(1, k // 4)))
+    exact = Variant(TORCH_KERNELS, per_head=True, spread=True, r=EVERY_COMPONENT, compression=compression)
+    torch.testing.assert_close(exact(q, cache, S), oracle(q, cache, S))
+    view = cache.view(S, B)
+    twice = sparq_adaptive_torch(q, view.k, view.v, view.v_sum, key_spread(view.k_moments[:B], S), S, None, r, 2 * k,
+                                 max(1, 2 * k // 4), False, per_head=True)
+    variant = Variant(TORCH_KERNELS, per_head=True, spread=True, k=TWICE_K, compression=compression)
+    torch.testing.assert_close(variant(q, cache, S), twice)
+    policy = Variant(TORCH_KERNELS, per_head=True, spread=True, compression=compression)  # step 1 at r < d
+    assert not torch.allclose(exact(q, cache, S), policy(q, cache, S))
