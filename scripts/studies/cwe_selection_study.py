@@ -9,13 +9,14 @@ Per ruler-cwe example (evals/tasks.py's, seed 0: the RULER runs' first examples)
 answer (the task's 60 new tokens), then for each variant every layer on sparq_adaptive_torch at adaptive's split
 for an int4 K^T (sparq_adaptive.adaptive_split; r = 32, k = 189 at 4k and 1/8; step 1 reads the float K here),
 teacher-forced on dense's answer: the share of steps whose argmax is dense's, the answers reproduced whole and
-the mean KL(dense || variant) of the next token. Variants: the KV heads pooling their components and positions
-(the policy's default until this study, now --adaptive-heads pooled) or each head its own (per_head, the default
-since), ranking components by |q_i| times the keys' spread (the policy's) or by |q_i| alone; and fixed SparQ's
-split (r = 40, k = 128) per head by |q|. --task squad: the same on SQuAD's prompts (adaptive_split_study's, 1-shot
-with 7 confusion paragraphs, ~1.4k tokens; dense's answer to the end of its line), where pooling was the design
-before per-head selection was measured against it. The split is the int4 K^T's beside K and V in --dtype. One
-thread; ~3 min an example at 4k.
+the mean KL(dense || variant) of the next token. Variants: the KV heads pooling their components and positions (the
+policy's default until this study, now --adaptive-heads pooled) or each head its own (per_head, the default since),
+ranking components by |q_i| times the keys' spread (the policy's) or by |q_i| alone; and fixed SparQ's split (r = 40,
+k = 128) per head by |q|. At another --compression: the policy beside exact step-1 scores at its k, twice its k, and
+the same bytes split with 1/4 or 1/8 of them to the positions (more components). --task squad: the same on SQuAD's
+prompts (adaptive_split_study's, 1-shot with 7 confusion paragraphs, ~1.4k tokens; dense's answer to the end of its
+line), where pooling was the design before per-head selection was measured against it. The split is the int4 K^T's
+beside K and V in --dtype. One thread; ~3 min an example at 4k.
 """
 from __future__ import annotations
 
@@ -47,19 +48,21 @@ TWICE_K = -2  # a variant's k: twice the split's (over budget: do more positions
 
 
 class Variant(SparQAdaptiveDecode):
-    """sparq-adaptive on the torch path at the int4 K^T's split (or a given r, k), its selection varied."""
+    """sparq-adaptive on the torch path at the int4 K^T's split (or a given r, k, or the split at another share of
+    the budget for the positions), its selection varied."""
 
     def __init__(self, kernels, per_head: bool, spread: bool, r: Optional[int] = None, k: Optional[int] = None,
-                 costs: StepCosts = INT4_KT, compression: float = COMPRESSION):
+                 costs: StepCosts = INT4_KT, compression: float = COMPRESSION, share: Optional[float] = None):
         super().__init__(compression, kernels=kernels)
         self.per_head, self.use_spread, self.r, self.k, self.costs = per_head, spread, r, k, costs
+        self.share = share  # None: the policy's position_share
 
     def forward(self, q, cache, length):
         if cache.visible_length(length) <= self.k_max:
             return super().forward(q, cache, length)
         B, d = q.shape[0], q.shape[-1]
         view = cache.view(length, B)
-        r, k = adaptive_split(view.length, d, self.compression, costs=self.costs)
+        r, k = adaptive_split(view.length, d, self.compression, costs=self.costs, share=self.share)
         r = d if self.r == EVERY_COMPONENT else self.r or r
         k = 2 * k if self.k == TWICE_K else self.k or k
         spread = self.spread(view, B) if self.use_spread else torch.ones(B, q.shape[1], d)
@@ -67,18 +70,20 @@ class Variant(SparQAdaptiveDecode):
                                     max(1, k // 4), False, per_head=self.per_head)
 
 
-VARIANTS = {  # name: (per_head, spread, r, k); None: the split's
-    "pooled, |q| x spread": (False, True, None, None),
-    "per head, |q| x spread (the policy)": (True, True, None, None),
-    "pooled, |q|": (False, False, None, None),
-    "per head, |q|": (True, False, None, None),
-    "SparQ r = 40, k = 128 (per head, |q|)": (True, False, 40, 128),  # SparQ's r at 4k and 1/8 (the RULER runs')
+VARIANTS = {  # name: (per_head, spread, r, k, share); None: the split's (share: the policy's position_share)
+    "pooled, |q| x spread": (False, True, None, None, None),
+    "per head, |q| x spread (the policy)": (True, True, None, None, None),
+    "pooled, |q|": (False, False, None, None, None),
+    "per head, |q|": (True, False, None, None, None),
+    "SparQ r = 40, k = 128 (per head, |q|)": (True, False, 40, 128, None),  # SparQ's r at 4k and 1/8 (the RULER runs')
 }
 BUDGET_VARIANTS = {  # at any other target: what limits the policy there, step 1's ranking or the positions
-    "pooled, |q| x spread": (False, True, None, None),
-    "per head, |q| x spread (the policy)": (True, True, None, None),
-    "per head, exact step 1 (r = d), the split's k": (True, True, EVERY_COMPONENT, None),
-    "per head, the split's r, twice its k": (True, True, None, TWICE_K),
+    "pooled, |q| x spread": (False, True, None, None, None),
+    "per head, |q| x spread (the policy)": (True, True, None, None, None),
+    "per head, exact step 1 (r = d), the split's k": (True, True, EVERY_COMPONENT, None, None),
+    "per head, the split's r, twice its k": (True, True, None, TWICE_K, None),
+    "per head, 1/4 of the budget to positions": (True, True, None, None, 1 / 4),  # more components, same bytes
+    "per head, 1/8 of the budget to positions": (True, True, None, None, 1 / 8),
 }
 
 
@@ -88,8 +93,8 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--task", choices=("ruler-cwe", "squad"), default="ruler-cwe")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--compression", type=parse_compression, default="1/8",
-                   help="the target (default 1/8: the five variants; another: the policy beside exact step-1 scores "
-                        "and twice the positions)")
+                   help="the target (default 1/8: the five variants; another: the policy beside exact step-1 scores, "
+                        "twice the positions, and splits giving the positions 1/4 or 1/8 of the budget)")
     p.add_argument("--examples", type=cli.positive_int, default=12)
     p.add_argument("--length", type=cli.positive_int, default=4096, help="ruler-cwe's prompt tokens")
     return p
@@ -125,9 +130,9 @@ def run(args) -> None:
             logits = prefill(model, torch.tensor([ex.prompt]))
             snapshots = model.save_caches()
             answer, dense_logprobs = dense_answer(model, logits, T, max_new, ended)
-            for name, (per_head, spread, r, k) in variants.items():
+            for name, (per_head, spread, r, k, share) in variants.items():
                 model.restore_caches(snapshots)
-                policies = [Variant(kernels, per_head, spread, r, k, costs, compression)
+                policies = [Variant(kernels, per_head, spread, r, k, costs, compression, share)
                             for _ in range(model.args.n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
                 score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
