@@ -394,8 +394,9 @@ def test_the_cwe_study_runs_the_policy_at_the_cpu_default_split():
 @pytest.mark.parametrize("compression", [1 / 8, 1 / 16])
 def test_the_cwe_study_budget_variants(compression):
     """scripts/studies/cwe_selection_study.py's variants at another target: exact step 1 (r = d) at the split's
-    k is the oracle's exact top-k per KV head (policies.OracleDecode, its own scores and attention), and twice
-    the positions is the torch path at the split's r and 2k."""
+    k is the oracle's exact top-k per KV head (policies.OracleDecode, its own scores and attention), twice the
+    positions is the torch path at the split's r and 2k, and a smaller share for the positions is the torch path
+    at that share's split (more components, fewer positions)."""
     from kernels import TORCH_KERNELS
     from policies import OracleDecode
     from scripts.studies.cwe_selection_study import EVERY_COMPONENT, INT4_KT, TWICE_K, Variant
@@ -414,3 +415,9 @@ def test_the_cwe_study_budget_variants(compression):
     torch.testing.assert_close(variant(q, cache, S), twice)
     policy = Variant(TORCH_KERNELS, per_head=True, spread=True, compression=compression)  # step 1 at r < d
     assert not torch.allclose(exact(q, cache, S), policy(q, cache, S))
+    r_more, k_fewer = adaptive_split(S, d, compression, costs=INT4_KT, share=1 / 8)  # the same bytes, more components
+    assert r_more > r and k_fewer < k
+    more = sparq_adaptive_torch(q, view.k, view.v, view.v_sum, key_spread(view.k_moments[:B], S), S, None, r_more,
+                                k_fewer, max(1, k_fewer // 4), False, per_head=True)
+    shifted = Variant(TORCH_KERNELS, per_head=True, spread=True, compression=compression, share=1 / 8)
+    torch.testing.assert_close(shifted(q, cache, S), more)
