@@ -912,7 +912,8 @@ def test_an_adaptive_run_is_identified_by_its_cap_on_k(tmp_path):
 
     earlier = squad_run_identity(base + ["--adaptive-k-cap", "128"])
     assert "adaptive_k_cap" not in earlier  # as the journals made before the flag read back
-    assert squad_run_identity(base)["adaptive_k_cap"] is None and squad_run_identity(base + ["--adaptive-k-cap", "256"])["adaptive_k_cap"] == 256
+    assert squad_run_identity(base)["adaptive_k_cap"] is None
+    assert squad_run_identity(base + ["--adaptive-k-cap", "256"])["adaptive_k_cap"] == 256
     assert squad_run_identity(base + ["--sparq-k", "64", "--adaptive-k-cap", "64"]) == {**earlier, "sparq_k": 64}
     assert "adaptive_k_cap" not in squad_run_identity(base[:5] + ["dense,sparq"])
 

@@ -405,19 +405,20 @@ def test_the_cwe_study_budget_variants(compression):
     cache, _, _ = filled_cache(B, n_kv, d, S, S + 8)
     q = random_query(B, n_kv, g_, d)
     r, k = adaptive_split(S, d, compression, costs=INT4_KT)
-    oracle = OracleDecode(SparQConfig(r=d, k_top=k, local=max(1, k // 4)))
-    exact = Variant(TORCH_KERNELS, per_head=True, spread=True, r=EVERY_COMPONENT, compression=compression)
-    torch.testing.assert_close(exact(q, cache, S), oracle(q, cache, S))
     view = cache.view(S, B)
-    twice = sparq_adaptive_torch(q, view.k, view.v, view.v_sum, key_spread(view.k_moments[:B], S), S, None, r, 2 * k,
-                                 max(1, 2 * k // 4), False, per_head=True)
+
+    def torch_path(r_, k_):  # each head its own, at (r_, k_)
+        return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, key_spread(view.k_moments[:B], S), S, None, r_, k_,
+                                    max(1, k_ // 4), False, per_head=True)
+
+    oracle = OracleDecode(SparQConfig(r=d, k_top=k, local=max(1, k // 4)))
+    exact = Variant(TORCH_KERNELS, per_head=True, spread=True, r=EVERY_COMPONENT, compression=compression)(q, cache, S)
+    torch.testing.assert_close(exact, oracle(q, cache, S))
     variant = Variant(TORCH_KERNELS, per_head=True, spread=True, k=TWICE_K, compression=compression)
-    torch.testing.assert_close(variant(q, cache, S), twice)
+    torch.testing.assert_close(variant(q, cache, S), torch_path(r, 2 * k))
     policy = Variant(TORCH_KERNELS, per_head=True, spread=True, compression=compression)  # step 1 at r < d
-    assert not torch.allclose(exact(q, cache, S), policy(q, cache, S))
+    assert not torch.allclose(exact, policy(q, cache, S))
     r_more, k_fewer = adaptive_split(S, d, compression, costs=INT4_KT, share=1 / 8)  # the same bytes, more components
     assert r_more > r and k_fewer < k
-    more = sparq_adaptive_torch(q, view.k, view.v, view.v_sum, key_spread(view.k_moments[:B], S), S, None, r_more,
-                                k_fewer, max(1, k_fewer // 4), False, per_head=True)
     shifted = Variant(TORCH_KERNELS, per_head=True, spread=True, compression=compression, share=1 / 8)
-    torch.testing.assert_close(shifted(q, cache, S), more)
+    torch.testing.assert_close(shifted(q, cache, S), torch_path(r_more, k_fewer))
