@@ -341,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
           + (f" ({replayed} of {len(work)} batches from the journal)" if replayed else ""))
     print(budget_summary(results.budgets))
     print_results(results.rows(), methods, targets, args.plot, plot_title(args.checkpoint, args.dtype),
-                  no_selection(budget_records(results.budgets)), results.needle_map())
+                  no_selection(budget_records(results.budgets), args.page_size), results.needle_map())
     return 0
 
 

@@ -12,7 +12,7 @@ import cli
 from cli import UserError
 from evals.runner import Cell, row_cell
 from evals.tasks import TASKS
-from policies import DENSE, POLICIES, Budget, fraction_label, parse_compression
+from policies import DENSE, POLICIES, QUEST_PAGE, Budget, fraction_label, parse_compression
 
 
 # =============================================================================================
@@ -66,16 +66,20 @@ def budget_records(budgets: dict[tuple, Budget]) -> list[dict]:
             for (task, method, target, size), b in budgets.items()]
 
 
-def no_selection(budgets: list[dict]) -> set[tuple]:
-    """(task, size, method, compression label) whose budget (the last batch's of that size) leaves k = 1:
-    the transfers went to reading (SparQ's step 1 with r fixed, top-k's all of K) and none are left to
-    select with, so the cell scores attention to one position. On target, so ranked, but not a
-    comparison of how well a method selects."""
+def no_selection(budgets: list[dict], page_size: int = QUEST_PAGE) -> set[tuple]:
+    """(task, size, method, compression label) whose budget (the last batch's of that size) leaves nothing
+    to select: the transfers went to reading (SparQ's step 1 with r fixed, top-k's all of K, Quest's page
+    summaries), leaving k = 1, or for the paged policies (Quest, the hybrid) one page of page_size, the
+    newest position's, which they read whatever the query. The cell then scores attention to what the
+    policy always reads. On target, so ranked, but not a comparison of how well a method selects."""
+    def floor(method: str) -> int:
+        return page_size if method in POLICIES and "page_size" in POLICIES[method].flags else 1
+
     return {(b["task"], b["seq_len"], b["attention"], b["compression"]) for b in budgets
-            if b["attention"] != "dense" and b["k"] is not None and b["k"] <= 1}
+            if b["attention"] != "dense" and b["k"] is not None and b["k"] <= floor(b["attention"])}
 
 
-NO_SELECTION = "‡ = its budget leaves k = 1 (nothing left to select: see the budgets)"
+NO_SELECTION = "‡ = its budget leaves nothing to select (k = 1, or a paged policy's newest page alone: see the budgets)"
 
 
 def table(rows: list[dict], methods: list[str], targets: list[Fraction], empty: set[tuple] = frozenset()) -> str:
@@ -273,17 +277,39 @@ def _panel_name(method: str, label: str) -> str:
     return "dense" if method == "dense" else f"{method} {label}"
 
 
-def _found(r: dict) -> str:
-    """+ found in every example, - in none, else k/n; ! when dense found it in an example this one missed."""
+def _found(r: dict, mark: str = "") -> str:
+    """+ found in every example, - in none, else k/n; ! when dense found it in an example this one missed,
+    followed by the column's mark (needle_map_marks)."""
     k = round(r["exact_match"] * r["n"])
     text = "+" if k == r["n"] else "-" if k == 0 else f"{k}/{r['n']}"
-    return text + ("!" if r.get("missed_vs_dense") else "")
+    return text + ("!" if r.get("missed_vs_dense") else "") + (mark if r.get("missed_vs_dense") else "")
 
 
-def needle_map_table(needle_map: list[dict], width: int = 120) -> str:
+MARK_REASONS = {"†": "off its target compression", "‡": "its budget leaves nothing to select"}
+
+
+def needle_map_marks(rows: list[dict], empty: set[tuple]) -> dict[tuple[str, str, int], str]:
+    """(method, compression label, length) -> the needle map column's mark, as table() marks the cell: † off
+    its target compression, ‡ nothing left to select (no_selection). Such a column's misses are the
+    budget's, not the selector's."""
+    marks = {}
+    for r in rows:
+        if r["task"] != "needle" or r["metric"] != "exact_match" or r["attention"] == "dense":
+            continue
+        key = (r["attention"], r["compression_label"], r["size"])
+        mark = ("†" if off_target(r) else "") + ("‡" if ("needle", r["size"], r["attention"], key[1]) in empty else "")
+        if mark:
+            marks[key] = mark
+    return marks
+
+
+MAP_MARKS = "† = off its target compression, ‡ = nothing left to select (a column's mark, on its misses)"
+
+
+def needle_map_table(needle_map: list[dict], width: int = 120, marks: dict[tuple[str, str, int], str] = {}) -> str:
     """The needle map as text: a block per method and compression (rows = depths, columns = lengths),
     side by side up to `width` characters; then every cell where dense found the needle in an example
-    the method missed, named."""
+    the method missed, named, with its column's mark (needle_map_marks) where the budget explains it."""
     if not needle_map:
         return ""
     lengths = sorted({r["length"] for r in needle_map})
@@ -292,13 +318,15 @@ def needle_map_table(needle_map: list[dict], width: int = 120) -> str:
     blocks = []
     for (method, label), cells in _map_panels(needle_map).items():
         header = ["depth"] + [length_label(t) for t in lengths]
-        body = [[depth_label(d)] + [_found(cells[(t, d)]) if (t, d) in cells else "." for t in lengths] for d in depths]
+        body = [[depth_label(d)] + [_found(cells[(t, d)], marks.get((method, label, t), "")) if (t, d) in cells else "."
+                                    for t in lengths] for d in depths]
         widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
         lines = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
                  for row in [header] + body]
         blocks.append([_panel_name(method, label)] + lines)
     out = [f"\nneedle map (rows = needle depth, columns = prompt tokens; n = {', '.join(map(str, n))} per cell): found in "
-           f"every example (+),\nin none (-), in k of n (k/n); ! = dense found it in an example this one missed; . = not run"]
+           f"every example (+),\nin none (-), in k of n (k/n); ! = dense found it in an example this one missed; . = not run"
+           + (f";\n{MAP_MARKS}" if marks else "")]
     line: list[list[str]] = []
     for block in blocks + [None]:
         if line and (block is None or sum(max(map(len, b)) + 4 for b in line + [block]) > width):
@@ -316,16 +344,20 @@ def needle_map_table(needle_map: list[dict], width: int = 120) -> str:
     for r in missed:
         d = dense.get((r["length"], r["depth"]))
         found = lambda row: f"{round(row['exact_match'] * row['n'])}/{row['n']}"
+        mark = marks.get((r["attention"], r["compression_label"], r["length"]), "")
+        why = "".join(f"; {MARK_REASONS[m]}" for m in mark)
         out.append(f"  {_panel_name(r['attention'], r['compression_label'])} at {length_label(r['length'])} tokens, "
                    f"depth {depth_label(r['depth'])}: missed {r['missed_vs_dense']} that dense found (dense "
-                   f"{found(d) if d else '?'}, {r['attention']} {found(r)})")
+                   f"{found(d) if d else '?'}, {r['attention']} {found(r)}{why})")
     return "\n".join(out)
 
 
-def plot_needle_map(needle_map: list[dict], path: Path, model: str = "") -> None:
+def plot_needle_map(needle_map: list[dict], path: Path, model: str = "",
+                    marks: dict[tuple[str, str, int], str] = {}) -> None:
     """The needle-in-a-haystack picture: a panel per method and compression (dense first), x = prompt
     length, y = needle depth (0% at the top), colour = fraction found (red to green); a cell where
-    dense found the needle in an example the method missed is outlined."""
+    dense found the needle in an example the method missed is outlined; a column whose budget is off
+    target or leaves nothing to select (needle_map_marks) is hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -351,6 +383,9 @@ def plot_needle_map(needle_map: list[dict], path: Path, model: str = "") -> None
             grid[y, x] = r["exact_match"]
             if r.get("missed_vs_dense"):
                 ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2.2))
+            if (method, label, length) in marks:
+                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, hatch="///", edgecolor="dimgray",
+                                       linewidth=0))
         image = ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto", interpolation="nearest")
         ax.set_xticks(range(len(lengths)), [length_label(t) for t in lengths], fontsize=8)
         ax.set_yticks(range(len(depths)), [depth_label(d) for d in depths], fontsize=8)
@@ -362,7 +397,8 @@ def plot_needle_map(needle_map: list[dict], path: Path, model: str = "") -> None
         ax.axis("off")
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="fraction found")
     fig.suptitle(f"{model}{': ' if model else ''}needle in a haystack, n = {n[0] if len(n) == 1 else f'{n[0]}-{n[-1]}'} "
-                 f"per cell\noutlined: dense found the needle in an example this method missed", fontsize=11)
+                 f"per cell\noutlined: dense found the needle in an example this method missed"
+                 + ("; hatched: the budget is off its target or leaves nothing to select" if marks else ""), fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -483,11 +519,12 @@ def print_results(rows: list[dict], methods: list[str], targets: list[Fraction],
         print(sweep_table(rows, methods, targets, empty))
     print(delta_table(rows, methods, targets))
     print(achieved_table(rows, methods, targets))
+    marks = needle_map_marks(rows, empty)
     if needle_map:
-        print(needle_map_table(needle_map))
+        print(needle_map_table(needle_map, marks=marks))
     if plot_path:
         if needle_map:
-            plot_needle_map(needle_map, plot_path, model)
+            plot_needle_map(needle_map, plot_path, model, marks)
             plot(rows, scores_plot_path(plot_path), methods, model)
             print(f"\nplots: {plot_path} (needle map), {scores_plot_path(plot_path)} (scores)")
         else:
@@ -515,7 +552,7 @@ def report(paths: list[Path], plot_path: Optional[Path]) -> int:
             heading = (f"{path}: model {meta['checkpoint']}, {meta['dtype']}, kernels {meta['kernels']}; "
                        f"{meta['examples']} examples per task and length; {done}; {meta['elapsed_s'] / 60:.1f} min")
             titles.add(plot_title(Path(meta["checkpoint"]), meta["dtype"]))
-            empty |= no_selection(meta["budgets"])
+            empty |= no_selection(meta["budgets"], meta.get("page_size", QUEST_PAGE))
             cells = {(r["task"], r["size"], r["metric"], r["attention"], r["compression"]): r for r in mine}
             map_cells = {(r["length"], r["depth"], r["attention"], r["compression"]): r
                          for r in saved.get("needle_map", [])}

@@ -121,6 +121,49 @@ def test_topk_cannot_go_below_one_half_and_dense_is_one():
         assert policies.solve_budget(method, Fraction(1), 2048, args_with_head_dim(64)).method == "dense"
 
 
+
+def test_quest_at_one_sixteenth_on_pages_of_16_selects_nothing_and_the_needle_map_says_so(tmp_path):
+    """Quest's page summaries cost 2d per page of 16, 1/16 of dense's transfers: at 1/16 the solver leaves
+    it one page, the newest position's, which it reads whatever the query (pages_read and the forced page,
+    an independent reading of the policy). no_selection marks that cell (‡), not 1/8's, nor 1/16's on pages
+    of 32; the needle map marks its misses there with the reason, and an off-target column with its own."""
+    S, d = 4096, 64
+    quest = policies.solve_budget("quest", Fraction(1, 16), S, args_with_head_dim(d))
+    assert quest.k_top == 16 and policies.QuestDecode(quest.k_top).pages_read(S) == 1
+    eighth = policies.solve_budget("quest", Fraction(1, 8), S, args_with_head_dim(d))
+    wide = policies.solve_budget("quest", Fraction(1, 16), S, args_with_head_dim(d),
+                                 AttentionSettings("quest", page_size=32))
+    assert eighth.k_top > 16 and wide.k_top > 32
+    records = evals_report.budget_records({("needle", "quest", b.target, S): b for b in (quest, eighth)})
+    assert evals_report.no_selection(records) == {("needle", S, "quest", "1/16")}
+    assert evals_report.no_selection(records, page_size=8) == set()  # a page of 8 would leave a second one
+    wide_record = evals_report.budget_records({("needle", "quest", wide.target, S): wide})
+    assert evals_report.no_selection(wide_record, page_size=32) == set()
+
+    results = evals_runner.Results()
+    cell = evals_runner.Cell("needle", S)
+    results.depths[cell] += [50, 50]
+    dense = evals_runner.Config(budget("dense", Fraction(1), S), [])
+    sparq = evals_runner.Config(budget("sparq", Fraction(1, 16), S, r=1, k=128, achieved=0.09), [])  # off target
+    for config, em in ((dense, [1.0, 1.0]), (evals_runner.Config(quest, []), [0.0, 0.0]),
+                       (evals_runner.Config(eighth, []), [0.0, 1.0]), (sparq, [1.0, 0.0])):
+        results.add(cell, config, "exact_match", em)
+        results.achieved[(cell, config.method, config.budget.target)] += [config.budget.achieved]
+    empty = evals_report.no_selection(records)
+    marks = evals_report.needle_map_marks(results.rows(), empty)
+    assert marks == {("quest", "1/16", S): "‡", ("sparq", "1/16", S): "†"}  # quest 1/8 misses one, unmarked
+    text = evals_report.needle_map_table(results.needle_map(), marks=marks)
+    assert "quest 1/16 at 4k tokens, depth 50%: missed 2 that dense found (dense 2/2, quest 0/2; its budget leaves " \
+           "nothing to select)" in text
+    assert "sparq 1/16 at 4k tokens, depth 50%: missed 1 that dense found (dense 2/2, sparq 1/2; off its target " \
+           "compression)" in text
+    assert "quest 1/8 at 4k tokens, depth 50%: missed 1 that dense found (dense 2/2, quest 1/2)\n" in text + "\n"
+    assert re.search(r"50%\s+-!‡", text) and evals_report.MAP_MARKS in text
+    assert evals_report.MAP_MARKS not in evals_report.needle_map_table(results.needle_map())
+    evals_report.plot_needle_map(results.needle_map(), tmp_path / "map.png", "M", marks)
+    assert (tmp_path / "map.png").stat().st_size > 5000
+
+
 @pytest.mark.parametrize("text", ["1/0", "abc", "0", "2", "-1/4", ""])
 def test_bad_compression_is_a_user_error(text):
     with pytest.raises(UserError):
