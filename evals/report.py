@@ -306,12 +306,14 @@ def needle_map_marks(rows: list[dict], empty: set[tuple]) -> dict[tuple[str, str
 MAP_MARKS = "† = off its target compression, ‡ = nothing left to select (a column's mark, on its misses)"
 
 
-def needle_map_table(needle_map: list[dict], width: int = 120, marks: dict[tuple[str, str, int], str] = {}) -> str:
+def needle_map_table(needle_map: list[dict], width: int = 120,
+                     marks: Optional[dict[tuple[str, str, int], str]] = None) -> str:
     """The needle map as text: a block per method and compression (rows = depths, columns = lengths),
     side by side up to `width` characters; then every cell where dense found the needle in an example
     the method missed, named, with its column's mark (needle_map_marks) where the budget explains it."""
     if not needle_map:
         return ""
+    marks = marks or {}
     lengths = sorted({r["length"] for r in needle_map})
     depths = sorted({r["depth"] for r in needle_map})
     n = sorted({r["n"] for r in needle_map})
@@ -353,11 +355,12 @@ def needle_map_table(needle_map: list[dict], width: int = 120, marks: dict[tuple
 
 
 def plot_needle_map(needle_map: list[dict], path: Path, model: str = "",
-                    marks: dict[tuple[str, str, int], str] = {}) -> None:
+                    marks: Optional[dict[tuple[str, str, int], str]] = None) -> None:
     """The needle-in-a-haystack picture: a panel per method and compression (dense first), x = prompt
     length, y = needle depth (0% at the top), colour = fraction found (red to green); a cell where
     dense found the needle in an example the method missed is outlined; a column whose budget is off
     target or leaves nothing to select (needle_map_marks) is hatched."""
+    marks = marks or {}
     import matplotlib
 
     matplotlib.use("Agg")
