@@ -282,7 +282,7 @@ def _found(r: dict, mark: str = "") -> str:
     followed by the column's mark (needle_map_marks)."""
     k = round(r["exact_match"] * r["n"])
     text = "+" if k == r["n"] else "-" if k == 0 else f"{k}/{r['n']}"
-    return text + ("!" if r.get("missed_vs_dense") else "") + (mark if r.get("missed_vs_dense") else "")
+    return text + ("!" + mark if r.get("missed_vs_dense") else "")
 
 
 MARK_REASONS = {"†": "off its target compression", "‡": "its budget leaves nothing to select"}
@@ -303,7 +303,7 @@ def needle_map_marks(rows: list[dict], empty: set[tuple]) -> dict[tuple[str, str
     return marks
 
 
-MAP_MARKS = "† = off its target compression, ‡ = nothing left to select (a column's mark, on its misses)"
+MAP_MARKS = ", ".join(f"{m} = {why}" for m, why in MARK_REASONS.items()) + " (a column's mark, on its misses)"
 
 
 def needle_map_table(needle_map: list[dict], width: int = 120,
