@@ -396,9 +396,14 @@ def plot_needle_map(needle_map: list[dict], path: Path, model: str = "",
         ax.set_xlabel("context length (tokens)", fontsize=8)
         if index % cols == 0:
             ax.set_ylabel("needle depth", fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    empty = list(axes.flat)[len(panels):]
+    for ax in empty:
         ax.axis("off")
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="fraction found")
+    if empty:  # the colour bar goes in the grid's first empty slot, not in a column of its own beside it
+        fig.colorbar(image, cax=empty[0].inset_axes([0.1, 0.45, 0.8, 0.1]), orientation="horizontal",
+                     label="fraction found")
+    else:
+        fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="fraction found")
     fig.suptitle(f"{model}{': ' if model else ''}needle in a haystack, n = {n[0] if len(n) == 1 else f'{n[0]}-{n[-1]}'} "
                  f"per cell\noutlined: dense found the needle in an example this method missed"
                  + ("; hatched: the budget is off its target or leaves nothing to select" if marks else ""), fontsize=11)
