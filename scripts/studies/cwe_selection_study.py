@@ -13,7 +13,8 @@ the mean KL(dense || variant) of the next token. Variants: the KV heads pooling 
 policy's default until this study, now --adaptive-heads pooled) or each head its own (per_head, the default since),
 ranking components by |q_i| times the keys' spread (the policy's) or by |q_i| alone; and fixed SparQ's split (r = 40,
 k = 128) per head by |q|. At another --compression: the policy beside exact step-1 scores at its k, twice its k, and
-the same bytes split with 1/4 or 1/8 of them to the positions (more components). --task squad: the same on SQuAD's
+the same bytes split with 1/4 or 1/8 of them to the positions (more components), and the split a bf16 scale per
+position would leave (2 bytes, not the stored fp32's 4: more positions). --task squad: the same on SQuAD's
 prompts (adaptive_split_study's, 1-shot with 7 confusion paragraphs, ~1.4k tokens; dense's answer to the end of its
 line), where pooling was the design before per-head selection was measured against it. The split is the int4 K^T's
 beside K and V in --dtype. One thread; ~3 min an example at 4k.
@@ -42,6 +43,7 @@ from scripts.studies.adaptive_split_study import (MAX_ANSWER, dense_answer, scor
 from sparq_adaptive import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
 
 INT4_KT = StepCosts(kt=0.25, kt_scale=2.0)  # an int4 K^T beside bf16 K and V: the CPU's default split on a bf16 model
+INT4_KT_BF16_SCALE = StepCosts(kt=0.25, kt_scale=1.0)  # the same with a bf16 scale per position (not a stored format yet)
 COMPRESSION = 0.125
 EVERY_COMPONENT = -1  # a variant's r: all d (step 1's scores exact: the selection at k is dense's top k)
 TWICE_K = -2  # a variant's k: twice the split's (over budget: do more positions help?)
@@ -70,20 +72,23 @@ class Variant(SparQAdaptiveDecode):
                                     max(1, k // 4), False, per_head=self.per_head)
 
 
-VARIANTS = {  # name: (per_head, spread, r, k, share); None: the split's (share: the policy's position_share)
-    "pooled, |q| x spread": (False, True, None, None, None),
-    "per head, |q| x spread (the policy)": (True, True, None, None, None),
-    "pooled, |q|": (False, False, None, None, None),
-    "per head, |q|": (True, False, None, None, None),
-    "SparQ r = 40, k = 128 (per head, |q|)": (True, False, 40, 128, None),  # SparQ's r at 4k and 1/8 (the RULER runs')
+VARIANTS = {  # name: (per_head, spread, r, k, share, costs); None: the split's (share: the policy's
+    # position_share; costs: the int4 K^T's as stored, INT4_KT)
+    "pooled, |q| x spread": (False, True, None, None, None, None),
+    "per head, |q| x spread (the policy)": (True, True, None, None, None, None),
+    "pooled, |q|": (False, False, None, None, None, None),
+    "per head, |q|": (True, False, None, None, None, None),
+    "SparQ r = 40, k = 128 (per head, |q|)": (True, False, 40, 128, None, None),  # SparQ's r at 4k and 1/8 (the RULER runs')
 }
 BUDGET_VARIANTS = {  # at any other target: what limits the policy there, step 1's ranking or the positions
-    "pooled, |q| x spread": (False, True, None, None, None),
-    "per head, |q| x spread (the policy)": (True, True, None, None, None),
-    "per head, exact step 1 (r = d), the split's k": (True, True, EVERY_COMPONENT, None, None),
-    "per head, the split's r, twice its k": (True, True, None, TWICE_K, None),
-    "per head, 1/4 of the budget to positions": (True, True, None, None, 1 / 4),  # more components, same bytes
-    "per head, 1/8 of the budget to positions": (True, True, None, None, 1 / 8),
+    "pooled, |q| x spread": (False, True, None, None, None, None),
+    "per head, |q| x spread (the policy)": (True, True, None, None, None, None),
+    "per head, exact step 1 (r = d), the split's k": (True, True, EVERY_COMPONENT, None, None, None),
+    "per head, the split's r, twice its k": (True, True, None, TWICE_K, None, None),
+    "per head, 1/4 of the budget to positions": (True, True, None, None, 1 / 4, None),  # more components, same bytes
+    "per head, 1/8 of the budget to positions": (True, True, None, None, 1 / 8, None),
+    # the scale's 4 bytes per position are a quarter of 1/16's budget at d = 64: what a bf16 scale's 2 would buy
+    "per head, the split of a bf16-scaled int4 K^T": (True, True, None, None, None, INT4_KT_BF16_SCALE),
 }
 
 
@@ -130,9 +135,9 @@ def run(args) -> None:
             logits = prefill(model, torch.tensor([ex.prompt]))
             snapshots = model.save_caches()
             answer, dense_logprobs = dense_answer(model, logits, T, max_new, ended)
-            for name, (per_head, spread, r, k, share) in variants.items():
+            for name, (per_head, spread, r, k, share, split_costs) in variants.items():
                 model.restore_caches(snapshots)
-                policies = [Variant(kernels, per_head, spread, r, k, costs, compression, share)
+                policies = [Variant(kernels, per_head, spread, r, k, split_costs or costs, compression, share)
                             for _ in range(model.args.n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
                 score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
