@@ -399,7 +399,7 @@ def test_the_cwe_study_budget_variants(compression):
     at that share's split (more components, fewer positions)."""
     from kernels import TORCH_KERNELS
     from policies import OracleDecode
-    from scripts.studies.cwe_selection_study import EVERY_COMPONENT, INT4_KT, TWICE_K, Variant
+    from scripts.studies.cwe_selection_study import EVERY_COMPONENT, INT4_KT, INT4_KT_BF16_SCALE, TWICE_K, Variant
 
     B, n_kv, g_, d, S = 2, 2, 3, 64, 700
     cache, _, _ = filled_cache(B, n_kv, d, S, S + 8)
@@ -422,3 +422,9 @@ def test_the_cwe_study_budget_variants(compression):
     assert r_more > r and k_fewer < k
     shifted = Variant(TORCH_KERNELS, per_head=True, spread=True, compression=compression, share=1 / 8)
     torch.testing.assert_close(shifted(q, cache, S), torch_path(r_more, k_fewer))
+    # a bf16 scale per position: half the stored scale's bytes, which the split gives to the positions
+    assert INT4_KT_BF16_SCALE == StepCosts(kt=INT4_KT.kt, kt_scale=INT4_KT.kt_scale / 2)
+    r_same, k_more = adaptive_split(S, d, compression, costs=INT4_KT_BF16_SCALE)
+    assert k_more > k
+    bf16_scale = Variant(TORCH_KERNELS, per_head=True, spread=True, costs=INT4_KT_BF16_SCALE, compression=compression)
+    torch.testing.assert_close(bf16_scale(q, cache, S), torch_path(r_same, k_more))
