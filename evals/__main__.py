@@ -27,7 +27,8 @@ Generator run from scratch).
 Long runs (a SQuAD length sweep is hours on a 2-core CPU): with --json, every finished batch's raw
 results go to a journal beside it (FILE.journal.jsonl); the same command with --resume replays those
 batches and runs only the rest, and the tables come out as from one uninterrupted run.
-`--report FILE.json` prints the tables (and --plot) of the results so far, while the run goes on.
+`--report FILE.json` prints the tables (and --plot) of the results so far, while the run goes on;
+with `--versus quest` also every policy's paired difference from Quest's (the journal's per-example values).
 
 The needle map (the long-context picture: context length against needle depth, per method):
 
@@ -172,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
                    help="print the tables (and --plot) of an earlier run's --json, also of one still going; "
                         "several files (one run per length, say) as one run; nothing runs")
+    p.add_argument("--versus", metavar="METHOD",
+                   help="with --report: also the paired differences from this policy at each compression (e.g. "
+                        "quest), from the journals beside the files")
     return p
 
 
@@ -220,7 +224,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.report:
-        return report(args.report, args.plot)
+        return report(args.report, args.plot, args.versus)
+    if args.versus:
+        raise UserError("--versus goes with --report (it compares the policies of finished or running runs)")
     tasks = cli.name_list(args.task, "--task", list(TASKS))
     methods = cli.name_list(args.attention, "--attention", list(POLICIES))
     targets = list(dict.fromkeys([DENSE] + [parse_compression(c) for c in args.compression.split(",") if c.strip()]))

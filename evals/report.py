@@ -10,7 +10,8 @@ from typing import Optional
 
 import cli
 from cli import UserError
-from evals.runner import Cell, row_cell
+from evals.journal import journal_path
+from evals.runner import Cell, Results, paired_difference, row_cell
 from evals.tasks import TASKS
 from policies import DENSE, POLICIES, QUEST_PAGE, Budget, fraction_label, parse_compression
 
@@ -200,6 +201,53 @@ def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -
             body.append([f"{cell.label()}/{metric}", method] + cells)
     widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
     lines = ["\npaired difference from dense (same examples; exact_match and f1 in points)"]
+    for row in [header] + body:
+        lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def journal_values(path: Path) -> dict[tuple, list[float]]:
+    """The per-example values of a --json run, (cell, metric, method, target) -> values in example order,
+    from the journal the run keeps beside it (the JSON holds only each cell's mean)."""
+    journal = journal_path(path)
+    if not journal.is_file():
+        raise UserError(f"--versus needs the per-example values in {journal}, the journal a run with --json keeps "
+                        f"beside it: it is not there")
+    results = Results()
+    for line in journal.read_text().split("\n")[1:]:  # after the header naming the run
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            break  # a line cut short by a kill (or the end): the batches before it
+        results.add_record(entry["record"])
+    return dict(results.values)
+
+
+def versus_table(values: dict[tuple, list[float]], methods: list[str], targets: list[Fraction], versus: str) -> str:
+    """Paired differences from `versus` (same examples), each policy against it at the same compression
+    (against dense at 1): what "level with Quest at 1/8" is judged by."""
+    sparse_targets = [t for t in targets if t != DENSE]
+    shown = [m for m in methods if m not in ("dense", versus)]
+    if not sparse_targets or not shown:
+        return ""
+    header = ["task/metric", "method"] + [fraction_label(t) for t in sparse_targets]
+    body = []
+    for cell, metric in dict.fromkeys((cell, metric) for cell, metric, _, _ in values):
+        scale = 100 if metric in PERCENT_METRICS else 1
+        digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
+        for method in shown:
+            cells = []
+            for t in sparse_targets:
+                mine = values.get((cell, metric, method, t))
+                base = values.get((cell, metric, versus, DENSE if versus == "dense" else t))
+                if not mine or not base or len(mine) != len(base):
+                    cells.append("-")
+                    continue
+                d, se = paired_difference(mine, base)
+                cells.append(f"{scale * d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}"))
+            body.append([f"{cell.label()}/{metric}", method] + cells)
+    widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
+    lines = [f"\npaired difference from {versus} at the same compression (same examples; exact_match and f1 in points)"]
     for row in [header] + body:
         lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
     return "\n".join(lines)
@@ -539,10 +587,11 @@ def print_results(rows: list[dict], methods: list[str], targets: list[Fraction],
             plot(rows, plot_path, methods, model)
 
 
-def report(paths: list[Path], plot_path: Optional[Path]) -> int:
+def report(paths: list[Path], plot_path: Optional[Path], versus: Optional[str] = None) -> int:
     """--report: the tables of --json results files, also of a run still going (it is rewritten after
     every batch), without loading a model. Several files (one run per length, say) are reported as one
-    run: they must be of one model and dtype, and a cell two of them hold must hold the same score."""
+    run: they must be of one model and dtype, and a cell two of them hold must hold the same score.
+    versus (--versus): a last table of the paired differences from that policy, from the journals."""
     rows: dict[tuple, dict] = {}
     methods: list[str] = []
     targets: list[Fraction] = []
@@ -583,7 +632,16 @@ def report(paths: list[Path], plot_path: Optional[Path]) -> int:
                                 f"{row['length']} tokens, depth {depth_label(row['depth'])} differs from an earlier file's")
             needle_map.setdefault(cell, row)
         print(heading)
+    values: dict[tuple, list[float]] = {}
+    if versus is not None:  # read before anything prints: a missing journal is one line, not half a report
+        if versus not in methods:
+            raise UserError(f"--versus {versus}: the files ran no {versus} (they ran {', '.join(methods)})")
+        for path in paths:  # a cell two files hold is the same run's (checked above): the first one's
+            for key, mine in journal_values(path).items():
+                values.setdefault(key, mine)
     print_results(list(rows.values()), methods, targets, plot_path, titles.pop(), empty, list(needle_map.values()))
+    if versus is not None:
+        print(versus_table(values, methods, targets, versus))
     return 0
 
 

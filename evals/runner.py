@@ -39,6 +39,12 @@ def mean_stderr(values: list[float]) -> tuple[float, Optional[float]]:
     return mean, math.sqrt(var / n)
 
 
+def paired_difference(values: list[float], base: list[float]) -> tuple[float, Optional[float]]:
+    """Mean and standard error of values - base, example by example (the same examples in the same
+    order): far tighter than the two cells' own standard errors when the examples differ a lot."""
+    return mean_stderr([v - b for v, b in zip(values, base)])
+
+
 # =============================================================================================
 # Running policies on shared prefills
 # =============================================================================================
@@ -266,9 +272,8 @@ class Results:
                    "score": score, "stderr": stderr, "n": len(values)}
             dense = self.values.get((cell, metric, "dense", DENSE))
             if method != "dense" and dense is not None and len(dense) == len(values):
-                # Every example ran under every policy (same order): the paired difference is far
-                # tighter than the per-cell standard errors when examples differ a lot (bpc).
-                delta, delta_se = mean_stderr([v - d for v, d in zip(values, dense)])
+                # Every example ran under every policy (same order): pair them (bpc's examples differ a lot).
+                delta, delta_se = paired_difference(values, dense)
                 row["delta_vs_dense"], row["delta_stderr"] = delta, delta_se
             layers = self.per_layer.get((cell, metric, method, target))
             if layers:

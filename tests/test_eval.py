@@ -879,6 +879,45 @@ def test_report_of_several_files_is_one_run_across_their_lengths(tmp_path, capsy
                           "different runs' models or dtypes")
 
 
+def test_report_versus_pairs_each_policy_with_another_from_the_journal(tmp_path, capsys):
+    """--report FILE --versus quest: each policy's paired difference from Quest at the same compression,
+    from the per-example values of the journal beside FILE (two batches and a line cut by a kill): the
+    mean and standard error of the example-by-example differences. A file without its journal, a policy
+    the run did not run, and --versus without --report are one-line errors."""
+    import statistics
+
+    scores = {"dense": [1, 1, 1, 1, 1, 1, 0, 1], "sparq-adaptive": [1, 1, 1, 1, 0, 0, 0, 0],
+              "quest": [1, 1, 1, 0, 0, 0, 0, 0]}  # paired, one example apart: far tighter than unpaired
+    label = {"dense": "1", "sparq-adaptive": "1/8", "quest": "1/8"}
+    rows = [{"task": "ruler-mk", "size": 4096, "size_unit": "tokens", "prompt_tokens": 4096.0, "metric": "exact_match",
+             "higher_is_better": True, "attention": m, "compression": float(Fraction(label[m])),
+             "compression_label": label[m], "achieved_compression": float(Fraction(label[m])),
+             "score": sum(v) / 8, "stderr": 0.1, "n": 8} for m, v in scores.items()]
+    meta = {"checkpoint": "checkpoints/M", "dtype": "bfloat16", "kernels": "cpu", "examples": 8, "elapsed_s": 60,
+            "attention": list(scores), "compression": ["1", "1/8"], "budgets": []}
+    out = tmp_path / "run.json"
+    out.write_text(json.dumps({"results": rows, "meta": meta}))
+    batches = [json.dumps({"batch": b + 1, "task": "ruler-mk", "size": 4096, "examples": 4, "record": {
+        "values": [["ruler-mk", 4096, "exact_match", m, label[m], v[4 * b:4 * b + 4]] for m, v in scores.items()],
+        "achieved": [], "per_layer": [], "prompt_tokens": []}}) for b in range(2)]
+    journal = evals_journal.journal_path(out)
+    journal.write_text("\n".join([json.dumps({"run": {}}), *batches, batches[0][:20]]))
+
+    assert evals_cli.main(["--report", str(out), "--versus", "quest"]) == 0
+    printed = capsys.readouterr().out
+    table = printed[printed.index("paired difference from quest"):]
+    diffs = [a - q for a, q in zip(scores["sparq-adaptive"], scores["quest"])]
+    expected = f"{100 * statistics.mean(diffs):+.1f}±{100 * statistics.stdev(diffs) / math.sqrt(8):.1f}"
+    assert re.search(rf"sparq-adaptive\s+{re.escape(expected)}", table) and expected == "+12.5±12.5"
+    assert "dense " not in table.split("\n", 2)[2]  # dense has no 1/8 to pair
+
+    journal.unlink()
+    for argv, message in ((["--report", str(out), "--versus", "quest"], "journal"),
+                          (["--report", str(out), "--versus", "h2o"], "ran no h2o"),
+                          (["--versus", "quest"], "--versus goes with --report")):
+        assert_one_line_error((evals_cli.main(argv), capsys.readouterr().err), message)
+
+
 def test_length_batches_group_similar_prompts_and_keep_every_example():
     from evals.tasks import Example
 
