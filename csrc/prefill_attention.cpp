@@ -24,6 +24,9 @@
 //           vectors of 16 channels (R rows).
 // The head dim is padded to dp = a multiple of 16 with zeros in Q, K^T and V (any d works).
 // Units are claimed longest first (the last query blocks see the most keys) by torch's OpenMP team.
+//
+// bf16 inputs where the build targets AVX512_BF16 take unit_bf16 (below): the same unit with vdpbf16ps
+// dotting bf16 pairs into fp32 lanes, twice the products per instruction of the widened fp32 FMAs.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -58,9 +62,10 @@ struct Dims {
   int64_t qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2;
 };
 
-// Per-thread buffers of one unit, fp32.
+// Per-thread buffers of one unit: fp32, and unit_bf16's bf16 copies (raw bits) of Q, K^T, V and P.
 struct Buffers {
   std::vector<float> q, o, p, kt, vf, m, l;
+  std::vector<uint16_t> q16, kt16, v16, p16;
   void size_for(int64_t rows, int64_t dp) {
     q.resize(rows * dp);
     o.resize(rows * dp);
@@ -69,6 +74,16 @@ struct Buffers {
     vf.resize(kBK * dp);
     m.resize(rows);
     l.resize(rows);
+  }
+  void size_bf16_for(int64_t rows, int64_t dp) {
+    o.resize(rows * dp);
+    p.resize(rows * kBK);
+    m.resize(rows);
+    l.resize(rows);
+    q16.resize(rows * dp);
+    kt16.resize(dp * kBK);
+    v16.resize(kBK * dp);
+    p16.resize(rows * kBK);
   }
 };
 
@@ -158,6 +173,17 @@ static inline void softmax_row(float* s, int64_t valid, float& m, float& l, floa
   l += hsum(sum);
 }
 
+// O / l of the unit's rows -> out (B, H, T, d) contiguous.
+template <class T>
+static void write_out(const Dims& D, const Buffers& w, T* out, int64_t b, int64_t h, int64_t t0, int64_t rows) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inv = 1.f / w.l[i];
+    const float* src = w.o.data() + i * D.dp;
+    T* dst = out + ((b * D.H + h * D.g + i % D.g) * D.T + t0 + i / D.g) * D.d;
+    for (int64_t c = 0; c < D.d; ++c) dst[c] = static_cast<T>(src[c] * inv);
+  }
+}
+
 template <class T>
 static void unit(const Dims& D, const T* q, const T* k, const T* v, T* out, int64_t b, int64_t h, int64_t t0,
                  Buffers& w) {
@@ -203,13 +229,128 @@ static void unit(const Dims& D, const T* q, const T* k, const T* v, T* out, int6
     by_tiles(rows, [&](int64_t i) { pv_cols<kTileRows>(P + i * kBK, w.vf.data(), dp, nb, O + i * dp); },
              [&](int64_t i) { pv_cols<1>(P + i * kBK, w.vf.data(), dp, nb, O + i * dp); });
   }
-  for (int64_t i = 0; i < rows; ++i) {  // out (B, H, T, d) contiguous
-    const float inv = 1.f / w.l[i];
-    const float* src = w.o.data() + i * dp;
-    T* dst = out + ((b * D.H + h * g + i % g) * D.T + t0 + i / g) * d;
-    for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<T>(src[c] * inv);
+  write_out(D, w, out, b, h, t0, rows);
+}
+
+#ifdef SPARQ_AVX512_BF16
+// ---------------------------------------------------------------------------------------------
+// unit_bf16: unit() for bf16 Q, K, V with vdpbf16ps, lane l += a[2l] b[2l] + a[2l+1] b[2l+1] in fp32.
+// Q and K are bf16 already, so the score products are exact, as in the widened path (the 1/sqrt(d)
+// goes onto the fp32 scores instead of into Q). P is rounded to bf16 for P V, as GPU flash attention
+// does; its row sums l stay fp32. The blocks are laid out in 32-bit words of two bf16 (the pairs
+// the instruction dots), every array dp or kBK words wide:
+//   Q     q16[i][c2]   = (Q[i][2 c2], Q[i][2 c2 + 1])        rows x dp / 2
+//   K^T   kt16[c2][j]  = (K[j][2 c2], K[j][2 c2 + 1])        dp / 2 x kBK
+//   V     v16[j2][c]   = (V[2 j2][c], V[2 j2 + 1][c])        kBK / 2 x dp
+//   P     p16[i][j2]   = (P[i][2 j2], P[i][2 j2 + 1])        rows x kBK / 2
+// ---------------------------------------------------------------------------------------------
+
+static inline __m512bh pair_everywhere(const uint16_t* p) {  // the bf16 pair at p in all 16 lanes
+  return (__m512bh)_mm512_set1_epi32(_mm_cvtsi128_si32(_mm_loadu_si32(p)));
+}
+
+// S[r][j] (scaled) for R rows of Q (dp bf16 apart) against the block's K^T pairs: R x 4 vectors of 16 keys.
+template <int R>
+static inline void scores_rows_bf16(const uint16_t* q, int64_t dp, const uint16_t* kt, float scale, float* s) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_setzero_ps();
+  for (int64_t c2 = 0; c2 < dp / 2; ++c2) {
+    __m512bh kv[4];
+    for (int x = 0; x < 4; ++x) kv[x] = (__m512bh)_mm512_loadu_si512(kt + 2 * (c2 * kBK + 16 * x));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qb = pair_everywhere(q + r * dp + 2 * c2);
+      for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], qb, kv[x]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < 4; ++x) _mm512_storeu_ps(s + r * kBK + 16 * x, _mm512_mul_ps(acc[r][x], sc));
+}
+
+// O[r][col, col + 16 NX) += sum_j P[r][j] V[j][...] for R rows, over the block's nw key pairs.
+template <int R, int NX>
+static inline void pv_rows_bf16(const uint16_t* p, const uint16_t* v16, int64_t dp, int64_t nw, int64_t col, float* o) {
+  __m512 acc[R][NX];
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < NX; ++x) acc[r][x] = _mm512_loadu_ps(o + r * dp + col + 16 * x);
+  for (int64_t j2 = 0; j2 < nw; ++j2) {
+    __m512bh vv[NX];
+    for (int x = 0; x < NX; ++x) vv[x] = (__m512bh)_mm512_loadu_si512(v16 + 2 * (j2 * dp + col + 16 * x));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pb = pair_everywhere(p + r * kBK + 2 * j2);
+      for (int x = 0; x < NX; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], pb, vv[x]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < NX; ++x) _mm512_storeu_ps(o + r * dp + col + 16 * x, acc[r][x]);
+}
+
+template <int R>
+static inline void pv_cols_bf16(const uint16_t* p, const uint16_t* v16, int64_t dp, int64_t nw, float* o) {
+  int64_t col = 0;
+  for (; col + 64 <= dp; col += 64) pv_rows_bf16<R, 4>(p, v16, dp, nw, col, o);
+  switch ((dp - col) / 16) {
+    case 3: pv_rows_bf16<R, 3>(p, v16, dp, nw, col, o); break;
+    case 2: pv_rows_bf16<R, 2>(p, v16, dp, nw, col, o); break;
+    case 1: pv_rows_bf16<R, 1>(p, v16, dp, nw, col, o); break;
+    default: break;
   }
 }
+
+static void unit_bf16(const Dims& D, const bf16* q, const bf16* k, const bf16* v, bf16* out, int64_t b, int64_t h,
+                      int64_t t0, Buffers& w) {
+  const int64_t g = D.g, dp = D.dp, d = D.d;
+  const int64_t tb = std::min(kBQ, D.T - t0), rows = g * tb;
+  w.size_bf16_for(rows, dp);
+  const float scale = 1.f / std::sqrt((float)d);
+  std::fill(w.q16.begin(), w.q16.begin() + rows * dp, 0);  // the padding channels stay 0
+  for (int64_t i = 0; i < rows; ++i) {
+    const bf16* src = q + b * D.qs0 + (h * g + i % g) * D.qs1 + (t0 + i / g) * D.qs2;
+    for (int64_t c = 0; c < d; ++c) w.q16[i * dp + c] = src[c].x;
+  }
+  std::fill(w.o.begin(), w.o.begin() + rows * dp, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
+  std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
+  const bf16* kh = k + b * D.ks0 + h * D.ks1;
+  const bf16* vh = v + b * D.vs0 + h * D.vs1;
+  const int64_t keys = t0 + tb + D.off;  // keys [0, keys) reach some query of the unit
+  std::fill(w.kt16.begin(), w.kt16.end(), 0);  // padding channels (and a partial block's keys) stay 0
+  std::fill(w.v16.begin(), w.v16.end(), 0);
+  for (int64_t j0 = 0; j0 < keys; j0 += kBK) {
+    const int64_t nb = std::min(kBK, keys - j0), nw = (nb + 1) / 2;
+    if (nb < kBK) {  // a last, partial block: its missing keys score 0 and weigh 0 (never NaN x 0)
+      std::fill(w.kt16.begin(), w.kt16.end(), 0);
+      std::fill(w.v16.begin(), w.v16.end(), 0);
+    }
+    for (int64_t j = 0; j < nb; ++j) {  // the pair layouts above
+      const bf16* kr = kh + (j0 + j) * D.ks2;
+      const bf16* vr = vh + (j0 + j) * D.vs2;
+      uint16_t* vd = w.v16.data() + (j / 2) * 2 * dp + (j & 1);
+      for (int64_t c = 0; c < d; ++c) {
+        w.kt16[(c / 2) * 2 * kBK + 2 * j + (c & 1)] = kr[c].x;
+        vd[2 * c] = vr[c].x;
+      }
+    }
+    float* P = w.p.data();
+    uint16_t* Ph = w.p16.data();
+    const uint16_t* Q = w.q16.data();
+    by_tiles(rows, [&](int64_t i) { scores_rows_bf16<kTileRows>(Q + i * dp, dp, w.kt16.data(), scale, P + i * kBK); },
+             [&](int64_t i) { scores_rows_bf16<1>(Q + i * dp, dp, w.kt16.data(), scale, P + i * kBK); });
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t valid = std::min(nb, t0 + i / g + D.off - j0 + 1);  // keys j0 .. t + off
+      softmax_row(P + i * kBK, valid, w.m[i], w.l[i], w.o.data() + i * dp, dp);
+      for (int64_t x = 0; x < kBK; x += 32)  // P in bf16 pairs (round to nearest even)
+        _mm512_storeu_si512(Ph + i * kBK + x, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(P + i * kBK + x + 16),
+                                                                             _mm512_loadu_ps(P + i * kBK + x)));
+    }
+    float* O = w.o.data();
+    by_tiles(rows, [&](int64_t i) { pv_cols_bf16<kTileRows>(Ph + i * kBK, w.v16.data(), dp, nw, O + i * dp); },
+             [&](int64_t i) { pv_cols_bf16<1>(Ph + i * kBK, w.v16.data(), dp, nw, O + i * dp); });
+  }
+  write_out(D, w, out, b, h, t0, rows);
+}
+#endif
 
 template <class T>
 static void run(const Dims& D, const T* q, const T* k, const T* v, T* out) {
@@ -218,6 +359,12 @@ static void run(const Dims& D, const T* q, const T* k, const T* v, T* out) {
   std::vector<Buffers> bufs(nt);
   auto fn = [&](int, int64_t u, int slot) {
     const int64_t bh = u % heads, qb = nqb - 1 - u / heads;  // the longest units first
+#ifdef SPARQ_AVX512_BF16
+    if constexpr (std::is_same_v<T, bf16>) {
+      unit_bf16(D, q, k, v, out, bh / D.n_kv, bh % D.n_kv, qb * kBQ, bufs[slot]);
+      return;
+    }
+#endif
     unit<T>(D, q, k, v, out, bh / D.n_kv, bh % D.n_kv, qb * kBQ, bufs[slot]);
   };
   run_phases(nt, {heads * nqb}, fn);

@@ -327,10 +327,12 @@ def test_fused_dense_matches_model(g, d, B, S, dtype, n_threads, threads):
     (1, 14, 2, 130, 200, 64, "bfloat16", 2),  # Qwen's 7 query heads per KV head; 3 blocks of queries
     (1, 4, 4, 1, 1, 16, "float32", 2),  # one token
     (1, 4, 1, 5, 9, 7, "float16", 2),
+    (2, 6, 3, 65, 129, 33, "bfloat16", 2),  # odd d in bf16 pairs; a last block of one key (and a query block of one)
     (1, 8, 4, 70, 300, 256, "bfloat16", 1)])  # Gemma's head dim
 def test_prefill_attention_matches_fp64(B, H, n_kv, T, S, d, dtype, n_threads, threads):
     """kernels.prefill_attention_cpu: the T queries of a chunk, the last T of S positions, each attending
-    causally; against attention.prefill_attention (SDPA) in fp64, on cache views (keys strided by S_max)."""
+    causally; against attention.prefill_attention (SDPA) in fp64, on cache views (keys strided by S_max).
+    bf16 takes the vdpbf16ps unit where the build has AVX512_BF16 (P rounded to bf16 for P V)."""
     from attention import prefill_attention
 
     threads(n_threads)
