@@ -386,11 +386,12 @@ class KVCache(nn.Module):
         K^T byte (its first position would be a high nibble; the torch paths read it dequantized)."""
         return not (self.kt_storage == "int4" and self.visible_start(length) % 2)
 
-    def view(self, length: int, rows: int, stored: bool = False) -> CacheView:
+    def view(self, length: int, rows: int, stored: bool = False, with_k_t: bool = True) -> CacheView:
         """The positions a decode step of `rows` rows reading `length` positions attends to: values in
         the activations' dtype (dequantized copies of a quantized cache's visible positions, for the
         torch paths), or with stored=True the buffers as stored (int8 K and V with their scales, for
-        kernels that read them; K^T as stored)."""
+        kernels that read them; K^T as stored). with_k_t=False: k_t None, for a policy that reads K and
+        V alone (a quantized K^T's dequantized copy costs a step as much as reading K)."""
         start = self.visible_start(length)
         if self.ragged:
             live = self.live_length[:rows]
@@ -401,10 +402,10 @@ class KVCache(nn.Module):
         scales = None
         if self.quantized and not stored:  # what the torch paths read: dequantized copies of the visible positions
             k, v = self.read(slice(0, rows), start, length)
-            k_t = self.read_k_t(slice(0, rows), start, length)
+            k_t = self.read_k_t(slice(0, rows), start, length) if with_k_t else None
         else:
             k, v = self.k[:, :, start:], self.v[:, :, start:]
-            if self.k_t is None or (self.kt_storage == "int4" and start % 2):
+            if self.k_t is None or not with_k_t or (self.kt_storage == "int4" and start % 2):
                 k_t = None  # an int4 K^T is read from an even position (its bytes hold two): unreadable here,
                 # which stored_view_readable tells SparQ's kernels (dense reads K and V alone)
             else:

@@ -69,7 +69,7 @@ class OracleDecode(DecodePolicy):
         self.config, self.cap = config, cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        view = cache.view(length, q.shape[0])
+        view = cache.view(length, q.shape[0], with_k_t=False)
         n, live = view.length, view.live_length
         scores = exact_scores(q, view.k, n, self.cap, live)  # (B, n_kv, g, S)
         positions = select_positions(scores, n, self.config.k_top, self.config.local, live)
@@ -92,7 +92,7 @@ class TopKDecode(DecodePolicy):
         self.k_top, self.cap = k, cap
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
-        view = cache.view(length, q.shape[0])
+        view = cache.view(length, q.shape[0], with_k_t=False)
         n, live = view.length, view.live_length
         positions = select_positions(exact_scores(q, view.k, n, self.cap, live), n, self.k_top, 0, live)
         return sparse_attention(q, view.k, view.v, positions, live, self.cap).to(q.dtype)
@@ -129,7 +129,7 @@ class LocalDecode(DecodePolicy):
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B, n_kv = q.shape[:2]
-        view = cache.view(length, B)
+        view = cache.view(length, B, with_k_t=False)
         if view.live_length is None:
             positions = self.positions(view.length, q.device).expand(B, n_kv, -1)
         else:
@@ -175,7 +175,7 @@ class QuestDecode(DecodePolicy):
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B, n_kv, g, d = q.shape
-        view = cache.view(length, B)
+        view = cache.view(length, B, with_k_t=False)  # K and V alone: the page summaries come from K
         n, P = view.length, self.page
         n_pages = -(-n // P)
         live = torch.tensor(n, device=q.device) if view.live_length is None else view.live_length
@@ -413,7 +413,7 @@ class H2ODecode(DecodePolicy):
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B, n_kv, g, d = q.shape
-        view = cache.view(length, B)  # positions [view.start, length): view.start > 0 on a window layer
+        view = cache.view(length, B, with_k_t=False)  # positions [view.start, length): view.start > 0 on a window layer
         ragged = view.live_length is not None and view.live_length.dim() == 1
         now = view.live_length.view(B, 1, 1) if ragged else length  # each row's live length
         current = (now - 1 if ragged else torch.full((B, 1, 1), length - 1, device=q.device)).expand(B, n_kv, 1)
