@@ -123,16 +123,23 @@ static inline void pv_rows(const float* p, const float* vf, int64_t dp, int64_t 
     for (int x = 0; x < NX; ++x) store(o + r * dp + col + 16 * x, acc[r][x]);
 }
 
-template <int R>
-static inline void pv_cols(const float* p, const float* vf, int64_t dp, int64_t nb, float* o) {
+// O's columns [0, dp) in runs of 4 vectors of 16, then the 3, 2 or 1 left: run(nx, col), nx an
+// std::integral_constant (a micro-kernel's vector count is its template argument).
+template <class F>
+static inline void by_column_runs(int64_t dp, F&& run) {
   int64_t col = 0;
-  for (; col + 64 <= dp; col += 64) pv_rows<R, 4>(p, vf, dp, nb, col, o);
+  for (; col + 64 <= dp; col += 64) run(std::integral_constant<int, 4>{}, col);
   switch ((dp - col) / 16) {
-    case 3: pv_rows<R, 3>(p, vf, dp, nb, col, o); break;
-    case 2: pv_rows<R, 2>(p, vf, dp, nb, col, o); break;
-    case 1: pv_rows<R, 1>(p, vf, dp, nb, col, o); break;
+    case 3: run(std::integral_constant<int, 3>{}, col); break;
+    case 2: run(std::integral_constant<int, 2>{}, col); break;
+    case 1: run(std::integral_constant<int, 1>{}, col); break;
     default: break;
   }
+}
+
+template <int R>
+static inline void pv_cols(const float* p, const float* vf, int64_t dp, int64_t nb, float* o) {
+  by_column_runs(dp, [&](auto nx, int64_t col) { pv_rows<R, decltype(nx)::value>(p, vf, dp, nb, col, o); });
 }
 
 // Rows [0, rows) in groups of kTileRows, then the rest one by one.
@@ -288,14 +295,7 @@ static inline void pv_rows_bf16(const uint16_t* p, const uint16_t* v16, int64_t 
 
 template <int R>
 static inline void pv_cols_bf16(const uint16_t* p, const uint16_t* v16, int64_t dp, int64_t nw, float* o) {
-  int64_t col = 0;
-  for (; col + 64 <= dp; col += 64) pv_rows_bf16<R, 4>(p, v16, dp, nw, col, o);
-  switch ((dp - col) / 16) {
-    case 3: pv_rows_bf16<R, 3>(p, v16, dp, nw, col, o); break;
-    case 2: pv_rows_bf16<R, 2>(p, v16, dp, nw, col, o); break;
-    case 1: pv_rows_bf16<R, 1>(p, v16, dp, nw, col, o); break;
-    default: break;
-  }
+  by_column_runs(dp, [&](auto nx, int64_t col) { pv_rows_bf16<R, decltype(nx)::value>(p, v16, dp, nw, col, o); });
 }
 
 static void unit_bf16(const Dims& D, const bf16* q, const bf16* k, const bf16* v, bf16* out, int64_t b, int64_t h,
