@@ -18,6 +18,17 @@ def journal_path(json_path: Path) -> Path:
     return json_path.with_name(json_path.name + ".journal.jsonl")
 
 
+def batch_entries(path: Path) -> list[dict]:
+    """A journal's batch lines, in run order, up to a line cut short by a kill (that batch runs again)."""
+    entries = []
+    for line in path.read_text().split("\n")[1:]:  # after the header naming the run
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            break  # the cut line, or the end
+    return entries
+
+
 class Journal:
     """Each finished batch's raw results (Results.record), one JSON line per batch after a header line
     naming the run, kept beside --json. With --resume the batches it holds are replayed and only the

@@ -10,7 +10,7 @@ from typing import Optional
 
 import cli
 from cli import UserError
-from evals.journal import journal_path
+from evals.journal import batch_entries, journal_path
 from evals.runner import Cell, Results, paired_difference, row_cell
 from evals.tasks import TASKS
 from policies import DENSE, POLICIES, QUEST_PAGE, Budget, fraction_label, parse_compression
@@ -177,6 +177,15 @@ def _mean_tokens(rows: list[dict], cell: Cell) -> float:
     return next((r["prompt_tokens"] for r in rows if row_cell(r) == cell and r["prompt_tokens"]), float(cell.size))
 
 
+def aligned(title: str, header: list[str], body: list[list[str]]) -> str:
+    """A titled text table: the first two columns (cell and method) left-aligned, the figures right-aligned."""
+    widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
+    lines = [f"\n{title}"]
+    for row in [header] + body:
+        lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
 def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
     """Paired differences from dense (same examples), per task and size, metric and compression."""
     sparse_targets = [t for t in targets if t != DENSE]
@@ -199,11 +208,7 @@ def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -
                 d, se = scale * r["delta_vs_dense"], r["delta_stderr"]
                 cells.append(f"{d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}"))
             body.append([f"{cell.label()}/{metric}", method] + cells)
-    widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
-    lines = ["\npaired difference from dense (same examples; exact_match and f1 in points)"]
-    for row in [header] + body:
-        lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
-    return "\n".join(lines)
+    return aligned("paired difference from dense (same examples; exact_match and f1 in points)", header, body)
 
 
 def journal_values(path: Path) -> dict[tuple, list[float]]:
@@ -214,11 +219,7 @@ def journal_values(path: Path) -> dict[tuple, list[float]]:
         raise UserError(f"--versus needs the per-example values in {journal}, the journal a run with --json keeps "
                         f"beside it: it is not there")
     results = Results()
-    for line in journal.read_text().split("\n")[1:]:  # after the header naming the run
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            break  # a line cut short by a kill (or the end): the batches before it
+    for entry in batch_entries(journal):
         results.add_record(entry["record"])
     return dict(results.values)
 
@@ -246,11 +247,8 @@ def versus_table(values: dict[tuple, list[float]], methods: list[str], targets: 
                 d, se = paired_difference(mine, base)
                 cells.append(f"{scale * d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}"))
             body.append([f"{cell.label()}/{metric}", method] + cells)
-    widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
-    lines = [f"\npaired difference from {versus} at the same compression (same examples; exact_match and f1 in points)"]
-    for row in [header] + body:
-        lines.append("  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths))))
-    return "\n".join(lines)
+    return aligned(f"paired difference from {versus} at the same compression (same examples; exact_match and f1 in "
+                   f"points)", header, body)
 
 
 def achieved_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
