@@ -66,20 +66,24 @@ struct Dims {
 struct Buffers {
   std::vector<float> q, o, p, kt, vf, m, l;
   std::vector<uint16_t> q16, kt16, v16, p16;
-  void size_for(int64_t rows, int64_t dp) {
-    q.resize(rows * dp);
+  // Both units' running state, sized and started: O = 0, m = -inf, l = 0 per row, P's fp32 scores.
+  void start_rows(int64_t rows, int64_t dp) {
     o.resize(rows * dp);
     p.resize(rows * kBK);
+    m.resize(rows);
+    l.resize(rows);
+    std::fill(o.begin(), o.begin() + rows * dp, 0.f);
+    std::fill(m.begin(), m.begin() + rows, kNegInf);
+    std::fill(l.begin(), l.begin() + rows, 0.f);
+  }
+  void size_for(int64_t rows, int64_t dp) {
+    start_rows(rows, dp);
+    q.resize(rows * dp);
     kt.resize(dp * kBK);
     vf.resize(kBK * dp);
-    m.resize(rows);
-    l.resize(rows);
   }
   void size_bf16_for(int64_t rows, int64_t dp) {
-    o.resize(rows * dp);
-    p.resize(rows * kBK);
-    m.resize(rows);
-    l.resize(rows);
+    start_rows(rows, dp);
     q16.resize(rows * dp);
     kt16.resize(dp * kBK);
     v16.resize(kBK * dp);
@@ -196,7 +200,7 @@ static void unit(const Dims& D, const T* q, const T* k, const T* v, T* out, int6
                  Buffers& w) {
   const int64_t g = D.g, dp = D.dp, d = D.d;
   const int64_t tb = std::min(kBQ, D.T - t0), rows = g * tb;
-  w.size_for(rows, dp);
+  w.size_for(rows, dp);  // O, m, l started
   const float scale = 1.f / std::sqrt((float)d);
   for (int64_t i = 0; i < rows; ++i) {  // Q rows, scaled, zero-padded to dp
     const T* src = q + b * D.qs0 + (h * g + i % g) * D.qs1 + (t0 + i / g) * D.qs2;
@@ -204,9 +208,6 @@ static void unit(const Dims& D, const T* q, const T* k, const T* v, T* out, int6
     for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<float>(src[c]) * scale;
     std::fill(dst + d, dst + dp, 0.f);
   }
-  std::fill(w.o.begin(), w.o.begin() + rows * dp, 0.f);
-  std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
-  std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
   const T* kh = k + b * D.ks0 + h * D.ks1;
   const T* vh = v + b * D.vs0 + h * D.vs1;
   const int64_t keys = t0 + tb + D.off;  // keys [0, keys) reach some query of the unit
@@ -302,16 +303,13 @@ static void unit_bf16(const Dims& D, const bf16* q, const bf16* k, const bf16* v
                       int64_t t0, Buffers& w) {
   const int64_t g = D.g, dp = D.dp, d = D.d;
   const int64_t tb = std::min(kBQ, D.T - t0), rows = g * tb;
-  w.size_bf16_for(rows, dp);
+  w.size_bf16_for(rows, dp);  // O, m, l started
   const float scale = 1.f / std::sqrt((float)d);
   std::fill(w.q16.begin(), w.q16.begin() + rows * dp, 0);  // the padding channels stay 0
   for (int64_t i = 0; i < rows; ++i) {
     const bf16* src = q + b * D.qs0 + (h * g + i % g) * D.qs1 + (t0 + i / g) * D.qs2;
     for (int64_t c = 0; c < d; ++c) w.q16[i * dp + c] = src[c].x;
   }
-  std::fill(w.o.begin(), w.o.begin() + rows * dp, 0.f);
-  std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
-  std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
   const bf16* kh = k + b * D.ks0 + h * D.ks1;
   const bf16* vh = v + b * D.vs0 + h * D.vs1;
   const int64_t keys = t0 + tb + D.off;  // keys [0, keys) reach some query of the unit
