@@ -341,19 +341,26 @@ class KVCache(nn.Module):
                              self.chan[rows, :, None])
         return k.to(self.dtype), v.to(self.dtype)
 
-    def read_k_t(self, rows: slice, start: int, end: int) -> Optional[Tensor]:
+    def read_k_t(self, rows: slice, start: int, end: int, channels: Optional[Tensor] = None) -> Optional[Tensor]:
         """K^T (rows, n_kv, d, end - start) at positions [start, end), in the activations' dtype
-        (dequantized from int8 or int4), or None with layout "once"."""
+        (dequantized from int8 or int4), or None with layout "once". channels (n_kv, r): only those
+        rows of each KV head, (rows, n_kv, r, end - start), gathered before they are dequantized (a
+        reader of r rows then pays for r, not d)."""
         if self.k_t is None:
             return None
+        if channels is None:
+            heads, chosen = slice(None), slice(None)
+        else:  # advanced indices on dims 1 and 2 side by side: the result keeps (rows, n_kv, r, S)
+            chosen = channels.to(self.k_t.device)
+            heads = torch.arange(chosen.shape[0], device=chosen.device)[:, None]  # (n_kv, 1)
         if self.kt_storage not in QMAX:
-            return self.k_t[rows, :, :, start:end]
+            return self.k_t[rows, heads, chosen, start:end]
         if self.kt_storage == "int4":
             lo = start // 2 * 2  # unpack whole bytes
-            q = unpack_int4(self.k_t[rows, :, :, lo // 2:-(-end // 2)], end - lo)[..., start - lo:]
+            q = unpack_int4(self.k_t[rows, heads, chosen, lo // 2:-(-end // 2)], end - lo)[..., start - lo:]
         else:
-            q = self.k_t[rows, :, :, start:end]
-        kt = q.float() * self.k_t_scale[rows, :, None, start:end] * self.chan[rows, :, :, None]
+            q = self.k_t[rows, heads, chosen, start:end]
+        kt = q.float() * self.k_t_scale[rows, :, None, start:end] * self.chan[rows, heads, chosen][..., None]
         return kt.to(self.dtype)
 
     def set_live_lengths(self, lengths: Tensor) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 import cli
 from attention import DecodePolicy, DenseDecode, beyond_live, per_row, softcap
-from cache import KVCache, KVFormat
+from cache import CacheView, KVCache, KVFormat
 from kernels import TORCH_KERNELS, Kernels
 from model import ModelArgs
 from sparq import (SparQConfig, SparQDecode, approximate_scores, mix_mean_v, select_positions, sparq_attention_torch,
@@ -245,6 +245,12 @@ class DoubleSparseDecode(SparQDecode):
         self.channels = channels  # (n_kv, r) int64: the layer's calibrated channels per KV head
         self.attend = self.attend_torch = partial(sparq_attention_torch, cap=cap, channels=channels)
         self.fused = False
+
+    def torch_view(self, cache: KVCache, length: int, rows: int) -> CacheView:
+        """K^T holds just the calibrated rows (B, n_kv, r, S), gathered before a quantized K^T is
+        dequantized: r of its d rows, not all of them."""
+        view = cache.view(length, rows, with_k_t=False)
+        return replace(view, k_t=cache.read_k_t(slice(0, rows), view.start, length, self.channels))
 
 
 CHANNELS_FILE = "doublesparse_channels.pt"  # beside the checkpoint: scripts/calibrate_doublesparse.py writes it

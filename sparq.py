@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from attention import DecodePolicy, DenseDecode, beyond_live, dense_attention_torch, dense_decode, per_row, softcap
-from cache import KVCache
+from cache import CacheView, KVCache
 from kernels import TORCH_KERNELS, Kernels
 
 
@@ -138,7 +138,8 @@ def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int,
     q (B, n_kv, g, d). With k_t (B, n_kv, d, S_max) the r rows are read S-contiguously; without it
     (layout "once") the r columns are gathered from k (B, n_kv, S_max, d) along d.
     mask (S,): True at positions that are not live (bucketed lengths only).
-    channels (n_kv, r): read these components (DoubleSparse's fixed ones) instead of q's top r.
+    channels (n_kv, r): read these components (DoubleSparse's fixed ones) instead of q's top r; k_t
+    then holds just those rows, (B, n_kv, r, S_max) (KVCache.read_k_t(..., channels)).
     """
     B, n_kv, g, d = q.shape
     qf = q.float()
@@ -148,7 +149,10 @@ def approximate_scores(q: Tensor, k: Tensor, k_t: Optional[Tensor], length: int,
         i1 = channels.to(q.device)[None].expand(B, n_kv, r)
     q_hat = torch.gather(qf, 3, i1[:, :, None, :].expand(B, n_kv, g, r))  # (B, n_kv, g, r)
     if k_t is not None:
-        rows = torch.gather(k_t[:B, :, :, :length], 2, i1[..., None].expand(B, n_kv, r, length))  # (B, n_kv, r, S)
+        if channels is None:
+            rows = torch.gather(k_t[:B, :, :, :length], 2, i1[..., None].expand(B, n_kv, r, length))  # (B, n_kv, r, S)
+        else:
+            rows = k_t[:B, :, :, :length]  # (B, n_kv, r, S): the channels' rows, read as such
         logits = q_hat @ rows.to(q_hat.dtype)  # (B, n_kv, g, S)
     else:
         cols = torch.gather(k[:B, :, :length], 3, i1[:, :, None, :].expand(B, n_kv, length, r))  # (B, n_kv, S, r)
@@ -211,7 +215,8 @@ def sparq_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor
     (B_max, n_kv, d) fp32. Reads positions [0, length); live_length None: all of them are live,
     else a device tensor beyond which they are masked (bucketed lengths or per-row lengths: the
     kernel contract, kernels.py). cap: logit soft-capping (the kernels take none). channels (n_kv, r):
-    step 1's components fixed (DoubleSparse), not q's top r.
+    step 1's components fixed (DoubleSparse), not q's top r; k_t then holds just their rows
+    (B, n_kv, r, S_max), or None (layout "once": gathered from k).
     """
     mask = beyond_live(length, live_length) if live_length is not None else None
     s_hat = approximate_scores(q, k, k_t, length, r, mask, cap, channels)  # (B, n_kv, g, S)
@@ -256,9 +261,13 @@ class SparQDecode(DecodePolicy):
             attend = self.attend_torch  # a window starting inside an int4 byte: the dequantized positions
         else:
             attend = self.attend
-        view = cache.view(length, q.shape[0])
+        view = self.torch_view(cache, length, q.shape[0])
         return attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
                       c.r, c.k_top, c.local, c.mean_v)
+
+    def torch_view(self, cache: KVCache, length: int, rows: int) -> CacheView:
+        """What the torch path reads: the visible positions in the activations' dtype."""
+        return cache.view(length, rows)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Elements moved per KV head per step at seq_len visible positions (paper, eq. 11): S r + 2 k d + 4 d;

@@ -300,11 +300,13 @@ def test_quest_and_hybrid_transfers_count_their_page_summaries():
         assert compression_ratio(RocketKVHybridDecode(k, 32, page), S, d) == hybrid
 
 
-def doublesparse_loop_reference(q, k, v, length, channels, k_top, local):
-    """DoubleSparse written out per (row, KV head): approximate logits from the fixed channels of K,
-    at SparQ's temperature, softmax per query head and summed over the group; the `local` newest
-    positions and then the best; exact attention over them (mean-V off)."""
+def doublesparse_loop_reference(q, k, v, length, channels, k_top, local, k_step1=None):
+    """DoubleSparse written out per (row, KV head): approximate logits from the fixed channels of K
+    (of k_step1 if given: K as the copy step 1 reads stores it), at SparQ's temperature, softmax per
+    query head and summed over the group; the `local` newest positions and then the best; exact
+    attention over them (mean-V off)."""
     B, n_kv, g, d = q.shape
+    k_step1 = k if k_step1 is None else k_step1
     out = torch.zeros(B, n_kv, g, d)
     for b in range(B):
         for h in range(n_kv):
@@ -313,7 +315,7 @@ def doublesparse_loop_reference(q, k, v, length, channels, k_top, local):
             for j in range(g):
                 q_hat = q[b, h, j, c]
                 tau = math.sqrt(d * float(q_hat.abs().sum()) / float(q[b, h, j].abs().sum()))
-                score += torch.softmax(k[b, h, :length][:, c] @ q_hat / tau, 0)
+                score += torch.softmax(k_step1[b, h, :length][:, c] @ q_hat / tau, 0)
             recent = list(range(length - local, length))
             rest = [int(i) for i in torch.argsort(score[:length - local], descending=True, stable=True)]
             positions = recent + rest[:k_top - local]
@@ -339,6 +341,31 @@ def test_doublesparse_reads_its_channels_and_matches_the_loop_reference():
                                doublesparse_loop_reference(q, k, v, 90, channels, 24, 6), atol=1e-5, rtol=1e-5)
     own = torch.topk(q.abs().sum(2), 4, dim=-1).indices[0]  # (n_kv, r): what SparQ reads for this q
     assert torch.equal(DoubleSparseDecode(config, own)(q, cache, 90), SparQDecode(config)(q, cache, 90))
+
+
+def test_doublesparse_reads_a_quantized_k_t_as_the_dense_copy_would():
+    """On an int8 or int4 K^T, DoubleSparse dequantizes only its channels' rows: step 1 sees the same
+    values as in the whole dequantized K^T (the loop reference's step 1 reads that), with a sliding
+    window starting on an odd position too (inside an int4 byte); layout "once" reads K's columns."""
+    from policies import DoubleSparseDecode
+
+    torch.manual_seed(7)
+    B, n_kv, S, d = 2, 2, 90, 16
+    k, v = torch.randn(B, n_kv, S, d), torch.randn(B, n_kv, S, d)
+    q = torch.randn(B, n_kv, 3, d)
+    config = SparQConfig(r=4, k_top=24, local=6, mean_v=False)
+    channels = torch.tensor([[15, 2, 7, 9], [0, 1, 2, 3]])
+    for layout, kt_dtype, window in [("twice", "int8", None), ("twice", "int4", None), ("twice", "int4", 41),
+                                     ("once", "same", None)]:
+        cache = KVCache(B, 96, n_kv, d, torch.float32, layout=layout, window=window, kt_dtype=kt_dtype)
+        cache.update(torch.arange(S), k, v)
+        start = cache.visible_start(S)
+        whole = cache.read_k_t(slice(0, B), start, S)  # (B, n_kv, d, S - start): every row dequantized
+        k_step1 = k[:, :, start:] if whole is None else whole.transpose(-1, -2)
+        expected = doublesparse_loop_reference(q, k[:, :, start:], v[:, :, start:], S - start, channels, 24, 6,
+                                               k_step1=k_step1)
+        torch.testing.assert_close(DoubleSparseDecode(config, channels)(q, cache, S), expected,
+                                   atol=1e-5, rtol=1e-5, msg=f"{layout} {kt_dtype} window {window}")
 
 
 def test_doublesparse_needs_a_calibration_of_its_model(tmp_path):
