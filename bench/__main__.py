@@ -3,6 +3,7 @@
   python -m bench attention --shape smollm2 --batch-size 1,4,16 --seq-len 2048,8192,32768 --sparq-r 16
   python -m bench decode --prompt-tokens 1024,4096,8192 --batch-size 1,4,8 --sparq-r 16 --sparq-k 128
   python -m bench linear --rows 1,8 --dtype float32,bfloat16
+  python -m bench prefill --heads 14/2/64 --chunk 2048 --keys 2048,16384 --dtype bfloat16
   python -m bench speculate --prompt-tokens 8000 --batch-size 8 --speculate-k 2,4 --sparq-r 16
   python -m bench serve-load --clients 1,4,16 --prompt-tokens 512,4096 --server-args "--sparq-r 16"
 """
@@ -14,13 +15,13 @@ import sys
 from typing import Optional
 
 import cli
-from bench import attention, decode, linear, serve_load, speculate
+from bench import attention, decode, linear, prefill, serve_load, speculate
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.ArgumentParser)
-    for command in (attention, decode, linear, speculate, serve_load):
+    for command in (attention, decode, linear, prefill, speculate, serve_load):
         command.add_parser(sub)
     return parser
 

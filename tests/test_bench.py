@@ -118,6 +118,28 @@ def test_attention_cache_formats_count_stored_bytes(tmp_path):
         by["sparq-floor int8/int4"]["time_ms"] / by["sparq-fused int8/int4"]["time_ms"])
 
 
+def test_prefill_json_rows_time_both_and_check_each_against_fp64(tmp_path):
+    """bench prefill: SDPA and the fused kernel on each case, flops over the causal pairs (counted here
+    from the mask), each output's error from fp64 small in its dtype."""
+    import torch
+
+    out = tmp_path / "prefill.json"
+    code = bench_cli.main(["prefill", "--heads", "6/2/16", "--chunk", "40", "--keys", "40,100,30", "--dtype",
+                           "bfloat16,float32", "--rounds", "1", "--json", str(out)])
+    assert code == 0
+    rows = read_json(out)["rows"]
+    assert [(r["dtype"], r["T"], r["S"]) for r in rows] == [(dt, 40, S) for dt in ("bfloat16", "float32")
+                                                            for S in (40, 100)]  # S = 30 < T: no such chunk
+    for row in rows:
+        T, S = row["T"], row["S"]
+        allowed = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]  # (T, S): key <= query position
+        assert row["flops"] == 4 * 16 * 6 * int(allowed.sum())
+        assert row["sdpa_ms"] > 0 and row["fused_ms"] > 0 and row["speedup"] == pytest.approx(
+            row["sdpa_ms"] / row["fused_ms"])
+        bound = 2e-2 if row["dtype"] == "bfloat16" else 1e-5
+        assert row["sdpa_error"] < bound and row["fused_error"] < bound
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["decode", "--prompt-tokens", "1k"], "--prompt-tokens"),
     (["decode", "--batch-size", "0"], "--batch-size"),
@@ -127,6 +149,9 @@ def test_attention_cache_formats_count_stored_bytes(tmp_path):
     (["decode", "--adaptive"], "--compression"),
     (["decode", "--cache-format", "int9"], "--kv-dtype"),
     (["decode", "--compile-backend", "aot"], "give --compile"),
+    (["prefill", "--heads", "14/64"], "H/n_kv/d"),
+    (["prefill", "--heads", "9/2/64"], "multiple of the KV heads"),
+    (["prefill", "--chunk", "2048", "--keys", "1024"], "a chunk sees itself"),
 ])
 def test_bad_input_is_a_one_line_error(argv, fragment, capsys):
     status = bench_cli.main(argv)
