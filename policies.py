@@ -180,11 +180,14 @@ class QuestDecode(DecodePolicy):
         n_pages = -(-n // P)
         live = torch.tensor(n, device=q.device) if view.live_length is None else view.live_length
         live_row = per_row(live, 3)  # broadcasts against (B, n_kv, positions)
-        # in K's own dtype: a min or max is one of its values, exact without widening the whole of K
-        keys = F.pad(view.k[:B, :, :n], (0, 0, 0, n_pages * P - n))  # (B, n_kv, n_pages P, d)
-        alive = (torch.arange(n_pages * P, device=q.device) < live_row)[..., None]  # (B or 1, 1, n_pages P, 1)
-        kmax = keys.masked_fill(~alive, float("-inf")).view(B, n_kv, n_pages, P, d).amax(3).float()  # (B, n_kv, n_pages, d)
-        kmin = keys.masked_fill(~alive, float("inf")).view(B, n_kv, n_pages, P, d).amin(3).float()
+        # The complete pages' summaries, in K's own dtype (a min or max is one of its values: exact
+        # without widening K). A page holding a position past a row's live length (its last page, a
+        # partial one, a ragged row's) is that row's newest page or lies past it: its bound is set
+        # below whatever its summary, so such pages need no masking and the partial one no summary.
+        full = n // P
+        pages_k = view.k[:B, :, :full * P].view(B, n_kv, full, P, d)  # (B, n_kv, full pages, P, d)
+        kmax = F.pad(pages_k.amax(3).float(), (0, 0, 0, n_pages - full))  # (B, n_kv, n_pages, d)
+        kmin = F.pad(pages_k.amin(3).float(), (0, 0, 0, n_pages - full))
         bound = self.page_bounds(q.float(), kmin, kmax)  # (B, n_kv, n_pages)
         page = torch.arange(n_pages, device=q.device)
         bound = torch.where(page == (live_row - 1) // P, float("inf"), bound)  # the newest position's page
