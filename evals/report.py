@@ -21,7 +21,8 @@ from policies import DENSE, POLICIES, QUEST_PAGE, Budget, fraction_label, parse_
 # =============================================================================================
 
 
-PERCENT_METRICS = ("exact_match", "f1")  # fractions in the rows, shown in percent
+PERCENT_METRICS = ("exact_match", "f1", "recall")  # fractions in the rows, shown in percent (differences in points)
+IN_POINTS = f"{', '.join(PERCENT_METRICS[:-1])} and {PERCENT_METRICS[-1]} in points"
 
 
 def format_cell(metric: str, score: float, stderr: Optional[float]) -> str:
@@ -208,7 +209,7 @@ def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -
                 d, se = scale * r["delta_vs_dense"], r["delta_stderr"]
                 cells.append(f"{d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}"))
             body.append([f"{cell.label()}/{metric}", method] + cells)
-    return aligned("paired difference from dense (same examples; exact_match and f1 in points)", header, body)
+    return aligned(f"paired difference from dense (same examples; {IN_POINTS})", header, body)
 
 
 def journal_values(path: Path) -> dict[tuple, list[float]]:
@@ -247,8 +248,8 @@ def versus_table(values: dict[tuple, list[float]], methods: list[str], targets: 
                 d, se = paired_difference(mine, base)
                 cells.append(f"{scale * d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}"))
             body.append([f"{cell.label()}/{metric}", method] + cells)
-    return aligned(f"paired difference from {versus} at the same compression (same examples; exact_match and f1 in "
-                   f"points)", header, body)
+    return aligned(f"paired difference from {versus} at the same compression (same examples; {IN_POINTS})",
+                   header, body)
 
 
 def achieved_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:

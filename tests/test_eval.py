@@ -918,6 +918,36 @@ def test_report_versus_pairs_each_policy_with_another_from_the_journal(tmp_path,
         assert_one_line_error((evals_cli.main(argv), capsys.readouterr().err), message)
 
 
+def test_report_shows_recall_in_percent_and_its_differences_in_points(tmp_path, capsys):
+    """RULER's recall is a fraction in the rows; the report shows it as RULER does, in percent, and its
+    paired differences in points, the unit the accuracy goals are set in."""
+    import statistics
+
+    scores = {"dense": [1.0, 0.75, 0.5, 1.0], "sparq-adaptive": [1.0, 0.5, 0.5, 0.75]}
+    label = {"dense": "1", "sparq-adaptive": "1/8"}
+    rows = [{"task": "ruler-mv", "size": 4096, "size_unit": "tokens", "prompt_tokens": 4096.0, "metric": "recall",
+             "higher_is_better": True, "attention": m, "compression": float(Fraction(label[m])),
+             "compression_label": label[m], "achieved_compression": float(Fraction(label[m])),
+             "score": statistics.mean(v), "stderr": statistics.stdev(v) / 2, "n": 4} for m, v in scores.items()]
+    meta = {"checkpoint": "checkpoints/M", "dtype": "bfloat16", "kernels": "cpu", "examples": 4, "elapsed_s": 60,
+            "attention": list(scores), "compression": ["1", "1/8"], "budgets": []}
+    out = tmp_path / "run.json"
+    out.write_text(json.dumps({"results": rows, "meta": meta}))
+    evals_journal.journal_path(out).write_text("\n".join([json.dumps({"run": {}}), json.dumps(
+        {"batch": 1, "task": "ruler-mv", "size": 4096, "examples": 4, "record": {
+            "values": [["ruler-mv", 4096, "recall", m, label[m], v] for m, v in scores.items()],
+            "achieved": [], "per_layer": [], "prompt_tokens": []}})]))
+
+    assert evals_cli.main(["--report", str(out), "--versus", "dense"]) == 0
+    printed = capsys.readouterr().out
+    assert "recall %↑ 1/8" in printed and re.search(r"sparq-adaptive\s+81\.2±12\.0\s+68\.8±12\.0", printed)
+    diffs = [a - b for a, b in zip(scores["sparq-adaptive"], scores["dense"])]
+    expected = f"{100 * statistics.mean(diffs):+.1f}±{100 * statistics.stdev(diffs) / 2:.1f}"
+    table = printed[printed.index("paired difference from dense"):]
+    assert "recall in points" in table and re.search(rf"sparq-adaptive\s+{re.escape(expected)}", table)
+    assert expected == "-12.5±7.2"
+
+
 def test_length_batches_group_similar_prompts_and_keep_every_example():
     from evals.tasks import Example
 
