@@ -18,7 +18,7 @@ import torch
 
 import quantize
 import tokenizer as tokenizer_module
-from cache import KT_DTYPES, KV_DTYPES, KVFormat
+from cache import KT_DTYPES, KT_SCALE_DTYPES, KV_DTYPES, KVFormat
 from cli import UserError
 from kernels import Kernels, resolve_kernels
 from model import SHAPES, ModelArgs, Transformer, checkpoint_paths, load_model
@@ -156,6 +156,9 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
                    help="SparQ's copy of K^T (step 1 only ranks positions with it): auto = int4 on the CPU for the "
                         "policies that read it (kt_storage_for), else as K is stored; same = as K is stored; or "
                         "int8 / int4 (with --kv-layout twice)")
+    p.add_argument("--kt-scale-dtype", choices=KT_SCALE_DTYPES, default="float32",
+                   help="a quantized K^T's per-position scales as stored: bfloat16 halves what step 1 reads beside "
+                        "its r components, so a budget buys more (docs/accuracy.md)")
 
 
 def kt_storage_for(flag: str, layout: str, device: str, policies: Sequence[str]) -> str:
@@ -175,7 +178,8 @@ def cache_format(args: argparse.Namespace, device: str, policies: Sequence[str] 
     """The KVFormat of add_cache_flags' flags for a run on `device` of these policies (kt_storage_for);
     a combination that makes no sense is a user error."""
     try:
-        return KVFormat(args.kv_layout, args.kv_dtype, kt_storage_for(args.kt_dtype, args.kv_layout, device, policies))
+        return KVFormat(args.kv_layout, args.kv_dtype, kt_storage_for(args.kt_dtype, args.kv_layout, device, policies),
+                        args.kt_scale_dtype)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -185,6 +189,8 @@ def describe_format(kv_format: KVFormat, dtype: torch.dtype, kt_flag: Optional[s
     K^T is stored so when --kt-dtype auto chose it (`kt_flag` "auto")."""
     kt = kv_format.kt_storage(dtype)
     words = f"layout {kv_format.layout}, K/V {kv_format.kv_storage(dtype)}" + (f", K^T {kt}" if kt else "")
+    if kv_format.own_kt_scale and kv_format.kt_scale_dtype != "float32":  # fp32 scales: every format's default
+        words += f" with {kv_format.kt_scale_dtype} scales"
     if kt_flag == "auto" and kv_format.kt_dtype != "same":
         words += " (--kt-dtype auto: SparQ's step 1 on the CPU; --kt-dtype same keeps the activations')"
     return words

@@ -2,8 +2,8 @@
 S-contiguous K^T for step 1's r rows), V, and running sums, preallocated for (max batch, max length)
 and written in place.
 
-KVFormat says how it stores them (--kv-layout, --kv-dtype, --kt-dtype: floats, or int8 K and V and an
-int8 / int4 K^T with fp32 scales); KVCache holds the buffers and is the only code that names them;
+KVFormat says how it stores them (--kv-layout, --kv-dtype, --kt-dtype, --kt-scale-dtype: floats, or int8 K
+and V with fp32 scales and an int8 / int4 K^T with fp32 or bf16 scales); KVCache holds the buffers and is the only code that names them;
 CacheView is what one decode step of one layer attends to. stored_bytes counts a policy's transfers
 in the bytes this cache stores.
 
@@ -36,14 +36,18 @@ def position_sums(k: Tensor, v: Tensor, weight: Optional[Tensor] = None) -> Tens
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")  # --kv-dtype: K and V ("auto": the activations')
 KT_DTYPES = ("same", "int8", "int4")  # --kt-dtype: SparQ's copy of K^T ("same": as K is stored)
 QMAX = {"int8": 127, "int4": 7}  # symmetric integer range [-qmax, qmax] of each quantized format
+# --kt-scale-dtype: a quantized K^T's own per-position scale. bf16 halves what step 1 reads per position
+# beside the r components (4 of the 16 bytes a position gets at 1/16 on an int4 K^T at d = 64), and its
+# 0.4% rounding is small beside int4's steps of 1/7 of the absmax (docs/accuracy.md).
+KT_SCALE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
 class KVFormat:
     """How the KV caches store K, V and SparQ's copy of K^T (--kv-layout, --kv-dtype, --kt-dtype).
 
-    Float formats store values as they are. Quantized ones store integers and one fp32 scale per
-    (position, KV head): a write quantizes only its own new positions, so a scale is never revised
+    Float formats store values as they are. Quantized ones store integers and one scale per
+    (position, KV head), fp32 (a K^T's own: fp32 or bf16, kt_scale_dtype): a write quantizes only its own new positions, so a scale is never revised
     after its positions are written (snapshot, restore, truncate and rollback rely on that). K is
     first divided by a per-channel scale fixed at each row's first write (its prompt's absmax per
     channel): keys have outlier channels, and a per-token scale alone spends the integer range on
@@ -53,6 +57,7 @@ class KVFormat:
     layout: str = "twice"  # "twice": K^T kept beside K for SparQ's step 1; "once": K alone
     kv_dtype: str = "auto"  # KV_DTYPES
     kt_dtype: str = "same"  # KT_DTYPES
+    kt_scale_dtype: str = "float32"  # KT_SCALE_DTYPES: the dtype of a K^T's own scales (own_kt_scale)
 
     def __post_init__(self):
         if self.layout not in ("twice", "once"):
@@ -63,11 +68,22 @@ class KVFormat:
             raise ValueError(f"unknown --kt-dtype {self.kt_dtype!r} (choose from {', '.join(KT_DTYPES)})")
         if self.layout == "once" and self.kt_dtype != "same":
             raise ValueError("--kt-dtype stores SparQ's copy of K^T, which --kv-layout once does not keep")
+        if self.kt_scale_dtype not in KT_SCALE_DTYPES:
+            raise ValueError(f"unknown --kt-scale-dtype {self.kt_scale_dtype!r} (choose from {', '.join(KT_SCALE_DTYPES)})")
+        if self.kt_scale_dtype != "float32" and not self.own_kt_scale:
+            raise ValueError("--kt-scale-dtype stores the scales of a K^T quantized apart from K (--kt-dtype int4, or "
+                             "int8 beside a float K): this cache has none")
 
     @property
     def int8_kv(self) -> bool:
         """K and V are stored as int8 (whatever the activations)."""
         return self.kv_dtype == "int8"
+
+    @property
+    def own_kt_scale(self) -> bool:
+        """K^T is quantized apart from K, with scales of its own (an int8 K^T beside an int8 K is K's
+        int8 transposed and shares K's scales)."""
+        return self.layout == "twice" and self.kt_dtype in QMAX and not (self.kt_dtype == "int8" and self.int8_kv)
 
     @property
     def quantized_kt(self) -> bool:
@@ -97,7 +113,10 @@ class KVFormat:
         return _stored_bytes(self.kt_storage(activation) or self.kv_storage(activation))
 
     def kt_scale_bytes(self, activation: torch.dtype) -> int:
-        """Bytes of scale per position step 1 reads (K^T's, or K's with layout "once")."""
+        """Bytes of scale per position step 1 reads (K^T's own, or K's fp32 one when K^T is K's int8
+        transposed or with layout "once")."""
+        if self.own_kt_scale:
+            return getattr(torch, self.kt_scale_dtype).itemsize
         return 4 if (self.kt_storage(activation) or self.kv_storage(activation)) in QMAX else 0
 
     def row_scale_bytes(self, activation: torch.dtype) -> int:
@@ -120,12 +139,15 @@ def stored_bytes(elements: int, positions: int, rows: int, head_dim: int, fmt: K
             + rest * fmt.bytes_per_element(activation) + rest / head_dim * fmt.row_scale_bytes(activation))
 
 
-def quantize_symmetric(x: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
-    """x (..., n) -> (q int8 (..., n) in [-qmax, qmax], scale (...,) fp32) with x ~ q * scale: one
-    scale per row of n (its absmax / qmax), rounding to nearest."""
+def quantize_symmetric(x: Tensor, qmax: int, scale_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """x (..., n) -> (q int8 (..., n) in [-qmax, qmax], scale (...,) in scale_dtype) with x ~ q * scale:
+    one scale per row of n (its absmax / qmax), rounding to nearest. The scale is rounded to
+    scale_dtype first and q computed with it as stored (a bf16 scale rounded down clamps the absmax's
+    q to qmax, off by at most its 0.4% rounding)."""
     x = x.float()
-    scale = x.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / qmax
-    return torch.round(x / scale[..., None]).clamp(-qmax, qmax).to(torch.int8), scale
+    scale = x.abs().amax(-1).clamp(min=torch.finfo(scale_dtype).tiny) / qmax
+    scale = scale.to(scale_dtype)
+    return torch.round(x / scale[..., None].float()).clamp(-qmax, qmax).to(torch.int8), scale
 
 
 def channel_scale(k: Tensor, counted: Optional[Tensor] = None) -> Tensor:
@@ -182,8 +204,8 @@ class KVCache(nn.Module):
                                K and K^2 (`k_moments`: the keys' spread per dimension, sparq-adaptive)
     A quantized cache (KVFormat: --kv-dtype int8, --kt-dtype int8/int4) stores k, v as int8 beside
     k_scale, v_scale (B, n_kv, S) fp32, K^T as int8 (B, n_kv, d, S) or int4 (uint8 (B, n_kv, d, S/2 + 1 rounded up to 16),
-    two positions per byte) beside kt_scale (B, n_kv, S) (none when K^T is K's int8 transposed: K's
-    scales), and chan (B, n_kv, d) fp32, K's per-channel scale: K = k k_scale chan, V = v v_scale,
+    two positions per byte) beside kt_scale (B, n_kv, S) fp32 or bf16 (--kt-scale-dtype; none when K^T
+    is K's int8 transposed: K's scales), and chan (B, n_kv, d) fp32, K's per-channel scale: K = k k_scale chan, V = v v_scale,
     K^T = k_t kt_scale chan. view() gives the torch paths dequantized copies, view(stored=True) the
     kernels that read it the buffers and their scales; the sums are over the values as stored.
     live_length (B,) int64     row b's positions [0, live_length[b]) are live: a device tensor, so
@@ -204,11 +226,11 @@ class KVCache(nn.Module):
 
     def __init__(self, max_batch: int, max_seq_length: int, n_kv_head: int, head_dim: int,
                  dtype: torch.dtype, layout: str = "twice", length_bucket: int = 1, window: Optional[int] = None,
-                 kv_dtype: str = "auto", kt_dtype: str = "same"):
+                 kv_dtype: str = "auto", kt_dtype: str = "same", kt_scale_dtype: str = "float32"):
         super().__init__()
         if window is not None and length_bucket > 1:
             raise ValueError("sliding-window layers read exact lengths: use --length-bucket 1")
-        self.format = KVFormat(layout, kv_dtype, kt_dtype)
+        self.format = KVFormat(layout, kv_dtype, kt_dtype, kt_scale_dtype)
         self.length_bucket = length_bucket
         self.window = window
         self.dtype = dtype  # the activations': what reads return
@@ -233,16 +255,17 @@ class KVCache(nn.Module):
         else:
             k_t = torch.zeros((B, n_kv_head, d, S), dtype=torch.int8 if self.kt_storage == "int8" else dtype)
         self.register_buffer("k_t", k_t, persistent=False)
-        # K^T's own scales, unless it is K's int8 transposed (then it shares K's)
+        # K^T's own scales (in --kt-scale-dtype), unless it is K's int8 transposed (then it shares K's)
         self.shares_k_scale = self.kt_storage == "int8" and self.kv_storage == "int8"
-        own_kt_scale = self.kt_storage in QMAX and not self.shares_k_scale
-        self.register_buffer("kt_scale", torch.zeros((B, n_kv_head, S)) if own_kt_scale else None, persistent=False)
+        self.kt_scale_dtype = getattr(torch, kt_scale_dtype)
+        own = torch.zeros((B, n_kv_head, S), dtype=self.kt_scale_dtype) if self.format.own_kt_scale else None
+        self.register_buffer("kt_scale", own, persistent=False)
         self.register_buffer("sums", torch.zeros((B, n_kv_head, 3, d), dtype=torch.float32), persistent=False)
         self.register_buffer("live_length", torch.zeros((B,), dtype=torch.long), persistent=False)
         self.ragged = False  # rows have their own live lengths (set_live_lengths); reset clears it
 
     @property
-    def k_t_scale(self) -> Optional[Tensor]:  # (B_max, n_kv, S_max) fp32 scales of a quantized K^T
+    def k_t_scale(self) -> Optional[Tensor]:  # (B_max, n_kv, S_max) scales of a quantized K^T (fp32 or bf16)
         return self.k_scale if self.shares_k_scale else self.kt_scale
 
     @property
@@ -310,9 +333,10 @@ class KVCache(nn.Module):
         if self.shares_k_scale:
             self.k_t[rows, heads, :, input_pos] = kq
         elif self.kt_storage == "int8":
-            self.k_t[rows, heads, :, input_pos], self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int8"])
+            self.k_t[rows, heads, :, input_pos], self.kt_scale[rows, heads, input_pos] = quantize_symmetric(
+                kn, QMAX["int8"], self.kt_scale_dtype)
         elif self.kt_storage == "int4":
-            q4, self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int4"])
+            q4, self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int4"], self.kt_scale_dtype)
             nibble = (q4 + 8).to(torch.uint8)  # (B, n_kv, T, d)
             # Two positions share a byte: write the even positions' low nibbles, then the odd ones'
             # high nibbles (read-modify-write), each pass sending the other parity's writes to the
@@ -360,7 +384,7 @@ class KVCache(nn.Module):
             q = unpack_int4(self.k_t[rows, heads, chosen, lo // 2:-(-end // 2)], end - lo)[..., start - lo:]
         else:
             q = self.k_t[rows, heads, chosen, start:end]
-        kt = q.float() * self.k_t_scale[rows, :, None, start:end] * self.chan[rows, heads, chosen][..., None]
+        kt = q.float() * self.k_t_scale[rows, :, None, start:end].float() * self.chan[rows, heads, chosen][..., None]
         return kt.to(self.dtype)
 
     def set_live_lengths(self, lengths: Tensor) -> None:

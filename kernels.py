@@ -72,7 +72,7 @@ class KVScales:
     k_scale: Optional[Tensor]  # None: K and V stored as floats (only K^T quantized)
     v_scale: Optional[Tensor]
     chan: Tensor
-    kt_scale: Optional[Tensor] = None  # a quantized K^T's per-position scales (K's own when it is K's int8 transposed)
+    kt_scale: Optional[Tensor] = None  # a quantized K^T's per-position scales, fp32 or bf16 (K's fp32 ones when it is K's int8 transposed)
 
     @property
     def own_kt_scale(self) -> Optional[Tensor]:

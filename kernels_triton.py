@@ -207,9 +207,9 @@ if HAS_TRITON:
             acc = tl.sum(q_hat.to(tl.float32)[:, :, None] * k_tile.to(tl.float32)[None, :, :], axis=1)
         if QUANT:
             if MASK_S:
-                acc = acc * tl.load(ps_row + offs_s, mask=live_s, other=0.0)[None, :]
+                acc = acc * tl.load(ps_row + offs_s, mask=live_s, other=0.0).to(tl.float32)[None, :]
             else:
-                acc = acc * tl.load(ps_row + offs_s)[None, :]
+                acc = acc * tl.load(ps_row + offs_s).to(tl.float32)[None, :]  # fp32 or bf16 as stored
         logits = acc / tau[:, None]  # (G_PAD, BLOCK_S)
         if MASK_S:
             tl.store(out_rows + offs_s[None, :], logits, mask=g_mask[:, None] & live_s[None, :])
@@ -817,9 +817,9 @@ def _check_scales(k: Tensor, k_t: Optional[Tensor], k_scale: Optional[Tensor], v
             or (kt_scale is None) == quant_kt:
         raise ValueError("an int8 K/V needs k_scale, v_scale and chan, a quantized K^T kt_scale and chan; "
                          "a float cache none")
-    for t in (k_scale, v_scale, kt_scale):
-        if t is not None and (t.dtype != torch.float32 or t.stride(-1) != 1):
-            raise ValueError("the per-position scales must be fp32, positions contiguous")
+    for t, dtypes in ((k_scale, (torch.float32,)), (v_scale, (torch.float32,)), (kt_scale, (torch.float32, torch.bfloat16))):
+        if t is not None and (t.dtype not in dtypes or t.stride(-1) != 1):
+            raise ValueError("the per-position scales must be fp32 (a K^T's own: fp32 or bf16), positions contiguous")
     if int8_kv and k_scale.stride()[:2] != v_scale.stride()[:2]:  # the kernels take one pair of strides for both
         raise ValueError("k_scale and v_scale must share their batch and head strides")
 

@@ -45,9 +45,10 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--kernel", default="all", help="SparQ kernels: comma list of all, torch, cpu, triton")
     p.add_argument("--cache-format", default="auto",
-                   help="comma list of KV cache formats KV[/KT] (generate.py's --kv-dtype, --kt-dtype), e.g. "
-                        "auto,int8,int8/int4: each quantized one adds the fused dense (int8 K/V) and SparQ ops on "
-                        "that cache as stored, against dense on the float cache (--device cpu, --kernel cpu)")
+                   help="comma list of KV cache formats KV[/KT[/SCALE]] (generate.py's --kv-dtype, --kt-dtype, "
+                        "--kt-scale-dtype), e.g. auto,int8,int8/int4,auto/int4/bfloat16: each quantized one adds the "
+                        "fused dense (int8 K/V) and SparQ ops on that cache as stored, against dense on the float cache "
+                        "(--device cpu, --kernel cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per method (median reported)")
     p.add_argument("--min-iters", type=int, default=5, help="iterations before --max-seconds can stop")
@@ -94,7 +95,7 @@ def _stored_copy(copy: dict, fmt, dtype) -> dict:
     from cache import KVCache
 
     B, n_kv, S, d = copy["k"].shape
-    cache = KVCache(B, S, n_kv, d, dtype, kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype)
+    cache = KVCache(B, S, n_kv, d, dtype, kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype, kt_scale_dtype=fmt.kt_scale_dtype)
     cache.update(torch.arange(S), copy["k"], copy["v"])
     view = cache.view(S, B, stored=True)
     return dict(q=copy["q"], k=view.k, k_t=view.k_t, v=view.v, v_sum=view.v_sum, scales=view.scales)

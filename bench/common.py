@@ -50,14 +50,17 @@ def alternating_medians(calls: dict[str, Callable[[], object]], rounds: int, rep
 
 
 def cache_formats(text: str):
-    """--cache-format: [(label, KVFormat)], "KV[/KT]" each (KV a --kv-dtype, KT a --kt-dtype)."""
+    """--cache-format: [(label, KVFormat)], "KV[/KT[/SCALE]]" each (KV a --kv-dtype, KT a --kt-dtype, SCALE a
+    --kt-scale-dtype)."""
     from cli import UserError
     from assemble import cache_format
 
     formats = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
-        kv, _, kt = item.partition("/")
-        formats.append((item, cache_format(argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same"), "cpu")))
+        kv, _, rest = item.partition("/")
+        kt, _, scale = rest.partition("/")
+        flags = argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same", kt_scale_dtype=scale or "float32")
+        formats.append((item, cache_format(flags, "cpu")))
     if not formats:
         raise UserError("--cache-format: give at least one format")
     return formats

@@ -47,9 +47,9 @@ def add_parser(sub) -> None:
     p.add_argument("--quantized-kernel", default="auto",
                    help="a quantized checkpoint's linears (as generate.py: quantize.BACKENDS, checked at load)")
     p.add_argument("--cache-format", default="auto",
-                   help="comma list of KV cache formats KV[/KT] (generate.py's --kv-dtype and --kt-dtype), e.g. "
-                        "auto,int8,int8/int4: every policy runs on each, with its own caches; speedups are over "
-                        "dense on the first")
+                   help="comma list of KV cache formats KV[/KT[/SCALE]] (generate.py's --kv-dtype, --kt-dtype and "
+                        "--kt-scale-dtype), e.g. auto,int8,int8/int4: every policy runs on each, with its own "
+                        "caches; speedups are over dense on the first")
     p.add_argument("--llamacpp", default=None, metavar="GGUF",
                    help="also time llama.cpp (bench/llamacpp.py, built on first use) after the same contexts on this GGUF "
                         "(the checkpoint's source), in each --dtype's format, and print it beside our rows")

@@ -138,7 +138,7 @@ static int64_t prepare_components(const Adaptive& A, const QT* q, int64_t b, int
     for (int64_t i = 0; i < r_h; ++i) qhat[i * g + gg] = qf[gg * d + i1[i]] * inv_tau;
   }
   const float* chan = P.chan_of(b, h);  // a quantized step-1 source holds K / chan: chan goes into q_hat
-  if (chan && P.kt_scale)
+  if (chan && P.step1_scaled())
     for (int64_t i = 0; i < r_h; ++i)
       for (int64_t gg = 0; gg < g; ++gg) qhat[i * g + gg] *= chan[i1[i]];
   return r_h;

@@ -58,9 +58,11 @@ static CacheKind bind_cache(Problem& P, const char* op, int64_t B, int64_t H, in
   for (const std::optional<at::Tensor>* s : {&k_scale, &v_scale, &kt_scale})
     if (given(*s)) {
       const at::Tensor& t = **s;
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) >= B && t.size(1) == H &&
-                      t.size(2) >= length && t.stride(2) == 1,
-                  op, ": k_scale, v_scale and kt_scale must be fp32 (B_max, n_kv, S_max), positions contiguous");
+      const bool dtype_ok = t.scalar_type() == at::kFloat || (s == &kt_scale && t.scalar_type() == at::kBFloat16);
+      TORCH_CHECK(dtype_ok && t.dim() == 3 && t.size(0) >= B && t.size(1) == H && t.size(2) >= length &&
+                      t.stride(2) == 1,
+                  op, ": k_scale, v_scale and kt_scale must be (B_max, n_kv, S_max), positions contiguous, fp32 "
+                  "(kt_scale fp32 or bf16)");
     }
   if (given(chan))
     TORCH_CHECK(chan->scalar_type() == at::kFloat && chan->dim() == 3 && chan->size(0) >= B && chan->size(1) == H &&
@@ -80,7 +82,9 @@ static CacheKind bind_cache(Problem& P, const char* op, int64_t B, int64_t H, in
   // layout "once", an int8 K itself, K's
   const std::optional<at::Tensor>& step1_scale = c.quantized_kt ? kt_scale : k_scale;
   if (given(step1_scale)) {
-    P.kt_scale = step1_scale->data_ptr<float>(); P.ktsc0 = step1_scale->stride(0); P.ktsc1 = step1_scale->stride(1);
+    if (step1_scale->scalar_type() == at::kBFloat16) P.kt_scale_b16 = step1_scale->data_ptr<at::BFloat16>();
+    else P.kt_scale = step1_scale->data_ptr<float>();
+    P.ktsc0 = step1_scale->stride(0); P.ktsc1 = step1_scale->stride(1);
   }
   return c;
 }

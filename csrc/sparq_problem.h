@@ -9,8 +9,18 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace sparq_cpu {
 namespace {
+
+// Step 1's per-position scales of one (row, KV head), as stored: fp32, or a K^T's own scales in bf16
+// (--kt-scale-dtype bfloat16); both nullptr where step 1 reads a float source.
+struct PosScales {
+  const float* f32 = nullptr;
+  const bf16* b16 = nullptr;
+  explicit operator bool() const { return f32 != nullptr || b16 != nullptr; }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Problem description
@@ -28,11 +38,17 @@ struct Problem {
   const float* vsum;
   // A quantized cache (cache.KVCache; nullptr otherwise). int8 K and V: K[p] = k[p] k_scale[p] chan,
   // V[p] = v[p] v_scale[p]. Step 1's source (K^T, or K with layout "once") when quantized: its
-  // per-position scales kt_scale (k_scale for K itself) and chan, folded into q_hat.
+  // per-position scales kt_scale (k_scale for K itself; kt_scale_b16 instead for a K^T's own bf16
+  // scales) and chan, folded into q_hat.
   const float *k_scale = nullptr, *v_scale = nullptr, *chan = nullptr, *kt_scale = nullptr;
+  const bf16* kt_scale_b16 = nullptr;
   int64_t ksc0 = 0, ksc1 = 0, vsc0 = 0, vsc1 = 0, chs0 = 0, chs1 = 0, ktsc0 = 0, ktsc1 = 0;
   const float* chan_of(int64_t b, int64_t h) const { return chan ? chan + b * chs0 + h * chs1 : nullptr; }
-  const float* kt_scale_of(int64_t b, int64_t h) const { return kt_scale ? kt_scale + b * ktsc0 + h * ktsc1 : nullptr; }
+  bool step1_scaled() const { return kt_scale != nullptr || kt_scale_b16 != nullptr; }
+  PosScales kt_scale_of(int64_t b, int64_t h) const {
+    const int64_t at = b * ktsc0 + h * ktsc1;
+    return {kt_scale ? kt_scale + at : nullptr, kt_scale_b16 ? kt_scale_b16 + at : nullptr};
+  }
   // ragged rows and chunking over S (parallel.h: each row's chunk length is its own, as if alone)
   const int64_t* len;            // (B,) live length of each row
   std::vector<int64_t> cs;       // (B,) each row's chunk length (multiple of 64)

@@ -56,7 +56,7 @@ static void prepare(const Problem& P, const QT* q, int64_t b, int64_t h, float* 
   }
   // a quantized step-1 source holds K / chan: chan goes into q_hat; an int8 K (step 2) likewise into q
   if (const float* chan = P.chan_of(b, h)) {
-    if (P.kt_scale)
+    if (P.step1_scaled())
       for (int64_t i = 0; i < r; ++i)
         for (int64_t hh = 0; hh < g; ++hh) qhat[i * g + hh] *= chan[i1[i]];
     if (P.k_scale)
@@ -200,6 +200,16 @@ static SPARQ_INLINE void block_2k(const KT* const* rows, int64_t i0, int64_t i1,
   }
 }
 
+// The fp32 scales of the block of n <= kBlock positions at p: the stored ones, or bf16 ones widened
+// into buf (32 conversions per block against r rows of 32 FMAs; nullptr: no scales).
+static SPARQ_INLINE const float* block_scales(PosScales ps, int64_t p, int64_t n, float* buf) {
+  if (ps.f32) return ps.f32 + p;
+  if (!ps.b16) return nullptr;
+  store(buf, load(ps.b16 + p, tail_mask(n)));
+  store(buf + 16, load(ps.b16 + p + 16, tail_mask(std::max<int64_t>(0, n - 16))));
+  return buf;
+}
+
 // Pass A over one segment [p0, p1) of at most kSegment positions, rows in groups of at most
 // kRowGroup: a group's rows are streamed over the whole segment before the next group's. Fewer
 // concurrent streams than r (32 for Llama) keep DRAM efficient (docs/NOTES.md).
@@ -214,7 +224,8 @@ constexpr int64_t kRowGroup = SPARQ_ROW_GROUP;
 
 template <int G, typename KT>
 static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64_t qstride, int64_t p0, int64_t p1,
-                      int64_t pf_end, float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb, const float* ps) {
+                      int64_t pf_end, float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb, PosScales ps) {
+  alignas(64) float widened[kBlock];  // a block's bf16 scales as fp32 (block_scales)
   constexpr int64_t PF = kPrefetchAhead * kPerElement<KT> / (int64_t)sizeof(KT);  // positions
   const int64_t ng = (r + kRowGroup - 1) / kRowGroup;
   auto group = [&](int64_t gi, int64_t* i0, int64_t* i1) { *i0 = r * gi / ng; *i1 = r * (gi + 1) / ng; };
@@ -237,11 +248,11 @@ static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64
         }
       }
       block_2k<G, KT, false>(rows, i0, i1, qhat, qstride, p, kBlock, first, last, q0, q1, t, E + (p - p0), ldE, st,
-                             mb + (p - p0) / kBlock, ldmb, ps ? ps + p : nullptr);
+                             mb + (p - p0) / kBlock, ldmb, last ? block_scales(ps, p, kBlock, widened) : nullptr);
     }
     if (p < p1)
       block_2k<G, KT, true>(rows, i0, i1, qhat, qstride, p, p1 - p, first, last, 0, 0, 0, E + (p - p0), ldE, st,
-                            mb + (p - p0) / kBlock, ldmb, ps ? ps + p : nullptr);
+                            mb + (p - p0) / kBlock, ldmb, last ? block_scales(ps, p, p1 - p, widened) : nullptr);
   }
 }
 
@@ -286,11 +297,11 @@ static void pass_a_1k(const KT* kbh, int64_t stride, const float* qmask, int64_t
 
 // r: the rows of K^T streamed (P.r in SparQ; a head's own count in adaptive SparQ). KTT: K^T's element
 // type (int8_t or int4x2 for a quantized K^T); ps: the bh's per-position scales of a quantized step-1
-// source (its K^T's, or an int8 K's with layout "once"), nullptr for a float one.
+// source (its K^T's, fp32 or bf16, or an int8 K's fp32 ones with layout "once"), none for a float one.
 template <typename KT, typename KTT = KT>
 static void pass_a(const Problem& P, int64_t r, const KTT* const* rows, const KT* kbh, const float* qmask,
                    const float* qhat, int64_t p0, int64_t p1, float* E, int64_t ldE, RunState* st, float* mb,
-                   int64_t ldmb, const float* ps = nullptr) {
+                   int64_t ldmb, PosScales ps = {}) {
   // segment by segment; within one, head groups after the first re-read the rows from L2
   for (int64_t a = p0; a < p1; a += kSegment) {
     const int64_t b = std::min(p1, a + kSegment);
@@ -303,7 +314,7 @@ static void pass_a(const Problem& P, int64_t r, const KTT* const* rows, const KT
 #define SPARQ_CASE(n)                                                                              \
   case n:                                                                                          \
     if (P.two_k) pass_a_2k<n, KTT>(rows, r, qh, P.g, a, b, p1, Eh, ldE, sh, mbh, ldmb, ps);        \
-    else pass_a_1k<n, KT>(kbh, P.ks2, qmask + h0 * P.d, P.d, a, b, Eh, ldE, sh, mbh, ldmb, ps);    \
+    else pass_a_1k<n, KT>(kbh, P.ks2, qmask + h0 * P.d, P.d, a, b, Eh, ldE, sh, mbh, ldmb, ps.f32);\
     break;
       switch (G) {
         SPARQ_CASE(1) SPARQ_CASE(2) SPARQ_CASE(3) SPARQ_CASE(4)

@@ -1000,6 +1000,15 @@ def squad_run_identity(argv: list[str]) -> dict:
                                   evals_cli.cache_format(args, "cpu", methods))
 
 
+def test_a_run_on_bf16_k_t_scales_is_another_run():
+    """--kt-scale-dtype bfloat16 stores step 1's scales otherwise and changes adaptive SparQ's split: a
+    resumed run must match it; the default leaves the identity of earlier journals as it was."""
+    argv = ["--task", "squad", "--attention", "dense,sparq-adaptive", "--compression", "1/8"]
+    default = squad_run_identity(argv)
+    assert "kt_scale_dtype" not in default
+    assert squad_run_identity(argv + ["--kt-scale-dtype", "bfloat16"]) == {**default, "kt_scale_dtype": "bfloat16"}
+
+
 def test_a_doublesparse_run_is_identified_by_its_calibration(tmp_path):
     """A resumed DoubleSparse run must use the channels its journal was made with: the run's identity
     holds the calibration file's content hash (a recalibration at the same path is another run), and

@@ -540,17 +540,20 @@ def test_kernels_imports_without_triton():
 
 
 QUANTIZED_FORMATS = [("twice", "int8", "same"), ("twice", "int8", "int4"), ("twice", "auto", "int4"),
-                     ("twice", "auto", "int8"), ("once", "int8", "same")]
+                     ("twice", "auto", "int8"), ("once", "int8", "same"), ("twice", "auto", "int4/bfloat16")]
 
 
 def filled_quantized_cache(layout, kv_dtype, kt_dtype, S, lengths, gen, k_scale=1.0, n_kv=2, g=4, d=64):
     """A quantized cache (fp32 activations) holding S random positions per row, live to `lengths`, and a
     query: (q, the stored view, the fp32 dequantized K, V and K^T from its buffers, the live lengths).
-    k_scale (scalar or per channel) multiplies the keys before they are written."""
+    k_scale (scalar or per channel) multiplies the keys before they are written. kt_dtype "int4/bfloat16":
+    an int4 K^T whose own scales are stored in bf16 (--kt-scale-dtype)."""
     from test_kv_quant import dequantized_fp32
 
     rows = len(lengths)
-    cache = KVCache(rows, S + 63, n_kv, d, torch.float32, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+    kt_dtype, _, kt_scale_dtype = kt_dtype.partition("/")
+    cache = KVCache(rows, S + 63, n_kv, d, torch.float32, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype,
+                    kt_scale_dtype=kt_scale_dtype or "float32")
     k = torch.randn(rows, n_kv, S, d, generator=gen) * k_scale
     cache.update(torch.arange(S), k, torch.randn(rows, n_kv, S, d, generator=gen))
     cache.set_live_lengths(torch.tensor(lengths))

@@ -23,7 +23,10 @@ from test_generate import run_generate
 from test_ragged import alone, run_rows, tiny_model
 
 N_KV, D = 2, 16
-FORMATS = [("int8", "same"), ("int8", "int4"), ("auto", "int8"), ("auto", "int4"), ("int8", "int8")]
+# (--kv-dtype, --kt-dtype, --kt-scale-dtype): every quantized layout, and a K^T's own scales in bf16
+FORMATS = [("int8", "same", "float32"), ("int8", "int4", "float32"), ("auto", "int8", "float32"),
+           ("auto", "int4", "float32"), ("int8", "int8", "float32"), ("int8", "int4", "bfloat16"),
+           ("auto", "int8", "bfloat16"), ("auto", "int4", "bfloat16")]
 
 
 def kv(B: int, T: int, seed: int, outlier: float = 8.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,9 +37,10 @@ def kv(B: int, T: int, seed: int, outlier: float = 8.0) -> tuple[torch.Tensor, t
     return k, v
 
 
-def filled(kv_dtype: str, kt_dtype: str, B: int = 2, T: int = 37, steps: int = 6, seed: int = 0) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+def filled(kv_dtype: str, kt_dtype: str, kt_scale_dtype: str = "float32", B: int = 2, T: int = 37, steps: int = 6,
+           seed: int = 0) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
     """A cache written by a prefill of T positions then `steps` one-position writes; and what was written."""
-    cache = KVCache(B, 64, N_KV, D, torch.float32, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+    cache = KVCache(B, 64, N_KV, D, torch.float32, kv_dtype=kv_dtype, kt_dtype=kt_dtype, kt_scale_dtype=kt_scale_dtype)
     k, v = kv(B, T + steps, seed)
     cache.update(torch.arange(T), k[:, :, :T], v[:, :, :T])
     for t in range(T, T + steps):
@@ -58,9 +62,9 @@ def test_unpack_int4_reads_low_then_high_nibbles():
     assert unpack_int4(packed, 5).tolist() == [[7, -7, 0, 0, -1]]
 
 
-@pytest.mark.parametrize("kv_dtype, kt_dtype", FORMATS)
-def test_stored_values_within_half_a_step_and_sums_of_what_is_stored(kv_dtype, kt_dtype):
-    cache, k, v = filled(kv_dtype, kt_dtype)
+@pytest.mark.parametrize("kv_dtype, kt_dtype, kt_scale_dtype", FORMATS)
+def test_stored_values_within_half_a_step_and_sums_of_what_is_stored(kv_dtype, kt_dtype, kt_scale_dtype):
+    cache, k, v = filled(kv_dtype, kt_dtype, kt_scale_dtype)
     n = k.shape[2]
     chan = k[:, :, :37].abs().amax(2)  # the prefill's per-channel absmax (no channel is near zero here)
     torch.testing.assert_close(cache.chan[:2], chan)
@@ -75,7 +79,10 @@ def test_stored_values_within_half_a_step_and_sums_of_what_is_stored(kv_dtype, k
     kt = cache.read_k_t(slice(0, 2), 0, n)
     qmax = QMAX[cache.kt_storage]
     step_t = (kn.abs().amax(-1, keepdim=True) / qmax * chan[:, :, None]).transpose(-1, -2)
-    assert torch.all((kt - k.transpose(-1, -2)).abs() <= step_t / 2 * (1 + 1e-5) + 1e-6)
+    rounding = 2.0 ** -8 if kt_scale_dtype == "bfloat16" else 1e-5  # the step as stored: bf16 rounds it by <= 2^-8
+    assert torch.all((kt - k.transpose(-1, -2)).abs() <= step_t / 2 * (1 + rounding) + 1e-6)
+    if cache.kt_scale is not None:
+        assert cache.kt_scale.dtype == getattr(torch, kt_scale_dtype)
     if kv_dtype == "int8" and cache.kt_storage == "int8":  # K^T is K's int8 transposed, sharing its scales
         assert cache.kt_scale is None and torch.equal(kt, rk.transpose(-1, -2))
     # the running sums are fp32 sums of exactly the values stored
@@ -106,14 +113,14 @@ def assert_same(a: KVCache, b: KVCache, n: int) -> None:
     torch.testing.assert_close(a.sums, b.sums, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype, kt_dtype", FORMATS)
+@pytest.mark.parametrize("kv_dtype, kt_dtype, kt_scale_dtype", FORMATS)
 @pytest.mark.parametrize("start", [0, 1])
-def test_writes_one_at_a_time_store_what_one_write_stores(kv_dtype, kt_dtype, start):
+def test_writes_one_at_a_time_store_what_one_write_stores(kv_dtype, kt_dtype, kt_scale_dtype, start):
     """A position's bytes depend on it alone (and on the row's channel scale, fixed by its first write):
     the int4 K^T's shared bytes are read, modified and written, never clobbered."""
     k, v = kv(2, 29, 5)
-    whole = KVCache(2, 64, N_KV, D, torch.float32, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
-    split = KVCache(2, 64, N_KV, D, torch.float32, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+    whole, split = (KVCache(2, 64, N_KV, D, torch.float32, kv_dtype=kv_dtype, kt_dtype=kt_dtype,
+                            kt_scale_dtype=kt_scale_dtype) for _ in range(2))
     whole.update(torch.arange(10), k[:, :, :10], v[:, :, :10])
     split.update(torch.arange(10), k[:, :, :10], v[:, :, :10])
     whole.update(torch.arange(10 + start, 29), k[:, :, 10 + start:], v[:, :, 10 + start:]) if start == 0 else None
@@ -125,14 +132,15 @@ def test_writes_one_at_a_time_store_what_one_write_stores(kv_dtype, kt_dtype, st
     assert_same(whole, split, 29)
 
 
-@pytest.mark.parametrize("kv_dtype, kt_dtype", FORMATS)
-def test_truncate_and_restore_then_rewrite_store_what_writing_directly_stores(kv_dtype, kt_dtype):
+@pytest.mark.parametrize("kv_dtype, kt_dtype, kt_scale_dtype", FORMATS)
+def test_truncate_and_restore_then_rewrite_store_what_writing_directly_stores(kv_dtype, kt_dtype, kt_scale_dtype):
     k, v = kv(1, 40, 7)
     k2, v2 = kv(1, 40, 8)
-    direct = KVCache(1, 64, N_KV, D, torch.float32, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+    fmt = dict(kv_dtype=kv_dtype, kt_dtype=kt_dtype, kt_scale_dtype=kt_scale_dtype)
+    direct = KVCache(1, 64, N_KV, D, torch.float32, **fmt)
     direct.update(torch.arange(21), k[:, :, :21], v[:, :, :21])
     direct.update(torch.arange(21, 40), k2[:, :, 21:], v2[:, :, 21:])
-    rolled = KVCache(1, 64, N_KV, D, torch.float32, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+    rolled = KVCache(1, 64, N_KV, D, torch.float32, **fmt)
     rolled.update(torch.arange(21), k[:, :, :21], v[:, :, :21])
     state = rolled.snapshot()
     rolled.update(torch.arange(21, 40), k[:, :, 21:], v[:, :, 21:])
@@ -144,7 +152,7 @@ def test_truncate_and_restore_then_rewrite_store_what_writing_directly_stores(kv
     assert_same(rolled, direct, 40)
     # emptied, a row's next first write fixes a new channel scale
     rolled.truncate(0, 0)
-    fresh = KVCache(1, 64, N_KV, D, torch.float32, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+    fresh = KVCache(1, 64, N_KV, D, torch.float32, **fmt)
     for cache in (rolled, fresh):
         cache.update(torch.arange(40), k2, v2)
     assert_same(rolled, fresh, 40)
@@ -164,10 +172,10 @@ def dequantized_copy(cache: KVCache, n: int) -> KVCache:
 STATELESS = [p for p in POLICIES if p != "h2o"]  # H2O's state comes from observing the prefill: below, on a model
 
 
-@pytest.mark.parametrize("kv_dtype, kt_dtype", FORMATS)
+@pytest.mark.parametrize("kv_dtype, kt_dtype, kt_scale_dtype", FORMATS)
 @pytest.mark.parametrize("policy", STATELESS)
-def test_each_policy_on_the_quantized_cache_equals_it_on_a_dequantized_copy(policy, kv_dtype, kt_dtype):
-    cache, _, _ = filled(kv_dtype, kt_dtype, T=50, steps=3)
+def test_each_policy_on_the_quantized_cache_equals_it_on_a_dequantized_copy(policy, kv_dtype, kt_dtype, kt_scale_dtype):
+    cache, _, _ = filled(kv_dtype, kt_dtype, kt_scale_dtype, T=50, steps=3)
     n = 53
     copy = dequantized_copy(cache, n)
     args = tiny_model().args
@@ -217,14 +225,15 @@ def test_an_int8_cache_keeps_the_float_caches_next_token_distribution():
 
 def allocation_formula(n_layer: int, n_kv: int, d: int, B: int, S: int, fmt: KVFormat) -> int:
     """The bytes of an fp32-activation cache by hand: per position K and V (4 bytes, or 1 + a 4-byte scale
-    when int8), K^T (4, 1 or 1/2 bytes, + its own 4-byte scale unless it shares int8 K's); per row and
+    when int8), K^T (4, 1 or 1/2 bytes, + its own 4-byte scale, 2 in bf16, unless it shares int8 K's); per row and
     head three fp32 sums of d, a channel scale of d when anything is quantized, and an int4 K^T's padding: each
     of its d rows holds S / 2 bytes, a spare byte column and up to 15 more, to a multiple of 16 bytes."""
     int8_kv, kt = fmt.kv_dtype == "int8", fmt.kt_dtype if fmt.kt_dtype != "same" else fmt.kv_dtype
     per_position = 2 * (d * (1 if int8_kv else 4) + (4 if int8_kv else 0))
     if fmt.layout == "twice":
         shared = kt == "int8" and int8_kv
-        per_position += d * {"int8": 1, "int4": 0.5}.get(kt, 4) + (4 if kt in ("int8", "int4") and not shared else 0)
+        own_scale = {"float32": 4, "bfloat16": 2}[fmt.kt_scale_dtype]
+        per_position += d * {"int8": 1, "int4": 0.5}.get(kt, 4) + (own_scale if kt in ("int8", "int4") and not shared else 0)
     quantized = int8_kv or (fmt.layout == "twice" and kt in ("int8", "int4"))
     int4_padding = 16 * (S // 32 + 1) - S // 2  # S / 2 + 1 bytes rounded up to 16 (S a multiple of 32, as here)
     per_row = (S * per_position + 3 * d * 4 + (d * 4 if quantized else 0)
@@ -238,11 +247,12 @@ def test_bytes_allocated_and_moved():
     plus a 4-byte scale per position."""
     model = tiny_model(head_dim=16, n_kv_head=2, n_layer=2)
     args, d, S = model.args, 16, 300
-    for kv_dtype, kt_dtype, layout in itertools.product(("auto", "float32", "int8"), ("same", "int8", "int4"),
-                                                        ("twice", "once")):
-        if layout == "once" and kt_dtype != "same":
+    for kv_dtype, kt_dtype, layout, scale in itertools.product(("auto", "float32", "int8"), ("same", "int8", "int4"),
+                                                               ("twice", "once"), ("float32", "bfloat16")):
+        own_scale = layout == "twice" and kt_dtype in ("int8", "int4") and (kv_dtype, kt_dtype) != ("int8", "int8")
+        if (layout == "once" and kt_dtype != "same") or (scale == "bfloat16" and not own_scale):
             continue
-        fmt = KVFormat(layout, kv_dtype, kt_dtype)
+        fmt = KVFormat(layout, kv_dtype, kt_dtype, scale)
         model.setup_caches(3, 256, fmt)
         expected = allocation_formula(2, 2, d, 3, 256, fmt)
         assert model.kv_cache_bytes() == expected == Transformer.cache_bytes(args, 3, 256, fmt, torch.float32), fmt
@@ -252,6 +262,9 @@ def test_bytes_allocated_and_moved():
     per_layer_head = args.n_layer * args.n_kv_head
     assert model.decode_kv_bytes(S, 1, [dense(i) for i in range(2)]) == per_layer_head * (2 * S + 2) * (d + 4)
     sparq_bytes = S * (4 * 0.5 + 4) + (2 * 32 + 4) * (d + 4)
+    assert model.decode_kv_bytes(S, 1, [sparq(i) for i in range(2)]) == round(per_layer_head * sparq_bytes)
+    model.setup_caches(1, 512, KVFormat("twice", "int8", "int4", "bfloat16"))  # step 1 reads 2 bytes of scale
+    sparq_bytes = S * (4 * 0.5 + 2) + (2 * 32 + 4) * (d + 4)
     assert model.decode_kv_bytes(S, 1, [sparq(i) for i in range(2)]) == round(per_layer_head * sparq_bytes)
 
 
@@ -297,6 +310,11 @@ def test_generate_runs_on_a_quantized_cache_and_refuses_kt_dtype_with_one_k():
     assert "K/V int8, K^T int4" in out.stderr
     assert_one_line_error(run_generate(*tiny, "--kv-layout", "once", "--kt-dtype", "int4"), "--kv-layout once")
     assert_one_line_error(run_generate(*tiny, "--dtype", "float32", "--kv-dtype", "bfloat16"), "--kv-dtype bfloat16")
+    out = run_generate(*tiny, "--kt-dtype", "int4", "--kt-scale-dtype", "bfloat16", "--sparq-r", "4", "--sparq-k", "8")
+    assert out.returncode == 0, out.stderr
+    assert "K^T int4 with bfloat16 scales" in out.stderr
+    assert_one_line_error(run_generate(*tiny, "--kv-dtype", "int8", "--kt-dtype", "int8", "--kt-scale-dtype",
+                                       "bfloat16"), "--kt-scale-dtype")  # K^T is K's int8: K's scales, none of its own
 
 
 def int8_dense_vnni_reference(q: torch.Tensor, cache: KVCache, b: int, n: int) -> torch.Tensor:
@@ -376,20 +394,21 @@ def dequantized_fp32(cache: KVCache, n: int) -> tuple[torch.Tensor, torch.Tensor
     if cache.k_t is None:
         return k, v, None
     q = unpack_int4(cache.k_t, 2 * cache.k_t.shape[-1])[..., :n] if cache.kt_storage == "int4" else cache.k_t[..., :n]
-    return k, v, q.float() * cache.k_t_scale[:, :, None, :n] * chan.transpose(-1, -2)
+    return k, v, q.float() * cache.k_t_scale[:, :, None, :n].float() * chan.transpose(-1, -2)
 
 
-SPARQ_FORMATS = [("once", "int8", "same")] + [("twice", kv, kt) for kv, kt in FORMATS]
+SPARQ_FORMATS = [("once", "int8", "same", "float32")] + [("twice", *fmt) for fmt in FORMATS]
 
 
-def quantized_cases(layout: str, kv_dtype: str, kt_dtype: str, dtype: torch.dtype, d: int):
+def quantized_cases(layout: str, kv_dtype: str, kt_dtype: str, kt_scale_dtype: str, dtype: torch.dtype, d: int):
     """The fused SparQ kernels' cases on a quantized cache, n_kv = 3, g = 2: three ragged rows of odd
     lengths (an int4 byte half used), then one long row split over the threads in chunks. Yields
     (cache, q, the stored view, K, V, K^T dequantized to fp32, the length read, the rows' live lengths)."""
     n_kv, g = 3, 2
     for S, lengths in ((301, torch.tensor([301, 17, 150])), (4097, None)):
         rows = 3 if lengths is not None else 1
-        cache = KVCache(rows, S + 63, n_kv, d, dtype, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype)
+        cache = KVCache(rows, S + 63, n_kv, d, dtype, layout=layout, kv_dtype=kv_dtype, kt_dtype=kt_dtype,
+                        kt_scale_dtype=kt_scale_dtype)
         gen = torch.Generator().manual_seed(S + d)
         k = torch.randn(rows, n_kv, S, d, generator=gen) * (1 + 4 * (torch.arange(d) == 1))
         cache.update(torch.arange(S), k.to(dtype), torch.randn(rows, n_kv, S, d, generator=gen).to(dtype))
@@ -401,11 +420,12 @@ def quantized_cases(layout: str, kv_dtype: str, kt_dtype: str, dtype: torch.dtyp
         yield cache, q, cache.view(S, rows, stored=True), k, v, k_t, S, live
 
 
-@pytest.mark.parametrize("layout, kv_dtype, kt_dtype", SPARQ_FORMATS)
+@pytest.mark.parametrize("layout, kv_dtype, kt_dtype, kt_scale_dtype", SPARQ_FORMATS)
 @pytest.mark.parametrize("dtype, d, mean_v", [(torch.float32, 16, True), (torch.float32, 64, False),
                                               (torch.bfloat16, 64, True), (torch.float32, 40, False)])
 def test_fused_sparq_kernel_reads_a_quantized_cache_as_its_dequantized_copy(fused_cpu_kernels, threads, layout,
-                                                                            kv_dtype, kt_dtype, dtype, d, mean_v):
+                                                                            kv_dtype, kt_dtype, kt_scale_dtype, dtype,
+                                                                            d, mean_v):
     """The C++ SparQ kernel on the stored buffers (int8 K/V, int8 or int4 K^T, their scales) against the
     torch path on the dequantized values: ragged rows of odd lengths (an int4 byte half used), and one
     long row split over the threads in chunks."""
@@ -414,7 +434,7 @@ def test_fused_sparq_kernel_reads_a_quantized_cache_as_its_dequantized_copy(fuse
 
     torch.set_num_threads(2)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    for _, q, stored, k, v, k_t, S, live in quantized_cases(layout, kv_dtype, kt_dtype, dtype, d):
+    for _, q, stored, k, v, k_t, S, live in quantized_cases(layout, kv_dtype, kt_dtype, kt_scale_dtype, dtype, d):
         for r in (5, min(12, d)):  # one group of K^T rows, and two (partial sums kept between them)
             args = (S, live, r, 48, 12, mean_v)
             fused = sparq_attention_cpu(q, stored.k, stored.k_t, stored.v, stored.v_sum, *args, scales=stored.scales)
@@ -422,11 +442,12 @@ def test_fused_sparq_kernel_reads_a_quantized_cache_as_its_dequantized_copy(fuse
             torch.testing.assert_close(fused, expected, **tol)
 
 
-@pytest.mark.parametrize("layout, kv_dtype, kt_dtype", SPARQ_FORMATS)
+@pytest.mark.parametrize("layout, kv_dtype, kt_dtype, kt_scale_dtype", SPARQ_FORMATS)
 @pytest.mark.parametrize("dtype, d, mean_v", [(torch.float32, 16, True), (torch.bfloat16, 64, False),
                                               (torch.float32, 40, False)])
 def test_fused_adaptive_kernel_reads_a_quantized_cache_as_its_dequantized_copy(fused_cpu_kernels, threads, layout,
-                                                                               kv_dtype, kt_dtype, dtype, d, mean_v):
+                                                                               kv_dtype, kt_dtype, kt_scale_dtype,
+                                                                               dtype, d, mean_v):
     """The C++ adaptive SparQ kernel on the stored buffers against the torch path on the dequantized
     values, both splitting the budget at the cache's costs (more components on a smaller K^T): ragged
     rows of odd lengths, and one long row split over the threads in chunks."""
@@ -434,7 +455,7 @@ def test_fused_adaptive_kernel_reads_a_quantized_cache_as_its_dequantized_copy(f
     from sparq_adaptive import key_spread, sparq_adaptive_attention_torch
 
     torch.set_num_threads(2)
-    for cache, q, stored, k, v, k_t, S, live in quantized_cases(layout, kv_dtype, kt_dtype, dtype, d):
+    for cache, q, stored, k, v, k_t, S, live in quantized_cases(layout, kv_dtype, kt_dtype, kt_scale_dtype, dtype, d):
         spread = key_spread(stored.k_moments[:q.shape[0]], S if live is None else live)
         costs = StepCosts.of(cache.format, dtype, d)
         args = (S, live, 1 / 4, 32, 48, mean_v)  # dense up to 32 positions, k at most 48
@@ -450,6 +471,8 @@ def test_fused_adaptive_kernel_reads_a_quantized_cache_as_its_dequantized_copy(f
     (KVFormat("twice", "int8", "same"), AttentionSettings("dense"), 40, 20),
     (KVFormat("twice", "int8", "int4"), AttentionSettings("sparq", sparq_r=6, sparq_k=32), 90, 30),
     (KVFormat("twice", "auto", "int4"), AttentionSettings("sparq-adaptive", sparq_k=32, compression=1 / 4), 90, 30),
+    (KVFormat("twice", "auto", "int4", "bfloat16"), AttentionSettings("sparq-adaptive", sparq_k=32, compression=1 / 4),
+     90, 30),
 ])
 def test_a_model_on_a_quantized_cache_generates_alike_with_the_fused_and_the_torch_paths(
         fused_cpu_kernels, fmt, settings, prompt_length, new_tokens):

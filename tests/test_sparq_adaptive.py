@@ -1,6 +1,7 @@
 """Adaptive SparQ (sparq-adaptive): the batched torch path against its loop reference, the reference
 against the paper's SparQ where they must coincide (one KV head: nothing to share) and against
 dense attention (r = d, k >= S); the heads' shares; per-row live lengths; its budget."""
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -225,13 +226,16 @@ def test_each_step_splits_the_target(S, d, c, k_cap):
         assert k < k_free and r >= r_free
 
 
-@pytest.mark.parametrize("kv_dtype, kt_dtype", [("auto", "int4"), ("auto", "int8"), ("int8", "int4"), ("int8", "same")])
-def test_a_quantized_k_t_buys_components_at_the_same_bytes(kv_dtype, kt_dtype):
+@pytest.mark.parametrize("kv_dtype, kt_dtype, kt_scale_dtype", [
+    ("auto", "int4", "float32"), ("auto", "int8", "float32"), ("int8", "int4", "float32"), ("int8", "same", "float32"),
+    ("auto", "int4", "bfloat16")])
+def test_a_quantized_k_t_buys_components_at_the_same_bytes(kv_dtype, kt_dtype, kt_scale_dtype):
     """On a cache whose K^T is stored in fewer bytes (scales included), each step's split reads more
     components (never fewer) for the same target, and the policy's stored bytes are c of dense's on that
-    cache to within one position's K and V rows, as adaptive_split promises in elements on a float cache."""
+    cache to within one position's K and V rows, as adaptive_split promises in elements on a float cache.
+    bf16 scales cost step 1 half the fp32 ones' bytes per position: the split keeps more positions."""
     d, c = 64, 1 / 8
-    fmt, act = KVFormat("twice", kv_dtype, kt_dtype), torch.bfloat16
+    fmt, act = KVFormat("twice", kv_dtype, kt_dtype, kt_scale_dtype), torch.bfloat16
     costs = StepCosts.of(fmt, act, d)
     policy = SparQAdaptiveDecode(compression=c, k_max=128)
     for S in (1400, 8000, 32000):
@@ -247,6 +251,10 @@ def test_a_quantized_k_t_buys_components_at_the_same_bytes(kv_dtype, kt_dtype):
                 (r4, k4), (r4_float, k4_float) = (adaptive_split(S, d, target, None, x) for x in (costs, ELEMENTS))
                 assert d // 2 - 2 <= r4 <= d // 2 and r4 > r4_float, (target, r4, r4_float)
                 assert k4 > k4_float, (target, k4, k4_float)  # the cheaper components leave more to positions
+        if kt_scale_dtype == "bfloat16":
+            fp32_scales = StepCosts.of(replace(fmt, kt_scale_dtype="float32"), act, d)
+            assert costs.kt_scale == fp32_scales.kt_scale / 2 and costs.kt == fp32_scales.kt
+            assert adaptive_split(S, d, c, None, costs)[1] > adaptive_split(S, d, c, None, fp32_scales)[1]
     assert StepCosts.of(KVFormat(), act, d) == StepCosts.of(KVFormat("once"), torch.float32, d) == ELEMENTS
 
 
@@ -423,7 +431,8 @@ def test_the_cwe_study_budget_variants(compression):
     shifted = Variant(TORCH_KERNELS, per_head=True, spread=True, compression=compression, share=1 / 8)
     torch.testing.assert_close(shifted(q, cache, S), torch_path(r_more, k_fewer))
     # a bf16 scale per position: half the stored scale's bytes, which the split gives to the positions
-    assert INT4_KT_BF16_SCALE == StepCosts(kt=INT4_KT.kt, kt_scale=INT4_KT.kt_scale / 2)
+    assert INT4_KT_BF16_SCALE == StepCosts(kt=INT4_KT.kt, kt_scale=INT4_KT.kt_scale / 2) == StepCosts.of(
+        KVFormat(kt_dtype="int4", kt_scale_dtype="bfloat16"), torch.bfloat16, d)
     r_same, k_more = adaptive_split(S, d, compression, costs=INT4_KT_BF16_SCALE)
     assert k_more > k
     bf16_scale = Variant(TORCH_KERNELS, per_head=True, spread=True, costs=INT4_KT_BF16_SCALE, compression=compression)

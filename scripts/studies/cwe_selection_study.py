@@ -14,7 +14,7 @@ policy's default until this study, now --adaptive-heads pooled) or each head its
 ranking components by |q_i| times the keys' spread (the policy's) or by |q_i| alone; and fixed SparQ's split (r = 40,
 k = 128) per head by |q|. At another --compression: the policy beside exact step-1 scores at its k, twice its k, and
 the same bytes split with 1/4 or 1/8 of them to the positions (more components), and the split a bf16 scale per
-position would leave (2 bytes, not the stored fp32's 4: more positions). --task squad: the same on SQuAD's
+position leaves (2 bytes, not fp32's 4: more positions; --kt-scale-dtype bfloat16 stores it so). --task squad: the same on SQuAD's
 prompts (adaptive_split_study's, 1-shot with 7 confusion paragraphs, ~1.4k tokens; dense's answer to the end of its
 line), where pooling was the design before per-head selection was measured against it. The split is the int4 K^T's
 beside K and V in --dtype. One thread; ~3 min an example at 4k.
@@ -43,7 +43,7 @@ from scripts.studies.adaptive_split_study import (MAX_ANSWER, dense_answer, scor
 from sparq_adaptive import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
 
 INT4_KT = StepCosts(kt=0.25, kt_scale=2.0)  # an int4 K^T beside bf16 K and V: the CPU's default split on a bf16 model
-INT4_KT_BF16_SCALE = StepCosts(kt=0.25, kt_scale=1.0)  # the same with a bf16 scale per position (not a stored format yet)
+INT4_KT_BF16_SCALE = StepCosts(kt=0.25, kt_scale=1.0)  # the same with a bf16 scale per position (--kt-scale-dtype)
 COMPRESSION = 0.125
 EVERY_COMPONENT = -1  # a variant's r: all d (step 1's scores exact: the selection at k is dense's top k)
 TWICE_K = -2  # a variant's k: twice the split's (over budget: do more positions help?)
