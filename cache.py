@@ -2,10 +2,10 @@
 S-contiguous K^T for step 1's r rows), V, and running sums, preallocated for (max batch, max length)
 and written in place.
 
-KVFormat says how it stores them (--kv-layout, --kv-dtype, --kt-dtype, --kt-scale-dtype: floats, or int8 K
-and V with fp32 scales and an int8 / int4 K^T with fp32 or bf16 scales); KVCache holds the buffers and is the only code that names them;
-CacheView is what one decode step of one layer attends to. stored_bytes counts a policy's transfers
-in the bytes this cache stores.
+KVFormat says how it stores them (--kv-layout, --kv-dtype, --kt-dtype, --kt-scale-dtype: floats, or int8
+K and V with fp32 scales and an int8 / int4 K^T with fp32 or bf16 scales); KVCache holds the buffers and
+is the only code that names them; CacheView is what one decode step of one layer attends to.
+stored_bytes counts a policy's transfers in the bytes this cache stores.
 
 Shapes: B batch, n_kv KV heads, S positions, d head dim, T new tokens.
 """
@@ -44,15 +44,16 @@ KT_SCALE_DTYPES = ("float32", "bfloat16")
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How the KV caches store K, V and SparQ's copy of K^T (--kv-layout, --kv-dtype, --kt-dtype).
+    """How the KV caches store K, V and SparQ's copy of K^T (--kv-layout, --kv-dtype, --kt-dtype,
+    --kt-scale-dtype).
 
     Float formats store values as they are. Quantized ones store integers and one scale per
-    (position, KV head), fp32 (a K^T's own: fp32 or bf16, kt_scale_dtype): a write quantizes only its own new positions, so a scale is never revised
-    after its positions are written (snapshot, restore, truncate and rollback rely on that). K is
-    first divided by a per-channel scale fixed at each row's first write (its prompt's absmax per
-    channel): keys have outlier channels, and a per-token scale alone spends the integer range on
-    them (docs/NOTES.md: on Qwen2.5-Coder-0.5B the worst layer's int8 attention drifts by a
-    total-variation distance of 0.95 without it, 0.22 with it)."""
+    (position, KV head), fp32 (a K^T's own: fp32 or bf16, kt_scale_dtype): a write quantizes only its
+    own new positions, so a scale is never revised after its positions are written (snapshot, restore,
+    truncate and rollback rely on that). K is first divided by a per-channel scale fixed at each row's
+    first write (its prompt's absmax per channel): keys have outlier channels, and a per-token scale
+    alone spends the integer range on them (docs/NOTES.md: on Qwen2.5-Coder-0.5B the worst layer's
+    int8 attention drifts by a total-variation distance of 0.95 without it, 0.22 with it)."""
 
     layout: str = "twice"  # "twice": K^T kept beside K for SparQ's step 1; "once": K alone
     kv_dtype: str = "auto"  # KV_DTYPES
@@ -69,7 +70,8 @@ class KVFormat:
         if self.layout == "once" and self.kt_dtype != "same":
             raise ValueError("--kt-dtype stores SparQ's copy of K^T, which --kv-layout once does not keep")
         if self.kt_scale_dtype not in KT_SCALE_DTYPES:
-            raise ValueError(f"unknown --kt-scale-dtype {self.kt_scale_dtype!r} (choose from {', '.join(KT_SCALE_DTYPES)})")
+            raise ValueError(f"unknown --kt-scale-dtype {self.kt_scale_dtype!r} "
+                             f"(choose from {', '.join(KT_SCALE_DTYPES)})")
         if self.kt_scale_dtype != "float32" and not self.own_kt_scale:
             raise ValueError("--kt-scale-dtype stores the scales of a K^T quantized apart from K (--kt-dtype int4, or "
                              "int8 beside a float K): this cache has none")
@@ -203,11 +205,12 @@ class KVCache(nn.Module):
     sums  (B, n_kv, 3, d) fp32 running sums over the visible positions of V (`v_sum`: SparQ mean-V),
                                K and K^2 (`k_moments`: the keys' spread per dimension, sparq-adaptive)
     A quantized cache (KVFormat: --kv-dtype int8, --kt-dtype int8/int4) stores k, v as int8 beside
-    k_scale, v_scale (B, n_kv, S) fp32, K^T as int8 (B, n_kv, d, S) or int4 (uint8 (B, n_kv, d, S/2 + 1 rounded up to 16),
-    two positions per byte) beside kt_scale (B, n_kv, S) fp32 or bf16 (--kt-scale-dtype; none when K^T
-    is K's int8 transposed: K's scales), and chan (B, n_kv, d) fp32, K's per-channel scale: K = k k_scale chan, V = v v_scale,
-    K^T = k_t kt_scale chan. view() gives the torch paths dequantized copies, view(stored=True) the
-    kernels that read it the buffers and their scales; the sums are over the values as stored.
+    k_scale, v_scale (B, n_kv, S) fp32, K^T as int8 (B, n_kv, d, S) or int4 (uint8 (B, n_kv, d,
+    S/2 + 1 rounded up to 16), two positions per byte) beside kt_scale (B, n_kv, S) fp32 or bf16
+    (--kt-scale-dtype; none when K^T is K's int8 transposed: K's scales), and chan (B, n_kv, d) fp32,
+    K's per-channel scale: K = k k_scale chan, V = v v_scale, K^T = k_t kt_scale chan. view() gives
+    the torch paths dequantized copies, view(stored=True) the kernels that read it the buffers and
+    their scales; the sums are over the values as stored.
     live_length (B,) int64     row b's positions [0, live_length[b]) are live: a device tensor, so
                                a step never syncs with the host. Rows share one live length unless
                                set_live_lengths made them ragged (batches of different prompts).
@@ -257,8 +260,7 @@ class KVCache(nn.Module):
         self.register_buffer("k_t", k_t, persistent=False)
         # K^T's own scales (in --kt-scale-dtype), unless it is K's int8 transposed (then it shares K's)
         self.shares_k_scale = self.kt_storage == "int8" and self.kv_storage == "int8"
-        self.kt_scale_dtype = getattr(torch, kt_scale_dtype)
-        own = torch.zeros((B, n_kv_head, S), dtype=self.kt_scale_dtype) if self.format.own_kt_scale else None
+        own = torch.zeros((B, n_kv_head, S), dtype=getattr(torch, kt_scale_dtype)) if self.format.own_kt_scale else None
         self.register_buffer("kt_scale", own, persistent=False)
         self.register_buffer("sums", torch.zeros((B, n_kv_head, 3, d), dtype=torch.float32), persistent=False)
         self.register_buffer("live_length", torch.zeros((B,), dtype=torch.long), persistent=False)
@@ -334,9 +336,9 @@ class KVCache(nn.Module):
             self.k_t[rows, heads, :, input_pos] = kq
         elif self.kt_storage == "int8":
             self.k_t[rows, heads, :, input_pos], self.kt_scale[rows, heads, input_pos] = quantize_symmetric(
-                kn, QMAX["int8"], self.kt_scale_dtype)
+                kn, QMAX["int8"], self.kt_scale.dtype)
         elif self.kt_storage == "int4":
-            q4, self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int4"], self.kt_scale_dtype)
+            q4, self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int4"], self.kt_scale.dtype)
             nibble = (q4 + 8).to(torch.uint8)  # (B, n_kv, T, d)
             # Two positions share a byte: write the even positions' low nibbles, then the odd ones'
             # high nibbles (read-modify-write), each pass sending the other parity's writes to the

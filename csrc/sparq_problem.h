@@ -19,7 +19,6 @@ namespace {
 struct PosScales {
   const float* f32 = nullptr;
   const bf16* b16 = nullptr;
-  explicit operator bool() const { return f32 != nullptr || b16 != nullptr; }
 };
 
 // ---------------------------------------------------------------------------------------------
