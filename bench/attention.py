@@ -325,8 +325,9 @@ def run(args) -> int:
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = (f"{'shape':<10} {'dtype':<9} {'B':>3} {'S':>6}  {'method':<24} {'time ms':>9} {'min ms':>9} {'GB/s':>6} "
-              f"{'speedup':>8} {'theory':>7} {'of theory':>9} {'floor':>6}")
+    width = max([24] + [len(row["method"]) + 1 for row in rows])  # + the baseline's mark; long --cache-format labels
+    header = (f"{'shape':<10} {'dtype':<9} {'B':>3} {'S':>6}  {'method':<{width}} {'time ms':>9} {'min ms':>9} "
+              f"{'GB/s':>6} {'speedup':>8} {'theory':>7} {'of theory':>9} {'floor':>6}")
     print(header)
     print("-" * len(header))
     last = None
@@ -337,7 +338,7 @@ def _print_table(rows: list[dict]) -> None:
         last = key
         mark = "*" if row["method"] == row["dense_baseline"] else " "
         print(f"{row['shape']:<10} {row['dtype']:<9} {row['batch_size']:>3} {row['seq_len']:>6}  "
-              f"{row['method'] + mark:<24} {row['time_ms']:>9.3f} {row['time_ms_min']:>9.3f} {row['gb_s']:>6.1f} "
+              f"{row['method'] + mark:<{width}} {row['time_ms']:>9.3f} {row['time_ms_min']:>9.3f} {row['gb_s']:>6.1f} "
               f"{row['speedup_vs_dense']:>7.2f}x {row['theoretical_speedup']:>6.2f}x {row['of_theory']:>8.0%} "
               + (f"{row['floor_share']:>6.0%}" if "floor_share" in row else f"{'':>6}"))
     print("(time = median, min = fastest call; * = the dense baseline, the fastest dense method by median;"
