@@ -817,7 +817,8 @@ def _check_scales(k: Tensor, k_t: Optional[Tensor], k_scale: Optional[Tensor], v
             or (kt_scale is None) == quant_kt:
         raise ValueError("an int8 K/V needs k_scale, v_scale and chan, a quantized K^T kt_scale and chan; "
                          "a float cache none")
-    for t, dtypes in ((k_scale, (torch.float32,)), (v_scale, (torch.float32,)), (kt_scale, (torch.float32, torch.bfloat16))):
+    fp32, fp32_or_bf16 = (torch.float32,), (torch.float32, torch.bfloat16)
+    for t, dtypes in ((k_scale, fp32), (v_scale, fp32), (kt_scale, fp32_or_bf16)):
         if t is not None and (t.dtype not in dtypes or t.stride(-1) != 1):
             raise ValueError("the per-position scales must be fp32 (a K^T's own: fp32 or bf16), positions contiguous")
     if int8_kv and k_scale.stride()[:2] != v_scale.stride()[:2]:  # the kernels take one pair of strides for both

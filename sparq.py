@@ -266,7 +266,8 @@ class SparQDecode(DecodePolicy):
                       c.r, c.k_top, c.local, c.mean_v)
 
     def torch_view(self, cache: KVCache, length: int, rows: int) -> CacheView:
-        """What the torch path reads: the visible positions in the activations' dtype."""
+        """What `attend` reads unless a fused kernel reads a quantized cache as stored: the visible
+        positions in the activations' dtype (a quantized cache's dequantized)."""
         return cache.view(length, rows)
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:

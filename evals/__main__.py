@@ -304,8 +304,8 @@ def run(args: argparse.Namespace) -> int:
                 "compression": [fraction_label(t) for t in targets], "lengths": lengths,
                 "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
                 "kernels": kernels.name, "kv_layout": args.kv_layout, "kv_dtype": args.kv_dtype,
-                "kt_dtype": kv_format.kt_dtype, "kt_scale_dtype": kv_format.kt_scale_dtype, "sparq_k": args.sparq_k, "adaptive_k_cap": args.adaptive_k_cap,
-                "adaptive_heads": args.adaptive_heads,
+                "kt_dtype": kv_format.kt_dtype, "kt_scale_dtype": kv_format.kt_scale_dtype, "sparq_k": args.sparq_k,
+                "adaptive_k_cap": args.adaptive_k_cap, "adaptive_heads": args.adaptive_heads,
                 **({"depths": depths} if depths else {}),
                 "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,
                 "batches_from_journal": replayed, "budgets": budget_records(results.budgets)}
