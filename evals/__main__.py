@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--versus", metavar="METHOD",
                    help="with --report: also the paired differences from this policy at each compression (e.g. "
                         "quest), from the journals beside the files")
+    p.add_argument("--against", type=Path, metavar="JSON",
+                   help="with --report: also each policy's paired difference from itself in this other run's --json "
+                        "(a setting that needs a run of its own, e.g. --kt-scale-dtype; the same examples, dense alike)")
     return p
 
 
@@ -225,9 +228,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.report:
-        return report(args.report, args.plot, args.versus)
-    if args.versus:
-        raise UserError("--versus goes with --report (it compares the policies of finished or running runs)")
+        return report(args.report, args.plot, args.versus, args.against)
+    if args.versus or args.against:
+        flag = "--versus" if args.versus else "--against"
+        raise UserError(f"{flag} goes with --report (it compares the policies of finished or running runs)")
     tasks = cli.name_list(args.task, "--task", list(TASKS))
     methods = cli.name_list(args.attention, "--attention", list(POLICIES))
     targets = list(dict.fromkeys([DENSE] + [parse_compression(c) for c in args.compression.split(",") if c.strip()]))

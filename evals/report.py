@@ -252,6 +252,31 @@ def versus_table(values: dict[tuple, list[float]], methods: list[str], targets: 
                    header, body)
 
 
+def against_table(values: dict[tuple, list[float]], other: dict[tuple, list[float]], other_name: str) -> str:
+    """Each policy's paired difference from itself in another run (`other`: that run's per-example values),
+    at each compression both hold: what a setting that needs a run of its own (a cache format, say) is
+    judged by. Pairs need the same examples answered alike by dense: a cell where the runs' dense values
+    differ (other examples, or another machine's rounding) is a UserError."""
+    header = ["task/metric", "method", "target", "this run", "the other", "difference"]
+    body = []
+    for (cell, metric, method, t), mine in values.items():
+        theirs = other.get((cell, metric, method, t))
+        if method == "dense" or not theirs:
+            continue
+        dense = (cell, metric, "dense", DENSE)
+        if values.get(dense) != other.get(dense) or len(mine) != len(theirs):
+            raise UserError(f"--against {other_name}: dense's {cell.label()} {metric} values differ from this run's "
+                            f"(not the same examples, or another machine's rounding): nothing to pair")
+        scale = 100 if metric in PERCENT_METRICS else 1
+        digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
+        d, se = paired_difference(mine, theirs)
+        means = [f"{scale * sum(v) / len(v):.{digits}f}" for v in (mine, theirs)]
+        body.append([f"{cell.label()}/{metric}", method, fraction_label(t), *means,
+                     f"{scale * d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}")])
+    return aligned(f"paired difference from {other_name}, policy by policy (same examples; {IN_POINTS})", header,
+                   body)
+
+
 def achieved_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:
     sparse_targets = [t for t in targets if t != DENSE]
     if not sparse_targets:
@@ -586,11 +611,13 @@ def print_results(rows: list[dict], methods: list[str], targets: list[Fraction],
             plot(rows, plot_path, methods, model)
 
 
-def report(paths: list[Path], plot_path: Optional[Path], versus: Optional[str] = None) -> int:
+def report(paths: list[Path], plot_path: Optional[Path], versus: Optional[str] = None,
+           against: Optional[Path] = None) -> int:
     """--report: the tables of --json results files, also of a run still going (it is rewritten after
     every batch), without loading a model. Several files (one run per length, say) are reported as one
     run: they must be of one model and dtype, and a cell two of them hold must hold the same score.
-    versus (--versus): a last table of the paired differences from that policy, from the journals."""
+    versus (--versus): a last table of the paired differences from that policy, from the journals.
+    against (--against): one of each policy's paired differences from itself in that other run."""
     rows: dict[tuple, dict] = {}
     methods: list[str] = []
     targets: list[Fraction] = []
@@ -632,15 +659,18 @@ def report(paths: list[Path], plot_path: Optional[Path], versus: Optional[str] =
             needle_map.setdefault(cell, row)
         print(heading)
     values: dict[tuple, list[float]] = {}
-    if versus is not None:  # read before anything prints: a missing journal is one line, not half a report
-        if versus not in methods:
-            raise UserError(f"--versus {versus}: the files ran no {versus} (they ran {', '.join(methods)})")
+    if versus is not None and versus not in methods:
+        raise UserError(f"--versus {versus}: the files ran no {versus} (they ran {', '.join(methods)})")
+    if versus is not None or against is not None:  # read before anything prints: a missing journal is one line
         for path in paths:  # a cell two files hold is the same run's (checked above): the first one's
             for key, mine in journal_values(path).items():
                 values.setdefault(key, mine)
+    paired_with_other = against_table(values, journal_values(against), str(against)) if against is not None else ""
     print_results(list(rows.values()), methods, targets, plot_path, titles.pop(), empty, list(needle_map.values()))
     if versus is not None:
         print(versus_table(values, methods, targets, versus))
+    if against is not None:
+        print(paired_with_other)
     return 0
 
 

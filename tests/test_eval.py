@@ -948,6 +948,46 @@ def test_report_shows_recall_in_percent_and_its_differences_in_points(tmp_path, 
     assert expected == "-12.5±7.2"
 
 
+def test_report_against_pairs_each_policy_with_itself_in_another_run(tmp_path, capsys):
+    """--report A --against B: each policy of A paired with itself in run B on the same examples (a cache
+    format is a run of its own), from both journals; runs whose dense values differ cannot pair (one
+    line), nor does --against go without --report."""
+    import statistics
+
+    def write_run(name: str, scores: dict[str, list[float]]) -> Path:
+        label = {"dense": "1", "sparq-adaptive": "1/16"}
+        rows = [{"task": "ruler-cwe", "size": 4096, "size_unit": "tokens", "prompt_tokens": 4096.0,
+                 "metric": "recall", "higher_is_better": True, "attention": m, "compression": float(Fraction(label[m])),
+                 "compression_label": label[m], "achieved_compression": float(Fraction(label[m])),
+                 "score": statistics.mean(v), "stderr": statistics.stdev(v) / 2, "n": 4} for m, v in scores.items()]
+        meta = {"checkpoint": "checkpoints/M", "dtype": "bfloat16", "kernels": "cpu", "examples": 4, "elapsed_s": 60,
+                "attention": list(scores), "compression": ["1", "1/16"], "budgets": []}
+        out = tmp_path / f"{name}.json"
+        out.write_text(json.dumps({"results": rows, "meta": meta}))
+        evals_journal.journal_path(out).write_text("\n".join([json.dumps({"run": {}}), json.dumps(
+            {"batch": 1, "task": "ruler-cwe", "size": 4096, "examples": 4, "record": {
+                "values": [["ruler-cwe", 4096, "recall", m, label[m], v] for m, v in scores.items()],
+                "achieved": [], "per_layer": [], "prompt_tokens": []}})]))
+        return out
+
+    dense = [0.5, 0.6, 0.4, 0.5]
+    bf16 = write_run("bf16", {"dense": dense, "sparq-adaptive": [0.4, 0.5, 0.4, 0.3]})
+    fp32 = write_run("fp32", {"dense": dense, "sparq-adaptive": [0.3, 0.5, 0.2, 0.3]})
+    assert evals_cli.main(["--report", str(bf16), "--against", str(fp32)]) == 0
+    table = capsys.readouterr().out.split("paired difference from " + str(fp32))[1]
+    expected = "+7.5±4.8"  # differences 0.1, 0, 0.2, 0 (in points: 10, 0, 20, 0): their mean and standard error
+    diffs = [0.1, 0.0, 0.2, 0.0]
+    assert expected == f"{100 * statistics.mean(diffs):+.1f}±{100 * statistics.stdev(diffs) / 2:.1f}"
+    assert re.search(rf"sparq-adaptive\s+1/16\s+40\.0\s+32\.5\s+{re.escape(expected)}", table)
+    assert "dense " not in table
+
+    other = write_run("other", {"dense": [0.5, 0.6, 0.4, 0.6], "sparq-adaptive": [0.3, 0.5, 0.2, 0.3]})
+    assert_one_line_error((evals_cli.main(["--report", str(bf16), "--against", str(other)]), capsys.readouterr().err),
+                          "dense's ruler-cwe 4096 tokens recall values differ")
+    assert_one_line_error((evals_cli.main(["--against", str(fp32)]), capsys.readouterr().err),
+                          "--against goes with --report")
+
+
 def test_length_batches_group_similar_prompts_and_keep_every_example():
     from evals.tasks import Example
 
