@@ -40,6 +40,13 @@ def format_cell(metric: str, score: float, stderr: Optional[float]) -> str:
     return text if math.isnan(stderr) else f"{text}±{err}"
 
 
+def difference_text(metric: str, d: float, se: Optional[float]) -> str:
+    """A paired difference and its standard error as the tables show them (fractions in points)."""
+    scale = 100 if metric in PERCENT_METRICS else 1
+    digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
+    return f"{scale * d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}")
+
+
 def _index(rows: list[dict]) -> dict[tuple, dict]:
     """(cell, metric, method, target) -> row."""
     return {(row_cell(r), r["metric"], r["attention"], Fraction(r["compression"]).limit_denominator(1 << 16)): r
@@ -204,10 +211,7 @@ def delta_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -
                 if r is None or "delta_vs_dense" not in r:
                     cells.append("-")
                     continue
-                scale = 100 if metric in PERCENT_METRICS else 1
-                digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
-                d, se = scale * r["delta_vs_dense"], r["delta_stderr"]
-                cells.append(f"{d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}"))
+                cells.append(difference_text(metric, r["delta_vs_dense"], r["delta_stderr"]))
             body.append([f"{cell.label()}/{metric}", method] + cells)
     return aligned(f"paired difference from dense (same examples; {IN_POINTS})", header, body)
 
@@ -235,8 +239,6 @@ def versus_table(values: dict[tuple, list[float]], methods: list[str], targets: 
     header = ["task/metric", "method"] + [fraction_label(t) for t in sparse_targets]
     body = []
     for cell, metric in dict.fromkeys((cell, metric) for cell, metric, _, _ in values):
-        scale = 100 if metric in PERCENT_METRICS else 1
-        digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
         for method in shown:
             cells = []
             for t in sparse_targets:
@@ -245,8 +247,7 @@ def versus_table(values: dict[tuple, list[float]], methods: list[str], targets: 
                 if not mine or not base or len(mine) != len(base):
                     cells.append("-")
                     continue
-                d, se = paired_difference(mine, base)
-                cells.append(f"{scale * d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}"))
+                cells.append(difference_text(metric, *paired_difference(mine, base)))
             body.append([f"{cell.label()}/{metric}", method] + cells)
     return aligned(f"paired difference from {versus} at the same compression (same examples; {IN_POINTS})",
                    header, body)
@@ -269,10 +270,9 @@ def against_table(values: dict[tuple, list[float]], other: dict[tuple, list[floa
                             f"(not the same examples, or another machine's rounding): nothing to pair")
         scale = 100 if metric in PERCENT_METRICS else 1
         digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
-        d, se = paired_difference(mine, theirs)
         means = [f"{scale * sum(v) / len(v):.{digits}f}" for v in (mine, theirs)]
         body.append([f"{cell.label()}/{metric}", method, fraction_label(t), *means,
-                     f"{scale * d:+.{digits}f}" + ("" if se is None else f"±{scale * se:.{digits}f}")])
+                     difference_text(metric, *paired_difference(mine, theirs))])
     return aligned(f"paired difference from {other_name}, policy by policy (same examples; {IN_POINTS})", header,
                    body)
 
