@@ -165,9 +165,13 @@ class QuestDecode(DecodePolicy):
 
     def page_bounds(self, q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
         """Upper bounds of each page's logits: q (B, n_kv, g, d) fp32, kmin, kmax (B, n_kv, pages, d)
-        -> (B, n_kv, pages), summed over the g query heads."""
-        qf = q[:, :, :, None, :]  # (B, n_kv, g, 1, d)
-        return torch.maximum(qf * kmin[:, :, None], qf * kmax[:, :, None]).sum(-1).sum(2)
+        -> (B, n_kv, pages), sum over the g query heads and d channels of max(q_i min_i, q_i max_i).
+        Since min_i <= max_i, that max is q_i max_i where q_i >= 0 and q_i min_i where q_i < 0, so the
+        sum is two matrix-vector products with the group's summed positive and negative parts of q,
+        not a (g, pages, d) product per KV head."""
+        q_pos = q.clamp(min=0).sum(2)[..., None]  # (B, n_kv, d, 1)
+        q_neg = q.clamp(max=0).sum(2)[..., None]
+        return (kmax @ q_pos + kmin @ q_neg).squeeze(-1)
 
     def metadata_elements(self, n_pages: int, head_dim: int) -> int:
         """Elements of the page summaries one step reads per KV head: min and max of every channel."""
