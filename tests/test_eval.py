@@ -1103,3 +1103,26 @@ def test_budget_lines_give_the_prompt_length_not_the_task_size():
     r, k = budgets[("squad", "sparq-adaptive", Fraction(1, 4), 7)].split
     assert "S=1442 sparq (k=128, local k/4)" in text and f"S=1442 sparq-adaptive: 1/4: r={r}, k={k}" in text
     assert "S=7" not in text
+
+
+def test_plot_against_compression_shows_every_measured_compression():
+    """The x axis reaches the lowest compression a run measured (1/16 here, achieved a hair under it), with a
+    tick for each power of 1/2; a run stopping at 1/8 gets ticks down to 1/8 only."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def row(method, target, achieved, score):
+        return {"attention": method, "compression": target, "achieved_compression": achieved, "score": score,
+                "stderr": 0.01}
+
+    for rows, lowest_label in [([row("dense", 1.0, 1.0, 0.7), row("sparq", 0.125, 0.1251, 0.6),
+                                  row("sparq", 0.0625, 0.06249, 0.5)], "1/16"),
+                                ([row("dense", 1.0, 1.0, 0.7), row("sparq", 0.25, 0.25, 0.6),
+                                  row("sparq", 0.125, 0.125, 0.5)], "1/8")]:
+        fig, ax = plt.subplots()
+        evals_report._plot_against_compression(ax, rows, ["dense", "sparq"])
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        assert labels[-1] == lowest_label and labels[0] == "1"
+        assert ax.get_xlim()[0] < min(r["achieved_compression"] for r in rows) * 0.9  # the lowest point inside
+        plt.close(fig)
