@@ -635,8 +635,11 @@ def report(paths: list[Path], plot_path: Optional[Path], versus: Optional[str] =
             targets += [t for t in map(parse_compression, meta["compression"]) if t not in targets]
             done = ("complete" if meta.get("complete", True) else
                     f"in progress: {meta['batches_done']} of {meta['batches']} batches")
+            replayed = meta.get("batches_from_journal", 0)  # a resumed run timed only its last process
+            took = f"{meta['elapsed_s'] / 60:.1f} min" + (f" for the batches after the {replayed} its journal held"
+                                                         if replayed else "")
             heading = (f"{path}: model {meta['checkpoint']}, {meta['dtype']}, kernels {meta['kernels']}; "
-                       f"{meta['examples']} examples per task and length; {done}; {meta['elapsed_s'] / 60:.1f} min")
+                       f"{meta['examples']} examples per task and length; {done}; {took}")
             titles.add(plot_title(Path(meta["checkpoint"]), meta["dtype"]))
             empty |= no_selection(meta["budgets"], meta.get("page_size", QUEST_PAGE))
             cells = {(r["task"], r["size"], r["metric"], r["attention"], r["compression"]): r for r in mine}

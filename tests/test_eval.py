@@ -716,6 +716,9 @@ def test_resume_replays_the_journal_and_runs_only_the_rest(tmp_path, monkeypatch
     resumed = read_json(out)
     assert resumed["results"] == whole["results"] and resumed["meta"]["batches_from_journal"] == 1
     assert [strict_json(line)["batch"] for line in journal.read_text().splitlines()[1:]] == [1, 2]
+    capsys.readouterr()
+    assert evals_cli.main(["--report", str(out)]) == 0  # its time is the resumed process's alone, and says so
+    assert "min for the batches after the 1 its journal held" in capsys.readouterr().out.splitlines()[0]
     out.unlink()  # a resume with nothing left to run still writes the results
     assert evals_cli.main(argv + ["--resume"]) == 0 and len(ran) == 1
     assert read_json(out)["results"] == whole["results"]
