@@ -256,25 +256,33 @@ def versus_table(values: dict[tuple, list[float]], methods: list[str], targets: 
 def against_table(values: dict[tuple, list[float]], other: dict[tuple, list[float]], other_name: str) -> str:
     """Each policy's paired difference from itself in another run (`other`: that run's per-example values),
     at each compression both hold: what a setting that needs a run of its own (a cache format, say) is
-    judged by. Pairs need the same examples answered alike by dense: a cell where the runs' dense values
-    differ (other examples, or another machine's rounding) is a UserError."""
+    judged by. Pairs need the same examples answered alike by dense, metric by metric: a metric whose dense
+    values differ between the runs (other examples, or another machine's rounding, which moves a loss but
+    seldom an exact match) is named below the table and not paired; if none pairs, a UserError."""
     header = ["task/metric", "method", "target", "this run", "the other", "difference"]
-    body = []
+    body, unpaired = [], []
     for (cell, metric, method, t), mine in values.items():
         theirs = other.get((cell, metric, method, t))
         if method == "dense" or not theirs:
             continue
         dense = (cell, metric, "dense", DENSE)
         if values.get(dense) != other.get(dense) or len(mine) != len(theirs):
-            raise UserError(f"--against {other_name}: dense's {cell.label()} {metric} values differ from this run's "
-                            f"(not the same examples, or another machine's rounding): nothing to pair")
+            if f"{cell.label()} {metric}" not in unpaired:
+                unpaired.append(f"{cell.label()} {metric}")
+            continue
         scale = 100 if metric in PERCENT_METRICS else 1
         digits = 1 if metric in PERCENT_METRICS + ("chars",) else 3
         means = [f"{scale * sum(v) / len(v):.{digits}f}" for v in (mine, theirs)]
         body.append([f"{cell.label()}/{metric}", method, fraction_label(t), *means,
                      difference_text(metric, *paired_difference(mine, theirs))])
-    return aligned(f"paired difference from {other_name}, policy by policy (same examples; {IN_POINTS})", header,
-                   body)
+    if not body and unpaired:
+        raise UserError(f"--against {other_name}: dense's {unpaired[0]} values differ from this run's "
+                        f"(not the same examples, or another machine's rounding): nothing to pair")
+    table = aligned(f"paired difference from {other_name}, policy by policy (same examples; {IN_POINTS})", header,
+                    body)
+    if unpaired:
+        table += f"\nnot paired, dense's values differ between the runs: {', '.join(unpaired)}"
+    return table
 
 
 def achieved_table(rows: list[dict], methods: list[str], targets: list[Fraction]) -> str:

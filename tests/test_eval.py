@@ -954,22 +954,25 @@ def test_report_shows_recall_in_percent_and_its_differences_in_points(tmp_path, 
 def test_report_against_pairs_each_policy_with_itself_in_another_run(tmp_path, capsys):
     """--report A --against B: each policy of A paired with itself in run B on the same examples (a cache
     format is a run of its own), from both journals; runs whose dense values differ cannot pair (one
-    line), nor does --against go without --report."""
+    line), a metric whose dense values differ is named and not paired, nor does --against go without --report."""
     import statistics
 
-    def write_run(name: str, scores: dict[str, list[float]]) -> Path:
+    def write_run(name: str, scores: dict[str, list[float]], losses: dict[str, list[float]] | None = None) -> Path:
         label = {"dense": "1", "sparq-adaptive": "1/16"}
+        metrics = [("recall", scores)] + ([("answer_nll", losses)] if losses else [])
         rows = [{"task": "ruler-cwe", "size": 4096, "size_unit": "tokens", "prompt_tokens": 4096.0,
-                 "metric": "recall", "higher_is_better": True, "attention": m, "compression": float(Fraction(label[m])),
-                 "compression_label": label[m], "achieved_compression": float(Fraction(label[m])),
-                 "score": statistics.mean(v), "stderr": statistics.stdev(v) / 2, "n": 4} for m, v in scores.items()]
+                 "metric": metric, "higher_is_better": metric == "recall", "attention": m,
+                 "compression": float(Fraction(label[m])), "compression_label": label[m],
+                 "achieved_compression": float(Fraction(label[m])), "score": statistics.mean(v),
+                 "stderr": statistics.stdev(v) / 2, "n": 4} for metric, values in metrics for m, v in values.items()]
         meta = {"checkpoint": "checkpoints/M", "dtype": "bfloat16", "kernels": "cpu", "examples": 4, "elapsed_s": 60,
                 "attention": list(scores), "compression": ["1", "1/16"], "budgets": []}
         out = tmp_path / f"{name}.json"
         out.write_text(json.dumps({"results": rows, "meta": meta}))
         evals_journal.journal_path(out).write_text("\n".join([json.dumps({"run": {}}), json.dumps(
             {"batch": 1, "task": "ruler-cwe", "size": 4096, "examples": 4, "record": {
-                "values": [["ruler-cwe", 4096, "recall", m, label[m], v] for m, v in scores.items()],
+                "values": [["ruler-cwe", 4096, metric, m, label[m], v] for metric, values in metrics
+                           for m, v in values.items()],
                 "achieved": [], "per_layer": [], "prompt_tokens": []}})]))
         return out
 
@@ -983,6 +986,17 @@ def test_report_against_pairs_each_policy_with_itself_in_another_run(tmp_path, c
     assert expected == f"{100 * statistics.mean(diffs):+.1f}±{100 * statistics.stdev(diffs) / 2:.1f}"
     assert re.search(rf"sparq-adaptive\s+1/16\s+40\.0\s+32\.5\s+{re.escape(expected)}", table)
     assert "dense " not in table
+
+    # another machine's rounding: dense's losses differ, its recall does not; the recall pairs, the loss is named
+    rounded = write_run("rounded", {"dense": dense, "sparq-adaptive": [0.3, 0.5, 0.2, 0.3]},
+                        {"dense": [0.11, 0.2, 0.3, 0.4], "sparq-adaptive": [0.1, 0.2, 0.3, 0.4]})
+    lossy = write_run("lossy", {"dense": dense, "sparq-adaptive": [0.4, 0.5, 0.4, 0.3]},
+                      {"dense": [0.1, 0.2, 0.3, 0.4], "sparq-adaptive": [0.1, 0.2, 0.3, 0.5]})
+    assert evals_cli.main(["--report", str(lossy), "--against", str(rounded)]) == 0
+    table = capsys.readouterr().out.split("paired difference from " + str(rounded))[1]
+    assert re.search(rf"recall\s+sparq-adaptive\s+1/16\s+40\.0\s+32\.5\s+{re.escape(expected)}", table)
+    assert "answer_nll  " not in table
+    assert table.rstrip().endswith("not paired, dense's values differ between the runs: ruler-cwe 4096 tokens answer_nll")
 
     other = write_run("other", {"dense": [0.5, 0.6, 0.4, 0.6], "sparq-adaptive": [0.3, 0.5, 0.2, 0.3]})
     assert_one_line_error((evals_cli.main(["--report", str(bf16), "--against", str(other)]), capsys.readouterr().err),
