@@ -1,6 +1,6 @@
 """How a run is assembled: the checkpoint (or random weights), its tokenizer, the decode kernels, the
-KV cache's format and its flags, a --compression budget solved, the policy installed in every layer,
-and the memory check before the caches are allocated.
+KV cache's format and its flags, a --compression budget solved, and the memory check before the caches
+are allocated (the policy is installed apart: policies.install_policy).
 
 generate.py, serve.py, python -m bench and python -m evals build their runs with these functions, so
 a run is put together the same way whichever tool starts it; user mistakes come back as one-line
@@ -21,8 +21,9 @@ import tokenizer as tokenizer_module
 from cache import KT_DTYPES, KT_SCALE_DTYPES, KV_DTYPES, KVFormat
 from cli import UserError
 from kernels import Kernels, resolve_kernels
+from budgets import Storage, solve_target
 from model import SHAPES, ModelArgs, Transformer, checkpoint_paths, load_model
-from policies import POLICIES, AttentionSettings, Storage, policy_factory, solve_target
+from policies import POLICIES, AttentionSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,14 +98,6 @@ def solve_compression(settings: AttentionSettings, seq_len: int, config: ModelAr
     print(f"budget: --compression {float(settings.compression):.4g} at {seq_len} tokens (the longest prompt): "
           f"{budget.describe()}", file=sys.stderr)
     return replace(budget.settings, compression=settings.compression)
-
-
-def install_policy(model: Transformer, settings: AttentionSettings) -> None:
-    """Every layer gets its own instance of the settings' policy, running the model's kernels."""
-    try:
-        model.set_decode_attention(policy_factory(settings, model.args, model.kernels))
-    except ValueError as e:
-        raise UserError(str(e)) from None
 
 
 def free_memory_bytes(device: str) -> Optional[int]:
@@ -198,18 +191,16 @@ def describe_format(kv_format: KVFormat, dtype: torch.dtype, kt_flag: Optional[s
 
 
 
-def setup(model: Transformer, kv_format: KVFormat, settings: AttentionSettings, batch: int, max_seq_length: int,
-          length_bucket: int) -> None:
-    """Allocate the caches (refused with the numbers if they cannot fit) and install the policy."""
+def allocate_caches(model: Transformer, kv_format: KVFormat, batch: int, max_seq_length: int,
+                    length_bucket: int) -> None:
+    """Allocate the model's KV caches (refused with the numbers if they cannot fit); the decode policy is
+    installed apart (policies.install_policy)."""
     try:
         kv_format.kv_storage(model.cache_dtype)  # a float --kv-dtype other than the activations' is refused
         check_cache_fits(model.args, batch, max_seq_length, kv_format, model.cache_dtype, model.device.type)
         model.setup_caches(batch, max_seq_length, kv_format, length_bucket=length_bucket)
     except ValueError as e:
         raise UserError(str(e)) from None
-    install_policy(model, settings)
-
-
 
 
 PROBE_TEXT = "Speculative decoding: the draft's token ids must mean the verifier's. 12345 ÉÀ 中文 <|im_end|>"

@@ -11,10 +11,10 @@ from typing import Callable, TextIO
 
 import torch
 
-from assemble import cache_format, setup
+from assemble import allocate_caches, cache_format
 from decoding import Generator, TextStream, prefill, sample
 from model import Transformer
-from policies import AttentionSettings
+from policies import AttentionSettings, install_policy
 
 
 def chat_loop(args: argparse.Namespace, model: Transformer, tokenizer, settings: AttentionSettings,
@@ -23,7 +23,8 @@ def chat_loop(args: argparse.Namespace, model: Transformer, tokenizer, settings:
     each turn prefills only what it adds (when the re-rendered conversation extends the tokens in
     the cache), and when the context is full the oldest turns are dropped, which is said."""
     max_seq_length = args.max_seq_length or model.args.max_context
-    setup(model, cache_format(args, args.device, [settings.policy]), settings, 1, max_seq_length, length_bucket)
+    allocate_caches(model, cache_format(args, args.device, [settings.policy]), 1, max_seq_length, length_bucket)
+    install_policy(model, settings)
     generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
                           compile_decode=args.compile, compile_backend=args.compile_backend)
     messages: list[dict] = []

@@ -36,8 +36,9 @@ import cli
 import data
 import quantize
 import tp
-from assemble import (add_model_flags, DTYPES, TokenIds, add_cache_flags, cache_format, cache_storage, check_same_tokenizer, describe_format,
-                      kernels_for, load_checkpoint, load_tokenizer, model_args, setup, solve_compression)
+from assemble import (DTYPES, TokenIds, add_cache_flags, add_model_flags, allocate_caches, cache_format, cache_storage,
+                      check_same_tokenizer, describe_format, kernels_for, load_checkpoint, load_tokenizer, model_args,
+                      solve_compression)
 from cli import UserError
 from chat import chat_loop
 from decoding import (COMPILE_BACKENDS, DecodeStats, Generator, Speculator, TextStream, default_compile_backend,
@@ -46,7 +47,7 @@ from kernels import KERNEL_CHOICES, Kernels
 from cache import KVFormat
 from model import ModelArgs, Transformer, random_model
 from policies import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
-                      policy_factory)
+                      install_policy, policy_factory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +297,8 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
               f"and the longest prompt {longest}", file=sys.stderr)
 
     settings = solve_compression(settings, longest, config, cache_storage(kv_format, model))
-    setup(model, kv_format, settings, len(rows), max_seq_length, length_bucket)
+    allocate_caches(model, kv_format, len(rows), max_seq_length, length_bucket)
+    install_policy(model, settings)
     speculator = (make_speculator(args, model, tokenizer, settings, draft_settings, kv_format, len(rows), max_seq_length,
                                   longest) if args.speculate_k else None)
     source = f"random weights of the {args.random_weights} shape" if args.random_weights else str(args.checkpoint)
@@ -396,7 +398,8 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
     if max_seq_length > draft_config.max_context:
         raise UserError(f"the draft's context of {draft_config.max_context} tokens is shorter than the "
                         f"{max_seq_length} positions of this run")
-    setup(draft, kv_format, draft_settings or AttentionSettings("dense"), batch, max_seq_length, 1)
+    allocate_caches(draft, kv_format, batch, max_seq_length, 1)
+    install_policy(draft, draft_settings or AttentionSettings("dense"))
     print(f"speculation: {args.speculate_k} tokens per round drafted by {args.draft_checkpoint} "
           f"({describe_layers(draft)}), verified by {settings.policy} in one pass", file=sys.stderr)
     return Speculator(model, args.speculate_k, verify, draft_model=draft, stop_ids=tokenizer.stop_ids,

@@ -45,14 +45,14 @@ import torch
 import cli
 import data
 from cli import UserError
-from assemble import (add_model_flags, DTYPES, TokenIds, add_cache_flags, cache_format, cache_storage, kernels_for, load_checkpoint,
-                      load_tokenizer, model_args, setup, solve_compression)
+from assemble import (DTYPES, TokenIds, add_cache_flags, add_model_flags, allocate_caches, cache_format, cache_storage,
+                      kernels_for, load_checkpoint, load_tokenizer, model_args, solve_compression)
 from aot import AOTDecodeStep
 from decoding import COMPILE_BACKENDS, compiled_decode_step, decode_step, default_compile_backend
 from engine import PREFILL_CHUNK, STEP_TOKENS, Engine, QueueFull, Request, Stopped, TokenLogprob, run_alone
 from model import ModelArgs, checkpoint_paths, random_model
 from kernels import KERNEL_CHOICES, batch_invariant_kernels
-from policies import add_attention_flags, attention_settings, describe_layers
+from policies import add_attention_flags, attention_settings, describe_layers, install_policy
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOPS = 4  # OpenAI's limit on `stop` strings
@@ -630,7 +630,8 @@ def load(args: argparse.Namespace) -> Served:
         path = Path(args.checkpoint)
         name = path.name if path.is_dir() else path.parent.name
     settings = solve_compression(settings, max_seq_length, config, cache_storage(kv_format, model))
-    setup(model, kv_format, settings, args.max_batch_size, max_seq_length, length_bucket)
+    allocate_caches(model, kv_format, args.max_batch_size, max_seq_length, length_bucket)
+    install_policy(model, settings)
     step = compiled_decode_step(decode_step, args.device, args.compile_backend) if args.compile else decode_step
     try:
         engine = Engine(model, max_seq_length, prefill_chunk=args.prefill_chunk, step_tokens=args.step_tokens,

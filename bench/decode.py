@@ -184,7 +184,8 @@ def run(args) -> int:
     from decoding import compiled_decode_step, decode_step, own_step, prefill
     from assemble import kernels_for, load_checkpoint, load_tokenizer
     from model import ModelArgs, checkpoint_paths, random_model
-    from policies import AttentionSettings, Storage, parse_compression, policy_factory, solve_target
+    from budgets import Storage, solve_target
+    from policies import AttentionSettings, parse_compression, policy_factory
 
     contexts = cli.int_list(args.prompt_tokens, "--prompt-tokens", minimum=0)
     batches = cli.int_list(args.batch_size, "--batch-size")

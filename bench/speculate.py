@@ -182,7 +182,9 @@ def kv_bytes(args, dtype, batch: int, seq_len: int, settings) -> int:
     `settings`' policy."""
     import torch
 
-    from policies import layer_transfers, policy_factory
+    from budgets import layer_transfers
+
+    from policies import policy_factory
 
     element = torch.finfo(dtype).bits // 8
     return layer_transfers(policy_factory(settings, args), args, seq_len) * args.n_kv_head * batch * element
@@ -194,7 +196,8 @@ def predict(args) -> int:
 
     from decoding import speculative_speedup
     from model import ModelArgs
-    from policies import AttentionSettings, solve_budget
+    from budgets import solve_budget
+    from policies import AttentionSettings
 
     verifier = ModelArgs.from_shape(args.predict)
     draft = ModelArgs.from_shape(args.draft_shape) if args.draft_shape else None

@@ -66,8 +66,8 @@ from evals.report import budget_records, budget_summary, no_selection, plot_titl
 from evals.runner import Cell, Results, Runner, evaluate_batch
 from evals.tasks import TASKS, Example, TaskOptions
 from kernels import KERNEL_CHOICES
-from policies import (DENSE, POLICIES, QUEST_PAGE, AttentionSettings, add_selector_flags, fraction_label,
-                      parse_compression, selector_settings)
+from baselines import QUEST_PAGE
+from policies import (DENSE, POLICIES, AttentionSettings, add_selector_flags, fraction_label, parse_compression, selector_settings)
 
 DEFAULT_LENGTH = 2048
 # 2048 tokens everywhere: it keeps the default run near 20 minutes on a shared 2-core CPU (a 4k batch

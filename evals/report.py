@@ -13,7 +13,9 @@ from cli import UserError
 from evals.journal import batch_entries, journal_path
 from evals.runner import Cell, Results, paired_difference, row_cell
 from evals.tasks import TASKS
-from policies import DENSE, POLICIES, QUEST_PAGE, Budget, fraction_label, parse_compression
+from baselines import QUEST_PAGE
+from budgets import Budget
+from policies import DENSE, POLICIES, fraction_label, parse_compression
 
 
 # =============================================================================================

@@ -25,8 +25,9 @@ from attention import DecodePolicy
 from cache import KVFormat
 from decoding import decode_step, prefill, sample
 from model import Transformer
-from policies import (DENSE, AttentionSettings, Budget, fraction_label, model_compression, policy_factory, Storage,
-                      selection_agreement, solve_budget)
+from baselines import selection_agreement
+from budgets import Budget, model_compression, Storage, solve_budget
+from policies import DENSE, AttentionSettings, fraction_label, policy_factory
 
 
 def mean_stderr(values: list[float]) -> tuple[float, Optional[float]]:

@@ -25,7 +25,7 @@ import data
 from attention import DecodePolicy
 from cache import KVCache
 from decoding import PREFILL_CHUNK, prefill
-from policies import CHANNELS_FILE, default_channels_file
+from baselines import CHANNELS_FILE, default_channels_file
 
 
 class ChannelStatistics(DecodePolicy):

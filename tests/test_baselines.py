@@ -7,7 +7,8 @@ import torch
 from conftest import channels_file
 from attention import dense_attention_torch
 from cache import KVCache
-from policies import H2ODecode, LocalDecode, OracleDecode, QuestDecode, TopKDecode, compression_ratio
+from baselines import H2ODecode, LocalDecode, OracleDecode, QuestDecode, TopKDecode
+from budgets import compression_ratio
 from sparq import SparQConfig
 
 
@@ -166,7 +167,8 @@ def test_registry_builds_every_policy_and_checks_flags():
     import pytest
 
     from model import ModelArgs
-    from policies import POLICIES, AttentionSettings, policy_factory, settings_for_compression
+    from budgets import settings_for_compression
+    from policies import POLICIES, AttentionSettings, policy_factory
 
     args = ModelArgs(vocab_size=10, dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=8)
     for name in POLICIES:
@@ -199,7 +201,9 @@ def test_budgets_count_window_layers_as_the_model_reads_them():
     from model import ModelArgs, Transformer
     from dataclasses import replace
 
-    from policies import AttentionSettings, model_compression, policy_factory, settings_for_compression
+    from budgets import model_compression, settings_for_compression
+
+    from policies import AttentionSettings, policy_factory
 
     args = ModelArgs(vocab_size=10, dim=64, n_layer=6, n_head=4, n_kv_head=2, head_dim=16, intermediate_size=8,
                      max_context=4096, sliding_window=256, layer_types=["window"] * 5 + ["global"])
@@ -272,7 +276,7 @@ def test_quest_ragged_rows_each_as_alone():
 def test_quest_and_the_rocketkv_hybrid_at_each_page_size_match_the_loop_reference():
     """Quest's pages of 16, 32 and 64 positions, and the hybrid's bounds on r of d components, against
     the loop reference; the hybrid with r = d is Quest."""
-    from policies import RocketKVHybridDecode
+    from baselines import RocketKVHybridDecode
 
     torch.manual_seed(5)
     k, v = torch.randn(2, 2, 150, 8), torch.randn(2, 2, 150, 8)
@@ -289,7 +293,7 @@ def test_quest_and_the_rocketkv_hybrid_at_each_page_size_match_the_loop_referenc
 
 
 def test_quest_and_hybrid_transfers_count_their_page_summaries():
-    from policies import RocketKVHybridDecode
+    from baselines import RocketKVHybridDecode
 
     S, d, k = 4096, 128, 256
     dense = 2 * S * d + 2 * d
@@ -328,7 +332,7 @@ def doublesparse_loop_reference(q, k, v, length, channels, k_top, local, k_step1
 def test_doublesparse_reads_its_channels_and_matches_the_loop_reference():
     """Fixed channels per KV head (not the query's): against the loop reference; with the channels q's
     own top r it is SparQ."""
-    from policies import DoubleSparseDecode
+    from baselines import DoubleSparseDecode
     from sparq import SparQDecode
 
     torch.manual_seed(6)
@@ -347,7 +351,7 @@ def test_doublesparse_reads_a_quantized_k_t_as_the_dense_copy_would():
     """On an int8 or int4 K^T, DoubleSparse dequantizes only its channels' rows: step 1 sees the same
     values as in the whole dequantized K^T (the loop reference's step 1 reads that), with a sliding
     window starting on an odd position too (inside an int4 byte); layout "once" reads K's columns."""
-    from policies import DoubleSparseDecode
+    from baselines import DoubleSparseDecode
 
     torch.manual_seed(7)
     B, n_kv, S, d = 2, 2, 90, 16

@@ -13,6 +13,8 @@ import torch
 
 import data
 import evals.__main__ as evals_cli
+import baselines
+import budgets
 import policies
 from evals import journal as evals_journal
 from evals import report as evals_report
@@ -89,7 +91,7 @@ def args_with_head_dim(d: int) -> ModelArgs:
 
 def test_sparq_r_for_one_eighth_at_2048_matches_the_formula():
     S, d, k = 2048, 64, 128
-    budget = policies.solve_budget("sparq", Fraction(1, 8), S, args_with_head_dim(d))
+    budget = budgets.solve_budget("sparq", Fraction(1, 8), S, args_with_head_dim(d))
     dense = 2 * S * d + 2 * d
     r_star = (dense / 8 - 2 * k * d - 4 * d) / S  # S r + 2 k d + 4 d = dense / 8
     assert budget.k_top == 128 and budget.r == round(r_star) == 8
@@ -104,21 +106,21 @@ def test_budgets_hit_the_target(target, S):
     for method, transfers in [("h2o", lambda k: 2 * k * d + 2 * d + 2 * S),
                               ("local", lambda k: 2 * k * d + 2 * d),
                               ("oracle", lambda k: 2 * k * d + 2 * d)]:
-        b = policies.solve_budget(method, target, S, args_with_head_dim(d))
+        b = budgets.solve_budget(method, target, S, args_with_head_dim(d))
         assert b.achieved == pytest.approx(transfers(b.k_top) / dense)
         # the closest integer budget
         assert abs(transfers(b.k_top) / dense - target) <= abs(transfers(b.k_top + 1) / dense - target)
         assert abs(transfers(b.k_top) / dense - target) <= abs(transfers(b.k_top - 1) / dense - target)
-    sparq = policies.solve_budget("sparq", target, S, args_with_head_dim(d))
+    sparq = budgets.solve_budget("sparq", target, S, args_with_head_dim(d))
     err = lambda r: abs((S * r + 2 * 128 * d + 4 * d) / dense - target)
     assert all(err(sparq.r) <= err(r) for r in range(1, d + 1))  # the closest r (r=1 at S=1024, 1/8: k=128 alone costs 1/8)
 
 
 def test_topk_cannot_go_below_one_half_and_dense_is_one():
-    b = policies.solve_budget("topk", Fraction(1, 8), 2048, args_with_head_dim(64))
+    b = budgets.solve_budget("topk", Fraction(1, 8), 2048, args_with_head_dim(64))
     assert b.k_top == 1 and b.achieved == pytest.approx(0.5, abs=0.01)
     for method in ("sparq", "h2o", "local", "dense"):
-        assert policies.solve_budget(method, Fraction(1), 2048, args_with_head_dim(64)).method == "dense"
+        assert budgets.solve_budget(method, Fraction(1), 2048, args_with_head_dim(64)).method == "dense"
 
 
 
@@ -128,10 +130,10 @@ def test_quest_at_one_sixteenth_on_pages_of_16_selects_nothing_and_the_needle_ma
     an independent reading of the policy). no_selection marks that cell (‡), not 1/8's, nor 1/16's on pages
     of 32; the needle map marks its misses there with the reason, and an off-target column with its own."""
     S, d = 4096, 64
-    quest = policies.solve_budget("quest", Fraction(1, 16), S, args_with_head_dim(d))
-    assert quest.k_top == 16 and policies.QuestDecode(quest.k_top).pages_read(S) == 1
-    eighth = policies.solve_budget("quest", Fraction(1, 8), S, args_with_head_dim(d))
-    wide = policies.solve_budget("quest", Fraction(1, 16), S, args_with_head_dim(d),
+    quest = budgets.solve_budget("quest", Fraction(1, 16), S, args_with_head_dim(d))
+    assert quest.k_top == 16 and baselines.QuestDecode(quest.k_top).pages_read(S) == 1
+    eighth = budgets.solve_budget("quest", Fraction(1, 8), S, args_with_head_dim(d))
+    wide = budgets.solve_budget("quest", Fraction(1, 16), S, args_with_head_dim(d),
                                  AttentionSettings("quest", page_size=32))
     assert eighth.k_top > 16 and wide.k_top > 32
     records = evals_report.budget_records({("needle", "quest", b.target, S): b for b in (quest, eighth)})
@@ -368,7 +370,7 @@ def budget(method, target, S, r=None, k=None, achieved=1.0):
         settings = AttentionSettings("sparq", sparq_r=r, sparq_k=k)
     else:
         settings = AttentionSettings(method, kv_budget=k)
-    return policies.Budget(method, target, S, settings, achieved)
+    return budgets.Budget(method, target, S, settings, achieved)
 
 
 def configs_for(model, budgets):
@@ -428,7 +430,7 @@ def test_shared_h2o_prefill_scores_match_a_naive_reference(cap, offset, short, w
     later prefill chunk (queries after `offset` earlier keys), soft-capped logits, padding queries (the
     second row `short` positions shorter; by 320 it ended before this chunk's queries) and a
     sliding-window layer (the query at p sees keys (p - window, p])."""
-    from policies import H2ODecode
+    from baselines import H2ODecode
 
     torch.manual_seed(3)
     B, H, n_kv, T, d = 2, 6, 2, 300, 16
@@ -1111,7 +1113,7 @@ def test_an_adaptive_run_is_identified_by_its_heads_selection(tmp_path):
 def test_budget_lines_give_the_prompt_length_not_the_task_size():
     """A SQuAD cell's size is its context count (7); its budget line gives the tokens the budget was
     solved at, and adaptive SparQ's line its split there."""
-    from policies import solve_budget
+    from budgets import solve_budget
 
     args = ModelArgs.from_shape("smollm2")
     budgets = {("squad", m, Fraction(1, 4), 7): solve_budget(m, Fraction(1, 4), 1442, args)

@@ -170,7 +170,7 @@ def test_h2o_holding_every_visible_position_generates_dense_tokens(converted):
     """H2O with a budget of each layer's whole view (the window on a window layer, the prompt and its
     continuation on a global one) keeps every position it may see: dense's tokens. The window layers'
     H2O scores only the keys in the window during the chunked prefill (model.py passes the window)."""
-    from policies import H2ODecode
+    from baselines import H2ODecode
 
     _, _, _, out_dir = converted
     ours = model.load_model(out_dir)

@@ -283,7 +283,9 @@ def test_a_compression_target_is_solved_in_the_bytes_the_cache_stores():
     the closest, and its compression is what the model's own byte count gives with that cache."""
     from fractions import Fraction
 
-    from policies import AttentionSettings, Storage, model_compression, settings_for_compression, solve_target
+    from budgets import Storage, model_compression, settings_for_compression, solve_target
+
+    from policies import AttentionSettings
 
     model = tiny_model(head_dim=64, n_layer=2, max_context=2048)
     S, fmt = 1500, KVFormat("twice", "int8", "int4")

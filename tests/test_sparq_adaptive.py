@@ -11,7 +11,8 @@ from conftest import assert_one_line_error, read_json, run_python
 from attention import DenseDecode, dense_attention_torch
 from cache import KVCache, KVFormat
 from model import SHAPES, ModelArgs
-from policies import AttentionSettings, layer_transfers, policy_factory, solve_target
+from budgets import layer_transfers, solve_target
+from policies import AttentionSettings, policy_factory
 from sparq import SparQConfig, sparq_reference
 from sparq_adaptive import (ELEMENTS, SparQAdaptiveDecode, StepCosts, adaptive_split, key_spread, position_share,
                             select_components, select_positions, sparq_adaptive_reference, sparq_adaptive_torch)
@@ -406,7 +407,7 @@ def test_the_cwe_study_budget_variants(compression):
     positions is the torch path at the split's r and 2k, and a smaller share for the positions is the torch path
     at that share's split (more components, fewer positions)."""
     from kernels import TORCH_KERNELS
-    from policies import OracleDecode
+    from baselines import OracleDecode
     from scripts.studies.cwe_selection_study import EVERY_COMPONENT, INT4_KT, INT4_KT_BF16_SCALE, TWICE_K, Variant
 
     B, n_kv, g_, d, S = 2, 2, 3, 64, 700
