@@ -344,6 +344,22 @@ class AOTDecodeStep:
         programs.append(program)
         return program.run(tokens, input_pos, span)
 
+    def prepare(self, model: Transformer, tokens: Tensor, input_pos: Tensor, length: int,
+                build_on: Optional[Transformer] = None) -> str:
+        """Have the program a call with these inputs would run ready, without running it: built (or loaded
+        from the cache) now, and kept for `model`'s calls. build_on: a copy of `model` sharing its tensors
+        (serve.shadow_copy), which export traces instead, so that the model itself, which a server's engine
+        steps meanwhile, is never swapped out under it; the program reads and writes the shared tensors.
+        Returns what was done, in words."""
+        if self._span.numel() < length:
+            self._span = torch.empty(max(length, 2 * self._span.numel()), dtype=torch.int8)
+        programs = self.programs.setdefault(self._key(model, tokens, input_pos), [])
+        if any(program.low <= length <= program.high for program in programs):
+            return f"lengths up to {length} already covered"
+        programs.append(self._build(model if build_on is None else build_on, tokens, input_pos, self._span[:length],
+                                    len(self.programs), len(programs)))
+        return self.events[-1]
+
     def _key(self, model: Transformer, tokens: Tensor, input_pos: Tensor) -> tuple:
         """What a program is built on: the model, the input shapes, the cache's storage and raggedness (a
         ragged cache's view masks each row at its own live length) and each layer's policy object. Read from

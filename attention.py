@@ -96,11 +96,12 @@ class DecodePolicy(nn.Module):
 
     name = "policy"
     follows_rows = True  # stateless across steps: the cache's per-row operations (truncate, reset) need nothing
+    observes_prefill = False  # True: observe_prefill is called after every prefill chunk (the cache read for it)
 
     def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
                         lengths: Optional[Tensor] = None, window: Optional[int] = None) -> None:
-        """Called after each prefill chunk with its queries q (B, H, T, d) at the last T positions and
-        every key so far k (B, n_kv, S, d); stateful policies (H2O) use it. memo: shared by policies
+        """Called after each prefill chunk, where observes_prefill, with its queries q (B, H, T, d) at the
+        last T positions and every key so far k (B, n_kv, S, d); stateful policies (H2O) use it. memo: shared by policies
         observing the same prefill (the evals runner), for work that does not depend on their settings.
         lengths (B,): a right-padded batch of prompts of these lengths (queries past them are padding).
         window: the layer's sliding window (a query at p sees keys (p - window, p]), None on a global layer."""

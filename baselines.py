@@ -286,6 +286,7 @@ class H2ODecode(DecodePolicy):
     """
 
     name = "h2o"
+    observes_prefill = True  # its heavy hitters start from the attention the prompt's queries gave
     follows_rows = False  # its evictions cannot be undone: a truncated row would keep scores of dropped positions
 
     def __init__(self, k: int, local: Optional[int] = None, prefill_chunk: int = H2O_PREFILL_ROWS,

@@ -12,7 +12,8 @@ from typing import Callable, TextIO
 import torch
 
 from assemble import allocate_caches, cache_format
-from decoding import Generator, TextStream, prefill, sample
+from decoding import Generator, TextStream, prefill
+from sampling import sample
 from model import Transformer
 from policies import AttentionSettings, install_policy
 
@@ -25,7 +26,7 @@ def chat_loop(args: argparse.Namespace, model: Transformer, tokenizer, settings:
     max_seq_length = args.max_seq_length or model.args.max_context
     allocate_caches(model, cache_format(args, args.device, [settings.policy]), 1, max_seq_length, length_bucket)
     install_policy(model, settings)
-    generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
+    generator = Generator(model, stop_ids=tokenizer.stop_ids, sampling=args.sampling,
                           compile_decode=args.compile, compile_backend=args.compile_backend)
     messages: list[dict] = []
     cached: list[int] = []  # the token ids whose keys and values the cache holds, from position 0
@@ -83,14 +84,19 @@ def chat_turn(generator: Generator, tokenizer, cached: list[int], ids: list[int]
     new = torch.tensor([ids[reuse:]], device=model.device)
     logits = prefill(model, new, generator.prefill_chunk, start=reuse)
     stream = TextStream(tokenizer, out)
-    token = sample(logits, generator.temperature, generator.top_k)
+    history = generator.history([ids])  # the penalties' view of the conversation, where they apply
+    token = sample(logits, generator.sampling, history)
+    if history is not None:
+        history.add(token)
     reply = [int(token)]
     position = len(ids)
     while reply[-1] not in generator.stop_ids and len(reply) < max_new:
         stream.add(reply[-1])
         logits = generator._decode(model, token.view(1, 1), torch.tensor([position], device=model.device),
                                    model.read_length(position + 1))
-        token = sample(logits, generator.temperature, generator.top_k)
+        token = sample(logits, generator.sampling, history)
+        if history is not None:
+            history.add(token)
         reply.append(int(token))
         position += 1
     if reply[-1] not in generator.stop_ids:

@@ -37,8 +37,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from decoding import chunk_ends, decode_step, probabilities
+from decoding import chunk_ends, decode_step
 from model import Transformer
+from sampling import GREEDY, Sampling, TokenHistory, sample
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows a decode step computes: the first n of the cache
 # Prompt tokens per prefill piece (one forward pass). Half the step's budget: on 2 AVX2 cores torch's fp32
@@ -77,14 +78,13 @@ class TokenLogprob:
 @dataclass
 class Request:
     """What to generate. stop_ids end it (the stop token is reported, not returned); max_new_tokens
-    counts the generated tokens (0: the prompt is only scored, with echo_logprobs); temperature 0 is
-    greedy; seed: its own sampler (None: random)."""
+    counts the generated tokens (0: the prompt is only scored, with echo_logprobs); sampling: how each token
+    is chosen (sampling.py; greedy by default); seed: its draws' own random stream (None: random)."""
 
     prompt: list[int]
     max_new_tokens: int
     stop_ids: frozenset[int] = frozenset()
-    temperature: float = 0.0
-    top_k: Optional[int] = None
+    sampling: Sampling = GREEDY
     seed: Optional[int] = None
     logprobs: Optional[int] = None  # each generated token's TokenLogprob with this many alternatives (None: none)
     echo_logprobs: bool = False  # the prompt's own TokenLogprobs too (its first token has none)
@@ -106,6 +106,7 @@ class _Row:
     id: int
     sampler: torch.Generator
     pieces: list[int] = field(default_factory=list)  # where its prompt pieces end (chunk_ends)
+    history: Optional[TokenHistory] = None  # its tokens so far, where its sampling's penalties read them
     prefilled: int = 0  # prompt tokens in the cache
     generated: int = 0
     next_token: Optional[int] = None  # sampled, not yet in the cache (decoding)
@@ -166,7 +167,9 @@ class Engine:
             sampler = torch.Generator()
             sampler.manual_seed(request.seed if request.seed is not None else torch.seed())
             pieces = chunk_ends(0, len(request.prompt), self.prefill_chunk)
-            self.waiting.append(_Row(request, request_id, sampler, pieces))
+            history = (TokenHistory.of_prompts([request.prompt], self.model.args.vocab_size)
+                       if request.sampling.penalized else None)
+            self.waiting.append(_Row(request, request_id, sampler, pieces, history=history))
             self._lock.notify()
         return request_id
 
@@ -279,7 +282,7 @@ class Engine:
         positions = torch.arange(begin, end, device=self.model.device)
         every = request.echo_logprobs
         start = time.perf_counter()
-        logits = self.model(tokens, positions, end, None, i, every_position=every)  # (1, [T,] vocab)
+        logits = self.model.prefill(tokens, positions, end, None, i, every_position=every)  # (1, [T,] vocab)
         logits = logits.float().cpu()  # on the host (one sync: the piece's time is its own)
         self.stats["prefill_tokens"] += end - begin
         self.stats["prefill_s"] += time.perf_counter() - start
@@ -321,18 +324,12 @@ class Engine:
         for i, row_logits in zip(decoding, picked):
             self._take(i, row_logits)
 
-    def _sample(self, row: _Row, logits: Tensor) -> int:
-        """The next token from (vocab,) logits with the request's own sampler."""
-        request = row.request
-        if request.temperature == 0:
-            return int(logits.argmax())
-        probs = probabilities(logits.float(), request.temperature, request.top_k).cpu()
-        return int(torch.multinomial(probs, 1, generator=row.sampler))
-
     def _take(self, i: int, logits: Tensor) -> None:
         """Row i's next token from its logits (vocab,): pass it on, or end the request."""
         row, request = self.rows[i], self.rows[i].request
-        token = self._sample(row, logits)
+        token = int(sample(logits[None], request.sampling, row.history, row.sampler)[0])  # its own random stream
+        if row.history is not None:
+            row.history.add(torch.tensor([token]))
         row.generated += 1
         logprob = None if request.logprobs is None else token_logprobs(logits[None], [token], request.logprobs)[0]
         if token in request.stop_ids:  # reported with the finish (and its logprob when asked), not returned

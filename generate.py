@@ -41,13 +41,14 @@ from assemble import (DTYPES, TokenIds, add_cache_flags, add_model_flags, alloca
                       solve_compression)
 from cli import UserError
 from chat import chat_loop
-from decoding import (COMPILE_BACKENDS, DecodeStats, Generator, Speculator, TextStream, default_compile_backend,
-                      expected_tokens_per_round, speculation_summary)
+from decoding import COMPILE_BACKENDS, DecodeStats, Generator, TextStream, default_compile_backend
 from kernels import KERNEL_CHOICES, Kernels
 from cache import KVFormat
 from model import ModelArgs, Transformer, random_model
 from policies import (POLICIES, AttentionSettings, add_attention_flags, attention_settings, describe_layers,
                       install_policy, policy_factory)
+from sampling import add_sampling_flags, sampling_from_flags
+from speculation import Speculator, expected_tokens_per_round, speculation_summary
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=cli.positive_int, default=None,
                    help="repeat the prompt in this many rows (default 1; a .jsonl prompt file sets the batch)")
     p.add_argument("--num-samples", type=cli.positive_int, default=1, help="repeat generation")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=cli.positive_int, default=None)
+    add_sampling_flags(p)
     p.add_argument("--max-seq-length", type=cli.positive_int, default=None,
                    help="KV cache length (default: prompt + new tokens, capped at the model's context)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -182,8 +182,6 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UserError("--device cuda: no CUDA device is available")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     if args.random_weights:
         text = [flag for flag, given in (("--prompt", args.prompt is not None), ("--prompt-file", args.prompt_file),
                                          ("--interactive", args.interactive), ("--chat", args.chat)) if given]
@@ -229,8 +227,13 @@ def run(args: argparse.Namespace) -> int:
     args.vocab_size = config.vocab_size
     length_bucket = length_bucket_for(args, config, settings)
     torch.manual_seed(args.seed)
-    if args.top_k is not None and args.top_k > config.vocab_size:
-        raise UserError(f"--top-k {args.top_k} exceeds the vocabulary of {config.vocab_size} tokens")
+    try:
+        args.sampling = sampling_from_flags(args, config.vocab_size)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.speculate_k is not None and args.sampling.penalized:
+        raise UserError("speculative decoding samples without penalties: drop --presence-penalty, "
+                        "--frequency-penalty and --repetition-penalty, or --speculate-k")
     policies = [settings.policy] + ([draft_settings.policy] if draft_settings is not None else [])
     kv_format = cache_format(args, args.device, policies)  # the K^T storage decided once (assemble.kt_storage_for)
     kernels = kernels_for(args.kernel, args.device, config, length_bucket, [kv_format])
@@ -316,7 +319,7 @@ def generate_rows(args: argparse.Namespace, model: Transformer, tokenizer, setti
     if args.device == "cuda" and quantize.has_int8(model) and not args.compile:
         print("note: int8 weights on CUDA are dequantized whole at every step unless --compile fuses the "
               "dequantization into the GEMV: without --compile int8 is no speed option here", file=sys.stderr)
-    generator = Generator(model, stop_ids=tokenizer.stop_ids, temperature=args.temperature, top_k=args.top_k,
+    generator = Generator(model, stop_ids=tokenizer.stop_ids, sampling=args.sampling,
                           compile_decode=args.compile, compile_backend=args.compile_backend,
                           compile_prefill=args.compile_prefill, progress=sys.stderr.isatty())
     compile_s = None
@@ -390,7 +393,7 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
         print(f"speculation: {args.speculate_k} tokens per round drafted by the same model with "
               f"{draft_settings.policy} attention, verified by {settings.policy} in one pass", file=sys.stderr)
         return Speculator(model, args.speculate_k, verify, [make(i) for i in layers], stop_ids=tokenizer.stop_ids,
-                          temperature=args.temperature, top_k=args.top_k, compile=args.compile)
+                          sampling=args.sampling, compile=args.compile)
     draft_config = model_args(args.draft_checkpoint)
     draft_kernels = kernels_for(args.kernel, args.device, draft_config, kv_formats=[kv_format])
     draft = load_checkpoint(args.draft_checkpoint, args.device, DTYPES[args.dtype], draft_kernels, args.quantized_kernel)
@@ -403,7 +406,7 @@ def make_speculator(args: argparse.Namespace, model: Transformer, tokenizer, set
     print(f"speculation: {args.speculate_k} tokens per round drafted by {args.draft_checkpoint} "
           f"({describe_layers(draft)}), verified by {settings.policy} in one pass", file=sys.stderr)
     return Speculator(model, args.speculate_k, verify, draft_model=draft, stop_ids=tokenizer.stop_ids,
-                      temperature=args.temperature, top_k=args.top_k, compile=args.compile)
+                      sampling=args.sampling, compile=args.compile)
 
 
 def write_profile(path: Path, decoder, rows: list[list[int]], max_new_tokens: int) -> None:

@@ -38,6 +38,8 @@ NORMS = ("rms", "layer")
 MLPS = ("gated", "plain")
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 LAYER_KINDS = ("global", "window")
+# What a forward pass is, chosen by its caller (Transformer.prefill / decode / verify), never by its shapes
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 
 
 @dataclass
@@ -271,10 +273,10 @@ class Attention(nn.Module):
         self.decode_attention: DecodePolicy = DenseDecode(kernels, self.cap)
         self.prefill_kernel = kernels.prefill_attention  # None: prefill_attention (SDPA)
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, kv_end: int,
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, kv_end: int, phase: str,
                 prompt_lengths: Optional[Tensor] = None, row: Optional[int] = None) -> Tensor:
-        """x (B, T, D) at positions input_pos, attending to cache positions below kv_end (see
-        Transformer.forward, which also says what prompt_lengths and row are)."""
+        """x (B, T, D) at positions input_pos, attending to cache positions below kv_end, as `phase` says
+        (see Transformer.forward, which also says what prompt_lengths and row are)."""
         B, T, _ = x.shape
         H, n_kv, d = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.wqkv(x).split([H * d, n_kv * d, n_kv * d], dim=-1)
@@ -286,21 +288,41 @@ class Attention(nn.Module):
             q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)  # (B, heads, T, d)
         self.kv_cache.update(input_pos, k, v, row, prompt_lengths)
-        if T > 1 and input_pos.dim() == 2:  # T queries per row at its own positions: speculative verification
-            q = q.view(B, n_kv, H // n_kv, T, d)
-            y = self.decode_attention.verify(q, self.kv_cache, kv_end).view(B, H, T, d)
-        elif T > 1 or row is not None:  # a prefill chunk (of one row: even one token): positions [kv_end - T, kv_end)
-            rows = slice(0, B) if row is None else slice(row, row + 1)  # the cache rows of x's rows
-            k_start = 0 if self.window is None else max(0, kv_end - T - self.window + 1)
-            keys, values = self.kv_cache.read(rows, k_start, kv_end)
-            y = self.prefill(q, keys, values, kv_end - T)  # (B, H, T, d)
-            self.decode_attention.observe_prefill(q, self.kv_cache.read(rows, 0, kv_end)[0], lengths=prompt_lengths,
-                                                   window=self.window)
-        else:  # a decode step reads kv_end positions
-            q = q.view(B, n_kv, H // n_kv, d)  # query heads grouped by the KV head they share
-            y = self.decode_attention(q, self.kv_cache, kv_end).view(B, H, 1, d)
+        if phase == DECODE:
+            y = self.decode(q, kv_end)
+        elif phase == VERIFY:
+            y = self.verify(q, kv_end)
+        else:
+            y = self.prefill_chunk(q, kv_end, prompt_lengths, row)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * d))
 
+    def decode(self, q: Tensor, kv_end: int) -> Tensor:
+        """One query per row, q (B, H, 1, d), by the layer's decode policy over kv_end positions."""
+        B, H, _, d = q.shape
+        q = q.view(B, self.n_kv_head, H // self.n_kv_head, d)  # query heads grouped by the KV head they share
+        return self.decode_attention(q, self.kv_cache, kv_end).view(B, H, 1, d)
+
+    def verify(self, q: Tensor, kv_end: int) -> Tensor:
+        """T queries per row at its own next T positions (speculative verification), q (B, H, T, d): each
+        read as a decode query by the policy's verify (DecodePolicy.verify)."""
+        B, H, T, d = q.shape
+        q = q.view(B, self.n_kv_head, H // self.n_kv_head, T, d)
+        return self.decode_attention.verify(q, self.kv_cache, kv_end).view(B, H, T, d)
+
+    def prefill_chunk(self, q: Tensor, kv_end: int, prompt_lengths: Optional[Tensor], row: Optional[int]) -> Tensor:
+        """A prefill chunk's T queries at positions [kv_end - T, kv_end), q (B, H, T, d), attending causally
+        (on a window layer, to the window) to what the cache holds of its rows (x's rows, or batch row
+        `row` alone). A policy that learns from the prefill (DecodePolicy.observes_prefill: H2O) is then
+        shown every key so far; no other pays that read."""
+        B, T = q.shape[0], q.shape[2]
+        rows = slice(0, B) if row is None else slice(row, row + 1)  # the cache rows of x's rows
+        k_start = 0 if self.window is None else max(0, kv_end - T - self.window + 1)
+        keys, values = self.kv_cache.read(rows, k_start, kv_end)
+        y = self.prefill(q, keys, values, kv_end - T)  # (B, H, T, d)
+        if self.decode_attention.observes_prefill:
+            every_key = keys if k_start == 0 else self.kv_cache.read(rows, 0, kv_end)[0]
+            self.decode_attention.observe_prefill(q, every_key, lengths=prompt_lengths, window=self.window)
+        return y
 
     def prefill(self, q: Tensor, keys: Tensor, values: Tensor, q_start: int) -> Tensor:
         """prefill_attention, through the run's kernel where it serves (no window, no soft-cap, no autograd)."""
@@ -340,9 +362,9 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = make_norm(args) if args.sandwich_norms else None
         self.post_ffn_norm = make_norm(args) if args.sandwich_norms else None
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, kv_end: int,
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Tensor, kv_end: int, phase: str,
                 prompt_lengths: Optional[Tensor] = None, row: Optional[int] = None) -> Tensor:
-        a = self.attention(self.attention_norm(x), rope, input_pos, kv_end, prompt_lengths, row)
+        a = self.attention(self.attention_norm(x), rope, input_pos, kv_end, phase, prompt_lengths, row)
         if self.parallel_residual:
             return x + a + self.feed_forward(self.ffn_norm(x))
         if self.post_attention_norm is not None:
@@ -510,26 +532,37 @@ class Transformer(nn.Module):
         for cache in self.caches:
             cache.set_live_lengths(lengths)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, kv_end: int, prompt_lengths: Optional[Tensor] = None,
+    def prefill(self, idx: Tensor, input_pos: Tensor, kv_end: int, prompt_lengths: Optional[Tensor] = None,
                 row: Optional[int] = None, every_position: bool = False) -> Tensor:
-        """idx (B, T) tokens at positions input_pos: (T,) for every row, or (B, T) per row (ragged
-        rows decode at their own positions). Attention reads cache positions [0, kv_end): a decode
-        step (T = 1) reads kv_end positions (the longest row's live length after this step, rounded
-        up to the caches' length_bucket: read_length); a prefill chunk (T > 1) sits at positions
-        [kv_end - T, kv_end) and attends causally to everything before its end.
+        """A prefill chunk: idx (B, T) at positions input_pos = [kv_end - T, kv_end), attending causally to
+        everything before its end -> logits (B, vocab) of its last position (every_position: (B, T, vocab)).
 
-        prompt_lengths (B,): a prefill chunk of a right-padded batch of prompts of these lengths
-        (ragged rows); the logits are then row b's at its last real token when the chunk holds it
-        (clamped into the chunk otherwise), and stateful policies learn which queries are padding.
+        prompt_lengths (B,): a chunk of a right-padded batch of prompts of these lengths (ragged rows); the
+        logits are then row b's at its last real token when the chunk holds it (clamped into the chunk
+        otherwise), and stateful policies learn which queries are padding.
 
-        row: a prefill chunk (B = 1) into batch row `row` of the caches, the other rows keeping their
-        state (prefill into a row that truncate_row or reset_row freed: speculation, a server's new request).
+        row: the chunk (B = 1, any T, one token included) goes into batch row `row` of the caches, the other
+        rows keeping their state (a row that truncate_row or reset_row freed: a server's new request)."""
+        return self(idx, input_pos, kv_end, PREFILL, prompt_lengths, row, every_position)
 
-        Speculative verification: idx (B, T) at per-row positions input_pos (B, T), each row's next T
-        positions, read as T decode queries (DecodePolicy.verify); every_position: logits (B, T, vocab).
+    def decode(self, idx: Tensor, input_pos: Tensor, kv_end: int) -> Tensor:
+        """A decode step: idx (B, 1) at positions input_pos, (1,) for every row or (B, 1) per row (ragged rows
+        decode at their own positions); attention (each layer's decode policy) reads cache positions [0,
+        kv_end): the longest row's live length after this step, rounded up to the caches' length_bucket
+        (read_length) -> logits (B, vocab)."""
+        return self(idx, input_pos, kv_end, DECODE)
 
-        Returns logits (B, vocab) in fp32 for the last position (or each row's last real one).
-        """
+    def verify(self, idx: Tensor, input_pos: Tensor, kv_end: int) -> Tensor:
+        """Speculative verification: idx (B, T) at per-row positions input_pos (B, T), each row's next T
+        positions, read as T decode queries (DecodePolicy.verify) -> logits (B, T, vocab)."""
+        return self(idx, input_pos, kv_end, VERIFY, every_position=True)
+
+    def forward(self, idx: Tensor, input_pos: Tensor, kv_end: int, phase: str,
+                prompt_lengths: Optional[Tensor] = None, row: Optional[int] = None,
+                every_position: bool = False) -> Tensor:
+        """The pass `phase` (PREFILL, DECODE or VERIFY) names, as prefill, decode and verify above describe:
+        call those. Returns logits in fp32: the last position's (or each row's last real one), every
+        position's with every_position."""
         if row is not None:
             self.check_row_operations()
         rope = self.rope[input_pos]  # (T, 2, rotary_dim/2)
@@ -538,8 +571,8 @@ class Transformer(nn.Module):
         if self.args.embedding_scale is not None:
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, kv_end, prompt_lengths,
-                      row)
+            x = layer(x, rope_local if self.args.layer_kind(i) == "window" else rope, input_pos, kv_end, phase,
+                      prompt_lengths, row)
         if every_position:
             pass
         elif prompt_lengths is None:

@@ -522,14 +522,14 @@ def kernel_lines(rows: list[dict]) -> str:
 
 
 def speculate_row(spec, B: int, context: int, steps: int) -> dict:
-    """Self-speculation from the filled cache (decoding.Speculator, greedy): SparQ drafts n tokens a
+    """Self-speculation from the filled cache (speculation.Speculator, greedy): SparQ drafts n tokens a
     round and dense verifies them in one pass, as generate.py --speculate-k n --draft-attention sparq.
-    spec: a decoding.Speculator built once per model (its compiled steps kept across rows). A
+    spec: a speculation.Speculator built once per model (its compiled steps kept across rows). A
     first run compiles and captures both steps; the same run again (random weights and the same
     start: the same tokens, rounds and read lengths) is timed. A random model's acceptance says
     nothing of a real one's, so the row also carries the draft step and the verify pass that, with
     an acceptance measured on real models, predict the speedup (speculative_predictions)."""
-    from decoding import speculation_summary
+    from speculation import speculation_summary
 
     model, n = spec.model, spec.n
     lengths = [context] * B
@@ -559,8 +559,8 @@ SPECULATION_ACCEPTANCES = (0.8, 0.9, 0.95, 1.0)  # measured on real models: 0.86
 
 def speculative_predictions(row: dict, dense_ms: float) -> dict[str, float]:
     """Acceptance -> the speedup over dense's one-token step that this row's measured draft step and
-    verify pass give (decoding.speculative_speedup, rescaled from verify passes to dense's step)."""
-    from decoding import speculative_speedup
+    verify pass give (speculation.speculative_speedup, rescaled from verify passes to dense's step)."""
+    from speculation import speculative_speedup
 
     draft, verify = row["draft_step_ms"], row["verify_pass_ms"]
     return {f"{a:.2f}": speculative_speedup(a, row["n"], draft, verify) * dense_ms / verify
@@ -656,7 +656,8 @@ def e2e_rows(report: Report, section: str, model, name: str, weights: str, batch
     activations' dtype), sized for the largest context, each batch size's checked against the free
     memory first (cache_fit). backend: compiled_decode_step's (None: eager). fixed_linears:
     fix_linear_configs before anything compiles. extra: fields every row carries (the weights' kernels)."""
-    from decoding import Generator, Speculator
+    from decoding import Generator
+    from speculation import Speculator
 
     kv_format = kv_format or KVFormat()
     kv = cache_label(kv_format, model.cache_dtype)

@@ -60,7 +60,8 @@ def stream_completion(url: str, prompt: str | list[int], new_tokens: int, timeou
     that carries text."""
     parsed = urlparse(url)
     body = json.dumps({"model": "any", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "cache_prompt": False})  # llama-server: no prompt cache
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                       "cache_prompt": False})  # llama-server: no prompt cache
     start = time.perf_counter()
     conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
     try:
@@ -222,20 +223,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 1800) -> None:
+def wait_healthy(url: str, proc: Optional[subprocess.Popen], what: str, timeout: float = 1800) -> None:
+    """Until /health says 200 and, for serve.py, that its compiled decode step serves (a load measured on
+    the eager step it serves with while the compiled one builds would not be the server's speed)."""
     parsed = urlparse(url)
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             said = last_lines(proc)
             raise UserError(f"{what} exited with status {proc.returncode} before answering"
                             + (f": {' | '.join(said)}" if said else ""))
         try:
             conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=5)
             conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
+            response = conn.getresponse()
+            health = json.loads(response.read() or b"{}") if response.status == 200 else None
+            if health is not None and not str(health.get("decode_step", "")).startswith("eager, "):
                 return
-        except OSError:
+        except (OSError, ValueError):
             pass
         time.sleep(0.5)
     raise UserError(f"{what} did not answer /health within {timeout:.0f} s")
@@ -323,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
     rows, context = max(clients), max(lengths) + args.new_tokens + 64
     targets = []  # (label, url, process or None)
     if args.url:
+        wait_healthy(args.url, None, "the server at --url")
         targets.append(("serve.py (given URL)", args.url, None))
     else:
         url, proc = start_ours(rows, context, shlex.split(args.server_args))

@@ -60,7 +60,8 @@ def run(args) -> int:
     import torch
 
     import data
-    from decoding import Generator, Speculator, acceptance_needed, speculation_summary
+    from decoding import Generator
+    from speculation import Speculator, acceptance_needed, speculation_summary
     from assemble import check_same_tokenizer, kernels_for, load_checkpoint, load_tokenizer, model_args
     from policies import AttentionSettings, policy_factory
 
@@ -194,7 +195,7 @@ def predict(args) -> int:
     """--predict: the byte model's speedups (module docstring), one row per context, batch, n and acceptance."""
     from fractions import Fraction
 
-    from decoding import speculative_speedup
+    from speculation import speculative_speedup
     from model import ModelArgs
     from budgets import solve_budget
     from policies import AttentionSettings

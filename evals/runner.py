@@ -23,7 +23,8 @@ from torch import Tensor
 from evals.tasks import TASKS, Example, Outcome, Task
 from attention import DecodePolicy
 from cache import KVFormat
-from decoding import decode_step, prefill, sample
+from decoding import decode_step, prefill
+from sampling import sample
 from model import Transformer
 from baselines import selection_agreement
 from budgets import Budget, model_compression, Storage, solve_budget
@@ -60,6 +61,7 @@ class FanOut(DecodePolicy):
     def __init__(self, policies: list[DecodePolicy]):
         super().__init__()
         self._policies = policies  # a plain list: not submodules
+        self.observes_prefill = any(policy.observes_prefill for policy in policies)  # else the cache is not read
 
     def observe_prefill(self, q: Tensor, k: Tensor, memo: Optional[dict] = None,
                         lengths: Optional[Tensor] = None, window: Optional[int] = None) -> None:
@@ -188,7 +190,7 @@ class Runner:
         """Greedy decode from the shared prefill. finished(row, tokens) ends a row early (e.g. once it
         diverged); the batch stops when every row has stopped. Returns (tokens per row, decode steps)."""
         self.install(config)
-        token = sample(self.first_logits, 0.0, None)
+        token = sample(self.first_logits)
         B = token.shape[0]
         rows: list[list[int]] = [[t] for t in token.tolist()]
         done = [False] * B
@@ -200,7 +202,7 @@ class Runner:
             if all(done):
                 break
             logits = decode_step(self.model, token.view(B, 1), *self.positions(j))
-            token = sample(logits, 0.0, None)
+            token = sample(logits)
             steps += 1
             for b, t in enumerate(token.tolist()):
                 if not done[b]:

@@ -33,6 +33,7 @@ class ChannelStatistics(DecodePolicy):
     query heads."""
 
     name = "channel-statistics"
+    observes_prefill = True
 
     def __init__(self, n_kv: int, head_dim: int):
         super().__init__()

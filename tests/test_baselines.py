@@ -414,6 +414,8 @@ def test_calibration_ranks_channels_by_q_and_k_magnitude_over_every_chunk():
     from test_ragged import tiny_model
 
     class Keep(DecodePolicy):
+        observes_prefill = True
+
         def __init__(self):
             super().__init__()
             self.q = self.k = None

@@ -115,7 +115,7 @@ def continue_rows(model, rows: list[list[int]], n: int) -> list[list[int]]:
     last = torch.tensor([[r[-1]] for r in rows])
     pos = torch.tensor([[len(r) - 1] for r in rows])
     for _ in range(n):
-        logits = model(last, pos, model.read_length(int(pos.max()) + 1))
+        logits = model.decode(last, pos, model.read_length(int(pos.max()) + 1))
         last = logits.argmax(-1, keepdim=True)
         for b in range(len(rows)):
             out[b].append(int(last[b]))

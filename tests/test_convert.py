@@ -272,9 +272,9 @@ def test_gguf_matches_hf(tmp_path: Path, tie: bool):
     ids = torch.randint(0, VOCAB, (B, T + steps), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = hf_model(ids).logits  # (B, T + steps, V), full recompute
-        actual = [ours(ids[:, :T], torch.arange(T), T)]
+        actual = [ours.prefill(ids[:, :T], torch.arange(T), T)]
         for p in range(T, T + steps):
-            actual.append(ours(ids[:, p:p + 1], torch.tensor([p]), p + 1))
+            actual.append(ours.decode(ids[:, p:p + 1], torch.tensor([p]), p + 1))
     assert expected.abs().max() > 1.0
     for i, logits in enumerate(actual):
         diff = (logits - expected[:, T - 1 + i]).abs().max().item()

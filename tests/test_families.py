@@ -100,12 +100,12 @@ def _prefill_in_chunks(ours: model.Transformer, prompt: torch.Tensor, chunk: int
     T = prompt.shape[1]
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        logits = ours(prompt[:, start:end], torch.arange(start, end), end)
+        logits = ours.prefill(prompt[:, start:end], torch.arange(start, end), end)
     return logits
 
 
 def _ours(ours: model.Transformer, prompt: torch.Tensor, tokens: torch.Tensor, chunk: int, step=None) -> list:
-    step = step or (lambda m, token, pos, length: m(token, pos, length))
+    step = step or (lambda m, token, pos, length: m.decode(token, pos, length))
     ours.reset_caches()
     T = prompt.shape[1]
     with torch.no_grad():

@@ -285,7 +285,7 @@ def test_random_weights_refusals_are_one_line_errors(args, fragment):
 def test_sampling_draws_from_the_softmax_without_syncing():
     """The exponential race (no torch.multinomial, which syncs with the host) draws token i with
     probability softmax(logits / T)_i, top-k respected: frequencies over many draws, 5 standard errors."""
-    from decoding import sample
+    from sampling import Sampling, sample
 
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -8.0]]).repeat(20000, 1)
@@ -294,7 +294,7 @@ def test_sampling_draws_from_the_softmax_without_syncing():
         if top_k is not None:
             p[top_k:] = 0
             p /= p.sum()
-        counts = torch.bincount(sample(logits, temperature, top_k), minlength=5).double() / len(logits)
+        counts = torch.bincount(sample(logits, Sampling(temperature, top_k)), minlength=5).double() / len(logits)
         stderr = (p * (1 - p) / len(logits)).sqrt().double()
         assert ((counts - p.double()).abs() <= 5 * stderr + 1e-12).all(), (temperature, top_k, counts, p)
 
@@ -339,7 +339,9 @@ def test_rewind_sums_v_in_chunks_without_an_fp32_copy_of_the_cache():
 
 @pytest.mark.parametrize("args, fragment", [
     (["--temperature", "-0.5"], "--temperature"),
-    (["--top-k", "100000"], "--top-k 100000 exceeds the vocabulary"),
+    (["--top-k", "100000"], "--top-k must be in [1, 49152]"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
     (["--prompt", "   "], "the prompt is empty"),
     (["--batch-size", "100000", "--prompt-tokens", "8000"], "--batch-size or --max-seq-length"),
     (["--prompt-tokens", "10000000"], "fewer than"),

@@ -217,8 +217,8 @@ def test_an_int8_cache_keeps_the_float_caches_next_token_distribution():
     for kv_dtype in ("auto", "int8"):
         model.setup_caches(1, 80, KVFormat(kv_dtype=kv_dtype))
         with torch.no_grad():
-            model(prompt, torch.arange(60), 60)
-            logits = model(torch.tensor([[7]]), torch.tensor([60]), 61)
+            model.prefill(prompt, torch.arange(60), 60)
+            logits = model.decode(torch.tensor([[7]]), torch.tensor([60]), 61)
         probs[kv_dtype] = torch.softmax(logits.reshape(-1, logits.shape[-1])[-1].float(), -1)
     assert 0 < (probs["auto"] - probs["int8"]).abs().sum() / 2 < 0.01
 

@@ -110,10 +110,10 @@ def _ours(ours: model.Transformer, prompt: torch.Tensor, tokens: torch.Tensor) -
     B, T = prompt.shape
     ours.reset_caches()
     with torch.no_grad():
-        logits = [ours(prompt, input_pos=torch.arange(T), kv_end=T)]
+        logits = [ours.prefill(prompt, input_pos=torch.arange(T), kv_end=T)]
         for i in range(tokens.shape[1]):
             p = T + i
-            logits.append(ours(tokens[:, i:i + 1], input_pos=torch.tensor([p]), kv_end=p + 1))
+            logits.append(ours.decode(tokens[:, i:i + 1], input_pos=torch.tensor([p]), kv_end=p + 1))
     return logits
 
 
@@ -177,7 +177,7 @@ def test_compiled_decode_matches_eager(tmp_path: Path):
     def run(step_fn):
         m.reset_caches()
         with torch.no_grad():
-            logits = m(prompt, torch.arange(T), T)
+            logits = m.prefill(prompt, torch.arange(T), T)
             out = []
             for p in range(T, T + steps):
                 token = logits.argmax(-1, keepdim=True)
@@ -217,11 +217,11 @@ def test_smollm2_greedy_matches_transformers(smollm2_checkpoint: Path, smollm2_g
     ours.reset_caches()
     generated = []
     with torch.no_grad():
-        logits = ours(prompt, input_pos=torch.arange(T), kv_end=T)
+        logits = ours.prefill(prompt, input_pos=torch.arange(T), kv_end=T)
         prefill_diff = (logits - expected_logits[0]).abs().max().item()
         for i in range(new_tokens):
             token = logits.argmax(-1, keepdim=True)
             generated.append(token.item())
-            logits = ours(token, input_pos=torch.tensor([T + i]), kv_end=T + i + 1)
+            logits = ours.decode(token, input_pos=torch.tensor([T + i]), kv_end=T + i + 1)
     assert generated == expected[0].tolist(), tokenizer.decode(generated) + " | " + tokenizer.decode(expected[0])
     assert prefill_diff < 1e-3

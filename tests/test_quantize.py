@@ -269,7 +269,7 @@ def run_tiny(model, idx):
     with torch.no_grad():
         model.setup_caches(idx.shape[0], idx.shape[1] + 2)
         T = idx.shape[1]
-        return [model(idx, torch.arange(T), T), model(idx[:, :1], torch.tensor([T]), T + 1)]
+        return [model.prefill(idx, torch.arange(T), T), model.decode(idx[:, :1], torch.tensor([T]), T + 1)]
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
@@ -358,7 +358,7 @@ def test_weights_survive_the_dtype_cast(tmp_path):
     assert head_scales.dtype == torch.bfloat16 and head_codes.dtype in (torch.int8, torch.uint8)
     model.setup_caches(1, 8)
     with torch.no_grad():
-        logits = model(torch.tensor([[1, 2, 3]]), torch.arange(3), 3)
+        logits = model.prefill(torch.tensor([[1, 2, 3]]), torch.arange(3), 3)
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
@@ -370,10 +370,10 @@ def test_decode_step_compiles_fullgraph(tmp_path):
     compiled = compiled_decode_step(decode_step, "cpu")
     prompt = torch.tensor([[5, 6, 7], [8, 9, 10]])
     with torch.no_grad():
-        first = model(prompt, torch.arange(3), 3).argmax(-1).view(2, 1)
+        first = model.prefill(prompt, torch.arange(3), 3).argmax(-1).view(2, 1)
         eager = [decode_step(model, first, torch.tensor([p]), p + 1) for p in (3,)]
         model.reset_caches()
-        model(prompt, torch.arange(3), 3)
+        model.prefill(prompt, torch.arange(3), 3)
         comp = [compiled(model, first, torch.tensor([p]), p + 1) for p in (3,)]
     torch.testing.assert_close(comp[0], eager[0], rtol=1e-3, atol=1e-3)
 
@@ -421,11 +421,11 @@ def greedy_with_logits(model, prompt, forced=None):
     """Greedy NEW_TOKENS tokens for every row (or feeding `forced` tokens): tokens (B, N), logits (B, N, V)."""
     B, T = prompt.shape
     model.setup_caches(B, T + NEW_TOKENS)
-    logits = [model(prompt, torch.arange(T), T)]
+    logits = [model.prefill(prompt, torch.arange(T), T)]
     tokens = [logits[-1].argmax(-1)]
     for p in range(T, T + NEW_TOKENS - 1):
         feed = tokens[-1] if forced is None else forced[:, p - T]
-        logits.append(model(feed.view(B, 1), torch.tensor([p]), p + 1))
+        logits.append(model.decode(feed.view(B, 1), torch.tensor([p]), p + 1))
         tokens.append(logits[-1].argmax(-1))
     return torch.stack(tokens, 1), torch.stack(logits, 1)
 

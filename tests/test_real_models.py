@@ -45,12 +45,12 @@ def test_greedy_tokens_match_transformers_on_the_same_gguf(name: str):
     ours.setup_caches(1, T + NEW_TOKENS)
     generated, first_logits = [], None
     with torch.no_grad():
-        logits = ours(prompt, torch.arange(T), T)
+        logits = ours.prefill(prompt, torch.arange(T), T)
         first_logits = logits
         for i in range(NEW_TOKENS):
             token = logits.argmax(-1, keepdim=True)
             generated.append(token.item())
-            logits = ours(token, torch.tensor([T + i]), T + i + 1)
+            logits = ours.decode(token, torch.tensor([T + i]), T + i + 1)
     del ours
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()

@@ -21,6 +21,7 @@ import kernels
 from decoding import Generator, compiled_decode_step, decode_step
 from engine import Engine, QueueFull, Request, Stopped, row_bucket, run_alone
 from policies import POLICIES, AttentionSettings, policy_factory
+from sampling import Sampling
 from test_ragged import tiny_model
 
 ROW_POLICIES = [name for name, entry in POLICIES.items() if name != "h2o"]  # h2o keeps per-row state
@@ -198,7 +199,7 @@ def test_prompt_and_token_logprobs_are_the_models_own():
     model.set_decode_attention(policy_factory(AttentionSettings("dense"), model.args))
     sequence = prompt + out.tokens
     with torch.no_grad():
-        logits = model(torch.tensor([sequence[:-1]]), torch.arange(len(sequence) - 1), len(sequence) - 1,
+        logits = model.prefill(torch.tensor([sequence[:-1]]), torch.arange(len(sequence) - 1), len(sequence) - 1,
                        every_position=True)[0]
     reference = torch.log_softmax(logits.float(), -1)
     assert prompt_lps[0] is None and len(prompt_lps) == len(prompt)
@@ -277,12 +278,12 @@ def test_seeded_sampling_ignores_the_batch():
     """A sampled request's tokens depend on its seed alone: the same alone and beside others."""
     model = tiny_model()
     engine = engine_for(model, AttentionSettings("dense"))
-    request = dict(prompt=list(range(10, 40)), max_new_tokens=15, temperature=1.0, top_k=20, seed=7)
+    request = dict(prompt=list(range(10, 40)), max_new_tokens=15, sampling=Sampling(temperature=1.0, top_k=20), seed=7)
     solo, _ = run_alone(engine, Request(**request))
     other, _ = run_alone(engine, Request(**{**request, "seed": 8}))
     assert solo != other  # the seed matters
     outs = [Collect() for _ in range(3)]
-    run_all(engine, [Request(list(range(50, 60)), 9, temperature=1.0, emit=outs[0]),
+    run_all(engine, [Request(list(range(50, 60)), 9, sampling=Sampling(temperature=1.0), emit=outs[0]),
                      Request(**request, emit=outs[1]), Request(list(range(1, 90)), 20, emit=outs[2])], arrive_every=1)
     assert outs[1].tokens == solo
 
@@ -367,7 +368,7 @@ class Chars:
 
 
 def test_text_out_holds_back_what_may_become_a_stop_string():
-    from serve import TextOut
+    from openai_api import TextOut
 
     out = TextOut(Chars(), ["END"])
     pieces = [out.add(ord(c)) for c in "abcEN"]
@@ -395,16 +396,21 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "serve.py", *model, "--port", "0", "--max-seq-length", "1024",
                                       *compile_flag, *flags], cwd=REPO, stderr=subprocess.PIPE, text=True)
         self.lines = []
-        deadline = time.time() + 300
+        self.url = self.wait_for("listening on").split("listening on ")[1].split()[0]
+        self.wait_for("serve.py: ready:")  # the port opens first; the model serves from this line on
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+
+    def wait_for(self, fragment: str, timeout: float = 300) -> str:
+        """The first stderr line from here on that holds `fragment`."""
+        deadline = time.time() + timeout
         while time.time() < deadline:
             line = self.proc.stderr.readline()
             if not line:
                 raise AssertionError("serve.py exited: " + "".join(self.lines))
             self.lines.append(line)
-            if "listening on" in line:
-                self.url = line.split("listening on ")[1].strip()
-                break
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+            if fragment in line:
+                return line
+        raise AssertionError(f"serve.py said no {fragment!r} in {timeout:.0f} s: " + "".join(self.lines))
 
     def client(self):
         import openai
@@ -462,7 +468,12 @@ def test_completions_and_chat_streamed_and_not(dense_server):
                                          stream=True)
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
-    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None  # no usage unless asked
+    with_usage = list(client.completions.create(model="x", prompt="The capital of France is", max_tokens=12,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert [c.usage for c in with_usage[:-1]] == [None] * (len(with_usage) - 1)  # OpenAI's shape: usage null,
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 12  # then a chunk of its own
+    assert "".join(c.choices[0].text for c in with_usage[:-1]) == whole.choices[0].text
     default = client.completions.create(model="x", prompt="Once upon a time", temperature=0)
     assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens
 
@@ -593,7 +604,12 @@ def test_concurrent_requests_each_equal_their_solo_run(which, request):
     (b"[1, 2]", 400, None),
     (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "max_tokens": 1024}).encode(), 400, "max_tokens"),  # beyond the 1024 of context
-    (json.dumps({"prompt": "hi", "top_p": 0.5}).encode(), 400, "top_p"),
+    (json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400, "top_p"),
+    (json.dumps({"prompt": "hi", "min_p": 1.5}).encode(), 400, "min_p"),
+    (json.dumps({"prompt": "hi", "presence_penalty": 3}).encode(), 400, "presence_penalty"),
+    (json.dumps({"prompt": "hi", "top_k": 10 ** 6}).encode(), 400, "top_k"),
+    (json.dumps({"prompt": "hi", "stream_options": {"include_usage": True}}).encode(), 400, "stream_options"),
+    (json.dumps({"prompt": "hi", "stream": True, "stream_options": {"chunks": 1}}).encode(), 400, "stream_options"),
     (json.dumps({"prompt": "hi", "logit_bias": {"5": 10}}).encode(), 400, "logit_bias"),
     (json.dumps({"prompt": "hi", "frequency_penalty_v9": 3}).encode(), 400, "frequency_penalty_v9"),
     (json.dumps({"prompt": "hi", "logprobs": 21}).encode(), 400, "logprobs"),

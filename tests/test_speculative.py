@@ -13,7 +13,9 @@ import kernels
 from assemble import check_same_tokenizer
 from cli import UserError
 from conftest import assert_one_line_error, read_json, run_python
-from decoding import Generator, Speculator, prefill, probabilities
+from decoding import Generator, prefill
+from sampling import Sampling, probabilities
+from speculation import Speculator
 from model import Transformer
 from policies import AttentionSettings, policy_factory
 from test_ragged import tiny_model
@@ -136,13 +138,13 @@ def test_the_verify_pass_equals_one_token_steps():
         for b, row in enumerate(rows):  # one token at a time, each row alone
             model.setup_caches(1, 40)
             prefill(model, torch.tensor([row]))
-            generate_logits.append(torch.stack([model(torch.tensor([[t]]), torch.tensor([len(row) + j]), len(row) + j + 1)[0]
+            generate_logits.append(torch.stack([model.decode(torch.tensor([[t]]), torch.tensor([len(row) + j]), len(row) + j + 1)[0]
                                                 for j, t in enumerate(tokens[b])]))
         model.setup_caches(2, 40)
         from decoding import prefill_rows
         prefill_rows(model, rows)
         positions = torch.tensor([[len(r)] for r in rows]) + torch.arange(5)
-        verified = model(torch.tensor(tokens), positions, 36, every_position=True)  # (2, 5, vocab)
+        verified = model.verify(torch.tensor(tokens), positions, 36)  # (2, 5, vocab)
     for b in range(2):
         torch.testing.assert_close(verified[b], generate_logits[b], rtol=1e-4, atol=1e-4)
 
@@ -164,13 +166,13 @@ def test_sampled_tokens_follow_the_verifiers_distribution():
     model.setup_caches(B, 12 + 2 + 3)
     draft.setup_caches(B, 12 + 2 + 3)
     draft.set_decode_attention(policy_factory(DENSE, draft.args))
-    out, stats = Speculator(model, 2, policies(model, DENSE), draft_model=draft, temperature=1.0).generate([prompt] * B, 2)
+    out, stats = Speculator(model, 2, policies(model, DENSE), draft_model=draft, sampling=Sampling(temperature=1.0)).generate([prompt] * B, 2)
     assert 0.2 < stats.accepted / stats.proposed < 0.9
     # the verifier's exact joint distribution of the first two tokens
     model.setup_caches(1, 16)
     with torch.no_grad():
-        p1 = probabilities(prefill(model, torch.tensor([prompt])), 1.0, None)[0]  # (8,)
-        joint = torch.stack([p1[t] * probabilities(prefill(model, torch.tensor([prompt + [t]])), 1.0, None)[0]
+        p1 = probabilities(prefill(model, torch.tensor([prompt])), Sampling(temperature=1.0))[0]  # (8,)
+        joint = torch.stack([p1[t] * probabilities(prefill(model, torch.tensor([prompt + [t]])), Sampling(temperature=1.0))[0]
                              for t in range(8)])  # (8, 8)
     counts = torch.zeros(8, 8)
     for row in out:
@@ -228,7 +230,7 @@ def test_generate_cli_self_speculation_matches_dense(tmp_path, smollm2_checkpoin
 
 
 def test_acceptance_needed_inverts_the_theory():
-    from decoding import acceptance_needed, expected_tokens_per_round
+    from speculation import acceptance_needed, expected_tokens_per_round
 
     a = acceptance_needed(1.15, 2, draft_step=0.5, verify_pass=1.2, step=1.0)
     assert expected_tokens_per_round(a, 2) * 1.0 / (2 * 0.5 + 1.2) == pytest.approx(1.15, rel=1e-6)
@@ -236,7 +238,7 @@ def test_acceptance_needed_inverts_the_theory():
 
 
 def test_tokens_per_round_theory():
-    from decoding import expected_tokens_per_round, speculative_speedup
+    from speculation import expected_tokens_per_round, speculative_speedup
 
     assert expected_tokens_per_round(0.0, 4) == 1 and expected_tokens_per_round(1.0, 4) == 5
     assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
@@ -258,8 +260,8 @@ def test_the_fused_verify_pass_is_the_one_token_step_bit_for_bit(dtype):
     model.set_decode_attention(policy_factory(DENSE, model.args, model.kernels))
     with torch.no_grad():
         prefill(model, torch.tensor([row]))
-        steps = torch.stack([model(torch.tensor([[t]]), torch.tensor([40 + j]), 40 + j + 1)[0] for j, t in enumerate(new)])
+        steps = torch.stack([model.decode(torch.tensor([[t]]), torch.tensor([40 + j]), 40 + j + 1)[0] for j, t in enumerate(new)])
         model.reset_caches()
         prefill(model, torch.tensor([row]))
-        verified = model(torch.tensor([new]), torch.tensor([[40]]) + torch.arange(5), 45, every_position=True)[0]
+        verified = model.verify(torch.tensor([new]), torch.tensor([[40]]) + torch.arange(5), 45)[0]
     assert torch.equal(verified, steps)

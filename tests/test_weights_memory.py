@@ -66,6 +66,6 @@ def test_a_quantized_model_on_huge_pages_computes_what_it_did_without_them(tmp_p
     with torch.no_grad():
         for m in (moved, kept):
             m.setup_caches(2, 8)
-        prefill = [m(idx, torch.arange(5), 5) for m in (moved, kept)]
-        step = [m(idx[:, :1], torch.tensor([5]), 6) for m in (moved, kept)]
+        prefill = [m.prefill(idx, torch.arange(5), 5) for m in (moved, kept)]
+        step = [m.decode(idx[:, :1], torch.tensor([5]), 6) for m in (moved, kept)]
     assert torch.equal(*prefill) and torch.equal(*step)

@@ -88,9 +88,9 @@ def main() -> None:
     log: list = []
     model.setup_caches(1, S + 8)
     with torch.no_grad():
-        model(torch.tensor([ids[:-1]]), torch.arange(S - 1), S - 1)
+        model.prefill(torch.tensor([ids[:-1]]), torch.arange(S - 1), S - 1)
         model.set_decode_attention(lambda layer: Recorder(log))
-        model(torch.tensor([[ids[-1]]]), torch.tensor([S - 1]), S)
+        model.decode(torch.tensor([[ids[-1]]]), torch.tensor([S - 1]), S)
     d = log[0][0].shape[-1]
     records = [(q, K[:, :K.shape[1] // 128 * 128]) for q, K in log]  # whole blocks of positions
     for r in (8, 16, 32):
