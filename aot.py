@@ -64,7 +64,7 @@ _AOT_INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}  # the w
 # The repo's Python files a traced step runs, hashed into every key; the files of the step function, of every module
 # class in the model (and its bases) and of every function its modules hold are added to these (AOTDecodeStep._key_parts).
 _AOT_SOURCES = ("model.py", "cache.py", "attention.py", "sparq.py", "sparq_adaptive.py", "baselines.py", "policies.py",
-                "kernels.py", "kernels_triton.py", "quantize.py", "decoding.py", "aot.py")
+                "kernels.py", "kernels_triton.py", "kernels_triton_jit.py", "quantize.py", "decoding.py", "aot.py")
 _AOT_VALUE_HASH_MAX = 1 << 16  # plain tensor attributes (not parameters or buffers) up to this many elements: key by value too
 _AOT_DESCRIBE_DEPTH = 4  # how deep _AOTKey.describe follows plain objects' attributes
 _aot_digests: dict[str, str] = {}  # file -> sha256 of its bytes, read once per process (the code this process runs)
@@ -303,8 +303,9 @@ class AOTDecodeStep:
     installed policies, cache storage and raggedness, since set_decode_attention, setup_caches and
     set_live_lengths change what a program was built on. What a program does not see: Python values
     changed in place after it was built (a norm's eps, a policy's settings), which torch.compile's
-    guards would catch; install a new policy instead. Building one takes a minute on 2 cores (a C++
-    compile; torch.compile's cold build of the same step took 3-4).
+    guards would catch; install a new policy instead. Building one is a C++ compile: a minute or more on
+    2 cores, quicker than torch.compile's cold build of the same step (docs/NOTES.md, 'Figures behind the
+    code's choices').
 
     The cache across processes: each package built is kept in data.cache_dir() / "aot" / KEY /, KEY the hash
     of everything that decides the program (_key_parts: torch and Python versions, the CPU and the C++
@@ -363,8 +364,8 @@ class AOTDecodeStep:
     def _key(self, model: Transformer, tokens: Tensor, input_pos: Tensor) -> tuple:
         """What a program is built on: the model, the input shapes, the cache's storage and raggedness (a
         ragged cache's view masks each row at its own live length) and each layer's policy object. Read from
-        the attention modules' own module dicts, kept per model: through nn.Module's attribute lookup this key
-        took 0.1-0.25 ms of a 6 ms step (SmolLM2, int4)."""
+        the attention modules' own module dicts, kept per model: nn.Module's attribute lookup made this key a
+        visible share of a short step (docs/NOTES.md, 'Figures behind the code's choices')."""
         modules = self._attention_modules.get(model)
         if modules is None:
             modules = self._attention_modules[model] = [layer.attention._modules for layer in model.layers]

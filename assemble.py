@@ -158,9 +158,9 @@ def kt_storage_for(flag: str, layout: str, device: str, policies: Sequence[str])
     """--kt-dtype as KVFormat takes it, "auto" decided once per run: int4 on the CPU when a policy of the
     run scans K^T (SparQ's step 1: POLICIES' reads_kt). At the bytes of a K^T in the activations' dtype,
     an int4 one buys step 1 four times the components, which a low budget needs: adaptive SparQ at 1/8
-    is within a SQuAD point of dense on every model on it, and loses up to 2.4 on a bf16 K^T
-    (docs/accuracy.md). Elsewhere "same": on CUDA the int4 step-1 kernel has not been timed against
-    bf16 on a GPU yet (docs/gpu.md), and dense and the page selectors never read K^T."""
+    keeps dense's answers on it where a K^T in the activations' dtype loses some (docs/accuracy.md).
+    Elsewhere "same": on CUDA the int4 step-1 kernel has not been timed against bf16 on a GPU yet
+    (docs/gpu.md), and dense and the page selectors never read K^T."""
     if flag != "auto":
         return flag
     reads_kt = any(POLICIES[name].reads_kt for name in policies if name in POLICIES)

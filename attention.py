@@ -138,6 +138,43 @@ def dense_decode(attend: Callable, fused: bool, q: Tensor, cache: KVCache, lengt
     return attend(q, view.k, view.v, view.length, view.live_length)
 
 
+class KernelPolicy(DecodePolicy):
+    """A policy with a fused kernel beside its readable torch path (SparQ, adaptive SparQ), which runs dense
+    attention while a layer sees too few positions to select from. bind_kernels says which the run has;
+    attend_cache calls the right one on the right view of the cache."""
+
+    def bind_kernels(self, fused: Optional[Callable], torch_path: Callable, kernels: Kernels,
+                     cap: Optional[float]) -> None:
+        """fused: the run's kernel (None: the torch path alone); soft-capped models get no attention kernels
+        (resolve_kernels), so the cap binds to the torch paths."""
+        self.attend_torch = torch_path
+        self.attend = fused or torch_path
+        self.fused = fused is not None  # reads the cache as stored (resolve_kernels: it can)
+        self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
+        self.dense_fused = kernels.dense_attention is not None
+
+    def dense(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
+        return dense_decode(self.attend_dense, self.dense_fused, q, cache, length)
+
+    def torch_view(self, cache: KVCache, length: int, rows: int):
+        """What the torch path reads: the visible positions in the activations' dtype (a quantized cache's
+        dequantized)."""
+        return cache.view(length, rows)
+
+    def attend_cache(self, q: Tensor, cache: KVCache, length: int, arguments: Callable, **quantized) -> Tensor:
+        """The policy's attention over cache.view(length): on a quantized cache the fused kernel reads it as
+        stored, with its scales (and `quantized`'s keywords), where the view allows (a window starting inside
+        an int4 byte does not), else the torch path the dequantized positions; on a float cache `attend`.
+        arguments(view): the call's positional arguments after q."""
+        rows = q.shape[0]
+        if not cache.quantized:
+            return self.attend(q, *arguments(self.torch_view(cache, length, rows)))
+        if self.fused and cache.stored_view_readable(length):
+            view = cache.view(length, rows, stored=True)
+            return self.attend(q, *arguments(view), scales=view.scales, **quantized)
+        return self.attend_torch(q, *arguments(self.torch_view(cache, length, rows)), **quantized)
+
+
 class DenseDecode(DecodePolicy):
     """Dense decode attention that reads only the visible live positions of the cache."""
 

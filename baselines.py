@@ -240,8 +240,7 @@ class DoubleSparseDecode(SparQDecode):
                  cap: Optional[float] = None):
         super().__init__(config, kernels, cap)
         self.channels = channels  # (n_kv, r) int64: the layer's calibrated channels per KV head
-        self.attend = self.attend_torch = partial(sparq_attention_torch, cap=cap, channels=channels)
-        self.fused = False
+        self.bind_kernels(None, partial(sparq_attention_torch, cap=cap, channels=channels), kernels, cap)
 
     def torch_view(self, cache: KVCache, length: int, rows: int) -> CacheView:
         """K^T holds just the calibrated rows (B, n_kv, r, S), gathered before a quantized K^T is

@@ -129,7 +129,7 @@ COMPILE_BACKENDS = ("inductor", "aot")  # --compile-backend (compiled_decode_ste
 
 def default_compile_backend(device_type: str) -> str:
     """The backend --compile takes unless told: on the CPU the step built ahead of time (aot: no Python
-    between its ops, a quarter faster at short context; README), on CUDA inductor's CUDA graphs."""
+    between its ops, the faster at short context: docs/cpu.md), on CUDA inductor's CUDA graphs."""
     return "aot" if device_type == "cpu" else "inductor"
 
 
@@ -141,7 +141,7 @@ def compiled_decode_step(step: Callable, device_type: str, backend: str = "induc
     backend="cudagraphs" captures the eager ops into CUDA graphs without inductor (quick to build:
     gpu_check's fallback when inductor fails). CPU: inductor's C++ wrapper, which calls the graph's
     kernels and ops from C++: a small model's step is hundreds of small calls, and a Python wrapper
-    between them costs a tenth of it (docs/NOTES.md); backend="aot" builds the step ahead of time
+    between them costs a visible share of it (docs/NOTES.md); backend="aot" builds the step ahead of time
     instead (AOTDecodeStep: no dynamo, no guards, no Python at all in a step).
 
     Both: the Python floats the step reads (norm eps and offsets, soft-caps, scales) compile in as

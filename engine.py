@@ -42,11 +42,10 @@ from model import Transformer
 from sampling import GREEDY, Sampling, TokenHistory, sample
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows a decode step computes: the first n of the cache
-# Prompt tokens per prefill piece (one forward pass). Half the step's budget: on 2 AVX2 cores torch's fp32
-# GEMM runs 256-row pieces at ~1.3x the rate of 128-row ones (which also widen bf16 weights more often),
-# and beside decoding rows a step carries one piece, half of a 512-token one's cost, so the decoding
-# rows' tokens keep an even pace (16 clients, 4k prompts: ITL p99 1.7x p50 with 256, 9.4x with 512, at
-# the same throughput; docs/serving.md).
+# Prompt tokens per prefill piece (one forward pass). Half the step's budget: torch's CPU GEMM runs
+# 256-row pieces faster than 128-row ones (which also widen bf16 weights more often), and beside decoding
+# rows a step carries one piece, half of a 512-token one's cost, so the decoding rows' tokens keep an even
+# pace at the same throughput (docs/NOTES.md, 'Figures behind the code's choices'; docs/serving.md).
 PREFILL_CHUNK = 256
 STEP_TOKENS = 512  # tokens per step: the decoding rows' plus prompt pieces
 

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the decode step (a warm-up generation compiles it before the timed ones)")
     p.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default=None,
                    help="with --compile: aot (the CPU's default) = the step built ahead of time by AOTInductor, "
-                        "cached across runs, and run with no Python between its ops (a quarter faster at short "
+                        "cached across runs, and run with no Python between its ops (faster at short "
                         "context than inductor: docs/cpu.md); inductor (CUDA's default, and the CPU's with "
                         "--speculate-k or torchrun) = torch.compile, dynamo checking its guards at every step")
     p.add_argument("--compile-prefill", action="store_true", help="torch.compile the prefill")

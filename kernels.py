@@ -106,9 +106,8 @@ KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 # CPU: fused C++ kernels (csrc/), built on first use, registered as torch.library ops
 # =============================================================================================
 
-# The ops sparq::decode_cpu, sparq::adaptive_cpu, sparq::dense_cpu and sparq::linear_cpu are defined here at import
-# (schema + fake impl, no compiler needed), so torch.compile(fullgraph=True) can trace calls to
-# them before anything is built; `length` is a SymInt. Their kernels:
+# Every op of _CPU_OPS is defined here at import (schema + fake impl, no compiler needed), so
+# torch.compile(fullgraph=True) can trace calls to them before anything is built. Their kernels:
 #   CPU                        the C++ kernel, registered by the extension when it loads;
 #   CompositeExplicitAutograd  reached only while the C++ kernel is not registered yet: loads the
 #                              extension (resolve_kernels has built it) and re-dispatches to it.
@@ -187,158 +186,73 @@ def _load_for_first_call(op: str) -> None:
         raise RuntimeError(f"sparq::{op}: the fused CPU kernels are unavailable ({error})")
 
 
-if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must not redefine the ops
-    # lengths: None, or the (B,) per-row live lengths of a ragged batch (kernels read only those)
-    torch.library.define("sparq::decode_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
-                                              "SymInt length, int r, int k_top, int local, bool mean_v, "
-                                              "Tensor? lengths=None) -> Tensor")
-    # A quantized cache's ops (csrc/dense_decode.cpp says why they are apart): every argument given
-    torch.library.define("sparq::decode_quant_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
-                                                    "SymInt length, int r, int k_top, int local, bool mean_v, "
-                                                    "Tensor? lengths, Tensor? k_scale, Tensor? v_scale, Tensor chan, "
-                                                    "Tensor? kt_scale) -> Tensor")
-    torch.library.define("sparq::dense_quant_cpu", "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths, "
-                                                   "int queries, Tensor k_scale, Tensor v_scale, Tensor chan) -> Tensor")
-    torch.library.define("sparq::adaptive_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
-                                                "Tensor spread, SymInt length, float compression, int k_max, "
-                                                "int? k_cap, bool mean_v, bool per_head, Tensor? lengths=None) "
-                                                "-> Tensor")
-    torch.library.define("sparq::adaptive_quant_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, "
-                                                      "Tensor spread, SymInt length, float compression, int k_max, "
-                                                      "int? k_cap, bool mean_v, bool per_head, Tensor? lengths, "
-                                                      "Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale, "
-                                                      "float kt_cost, float kt_scale_cost) -> Tensor")
-    torch.library.define("sparq::dense_cpu",
-                         "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor")
-    torch.library.define("sparq::linear_cpu", "(Tensor x, Tensor w) -> Tensor")
-    torch.library.define("sparq::prefill_cpu", "(Tensor q, Tensor k, Tensor v) -> Tensor")  # causal, csrc/prefill_attention.cpp
-    torch.library.define("sparq::linear_cpu_isa", "() -> str")  # the GEMV's instruction set in this build
-    torch.library.define("sparq::dense_int8_path", "() -> str")  # "vnni" or "float" (csrc/dense_decode.cpp)
+def _like_q(q: Tensor, *rest) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+def _rows_by_weight(x: Tensor, w: Tensor, *rest) -> Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _rows_by_n(x: Tensor, *rest) -> Tensor:  # a repacked weight's rows are not its output's: N comes last
+    return x.new_empty((x.shape[0], rest[-1]))
+
+
+# Every CPU op: (name, schema, its output's shape from the inputs: the fake impl torch.compile traces with;
+# None for an op that only reports on the build, which the extension alone implements). `length` is a
+# SymInt; lengths None, or the (B,) per-row live lengths of a ragged batch (kernels read only those).
+# A quantized cache's ops are apart from the float ones (csrc/dense_decode.cpp says why): every argument given.
+_CPU_OPS = (
+    ("decode_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, SymInt length, int r, int k_top, "
+                   "int local, bool mean_v, Tensor? lengths=None) -> Tensor", _like_q),
+    ("decode_quant_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, SymInt length, int r, "
+                         "int k_top, int local, bool mean_v, Tensor? lengths, Tensor? k_scale, Tensor? v_scale, "
+                         "Tensor chan, Tensor? kt_scale) -> Tensor", _like_q),
+    ("dense_cpu", "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor",
+     _like_q),
+    ("dense_quant_cpu", "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths, int queries, "
+                        "Tensor k_scale, Tensor v_scale, Tensor chan) -> Tensor", _like_q),
+    ("adaptive_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, Tensor spread, SymInt length, "
+                     "float compression, int k_max, int? k_cap, bool mean_v, bool per_head, Tensor? lengths=None) "
+                     "-> Tensor", _like_q),
+    ("adaptive_quant_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, Tensor spread, SymInt length, "
+                           "float compression, int k_max, int? k_cap, bool mean_v, bool per_head, Tensor? lengths, "
+                           "Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale, float kt_cost, "
+                           "float kt_scale_cost) -> Tensor", _like_q),
+    ("prefill_cpu", "(Tensor q, Tensor k, Tensor v) -> Tensor", _like_q),  # causal, csrc/prefill_attention.cpp
+    ("linear_cpu", "(Tensor x, Tensor w) -> Tensor", _rows_by_weight),
     # weight-only quantized GEMVs (quantize.py's stored formats; see csrc/linear_quant.cpp)
-    torch.library.define("sparq::linear_int8_cpu", "(Tensor x, Tensor w, Tensor scales) -> Tensor")
-    torch.library.define("sparq::linear_int4_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor")
+    ("linear_int8_cpu", "(Tensor x, Tensor w, Tensor scales) -> Tensor", _rows_by_weight),
+    ("linear_int4_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor", _rows_by_weight),
     # the same with x quantized to int8 per group, integer dot products (quantize.py's "gemv-q8")
-    torch.library.define("sparq::linear_int4_q8_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros, int N) -> Tensor")
-    torch.library.define("sparq::linear_int8_q8_cpu", "(Tensor x, Tensor w, Tensor scales, int N) -> Tensor")
-    torch.library.define("sparq::linear_q8_path", "() -> str")  # "vnni", "avx2" or "portable" in this build
+    ("linear_int4_q8_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros, int N) -> Tensor", _rows_by_n),
+    ("linear_int8_q8_cpu", "(Tensor x, Tensor w, Tensor scales, int N) -> Tensor", _rows_by_n),
+    ("linear_cpu_isa", "() -> str", None),  # the GEMV's instruction set in this build
+    ("dense_int8_path", "() -> str", None),  # "vnni" or "float" (csrc/dense_decode.cpp)
+    ("linear_q8_path", "() -> str", None),  # "vnni", "avx2" or "portable" in this build
+)
 
-    @torch.library.impl("sparq::decode_cpu", "CompositeExplicitAutograd")
-    def _decode_cpu_first_call(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
-        _load_for_first_call("decode_cpu")
-        return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths)
 
-    @torch.library.impl("sparq::decode_quant_cpu", "CompositeExplicitAutograd")
-    def _decode_quant_cpu_first_call(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths, k_scale, v_scale,
-                                     chan, kt_scale):
-        _load_for_first_call("decode_quant_cpu")
-        return torch.ops.sparq.decode_quant_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths,
-                                                        k_scale, v_scale, chan, kt_scale)
+def _first_call(name: str) -> Callable:
+    """The CompositeExplicitAutograd kernel of op `name`, reached only while the C++ one is not registered
+    yet: loads the extension (resolve_kernels has built it) and re-dispatches to it."""
+    def load_and_call(*args, **kwargs):
+        _load_for_first_call(name)
+        return getattr(torch.ops.sparq, name).default(*args, **kwargs)
 
-    @torch.library.impl("sparq::dense_quant_cpu", "CompositeExplicitAutograd")
-    def _dense_quant_cpu_first_call(q, k, v, length, lengths, queries, k_scale, v_scale, chan):
-        _load_for_first_call("dense_quant_cpu")
-        return torch.ops.sparq.dense_quant_cpu.default(q, k, v, length, lengths, queries, k_scale, v_scale, chan)
+    return load_and_call
 
-    @torch.library.impl("sparq::adaptive_cpu", "CompositeExplicitAutograd")
-    def _adaptive_cpu_first_call(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head,
-                                 lengths=None):
-        _load_for_first_call("adaptive_cpu")
-        return torch.ops.sparq.adaptive_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap,
-                                                    mean_v, per_head, lengths)
 
-    @torch.library.impl("sparq::adaptive_quant_cpu", "CompositeExplicitAutograd")
-    def _adaptive_quant_cpu_first_call(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v,
-                                       per_head, lengths, k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost):
-        _load_for_first_call("adaptive_quant_cpu")
-        return torch.ops.sparq.adaptive_quant_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max,
-                                                          k_cap, mean_v, per_head, lengths, k_scale, v_scale, chan,
-                                                          kt_scale, kt_cost, kt_scale_cost)
+def _define_cpu_ops() -> None:
+    for name, schema, fake in _CPU_OPS:
+        torch.library.define(f"sparq::{name}", schema)
+        if fake is not None:
+            torch.library.impl(f"sparq::{name}", "CompositeExplicitAutograd")(_first_call(name))
+            torch.library.register_fake(f"sparq::{name}")(fake)
 
-    @torch.library.impl("sparq::dense_cpu", "CompositeExplicitAutograd")
-    def _dense_cpu_first_call(q, k, v, length, lengths=None, queries=1):
-        _load_for_first_call("dense_cpu")
-        return torch.ops.sparq.dense_cpu.default(q, k, v, length, lengths, queries)
 
-    @torch.library.impl("sparq::prefill_cpu", "CompositeExplicitAutograd")
-    def _prefill_cpu_first_call(q, k, v):
-        _load_for_first_call("prefill_cpu")
-        return torch.ops.sparq.prefill_cpu.default(q, k, v)
-
-    @torch.library.impl("sparq::linear_cpu", "CompositeExplicitAutograd")
-    def _linear_cpu_first_call(x, w):
-        _load_for_first_call("linear_cpu")
-        return torch.ops.sparq.linear_cpu.default(x, w)
-
-    @torch.library.impl("sparq::linear_int8_cpu", "CompositeExplicitAutograd")
-    def _linear_int8_cpu_first_call(x, w, scales):
-        _load_for_first_call("linear_int8_cpu")
-        return torch.ops.sparq.linear_int8_cpu.default(x, w, scales)
-
-    @torch.library.impl("sparq::linear_int4_cpu", "CompositeExplicitAutograd")
-    def _linear_int4_cpu_first_call(x, w, scales, zeros):
-        _load_for_first_call("linear_int4_cpu")
-        return torch.ops.sparq.linear_int4_cpu.default(x, w, scales, zeros)
-
-    @torch.library.impl("sparq::linear_int4_q8_cpu", "CompositeExplicitAutograd")
-    def _linear_int4_q8_cpu_first_call(x, w, scales, zeros, N):
-        _load_for_first_call("linear_int4_q8_cpu")
-        return torch.ops.sparq.linear_int4_q8_cpu.default(x, w, scales, zeros, N)
-
-    @torch.library.impl("sparq::linear_int8_q8_cpu", "CompositeExplicitAutograd")
-    def _linear_int8_q8_cpu_first_call(x, w, scales, N):
-        _load_for_first_call("linear_int8_q8_cpu")
-        return torch.ops.sparq.linear_int8_q8_cpu.default(x, w, scales, N)
-
-    @torch.library.register_fake("sparq::decode_cpu")
-    def _decode_cpu_fake(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths=None):
-        return q.new_empty(q.shape)
-
-    @torch.library.register_fake("sparq::adaptive_cpu")
-    def _adaptive_cpu_fake(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head,
-                           lengths=None):
-        return q.new_empty(q.shape)
-
-    @torch.library.register_fake("sparq::adaptive_quant_cpu")
-    def _adaptive_quant_cpu_fake(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head,
-                                 lengths, k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost):
-        return q.new_empty(q.shape)
-
-    @torch.library.register_fake("sparq::dense_quant_cpu")
-    def _dense_quant_cpu_fake(q, k, v, length, lengths, queries, k_scale, v_scale, chan):
-        return q.new_empty(q.shape)
-
-    @torch.library.register_fake("sparq::decode_quant_cpu")
-    def _decode_quant_cpu_fake(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths, k_scale, v_scale, chan,
-                               kt_scale):
-        return q.new_empty(q.shape)
-
-    @torch.library.register_fake("sparq::dense_cpu")
-    def _dense_cpu_fake(q, k, v, length, lengths=None, queries=1):
-        return q.new_empty(q.shape)
-
-    @torch.library.register_fake("sparq::prefill_cpu")
-    def _prefill_cpu_fake(q, k, v):
-        return q.new_empty(q.shape)
-
-    @torch.library.register_fake("sparq::linear_cpu")
-    def _linear_cpu_fake(x, w):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("sparq::linear_int8_cpu")
-    def _linear_int8_cpu_fake(x, w, scales):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("sparq::linear_int4_cpu")
-    def _linear_int4_cpu_fake(x, w, scales, zeros):
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("sparq::linear_int4_q8_cpu")
-    def _linear_int4_q8_cpu_fake(x, w, scales, zeros, N):
-        return x.new_empty((x.shape[0], N))
-
-    @torch.library.register_fake("sparq::linear_int8_q8_cpu")
-    def _linear_int8_q8_cpu_fake(x, w, scales, N):
-        return x.new_empty((x.shape[0], N))
+if not hasattr(torch.ops.sparq, "decode_cpu"):  # a reimported kernels.py must not redefine the ops
+    _define_cpu_ops()
 
 
 LINEAR_CPU_MAX_ROWS = 16  # the fused GEMV serves decode steps; prefill-sized inputs go to F.linear
@@ -347,9 +261,9 @@ VERIFY_MAX_TOKENS = 16  # tokens per row up to which x (B, T, K) is a verify pas
 
 def bf16_gemm_widens() -> bool:
     """Whether a bf16 GEMM (a prefill's linears) runs faster widened to fp32: where torch's best CPU code is
-    AVX2 or less (no AVX-512), its bf16 GEMM is 6-8x slower than its fp32 GEMM at 16-512 rows, widening the
-    weight on every call included (AMD Zen 3, docs/NOTES.md): a 512-token bf16 prompt took 7.6 s, 1.6 s
-    widened. AVX-512 CPUs keep torch's bf16 GEMM (not measured widened there)."""
+    AVX2 or less (no AVX-512), its bf16 GEMM is several times slower than its fp32 GEMM, widening the weight
+    on every call included (docs/NOTES.md, 'Figures behind the code's choices'). AVX-512 CPUs keep torch's
+    bf16 GEMM (not measured widened there)."""
     return torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "NO AVX", "AVX2")
 
 
@@ -359,9 +273,9 @@ _BF16_GEMM_WIDENS = bf16_gemm_widens()  # the CPU does not change under a proces
 def linear_cpu_pays(rows: int, weight_dtype: torch.dtype) -> bool:
     """Whether the fused GEMV beats F.linear for `rows` input rows (python -m bench linear; docs/NOTES.md):
     fp32 weights up to 16 rows; bf16 up to 16 where the build takes them straight into vdpbf16ps
-    (linear_cpu_isa "avx512-bf16": 1.5-1.7x F.linear at 8 and 16 rows on Zen 5) or where torch's own bf16
-    GEMM is slow (bf16_gemm_widens: 3.3x F.linear at 16 rows on Zen 3 with AVX2), else up to 4 (widened
-    to fp32, it lost to torch's bf16 GEMM from 8 rows on Intel with AVX-512)."""
+    (linear_cpu_isa "avx512-bf16") or where torch's own bf16 GEMM is slow (bf16_gemm_widens), else up to 4
+    (widened to fp32, it lost to torch's bf16 GEMM from 8 rows on Intel with AVX-512); the figures:
+    docs/NOTES.md, 'Figures behind the code's choices'."""
     if not _cpu_ext["tried"]:  # the ISA is known once the kernels load: decide the same before and after
         cpu_kernel_error()
     up_to_max = weight_dtype == torch.float32 or (weight_dtype == torch.bfloat16 and (

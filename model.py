@@ -668,9 +668,9 @@ def weights_on_huge_pages(model: nn.Module) -> None:
     """Copy a CPU model's parameters and buffers into one buffer advised as transparent huge pages.
 
     A decode step streams every weight once, a page after another: on 4 KB pages (glibc's heap, or the
-    checkpoint's file mapping) each 4 KB costs a TLB miss and ends the hardware prefetcher's stream. On 2 MB
-    pages a step's GEMVs ran 1.09-1.10x faster (bf16 and fp32, SmolLM2's 269 / 538 MB, 2 threads, an AMD EPYC
-    Zen 3; docs/NOTES.md). The buffer is advised before anything is written to it, so its pages fault in as
+    checkpoint's file mapping) each 4 KB costs a TLB miss and ends the hardware prefetcher's stream; on 2 MB
+    pages a step's GEMVs ran faster (docs/NOTES.md, 'Figures behind the code's choices'). The buffer is
+    advised before anything is written to it, so its pages fault in as
     2 MB pages. Values, dtypes and shapes stay; tied weights stay one tensor. A kernel without transparent
     huge pages, or a failed madvise, leaves the model as it was."""
     import ctypes

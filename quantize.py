@@ -68,7 +68,7 @@ trace into torch.compile(fullgraph=True) graphs.
 File portability: int4 weights (and int8 ones) are stored unpacked -- two 4-bit values per byte,
 low nibble = even column -- and packed for the local kernel at load time, because the CPU packed
 layout depends on the machine's vector ISA (64-wide blocks with AVX512, 32 with AVX2) and CUDA's
-layout differs again. Packing at load takes 1-5 s for the 135M model on this 2-core machine.
+layout differs again. Packing at load takes seconds for the 135M model on 2 cores.
 """
 from __future__ import annotations
 
@@ -469,6 +469,18 @@ def has_int8(model: nn.Module) -> bool:
     return any(isinstance(m, Int8Linear) for m in model.modules())
 
 
+def register_int4_rows(module: nn.Module, rows: int, columns: int, group_size: int, device=None) -> None:
+    """The buffers of `rows` int4 rows of `columns` (Int4Linear's output channels, Int4Embedding's entries):
+    the portable format, persistent (weight (rows, columns / 2) uint8 nibbles, scales and zeros
+    (rows, columns / group_size) bf16), and the empty slots of gemv-q8's repacked copies (rows16*)."""
+    groups = columns // group_size
+    module.register_buffer("weight", torch.empty(rows, columns // 2, dtype=torch.uint8, device=device))
+    module.register_buffer("scales", torch.empty(rows, groups, dtype=torch.bfloat16, device=device))
+    module.register_buffer("zeros", torch.empty(rows, groups, dtype=torch.bfloat16, device=device))
+    for name in ("rows16", "rows16_scales", "rows16_zeros"):
+        module.register_buffer(name, None, persistent=False)
+
+
 class Int4Linear(QuantizedLinear):
     """y = x W^T, W int4 affine per group of `group_size` inputs: w = (q - 8) * s + z.
 
@@ -488,15 +500,9 @@ class Int4Linear(QuantizedLinear):
         if in_features % group_size:
             raise QuantizationError(f"group size {group_size} does not divide the input dimension {in_features}")
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        groups = in_features // group_size
-        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.bfloat16, device=device))
-        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.bfloat16, device=device))
+        register_int4_rows(self, out_features, in_features, group_size, device)
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
-        self.register_buffer("rows16", None, persistent=False)
-        self.register_buffer("rows16_scales", None, persistent=False)
-        self.register_buffer("rows16_zeros", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None  # float, added after
         self.kernel = "dequant"
 
@@ -595,13 +601,7 @@ class Int4Embedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, group_size: int, device=None):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.group_size = num_embeddings, embedding_dim, group_size
-        groups = embedding_dim // group_size
-        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.empty(num_embeddings, groups, dtype=torch.bfloat16, device=device))
-        self.register_buffer("zeros", torch.empty(num_embeddings, groups, dtype=torch.bfloat16, device=device))
-        self.register_buffer("rows16", None, persistent=False)
-        self.register_buffer("rows16_scales", None, persistent=False)
-        self.register_buffer("rows16_zeros", None, persistent=False)
+        register_int4_rows(self, num_embeddings, embedding_dim, group_size, device)
 
     def read_head_rows16(self, head: "Int4Linear") -> None:
         self.rows16, self.rows16_scales, self.rows16_zeros = head.rows16, head.rows16_scales, head.rows16_zeros

@@ -30,8 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attention import DecodePolicy, DenseDecode, beyond_live, dense_attention_torch, dense_decode, per_row, softcap
-from cache import CacheView, KVCache
+from attention import DenseDecode, KernelPolicy, beyond_live, per_row, softcap
+from cache import KVCache
 from kernels import TORCH_KERNELS, Kernels
 
 
@@ -227,7 +227,7 @@ def sparq_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor
     return y.to(q.dtype)
 
 
-class SparQDecode(DecodePolicy):
+class SparQDecode(KernelPolicy):
     """The SparQ decode attention policy: the run's SparQ kernel, or the torch path above.
 
     While a layer sees at most k positions, SparQ would select all of them (step 2 is then exact
@@ -241,34 +241,15 @@ class SparQDecode(DecodePolicy):
                  dense_when_short: bool = True):
         super().__init__()
         self.config = config
-        # soft-capped models get no attention kernels (resolve_kernels): the cap binds to the torch paths
-        self.attend_torch = partial(sparq_attention_torch, cap=cap)
-        self.attend = kernels.sparq_attention or self.attend_torch
-        self.fused = kernels.sparq_attention is not None  # reads the cache as stored (resolve_kernels: it can)
-        self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
-        self.dense_fused = kernels.dense_attention is not None
+        self.bind_kernels(kernels.sparq_attention, partial(sparq_attention_torch, cap=cap), kernels, cap)
         self.dense_when_short = dense_when_short
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         c = self.config
         if self.dense_when_short and cache.visible_length(length) <= c.k_top:
-            return dense_decode(self.attend_dense, self.dense_fused, q, cache, length)
-        if self.fused and cache.quantized:
-            if cache.stored_view_readable(length):
-                view = cache.view(length, q.shape[0], stored=True)
-                return self.attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
-                                   c.r, c.k_top, c.local, c.mean_v, scales=view.scales)
-            attend = self.attend_torch  # a window starting inside an int4 byte: the dequantized positions
-        else:
-            attend = self.attend
-        view = self.torch_view(cache, length, q.shape[0])
-        return attend(q, view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length,
-                      c.r, c.k_top, c.local, c.mean_v)
-
-    def torch_view(self, cache: KVCache, length: int, rows: int) -> CacheView:
-        """What `attend` reads unless a fused kernel reads a quantized cache as stored: the visible
-        positions in the activations' dtype (a quantized cache's dequantized)."""
-        return cache.view(length, rows)
+            return self.dense(q, cache, length)
+        return self.attend_cache(q, cache, length, lambda view: (
+            view.k, view.k_t, view.v, view.v_sum, view.length, view.live_length, c.r, c.k_top, c.local, c.mean_v))
 
     def transfer_elements(self, seq_len: int, head_dim: int) -> int:
         """Elements moved per KV head per step at seq_len visible positions (paper, eq. 11): S r + 2 k d + 4 d;

@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attention import DecodePolicy, DenseDecode, beyond_live, dense_attention_torch, dense_decode, per_row, softcap
-from cache import KVCache, KVFormat, stored_bytes
+from attention import DenseDecode, KernelPolicy, beyond_live, per_row, softcap
+from cache import CacheView, KVCache, KVFormat, stored_bytes
 from kernels import TORCH_KERNELS, Kernels
 from sparq import SparQConfig
 
@@ -236,15 +236,12 @@ def position_share(compression: float, head_dim: int, costs: StepCosts = ELEMENT
     components (r) and the step's fixed 6 d (counted per position over seq_len where it is given).
     On a K^T stored in fewer bytes than K (an int4 one, or int8 beside fp32 K and V), where half the
     components (d / 2) cost at most HALF_COMPONENTS_AT_MOST of the budget, step 1 reads d / 2 and the
-    positions take the rest: on an int4 K^T at 1/8 the positions' best share was about 3/8 on
-    Qwen2.5-Coder-0.5B (bf16 K and V: r = 32, where half the budget gave r = 23) and 5/8-3/4 on SmolLM2
-    (fp32: r = 24-40, where half gave 54). Otherwise half, unless half leaves step 1 fewer than
-    MIN_COMPONENTS components, in which case the positions give up what it takes to reach them, keeping
-    at least 1/8: with too few components step 1 ranks positions worse than a larger k makes up for, while a
-    model with many components to spare (Gemma 3's d = 256) needs the positions. Both measured with
-    scripts/studies/adaptive_split_study.py on SQuAD prompts (docs/NOTES.md). A d = 64 head on a float cache: 1/2
-    at 1/2 and 1/4, 1/4 at 1/8, 1/8 at 1/16; on an int4 K^T beside bf16 K and V at 1.4k positions: 0.36 at
-    1/8, 3/8 at 1/16 (fewer than 12 components there otherwise)."""
+    positions take the rest (near the best share measured on an int4 K^T). Otherwise half, unless half
+    leaves step 1 fewer than MIN_COMPONENTS components, in which case the positions give up what it takes
+    to reach them, keeping at least 1/8: with too few components step 1 ranks positions worse than a larger
+    k makes up for, while a model with many components to spare (Gemma 3's d = 256) needs the positions.
+    Both measured with scripts/studies/adaptive_split_study.py on SQuAD prompts; the shares measured and
+    what this rule gives: docs/NOTES.md, 'Figures behind the code's choices'."""
     def need(components: float, extra: float = 0.0) -> float:  # their share of the budget (+ extra per position)
         return (components * costs.kt + costs.kt_scale + extra) / (2 * compression * head_dim)
 
@@ -260,10 +257,9 @@ def adaptive_split(seq_len: int, head_dim: int, compression: float, k_cap: Optio
     """(r, k) of one layer's step over seq_len visible positions at `compression` of dense's transfers:
     the positions take position_share of the budget (k = share c S, at most k_cap if one is given), the
     components the rest (r in [1, d]), and what rounding r down leaves goes back to k, so S r + 2 k d + 6 d (SparQ's
-    transfers and the keys' running sums, 2 d) is within 2d of c (2 S d + 2 d). A 512-position window
-    layer of Gemma 3 at 1/4 gets k = 64 and r = 61 of 256 where one (r, k) for every layer gave it
-    k = 128 and r = 27; SmolLM2 at 1/8 and 1.4k tokens r = 11 at k = 51 instead of r = 4 at k = 128.
-    The fused kernel (csrc/sparq_adaptive.cpp) repeats this arithmetic for each row. On a cache whose
+    transfers and the keys' running sums, 2 d) is within 2d of c (2 S d + 2 d): a window layer and a global
+    one get splits of their own where one (r, k) for every layer starved one of them (the examples:
+    docs/NOTES.md, 'Figures behind the code's choices'). The fused kernel (csrc/sparq_adaptive.cpp) repeats this arithmetic for each row. On a cache whose
     K^T is stored in fewer bytes than K (`costs`), step 1's S r becomes S (r costs.kt + costs.kt_scale):
     the same bytes, more components. `share` overrides position_share (scripts/studies/adaptive_split_study.py)."""
     d = head_dim
@@ -277,16 +273,16 @@ def adaptive_split(seq_len: int, head_dim: int, compression: float, k_cap: Optio
     return r, k
 
 
-class SparQAdaptiveDecode(DecodePolicy):
+class SparQAdaptiveDecode(KernelPolicy):
     """Adaptive SparQ: a compression target instead of one (r, k) for every layer and step. Each step
     splits the layer's budget at its visible length (adaptive_split: a window layer and a global one
     get different splits, and the split follows S as it grows); each KV head takes its own r components
     and k positions, or with per_head=False (--adaptive-heads pooled) a layer's KV heads share n_kv r and
     n_kv k (sparq_adaptive_reference), the components ranked by |q_i| times the keys' spread in dimension i
-    (key_spread, from the cache's running sums: Gemma 3's k_norm scales its key dimensions 7-70x apart,
+    (key_spread, from the cache's running sums: Gemma 3's k_norm scales its key dimensions far apart,
     which |q| alone does not see). Each head its own is the default since pooling let one head's sharper
-    scores take the positions another needed: common-word extraction at 4k and 1/8 lost 7 points of recall
-    pooled (docs/accuracy.md). Local window k / 4, at least 1.
+    scores take the positions another needed: common-word extraction lost recall pooled (docs/accuracy.md).
+    Local window k / 4, at least 1.
     Dense attention while a layer sees at most k_max positions, as SparQDecode (--sparq-k). k_cap bounds
     k where given (--adaptive-k-cap; what rounding r down leaves still goes back to k); by default the
     budget's share alone sets it, since a cap (once 128, SparQ's k) starves the positions of a task that
@@ -305,31 +301,19 @@ class SparQAdaptiveDecode(DecodePolicy):
             raise ValueError(f"--adaptive-k-cap must be at least 1, got {k_cap}")
         self.compression, self.k_max, self.k_cap, self.mean_v = compression, k_max, k_cap, mean_v
         self.per_head = per_head
-        self.attend_torch = partial(sparq_adaptive_attention_torch, cap=cap)
-        self.attend = kernels.sparq_adaptive or self.attend_torch
-        self.fused = kernels.sparq_adaptive is not None  # reads the cache as stored (resolve_kernels: it can)
-        self.attend_dense = kernels.dense_attention or partial(dense_attention_torch, cap=cap)
-        self.dense_fused = kernels.dense_attention is not None
+        self.bind_kernels(kernels.sparq_adaptive, partial(sparq_adaptive_attention_torch, cap=cap), kernels, cap)
 
     def forward(self, q: Tensor, cache: KVCache, length: int) -> Tensor:
         B, d = q.shape[0], q.shape[-1]
         if cache.visible_length(length) <= self.k_max:
-            return dense_decode(self.attend_dense, self.dense_fused, q, cache, length)
-        if not cache.quantized:  # a float cache: the budget in elements, the paper's
-            view = cache.view(length, B)
-            return self.attend(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
-                               view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v,
-                               self.per_head)
-        costs = StepCosts.of(cache.format, cache.dtype, d)  # the budget in the bytes this cache stores
-        if self.fused and cache.stored_view_readable(length):
-            view = cache.view(length, B, stored=True)
-            return self.attend(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
-                               view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v,
-                               self.per_head, scales=view.scales, costs=costs)
-        view = cache.view(length, B)  # the torch path, or a window starting inside an int4 byte: dequantized
-        return self.attend_torch(q, view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length,
-                                 view.live_length, self.compression, self.k_max, self.k_cap, self.mean_v, self.per_head,
-                                 costs=costs)
+            return self.dense(q, cache, length)
+
+        def arguments(view: CacheView) -> tuple:
+            return (view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length, view.live_length,
+                    self.compression, self.k_max, self.k_cap, self.mean_v, self.per_head)
+
+        # a quantized cache's budget in the bytes it stores (a float cache's: in elements, the paper's)
+        return self.attend_cache(q, cache, length, arguments, costs=StepCosts.of(cache.format, cache.dtype, d))
 
     @staticmethod
     def spread(view, B: int) -> Tensor:

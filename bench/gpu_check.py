@@ -1027,7 +1027,9 @@ def environment(device: str) -> dict:
 
     parts = [f"python {sys.version.split()[0]}", f"torch {torch.__version__}"]
     if kernels_triton.HAS_TRITON:
-        parts.append(f"triton {kernels_triton.triton.__version__}")
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         name = props.name

@@ -7,6 +7,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 import kernels_triton as kt
+import kernels_triton_jit as jit
 
 target = GPUTarget("cuda", 90, 32)
 cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -68,23 +69,23 @@ SHAPES = [((64, 32, 1, 128, 4096, 128), "bf16"), ((1, 32, 1, 128, 32768, 128), "
 for (B, n_kv, g, d, S, k), kdt in SHAPES:
     p = kt.sparq_plan(B, n_kv, g, d, S, min(k, S), kdt != "fp32")
     first = S == 4096  # variants that change no tile: compiled for one shape only
-    compile_one(kt._sparq_rank_kernel, p["rank"], kdt)
+    compile_one(jit._sparq_rank_kernel, p["rank"], kdt)
     for k_transposed in ((True, False) if first or g > 1 else (True,)):
-        compile_one(kt._sparq_step1_kernel, p["step1"], kdt, K_TRANSPOSED=k_transposed, LIVE=1)
+        compile_one(jit._sparq_step1_kernel, p["step1"], kdt, K_TRANSPOSED=k_transposed, LIVE=1)
     if first:
-        compile_one(kt._sparq_step1_kernel, p["step1"], kdt, K_TRANSPOSED=True, LIVE=0)
-    compile_one(kt._sparq_select_kernel, p["select"], kdt, LIVE=2)
+        compile_one(jit._sparq_step1_kernel, p["step1"], kdt, K_TRANSPOSED=True, LIVE=0)
+    compile_one(jit._sparq_select_kernel, p["select"], kdt, LIVE=2)
     if p["merge"]:
-        compile_one(kt._sparq_merge_kernel, p["merge"], kdt)
-    compile_one(kt._sparq_step2_kernel, p["step2"], kdt, MEAN_V=True, LIVE=1)
+        compile_one(jit._sparq_merge_kernel, p["merge"], kdt)
+    compile_one(jit._sparq_step2_kernel, p["step2"], kdt, MEAN_V=True, LIVE=1)
     if first:
-        compile_one(kt._sparq_step2_kernel, p["step2"], kdt, MEAN_V=False, LIVE=0)
+        compile_one(jit._sparq_step2_kernel, p["step2"], kdt, MEAN_V=False, LIVE=0)
     if p["combine"]:
-        compile_one(kt._combine_kernel, p["combine"], kdt, MEAN_V=True, LIVE=2)
+        compile_one(jit._combine_kernel, p["combine"], kdt, MEAN_V=True, LIVE=2)
     dp = kt.dense_plan(B, n_kv, g, d, S, kdt != "fp32")
-    compile_one(kt._dense_kernel, dp["dense"], kdt, LIVE=1)
+    compile_one(jit._dense_kernel, dp["dense"], kdt, LIVE=1)
     if dp["combine"]:
-        compile_one(kt._combine_kernel, dp["combine"], kdt, MEAN_V=False, LIVE=2)
+        compile_one(jit._combine_kernel, dp["combine"], kdt, MEAN_V=False, LIVE=2)
 
 # a quantized cache (int8 K/V; an int8 or int4 K^T, or int8 K as step 1's source with one K): step 1's
 # fp32 dots; step 2's and dense's native 16-bit dots under a bf16 q, fp32 ones under an fp32 q
@@ -93,17 +94,17 @@ for (B, n_kv, g, d, S, k), kdt in (((1, 8, 4, 128, 131072, 128), "bf16"), ((64, 
     native = kdt != "fp32"
     p = kt.sparq_plan(B, n_kv, g, d, S, k, False, kv_native_dot=native)
     for quant, k_transposed, kptr in ((1, True, "i8"), (2, True, "u8"), (1, False, "i8")):
-        compile_one(kt._sparq_step1_kernel, p["step1"], kdt, {"k_ptr": kptr}, K_TRANSPOSED=k_transposed, LIVE=1,
+        compile_one(jit._sparq_step1_kernel, p["step1"], kdt, {"k_ptr": kptr}, K_TRANSPOSED=k_transposed, LIVE=1,
                     QUANT=quant)
-    compile_one(kt._sparq_step2_kernel, p["step2"], kdt, {"k_ptr": "i8", "v_ptr": "i8"}, MEAN_V=True, LIVE=1,
+    compile_one(jit._sparq_step2_kernel, p["step2"], kdt, {"k_ptr": "i8", "v_ptr": "i8"}, MEAN_V=True, LIVE=1,
                 INT8_KV=True)
     dp = kt.dense_plan(B, n_kv, g, d, S, native)
-    compile_one(kt._dense_kernel, dp["dense"], kdt, {"k_ptr": "i8", "v_ptr": "i8"}, LIVE=1, INT8_KV=True)
+    compile_one(jit._dense_kernel, dp["dense"], kdt, {"k_ptr": "i8", "v_ptr": "i8"}, LIVE=1, INT8_KV=True)
 
 # the verify pass (speculative decoding): T = 5 queries folded into the heads, per-row live lengths
 for (B, n_kv, g, d, S), kdt in (((1, 8, 4 * 5, 128, 131072), "bf16"), ((8, 32, 1 * 5, 128, 4096), "bf16")):
     dp = kt.dense_plan(B, n_kv, g, d, S, True)
-    compile_one(kt._dense_kernel, dp["dense"], kdt, LIVE=2)
+    compile_one(jit._dense_kernel, dp["dense"], kdt, LIVE=2)
 
 if __name__ == "__main__":  # a process per core: each kernel compiles single-threaded
     import concurrent.futures, os

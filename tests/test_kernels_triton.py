@@ -181,12 +181,15 @@ def test_static_bound_below_cache_size():
 
 
 if kernels_triton.HAS_TRITON:
+    import triton
     import triton.language as tl
 
-    @kernels_triton.triton.jit
+    import kernels_triton_jit
+
+    @triton.jit
     def _topk_probe(key_ptr, chosen_ptr, slot_ptr, KT, N: tl.constexpr, PASS_BITS: tl.constexpr):
         offs = tl.arange(0, N)
-        chosen, slot = kernels_triton._topk_select(tl.load(key_ptr + offs), KT, PASS_BITS)
+        chosen, slot = kernels_triton_jit._topk_select(tl.load(key_ptr + offs), KT, PASS_BITS)
         tl.store(chosen_ptr + offs, chosen.to(tl.int32))
         tl.store(slot_ptr + offs, slot, mask=chosen)
 
