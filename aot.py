@@ -64,7 +64,7 @@ _AOT_INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}  # the w
 # The repo's Python files a traced step runs, hashed into every key; the files of the step function, of every module
 # class in the model (and its bases) and of every function its modules hold are added to these (AOTDecodeStep._key_parts).
 _AOT_SOURCES = ("model.py", "cache.py", "attention.py", "sparq.py", "sparq_adaptive.py", "baselines.py", "policies.py",
-                "kernels.py", "kernels_triton.py", "kernels_triton_jit.py", "quantize.py", "decoding.py", "aot.py")
+                "kernels.py", "kernels_triton.py", "kernels_triton_jit.py", "qlinear.py", "quantize.py", "decoding.py", "aot.py")
 _AOT_VALUE_HASH_MAX = 1 << 16  # plain tensor attributes (not parameters or buffers) up to this many elements: key by value too
 _AOT_DESCRIBE_DEPTH = 4  # how deep _AOTKey.describe follows plain objects' attributes
 _aot_digests: dict[str, str] = {}  # file -> sha256 of its bytes, read once per process (the code this process runs)

@@ -470,7 +470,7 @@ def linear_weight_bytes(model) -> int:
     """Bytes of the weights the linear layers read in a decode step (the blocks' and the head's: float
     weights, or the packed quantized ones and their scales), biases included; the embedding is not one
     (a step reads B of its rows)."""
-    from quantize import Int4Linear, Int8Linear
+    from qlinear import Int4Linear, Int8Linear
 
     tensors = {}
     for module in model.modules():
@@ -484,7 +484,7 @@ def linear_weight_bytes(model) -> int:
 def linear_kernel_counts(model) -> dict[str, int]:
     """How many linear layers run each kernel: "F.linear" (float), or a quantized layer's kernel
     (Int8Linear / Int4Linear.kernel: "int4pack", "dequant", ...)."""
-    from quantize import Int4Linear, Int8Linear
+    from qlinear import Int4Linear, Int8Linear
 
     counts = Counter("F.linear" if isinstance(m, torch.nn.Linear) else m.kernel for m in model.modules()
                      if isinstance(m, (torch.nn.Linear, Int8Linear, Int4Linear)))

@@ -45,6 +45,7 @@ def _linear_methods(mode: str, name: str, N: int, K: int, dtype):
         make = lambda: torch.randn(N, K).to(dtype)  # noqa: E731
         return {"torch": (make, lambda w, x: F.linear(x, w)),
                 "fused": (make, lambda w, x: torch.ops.sparq.linear_cpu(x, w))}, N * K * dtype.itemsize
+    import qlinear as QL
     import quantize as Q
 
     int8 = mode == "int8" or name == "output"
@@ -54,12 +55,12 @@ def _linear_methods(mode: str, name: str, N: int, K: int, dtype):
         def make():
             w = torch.randn(N, K)
             if int8:
-                module = Q.Int8Linear(K, N, group)
-                module.weight, module.scales = Q.quantize_int8(w, group)
+                module = QL.Int8Linear(K, N, group)
+                module.weight, module.scales = QL.quantize_int8(w, group)
             else:
-                module = Q.Int4Linear(K, N, group)
-                q, module.scales, module.zeros = Q.quantize_int4(w, group)
-                module.weight = Q.pack_nibbles(q)
+                module = QL.Int4Linear(K, N, group)
+                q, module.scales, module.zeros = QL.quantize_int4(w, group)
+                module.weight = QL.pack_nibbles(q)
             module.finalize(backend)  # "int4x2": the int8 layers' aten choice; int4 layers take int4pack
             return module
         return make
@@ -68,7 +69,7 @@ def _linear_methods(mode: str, name: str, N: int, K: int, dtype):
     if int8:
         stored += 2 * N * (1 if group is None else K // group)
     # fused: the GEMV "auto" runs (gemv-q8 where the build has VNNI, else gemv)
-    fused = Q.gemv_kernel(torch.device("cpu"))
+    fused = QL.gemv_kernel(torch.device("cpu"))
     return {"torch": (layer("int4x2"), lambda m, x: m(x)), "fused": (layer(fused), lambda m, x: m(x))}, stored
 
 

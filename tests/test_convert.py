@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import convert
 import convert_hf_checkpoint
 import model
 from conftest import REPO, assert_one_line_error, run_python
@@ -73,7 +74,7 @@ def test_error_cases_in_process(tmp_path: Path):
     def error(**config_changes) -> str:
         if config_changes:
             edit_config(src, **config_changes)
-        with pytest.raises(convert_hf_checkpoint.ConversionError) as info:
+        with pytest.raises(convert.ConversionError) as info:
             convert_hf_checkpoint.convert(src, tmp_path / "out")
         return str(info.value)
 
@@ -86,7 +87,7 @@ def test_error_cases_in_process(tmp_path: Path):
     assert "corrupt config.json" in error()
     (src / "config.json").unlink()
     assert "config.json not found" in error()
-    with pytest.raises(convert_hf_checkpoint.ConversionError, match="HF model directory or a .gguf"):
+    with pytest.raises(convert.ConversionError, match="HF model directory or a .gguf"):
         convert_hf_checkpoint.convert(src / "model.safetensors", tmp_path / "out")
 
 
@@ -117,7 +118,7 @@ def test_unexpected_and_missing_tensors(tmp_path: Path):
     del state["model.layers.0.self_attn.q_proj.bias"]
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, weights, metadata={"format": "pt"})
-    with pytest.raises(convert_hf_checkpoint.ConversionError, match="missing tensor model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(convert.ConversionError, match="missing tensor model.layers.1.mlp.up_proj.weight"):
         convert_hf_checkpoint.convert(src, tmp_path / "out")
 
     # Tensors that are explicitly ignored (old checkpoints store RoPE's inverse frequencies).
@@ -130,7 +131,7 @@ def test_unexpected_and_missing_tensors(tmp_path: Path):
 def test_tied_config_with_a_different_lm_head(tmp_path: Path):
     src = tiny_llama_dir(tmp_path / "src", tie=False)
     edit_config(src, tie_word_embeddings=True)
-    with pytest.raises(convert_hf_checkpoint.ConversionError, match="lm_head.weight differs"):
+    with pytest.raises(convert.ConversionError, match="lm_head.weight differs"):
         convert_hf_checkpoint.convert(src, tmp_path / "out")
 
 
@@ -148,10 +149,10 @@ def test_corrupt_and_unsupported_gguf(tmp_path: Path):
 
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(path.read_bytes()[:200])
-    with pytest.raises(convert_hf_checkpoint.ConversionError, match="corrupt GGUF"):
+    with pytest.raises(convert.ConversionError, match="corrupt GGUF"):
         convert_hf_checkpoint.convert(truncated, tmp_path / "out")
     truncated.write_bytes(b"not a gguf file at all" * 10)
-    with pytest.raises(convert_hf_checkpoint.ConversionError, match="corrupt GGUF"):
+    with pytest.raises(convert.ConversionError, match="corrupt GGUF"):
         convert_hf_checkpoint.convert(truncated, tmp_path / "out")
 
 
@@ -283,7 +284,7 @@ def test_gguf_matches_hf(tmp_path: Path, tie: bool):
 
 def test_unpermute_inverts_llama_cpp_permute():
     w = torch.randn(3 * 16, 8)
-    assert torch.equal(convert_hf_checkpoint.unpermute_qk(_llama_cpp_permute(w, 3), 3), w)
+    assert torch.equal(convert.unpermute_qk(_llama_cpp_permute(w, 3), 3), w)
     assert not torch.equal(_llama_cpp_permute(w, 3), w)
 
 
@@ -327,7 +328,7 @@ def test_gguf_tensor_types_dequantize_as_gguf_does(tmp_path: Path, type_name: st
     writer.close()
     (tensor,) = gguf.GGUFReader(path).tensors
     assert tensor.tensor_type == qtype
-    ours = convert_hf_checkpoint.read_gguf_tensor(tensor)
+    ours = convert.read_gguf_tensor(tensor)
     expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)).reshape(rows, cols)
     assert ours.shape == (rows, cols) and ours.dtype == torch.float32
     assert torch.isfinite(expected).all() and expected.abs().max() > 0

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels  # noqa: E402
 from cache import KVCache  # noqa: E402
-from quantize import pack_int4_rows16, pack_int8_rows16, unpack_int4_rows16, unpack_int8_rows16  # noqa: E402
+from qlinear import pack_int4_rows16, pack_int8_rows16, unpack_int4_rows16, unpack_int8_rows16  # noqa: E402
 from sparq import SparQConfig, selection_has_ties, sparq_reference  # noqa: E402
 
 

@@ -14,6 +14,7 @@ import torch
 import dataclasses
 
 import model as M
+import qlinear as QL
 import quantize as Q
 from conftest import REPO, assert_one_line_error, run_python
 from decoding import compiled_decode_step, decode_step
@@ -81,7 +82,7 @@ def test_int8_round_trip_within_half_a_step_per_channel_or_group(group_size):
     w = sample_weights()
     N, K = w.shape
     gs = group_size or K
-    q, scales = Q.quantize_int8(w, group_size)
+    q, scales = QL.quantize_int8(w, group_size)
     assert q.dtype == torch.int8 and scales.shape == ((N,) if group_size is None else (N, K // gs))
     assert int(q.min()) >= -127 and int(q.max()) <= 127
     assert bf16_exact(scales)
@@ -97,7 +98,7 @@ def test_int8_round_trip_within_half_a_step_per_channel_or_group(group_size):
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
 def test_int4_round_trip_within_half_a_step_per_group(group_size):
     w = sample_weights(K=512)
-    q, scales, zeros = Q.quantize_int4(w, group_size)
+    q, scales, zeros = QL.quantize_int4(w, group_size)
     N, K = w.shape
     assert q.shape == (N, K) and scales.shape == zeros.shape == (N, K // group_size)
     assert int(q.min()) >= 0 and int(q.max()) <= 15
@@ -116,16 +117,16 @@ def test_int4_round_trip_within_half_a_step_per_group(group_size):
 
 
 def test_group_size_must_divide_the_input_dimension():
-    with pytest.raises(Q.QuantizationError, match="does not divide"):
-        Q.quantize_int4(torch.randn(8, 576), 128)
+    with pytest.raises(QL.QuantizationError, match="does not divide"):
+        QL.quantize_int4(torch.randn(8, 576), 128)
 
 
 def test_nibble_packing_round_trips_in_the_documented_order():
     q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
-    packed = Q.pack_nibbles(q)
+    packed = QL.pack_nibbles(q)
     assert packed.shape == (5, 32)
     assert torch.equal(ref_unpack(packed), q.long())  # low nibble = even column
-    assert torch.equal(Q.unpack_nibbles(packed), q)
+    assert torch.equal(QL.unpack_nibbles(packed), q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,21 +136,21 @@ def test_nibble_packing_round_trips_in_the_documented_order():
 
 def int8_layer(N, K, seed=0, group_size=None):
     w = sample_weights(N, K, seed)
-    layer = Q.Int8Linear(K, N, group_size)
-    layer.weight, layer.scales = Q.quantize_int8(w, group_size)
+    layer = QL.Int8Linear(K, N, group_size)
+    layer.weight, layer.scales = QL.quantize_int8(w, group_size)
     return layer, ref_dequant_int8(layer.weight, layer.scales)
 
 
 def int4_layer(N, K, group_size, seed=0):
     w = sample_weights(N, K, seed)
-    layer = Q.Int4Linear(K, N, group_size)
-    q, layer.scales, layer.zeros = Q.quantize_int4(w, group_size)
-    layer.weight = Q.pack_nibbles(q)
+    layer = QL.Int4Linear(K, N, group_size)
+    q, layer.scales, layer.zeros = QL.quantize_int4(w, group_size)
+    layer.weight = QL.pack_nibbles(q)
     return layer, ref_dequant_int4(ref_unpack(layer.weight), layer.scales, layer.zeros)
 
 
 def require_kernel(layer, kernel, *check_args):
-    if not (layer.supports(kernel) and Q._kernel_ok(kernel, torch.device("cpu"), *check_args)):
+    if not (layer.supports(kernel) and QL._kernel_ok(kernel, torch.device("cpu"), *check_args)):
         pytest.skip(f"{kernel} kernel not available on this machine / torch build")
 
 
@@ -210,12 +211,12 @@ def test_embeddings_dequantize_the_rows_they_gather():
     w = sample_weights(64, 128)
     idx = torch.tensor([[0, 7, 63], [5, 5, 3]])
     for group_size in (None, 64):
-        emb8 = Q.Int8Embedding(64, 128, group_size)
-        emb8.weight, emb8.scales = Q.quantize_int8(w, group_size)
+        emb8 = QL.Int8Embedding(64, 128, group_size)
+        emb8.weight, emb8.scales = QL.quantize_int8(w, group_size)
         torch.testing.assert_close(emb8(idx).double(), ref_dequant_int8(emb8.weight, emb8.scales)[idx])
-    emb4 = Q.Int4Embedding(64, 128, 32)
-    q, emb4.scales, emb4.zeros = Q.quantize_int4(w, 32)
-    emb4.weight = Q.pack_nibbles(q)
+    emb4 = QL.Int4Embedding(64, 128, 32)
+    q, emb4.scales, emb4.zeros = QL.quantize_int4(w, 32)
+    emb4.weight = QL.pack_nibbles(q)
     torch.testing.assert_close(emb4(idx).double(), ref_dequant_int4(q, emb4.scales, emb4.zeros)[idx])
 
 
@@ -257,9 +258,9 @@ def with_float_weights(twin, reference):
     fallback so its stored tensors are intact) dequantizes to -- by the references above."""
     state = reference.state_dict()
     for name, module in twin.named_modules():
-        if isinstance(module, (Q.Int8Linear, Q.Int8Embedding)):
+        if isinstance(module, (QL.Int8Linear, QL.Int8Embedding)):
             state[f"{name}.weight"] = ref_dequant_int8(module.weight, module.scales).float()
-        elif isinstance(module, (Q.Int4Linear, Q.Int4Embedding)):
+        elif isinstance(module, (QL.Int4Linear, QL.Int4Embedding)):
             state[f"{name}.weight"] = ref_dequant_int4(ref_unpack(module.weight), module.scales, module.zeros).float()
     reference.load_state_dict(state)
     return reference
@@ -285,10 +286,10 @@ def test_loaded_model_computes_its_dequantized_weights(tmp_path, tie, mode, grou
     shutil.move(out, renamed)
 
     fast = load(renamed)
-    kernels = {m.kernel for m in fast.modules() if isinstance(m, (Q.Int8Linear, Q.Int4Linear))}
+    kernels = {m.kernel for m in fast.modules() if isinstance(m, (QL.Int8Linear, QL.Int4Linear))}
     assert "dequant" not in kernels, kernels  # every layer of this model has a packed kernel here
     twin = load(renamed, kernels=TORCH_KERNELS)  # --kernel torch: the plain dequantize-then-matmul path
-    assert {m.kernel for m in twin.modules() if isinstance(m, (Q.Int8Linear, Q.Int4Linear))} <= {"dequant"}
+    assert {m.kernel for m in twin.modules() if isinstance(m, (QL.Int8Linear, QL.Int4Linear))} <= {"dequant"}
     expected = with_float_weights(twin, M.load_model(path))
 
     idx = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
@@ -480,7 +481,7 @@ def test_embedded_model_stays_close_to_fp32(mode, backend, quantized_smollm2, fp
         if len(diverged):
             j = int(diverged[0])
             gaps.append(float(ref_logits[row, j, ref_tokens[row, j]] - ref_logits[row, j, tokens[row, j]]))
-    kernel = Q.gemv_kernel(torch.device("cpu")) if backend == "auto" else backend  # what "auto" resolved to here
+    kernel = QL.gemv_kernel(torch.device("cpu")) if backend == "auto" else backend  # what "auto" resolved to here
     b = BOUNDS[f"{mode}, int8 activations" if kernel == "gemv-q8" else mode]
     report = (f"{mode} ({backend}): cos min {float(cos.min()):.4f}, rel err mean {float(rel.mean()):.4f}, top-1 {float(top1):.3f}, "
               f"KL mean {float(kl.mean()):.4f}, greedy-32 identical {identical}/{len(PROMPTS)}, "
@@ -573,16 +574,16 @@ def test_auto_kernel_and_the_quantized_kernel_choice(tmp_path, mode):
     """"auto" gives int8 and int4 layers gemv_kernel's GEMV (gemv-q8 where the build has the vpdpbusd
     or AVX2 path); loading("gemv") / loading("gemv-q8") force one; an unknown backend is a one-line error."""
     path = quantize_file(tiny_checkpoint(tmp_path, True), mode, 32 if mode == "int4" else None)
-    if not Q._gemv_available(torch.device("cpu")):
+    if not QL._gemv_available(torch.device("cpu")):
         pytest.skip("the fused GEMVs are not built here")
     expected = "gemv-q8" if torch.ops.sparq.linear_q8_path() in ("vnni", "avx2") else "gemv"
-    assert Q.gemv_kernel(torch.device("cpu")) == expected
+    assert QL.gemv_kernel(torch.device("cpu")) == expected
     kinds = {}
     for backend in ("auto", "gemv", "gemv-q8"):
         model = M.load_model(path, kernels=PACKED, quantized=Q.loading(backend))
-        kinds[backend] = {m.kernel for m in model.modules() if isinstance(m, (Q.Int8Linear, Q.Int4Linear))}
+        kinds[backend] = {m.kernel for m in model.modules() if isinstance(m, (QL.Int8Linear, QL.Int4Linear))}
     assert kinds == {"auto": {expected}, "gemv": {"gemv"}, "gemv-q8": {"gemv-q8"}}
-    with pytest.raises(Q.QuantizationError, match="unknown backend"):
+    with pytest.raises(QL.QuantizationError, match="unknown backend"):
         Q.loading("fast")
 
 

@@ -14,7 +14,7 @@ from torch.utils import cpp_extension
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402  (the op schemas)
-from quantize import pack_int4_rows16, pack_int8_rows16  # noqa: E402
+from qlinear import pack_int4_rows16, pack_int8_rows16  # noqa: E402
 
 CSRC = Path(kernels.__file__).resolve().parent / "csrc"
 SOURCES = [str(CSRC / "linear.cpp"), str(CSRC / "linear_quant.cpp"), str(CSRC / "dense_decode.cpp"),
