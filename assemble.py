@@ -132,7 +132,8 @@ def add_model_flags(p: argparse.ArgumentParser, without_tokenizer: str) -> None:
     takes and gives instead of text when random weights bring no tokenizer."""
     model = p.add_mutually_exclusive_group()
     model.add_argument("--checkpoint", type=Path, default=None,
-                       help="model.pth or its directory (default: the embedded SmolLM2-135M-Instruct)")
+                       help="model.pth or its directory, a .gguf file or a Hugging Face directory (converted once, into a "
+                            "folder beside it; default: the embedded SmolLM2-135M-Instruct)")
     model.add_argument("--random-weights", choices=list(SHAPES), metavar="SHAPE",
                        help=f"no checkpoint: random weights of a published shape ({', '.join(SHAPES)}); "
                             f"{without_tokenizer}")

@@ -23,6 +23,7 @@ import json
 import math
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -380,6 +381,70 @@ def convert(src: Path | str, out: Optional[Path | str] = None) -> Path:
     else:
         raise ConversionError(f"unsupported source {src}: expected an HF model directory or a .gguf file")
     return out_dir
+
+
+CONVERTED = "sparq-fast"  # a converted checkpoint's folder: inside an HF directory, or FILE.sparq-fast beside a GGUF
+SOURCE_STAMP = "converted_from.json"  # in it: what it was converted from (path, size, mtime), to know it is current
+
+
+def is_hf_directory(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and not (path / "model.pth").is_file() and any(
+        path.glob(pattern) for pattern in ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json"))
+
+
+def _stamp(src: Path) -> dict:
+    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
+    return {"source": str(src.resolve()), "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}}
+
+
+def _converted_dir(src: Path) -> Path:
+    """Where a source's conversion lives: beside it (FILE.sparq-fast, or DIR/sparq-fast) where that can be
+    written, else in the user cache (data.cache_dir() / "converted" / a hash of the source's path)."""
+    import hashlib
+
+    import data
+
+    beside = src.parent / f"{src.stem}.{CONVERTED}" if src.is_file() else src / CONVERTED
+    try:
+        beside.mkdir(parents=True, exist_ok=True)
+        probe = beside / ".write-probe"
+        probe.write_text("")
+        probe.unlink()
+        return beside
+    except OSError:
+        digest = hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:16]
+        return data.cache_dir() / "converted" / f"{src.stem}-{digest}"
+
+
+def resolve_checkpoint(path: Path | str) -> Path:
+    """What --checkpoint takes, as a converted checkpoint (model.pth and config.json, or their directory): a
+    converted one as it is; a .gguf file or a Hugging Face directory converted once into a folder beside it
+    (said in one line; later runs find it current and load it at once). A missing one is a one-line
+    UserError naming the commands that make one."""
+    src = Path(path)
+    if (src.is_file() and src.suffix != ".gguf") or (src / "model.pth").is_file():
+        return src
+    if not src.exists():
+        raise ConversionError(f"checkpoint not found: {src} (give --checkpoint a converted directory, a .gguf "
+                              f"file or a Hugging Face directory; `make model` converts the embedded one)")
+    if not (src.suffix.lower() == ".gguf" and src.is_file()) and not is_hf_directory(src):
+        raise ConversionError(f"{src} holds no checkpoint: expected model.pth and config.json, a .gguf file or a "
+                              f"Hugging Face directory (config.json and safetensors); convert one with "
+                              f"`python convert_hf_checkpoint.py SRC`")
+    out = _converted_dir(src)
+    stamp = _stamp(src)
+    try:
+        current = json.loads((out / SOURCE_STAMP).read_text()) == stamp and (out / "model.pth").is_file()
+    except (OSError, ValueError):
+        current = False
+    if not current:
+        start = time.perf_counter()
+        print(f"converting {src} into {out} (once: later runs load the converted checkpoint)...", file=sys.stderr,
+              flush=True)
+        convert(src, out)
+        (out / SOURCE_STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+        print(f"converted in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:

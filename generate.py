@@ -40,6 +40,7 @@ from assemble import (DTYPES, TokenIds, add_cache_flags, add_model_flags, alloca
                       check_same_tokenizer, describe_format, kernels_for, load_checkpoint, load_tokenizer, model_args,
                       solve_compression)
 from cli import UserError
+from convert_hf_checkpoint import resolve_checkpoint
 from chat import chat_loop
 from decoding import COMPILE_BACKENDS, DecodeStats, Generator, TextStream, default_compile_backend
 from kernels import KERNEL_CHOICES, Kernels
@@ -194,6 +195,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UserError(f"--profile {args.profile}: " + ("--interactive has no decode steps to trace" if args.interactive
                                                            else f"no directory {args.profile.parent}"))
     args.checkpoint = args.checkpoint or (None if args.random_weights else data.DEFAULT_CHECKPOINT)
+    if args.checkpoint is not None:  # a .gguf file or an HF directory: converted once, beside it
+        args.checkpoint = resolve_checkpoint(args.checkpoint)
     if args.compile_backend is None:  # aot where it runs: one process's CPU step, without speculation
         runs_aot = args.speculate_k is None and tp.world_size() == 1
         args.compile_backend = default_compile_backend(args.device) if runs_aot else "inductor"

@@ -603,7 +603,9 @@ def checkpoint_paths(checkpoint: Path | str) -> tuple[Path, Path]:
     if path.is_dir():
         path = path / "model.pth"
     if not path.is_file():
-        raise CheckpointError(f"checkpoint not found: {path}")
+        raise CheckpointError(f"checkpoint not found: {path} (convert a .gguf file or a Hugging Face directory with "
+                              f"`python convert_hf_checkpoint.py SRC`, or give that to --checkpoint; the embedded "
+                              f"model: `make model`)")
     return path, path.parent
 
 

@@ -45,6 +45,7 @@ import data
 from assemble import (DTYPES, TokenIds, add_cache_flags, add_model_flags, allocate_caches, cache_format, cache_storage,
                       kernels_for, load_checkpoint, load_tokenizer, model_args, solve_compression)
 from cli import UserError
+from convert_hf_checkpoint import resolve_checkpoint
 from decoding import COMPILE_BACKENDS, compiled_decode_step, decode_step, default_compile_backend
 from engine import PREFILL_CHUNK, ROW_BUCKETS, STEP_TOKENS, Engine, QueueFull, Request, Stopped, run_alone
 from kernels import KERNEL_CHOICES, batch_invariant_kernels
@@ -478,8 +479,8 @@ def plan(args: argparse.Namespace) -> Plan:
     args.compile_backend = args.compile_backend or default_compile_backend(args.device)
     if args.compile_backend == "aot" and args.device == "cuda":
         raise UserError("--compile-backend aot builds the CPU step; on CUDA the step is captured in CUDA graphs (inductor)")
-    if not args.random_weights:
-        args.checkpoint = args.checkpoint or data.DEFAULT_CHECKPOINT
+    if not args.random_weights:  # a .gguf file or an HF directory: converted once, beside it
+        args.checkpoint = resolve_checkpoint(args.checkpoint or data.DEFAULT_CHECKPOINT)
     settings = attention_settings(args)
     config = ModelArgs.from_shape(args.random_weights) if args.random_weights else model_args(args.checkpoint)
     if config.has_window_layers and args.max_batch_size > 1:

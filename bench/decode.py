@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     """The `decode` subcommand's flags."""
     p = sub.add_parser("decode", help="end-to-end decode on a checkpoint: dense vs SparQ")
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--checkpoint", default="checkpoints/SmolLM2-135M-Instruct", help="model.pth or its directory")
+    model.add_argument("--checkpoint", default="checkpoints/SmolLM2-135M-Instruct", help="model.pth or its directory, a .gguf file or a Hugging Face directory (converted once, beside it)")
     model.add_argument("--random-weights", metavar="SHAPE",
                        help="no checkpoint: random weights of a published shape (model.SHAPES: llama-2-7b, "
                             "smollm2, ...), a random prompt, no tokenizer")
@@ -210,6 +210,9 @@ def run(args) -> int:
     if args.random_weights:
         model_args = ModelArgs.from_shape(args.random_weights)
     else:
+        from convert_hf_checkpoint import resolve_checkpoint
+
+        args.checkpoint = resolve_checkpoint(args.checkpoint)  # a .gguf file or an HF directory: converted once
         tok = load_tokenizer(args.checkpoint)
         model_args = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
     starts = _first_decode_positions(contexts, model_args.max_context, args.warmup + args.steps + 1)  # + the lead-in

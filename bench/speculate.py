@@ -27,7 +27,7 @@ from cli import UserError
 
 def add_parser(sub) -> None:
     p = sub.add_parser("speculate", help="speculative decoding vs dense and SparQ, by generation")
-    p.add_argument("--checkpoint", default="checkpoints/SmolLM2-135M-Instruct", help="model.pth or its directory")
+    p.add_argument("--checkpoint", default="checkpoints/SmolLM2-135M-Instruct", help="model.pth or its directory, a .gguf file or a Hugging Face directory (converted once, beside it)")
     p.add_argument("--draft-checkpoint", default=None, help="also time this draft model (same tokenizer)")
     p.add_argument("--prompt-tokens", default="8000", help="comma list of contexts")
     p.add_argument("--batch-size", default="8", help="comma list")
@@ -69,6 +69,9 @@ def run(args) -> int:
     batches = cli.int_list(args.batch_size, "--batch-size")
     ks = cli.int_list(args.speculate_k, "--speculate-k")
     dtype = cli.name_list(args.dtype, "dtype", DTYPES)[0]
+    from convert_hf_checkpoint import resolve_checkpoint
+
+    args.checkpoint = resolve_checkpoint(args.checkpoint)  # a .gguf file or an HF directory: converted once
     config = model_args(args.checkpoint)
     tok = load_tokenizer(args.checkpoint)
     kernels = kernels_for(args.kernel, "cpu", config)

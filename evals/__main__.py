@@ -249,6 +249,9 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
+    from convert_hf_checkpoint import resolve_checkpoint
+
+    args.checkpoint = resolve_checkpoint(args.checkpoint)  # a .gguf file or an HF directory: converted once
     model_config = model_args(args.checkpoint)
     ragged = [t for t in tasks if not TASKS[t].equal_lengths]
     if model_config.has_window_layers and args.batch_size > 1 and ragged:  # before any data is looked for

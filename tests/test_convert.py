@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from safetensors.torch import load_file, save_file
 import convert
 import convert_hf_checkpoint
 import model
-from conftest import REPO, assert_one_line_error, run_python
+from conftest import REPO, assert_one_line_error, read_json, run_python
 
 SCRIPT = REPO / "convert_hf_checkpoint.py"
 VOCAB = 128
@@ -346,3 +347,32 @@ def test_converter_leaves_no_half_written_checkpoint(tmp_path):
     out = tmp_path / "out"
     assert_one_line_error(run_python("convert_hf_checkpoint.py", truncated, "--out", out), "corrupt GGUF")
     assert not (out / "model.pth").exists() and not list(tmp_path.glob("out/*.tmp"))
+
+
+def test_checkpoint_flag_takes_a_gguf_file_and_an_hf_directory(tmp_path: Path, smollm2_gguf: Path):
+    """generate.py --checkpoint FILE.gguf and --checkpoint HF_DIR/: converted once into a folder beside the
+    source (said on stderr), then found current and loaded as it is; the tokens are those of the same model
+    converted by hand. A missing one is a one-line error naming the conversion."""
+    gguf = tmp_path / "model.gguf"
+    gguf.symlink_to(smollm2_gguf)
+    by_hand = convert_hf_checkpoint.convert(smollm2_gguf, tmp_path / "by_hand")
+    args = ["--prompt", "The capital of France is", "--max-new-tokens", "6", "--json"]
+    first = run_python("generate.py", "--checkpoint", gguf, *args, tmp_path / "a.json")
+    assert first.returncode == 0, first.stderr
+    assert "converting" in first.stderr and (tmp_path / "model.sparq-fast" / "model.pth").is_file()
+    again = run_python("generate.py", "--checkpoint", gguf, *args, tmp_path / "b.json")
+    assert again.returncode == 0 and "converting" not in again.stderr  # current: loaded as it is
+    reference = run_python("generate.py", "--checkpoint", by_hand, *args, tmp_path / "c.json")
+    tokens = [read_json(tmp_path / f"{name}.json")["samples"][0]["tokens"] for name in "abc"]
+    assert tokens[0] == tokens[1] == tokens[2], (tokens, reference.stderr)
+
+    hf = tiny_llama_dir(tmp_path / "hf", vocab_size=49152)  # SmolLM2's vocabulary, so its tokenizer serves
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(by_hand / name, hf / name)
+    result = run_python("generate.py", "--checkpoint", hf, *args, tmp_path / "d.json")
+    assert result.returncode == 0, result.stderr
+    assert (hf / "sparq-fast" / "model.pth").is_file() and "converting" in result.stderr
+    hf_by_hand = convert_hf_checkpoint.convert(hf, tmp_path / "hf_by_hand")
+    assert run_python("generate.py", "--checkpoint", hf_by_hand, *args, tmp_path / "e.json").returncode == 0
+    assert read_json(tmp_path / "d.json")["samples"][0]["tokens"] == read_json(tmp_path / "e.json")["samples"][0]["tokens"]
+    assert_one_line_error(run_python("generate.py", "--checkpoint", tmp_path / "nothing"), "convert")
