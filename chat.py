@@ -13,7 +13,7 @@ import torch
 
 from assemble import allocate_caches, cache_format
 from decoding import Generator, TextStream, prefill
-from sampling import sample
+from sampling import sample, sampling_from_flags
 from model import Transformer
 from policies import AttentionSettings, install_policy
 
@@ -26,7 +26,7 @@ def chat_loop(args: argparse.Namespace, model: Transformer, tokenizer, settings:
     max_seq_length = args.max_seq_length or model.args.max_context
     allocate_caches(model, cache_format(args, args.device, [settings.policy]), 1, max_seq_length, length_bucket)
     install_policy(model, settings)
-    generator = Generator(model, stop_ids=tokenizer.stop_ids, sampling=args.sampling,
+    generator = Generator(model, stop_ids=tokenizer.stop_ids, sampling=sampling_from_flags(args, model.args.vocab_size),
                           compile_decode=args.compile, compile_backend=args.compile_backend)
     messages: list[dict] = []
     cached: list[int] = []  # the token ids whose keys and values the cache holds, from position 0

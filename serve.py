@@ -42,8 +42,9 @@ import torch
 
 import cli
 import data
-from assemble import (DTYPES, TokenIds, add_cache_flags, add_model_flags, allocate_caches, cache_format, cache_storage,
-                      kernels_for, load_checkpoint, load_tokenizer, model_args, solve_compression)
+from assemble import (DTYPES, TokenIds, add_cache_flags, add_model_flags, allocate_caches, cache_format, kernels_for,
+                      load_checkpoint, load_tokenizer, model_args, solve_compression)
+from budgets import Storage
 from cli import UserError
 from convert_hf_checkpoint import resolve_checkpoint
 from decoding import COMPILE_BACKENDS, compiled_decode_step, decode_step, default_compile_backend
@@ -52,7 +53,7 @@ from kernels import KERNEL_CHOICES, batch_invariant_kernels
 from model import ModelArgs, Transformer, checkpoint_paths, random_model
 from openai_api import (BadRequest, Reply, TextOut, _field, check_context, read_messages, read_options, read_prompt,
                         sse)
-from policies import add_attention_flags, attention_settings, describe_layers, install_policy
+from policies import add_attention_flags, attention_settings, describe_layers, install_policy, policy_factory
 
 WARM_UP_SHORT, WARM_UP_LONG = 16, 1024  # the compiled step's live lengths: below and above SparQ's k (128 by default)
 API_KEY_ENV = "SPARQ_FAST_API_KEY"  # --api-key's default: a key kept out of the process list
@@ -464,10 +465,11 @@ def public_settings(settings, checkpoint: Optional[Path]) -> dict:
 class Plan:
     """What the flags ask for, checked before the port opens (a user error exits at once, in one line)."""
 
-    settings: object
+    settings: object  # the attention settings, a --compression target solved
     config: ModelArgs
     max_seq_length: int
     length_bucket: int
+    kv_format: object
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -490,13 +492,22 @@ def plan(args: argparse.Namespace) -> Plan:
     if max_seq_length > config.max_context:
         raise UserError(f"--max-seq-length {max_seq_length} exceeds the model's context of {config.max_context}")
     length_bucket = 256 if args.device == "cuda" and args.compile else 1  # CUDA graphs: one per length bucket
-    return Plan(settings, config, max_seq_length, length_bucket)
+    kv_format = cache_format(args, args.device, [settings.policy])
+    # the budget in the bytes the cache will store: activations in --dtype (quantized weights dequantize to it)
+    settings = solve_compression(settings, max_seq_length, config, Storage(kv_format, DTYPES[args.dtype]))
+    try:
+        probe = policy_factory(settings, config)(config.n_layer - 1)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not probe.follows_rows:  # rows come and go: a policy with per-row state it cannot roll back cannot serve
+        raise UserError(f"cannot serve {settings.policy} attention: it keeps per-row state its decode steps build "
+                        f"up, which the server's row operations (a row freed and refilled) would leave stale")
+    return Plan(settings, config, max_seq_length, length_bucket, kv_format)
 
 
 def load(args: argparse.Namespace, planned: Plan) -> Served:
     """The model, its policy and the engine (not started) on the eager step; UserError for what cannot serve."""
-    settings, config = planned.settings, planned.config
-    kv_format = cache_format(args, args.device, [settings.policy])
+    settings, config, kv_format = planned.settings, planned.config, planned.kv_format
     # rows come and go between steps: a row's result must not depend on its neighbours
     kernels = batch_invariant_kernels(kernels_for(args.kernel, args.device, config, planned.length_bucket, [kv_format]))
     if args.random_weights:
@@ -507,14 +518,10 @@ def load(args: argparse.Namespace, planned: Plan) -> Served:
         tokenizer = load_tokenizer(args.checkpoint)
         path = Path(args.checkpoint)
         name = path.name if path.is_dir() else path.parent.name
-    settings = solve_compression(settings, planned.max_seq_length, config, cache_storage(kv_format, model))
     allocate_caches(model, kv_format, args.max_batch_size, planned.max_seq_length, planned.length_bucket)
     install_policy(model, settings)
-    try:
-        engine = Engine(model, planned.max_seq_length, prefill_chunk=args.prefill_chunk, step_tokens=args.step_tokens,
-                        max_queue=args.max_queue, decode=decode_step)
-    except ValueError as e:  # a policy with per-row state (H2O)
-        raise UserError(f"cannot serve: {e}") from None
+    engine = Engine(model, planned.max_seq_length, prefill_chunk=args.prefill_chunk, step_tokens=args.step_tokens,
+                    max_queue=args.max_queue, decode=decode_step)
     description = {"attention": describe_layers(model), "settings": public_settings(settings, args.checkpoint),
                    "max_batch_size": args.max_batch_size, "max_seq_length": planned.max_seq_length,
                    "step_tokens": args.step_tokens, "prefill_chunk": args.prefill_chunk,
