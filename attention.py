@@ -3,7 +3,7 @@
 prefill_attention: causal attention of a prompt chunk (dense: prefill never goes sparse).
 DecodePolicy: how one layer attends during single-token decode; DenseDecode, the exact baseline, reads
 only the visible live positions (dense_attention_torch is its readable path, the fused kernels its
-fast one). SparQ (sparq.py), adaptive SparQ (sparq_adaptive.py) and the baselines (policies.py)
+fast one). SparQ (sparq.py), adaptive SparQ (sparq_adaptive.py) and the baselines (baselines.py)
 subclass DecodePolicy.
 
 Shapes: B batch, H query heads, n_kv KV heads, g = H // n_kv, T new tokens, S positions, d head dim.
@@ -85,8 +85,8 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, window: Opt
 
 
 class DecodePolicy(nn.Module):
-    """How one layer attends during single-token decode (dense here; SparQ in sparq.py; the baselines
-    and the registry of policies in policies.py).
+    """How one layer attends during single-token decode (dense here; SparQ in sparq.py; the baselines in
+    baselines.py; the registry of policies in policies.py).
 
     forward(q (B, n_kv, g, d), cache, length) -> (B, n_kv, g, d) attends to cache.view(length):
     exactly the live positions (the current token included) when cache.length_bucket is 1, else the

@@ -17,8 +17,8 @@ the distribution the capped model attends with.
 `sparq_reference` follows the paper line by line with loops; `sparq_attention_torch` is the
 batched PyTorch path the model runs when the run has no fused SparQ kernel (kernels.py holds those:
 its docstring is the kernels' contract); `SparQDecode` is the decode policy that calls either.
-Adaptive SparQ (a byte budget split per layer and step) is sparq_adaptive.py; the paper's baselines,
-the registry of policies and the budgets live in policies.py.
+Adaptive SparQ (a byte budget split per layer and step) is sparq_adaptive.py; the paper's baselines are
+baselines.py, the registry of policies policies.py and the budgets budgets.py.
 """
 from __future__ import annotations
 

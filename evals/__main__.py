@@ -1,6 +1,6 @@
 """Task accuracy of sparse decode attention against KV-transfer compression (the paper's Table 2):
 the harness, `python -m evals`. The tasks themselves (examples, scoring) live in evals/tasks.py; the
-policies, their transfer formulas and budgets in policies.py.
+policies in policies.py (the registry) and baselines.py, their budgets in budgets.py.
 
     python -m evals --task needle,repetition,bpc,retrieval --attention dense,sparq,h2o,local \\
         --compression 1/2,1/4,1/8 --examples 8 --json out/eval.json --plot out/eval.png

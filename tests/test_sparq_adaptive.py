@@ -403,7 +403,7 @@ def test_the_cwe_study_runs_the_policy_at_the_cpu_default_split():
 @pytest.mark.parametrize("compression", [1 / 8, 1 / 16])
 def test_the_cwe_study_budget_variants(compression):
     """scripts/studies/cwe_selection_study.py's variants at another target: exact step 1 (r = d) at the split's
-    k is the oracle's exact top-k per KV head (policies.OracleDecode, its own scores and attention), twice the
+    k is the oracle's exact top-k per KV head (baselines.OracleDecode, its own scores and attention), twice the
     positions is the torch path at the split's r and 2k, and a smaller share for the positions is the torch path
     at that share's split (more components, fewer positions)."""
     from kernels import TORCH_KERNELS

@@ -1,4 +1,4 @@
-"""Speculative decoding (decoding.Speculator, generate.py --speculate-k): greedy output equals the
+"""Speculative decoding (speculation.Speculator, generate.py --speculate-k): greedy output equals the
 verifier's own, single and ragged, self-speculative and with a draft model; rejected positions leave
 the caches as a run that never drafted would; sampled output is distributed as the verifier's
 (exactly, by the rejection rule: checked on a vocabulary of 8 against the verifier's probabilities);
