@@ -487,7 +487,14 @@ class AOTDecodeStep:
                     self._event(f"loaded the decode step for lengths {_aot_range_name(program.low, program.high)} "
                                 f"from the cache in {program.seconds:.1f} s ({program.path})")
                     return program
-        program, built = self._export_and_compile(module, tokens, input_pos, span, n_key, n_range)
+        if self.announce is None:  # a command's own build: said on one line as it runs (a server announces its own)
+            from cli import OneTimeWork
+
+            with OneTimeWork(f"building the compiled decode step for {tokens.shape[0]} row(s) (once: cached for "
+                             f"later runs)"):
+                program, built = self._export_and_compile(module, tokens, input_pos, span, n_key, n_range)
+        else:
+            program, built = self._export_and_compile(module, tokens, input_pos, span, n_key, n_range)
         where = "not cached: the cache is off"
         if key_dir is not None:
             try:

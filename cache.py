@@ -484,6 +484,28 @@ class KVCache(nn.Module):
         self.live_length[row] = length
         self.ragged = True
 
+    def keep_prefix(self, row: int, length: int, piece: int) -> None:
+        """Row `row` keeps positions [0, length) (a prefix a new request shares: engine.py's reuse) with its
+        running sums summed again over them piece by piece, [0, piece), [piece, 2 piece)..., in the order and
+        the shapes a prefill in pieces of `piece` adds them from zero: the state a cold prefill of the same
+        tokens leaves, bit for bit. A window layer (one row) keeps its window's sums as truncate does."""
+        if self.window is not None:
+            self.truncate(row, length)
+            return
+        self._check_row_operation()
+        live = int(self.live_length[row])
+        if not 0 <= length <= live:
+            raise ValueError(f"cannot keep {length} positions of row {row}: it holds {live}")
+        rows = torch.tensor([row], device=self.k.device).view(1, 1, 1)
+        heads = torch.arange(self.k.shape[1], device=self.k.device).view(1, -1, 1)
+        total = torch.zeros_like(self.sums[row:row + 1])
+        for start in range(0, length, piece):
+            positions = torch.arange(start, min(start + piece, length), device=self.k.device).view(1, 1, -1)
+            total += position_sums(*self._stored(rows, heads, positions))  # as update() summed them
+        self.sums[row:row + 1] = total
+        self.live_length[row] = length
+        self.ragged = True
+
     def truncate_rows(self, lengths: Tensor) -> None:
         """Row b keeps positions [0, lengths[b]) (B,) for every row at once (speculative decoding's
         rollback: rows accept different counts in one round); the removed positions' terms leave the

@@ -148,3 +148,42 @@ def read_prompts(prompt: str, prompt_file: Optional[Path], chat: bool) -> list[P
     if not prompts:
         raise UserError(f"--prompt-file {prompt_file} holds no prompt")
     return prompts
+
+
+class OneTimeWork:
+    """`with OneTimeWork("building the fused CPU kernels"):` says a slow one-time step on one line of stderr:
+    the words, then (on a terminal) the seconds as they pass, then how long it took; off a terminal, the
+    words, then the time once done. A failure ends the line with "failed"."""
+
+    def __init__(self, what: str, stream=None):
+        self.what, self.stream = what, stream or sys.stderr
+        self.tty = getattr(self.stream, "isatty", lambda: False)()
+        self._stop = None
+
+    def __enter__(self):
+        import threading
+        import time
+
+        self.start = time.perf_counter()
+        print(f"{self.what}...", end="" if self.tty else "\n", file=self.stream, flush=True)
+        if self.tty:
+            self._stop = threading.Event()
+
+            def tick():
+                while not self._stop.wait(1.0):
+                    print(f"\r{self.what}... {time.perf_counter() - self.start:.0f} s", end="", file=self.stream,
+                          flush=True)
+
+            threading.Thread(target=tick, daemon=True).start()
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        import time
+
+        if self._stop is not None:
+            self._stop.set()
+        seconds = time.perf_counter() - self.start
+        outcome = "failed" if kind is not None else "done"
+        prefix = f"\r{self.what}: " if self.tty else f"{self.what}: "
+        print(f"{prefix}{outcome} in {seconds:.0f} s", file=self.stream, flush=True)
+        return False

@@ -32,9 +32,11 @@ def prefill_chunk(model: Transformer, tokens: Tensor, input_pos: Tensor, end: in
 
 
 def chunk_ends(start: int, end: int, chunk: int) -> list[int]:
-    """Where the prefill chunks of positions [start, end) end: every chunk `chunk` long but the first,
-    which may be short (so the last, whose logits sample the first token, is always whole)."""
-    return list(range(end, start, -chunk))[::-1]
+    """Where the prefill chunks of positions [start, end) end: at the multiples of `chunk` between them, and at
+    end. The boundaries are the same whatever a prompt's length, so two prompts sharing a prefix prefill its
+    pieces alike: a server that keeps a prefix a multiple of `chunk` long (engine.py) holds what a cold
+    prefill of the new prompt would write there, bit for bit."""
+    return list(range((start // chunk + 1) * chunk, end, chunk)) + [end]
 
 
 def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step: Callable = prefill_chunk,

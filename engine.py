@@ -1,18 +1,28 @@
 """Continuous batching on the static cache: the scheduler behind serve.py.
 
-The caches hold `max_batch` rows. A request waits in a queue for a free row (the lowest free one),
-is prefilled into it, then decodes with the other decoding rows, each at its own position; a
-finished or cancelled request frees its row at once.
+The caches hold `max_batch` rows. A request waits in a queue for a free row, is prefilled into it, then
+decodes with the other decoding rows, each at its own position; a finished or cancelled request frees its
+row at once.
+
+Prefix reuse: a freed row remembers the ids of the prompt its cache holds. A new request takes the free row
+whose prompt shares the longest prefix with its own (compared as token ids, not text), least recently used
+among equals, keeps that prefix rounded down to a multiple of `prefill_chunk` (prompt pieces end at those
+multiples whatever the prompt's length: decoding.chunk_ends) and prefills only the rest. The row then holds
+what a cold prefill of the new prompt would write, bit for bit, its running sums included
+(KVCache.keep_prefix sums them again in the same pieces), so a warm request's tokens are its cold run's.
+Only prefilled positions are kept: a chat's earlier reply, written by decode steps, holds a decode step's
+rounding, not a prefill's, and is prefilled again as part of the next turn (docs/serving.md measures
+both). Requests that score their prompt (echo with logprobs) prefill it whole.
 
 A step carries at most `step_tokens` tokens (vLLM's chunked-prefill rule): one for each decoding
 row, then prompt pieces of the oldest prefilling requests while the budget lasts (at least one piece
 while a prompt waits, so prefill always advances). While prompts wait, every step carries about the
 same work, so the decoding rows' tokens keep an even pace; with none waiting, a step is a decode step
-alone. Prompts are cut at fixed places, `prefill_chunk` tokens a piece as decoding.prefill cuts them
-(the first piece may be short), whatever the load: a piece is one forward pass.
+alone. Prompts are cut at fixed places, at the multiples of `prefill_chunk` as decoding.prefill cuts
+them, whatever the load: a piece is one forward pass.
 
 A decode step computes only the first n rows, n the smallest of ROW_BUCKETS holding every decoding
-row (rows are taken lowest first, so the busy ones sit at the front). A row inside the bucket that
+row. A row inside the bucket that
 is not decoding (free, or still prefilling) computes a token nobody reads, written at its own live
 length and truncated away after the step. The buckets bound the compiled steps: one per bucket.
 
@@ -95,6 +105,8 @@ class Request:
         lambda token, reason, logprob=None: None
     # emit_prompt([None, TokenLogprob, ...]): once, when the prompt is prefilled (echo_logprobs only)
     emit_prompt: Callable[[list[Optional[TokenLogprob]]], None] = lambda logprobs: None
+    # emit_admitted(cached): once, when the request takes a row: how many prompt tokens its cache kept
+    emit_admitted: Callable[[int], None] = lambda cached: None
 
 
 @dataclass
@@ -133,6 +145,7 @@ class Engine:
     step_tokens: int = STEP_TOKENS  # the per-step token budget: decoding rows + prompt pieces
     max_queue: int = 64  # requests waiting for a row before submit() refuses (QueueFull)
     decode: Callable = decode_step  # the step (decoding.compiled_decode_step for --compile)
+    reuse_prefixes: bool = True  # a new request keeps the longest prefix a free row's cache shares with it
     rows: list[Optional[_Row]] = field(init=False)
     waiting: deque = field(init=False, default_factory=deque)
     stats: dict = field(init=False)  # counters since the start: decode steps, tokens and seconds; prefill's (/health)
@@ -141,11 +154,14 @@ class Engine:
         if self.prefill_chunk < 1 or self.step_tokens < 1:
             raise ValueError("the prefill chunk and the step's token budget must be positive")
         self.rows = [None] * self.model.caches[0].max_batch
+        self.cached: list[list[int]] = [[] for _ in self.rows]  # the prompt ids each row's cache holds, from 0
+        self.used: list[float] = [0.0] * len(self.rows)  # when each row was last taken (least recently used first)
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._stopping = False
         self._cancelled: set[int] = set()
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0}
+        self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0,
+                      "prompt_tokens": 0, "prefix_hits": 0, "prefix_reused_tokens": 0}
         self.model.check_row_operations()  # a policy with per-row state cannot share the cache (ValueError)
 
     # -- any thread -----------------------------------------------------------------------------
@@ -165,10 +181,9 @@ class Engine:
             request_id = next(self._ids)
             sampler = torch.Generator()
             sampler.manual_seed(request.seed if request.seed is not None else torch.seed())
-            pieces = chunk_ends(0, len(request.prompt), self.prefill_chunk)
             history = (TokenHistory.of_prompts([request.prompt], self.model.args.vocab_size)
                        if request.sampling.penalized else None)
-            self.waiting.append(_Row(request, request_id, sampler, pieces, history=history))
+            self.waiting.append(_Row(request, request_id, sampler, history=history))
             self._lock.notify()
         return request_id
 
@@ -266,11 +281,42 @@ class Engine:
                 self._finish(i, "shutdown" if stopping else "stop")
 
     def _admit(self) -> None:
+        """Each waiting request, oldest first, into a free row: the one keeping most of its prompt (least
+        recently used among equals), the prefix kept and the rest to prefill."""
         with self._lock:
-            for i, row in enumerate(self.rows):
-                if row is None and self.waiting:
-                    self.rows[i] = self.waiting.popleft()
+            while self.waiting and None in self.rows:
+                row = self.waiting.popleft()
+                i, kept = self._best_row(row.request)
+                self.rows[i], self.used[i] = row, time.monotonic()
+                if kept:
+                    self.model.keep_prefix(i, kept, self.prefill_chunk)
+                    self.stats["prefix_hits"] += 1
+                    self.stats["prefix_reused_tokens"] += kept
+                else:
                     self.model.reset_row(i)
+                self.cached[i] = []  # the row's tokens are the request's from now on (_finish records them)
+                row.prefilled = kept
+                row.pieces = chunk_ends(kept, len(row.request.prompt), self.prefill_chunk)
+                self.stats["prompt_tokens"] += len(row.request.prompt)
+                row.request.emit_admitted(kept)
+
+    def _best_row(self, request: Request) -> tuple[int, int]:
+        """(the free row for `request`, the positions of its cache to keep): the longest shared prefix, kept
+        at a multiple of prefill_chunk and short of the whole prompt (its last token's logits come from a
+        prefill); among equals the least recently used row."""
+        def kept(i: int) -> int:
+            if not self.reuse_prefixes or request.echo_logprobs:  # the prompt's logprobs need its every position
+                return 0
+            shared = 0
+            for a, b in zip(self.cached[i], request.prompt[:-1]):
+                if a != b:
+                    break
+                shared += 1
+            return shared // self.prefill_chunk * self.prefill_chunk
+
+        free = [i for i, row in enumerate(self.rows) if row is None]
+        best = max(free, key=lambda i: (kept(i), -self.used[i], -i))
+        return best, kept(best)
 
     def _prefill_piece(self, i: int) -> None:
         """The next piece of row i's prompt, one forward pass into its row of the caches."""
@@ -342,7 +388,10 @@ class Engine:
 
     def _finish(self, i: int, reason: str, stop_logprob: Optional[TokenLogprob] = None) -> None:
         row = self.rows[i]
-        self.rows[i] = None  # reset when the next request takes the row
+        self.rows[i] = None  # kept or reset when the next request takes the row (_admit)
+        # the prefilled prompt its cache holds, for the next request's prefix (none after a failed step, whose
+        # writes are unknown)
+        self.cached[i] = [] if reason == "error" else row.request.prompt[:row.prefilled]
         row.request.emit(None, reason, stop_logprob)
 
 

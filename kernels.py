@@ -1,7 +1,7 @@
 """Fused decode kernels: C++ for CPU (csrc/), Triton for CUDA (kernels_triton.py), and the record of
 the ones a run uses.
 
-A leaf module: tensors and ints in, tensors out; it imports nothing from this repo but its Triton
+A leaf module: tensors and ints in, tensors out; it imports nothing from this repo but cli (for one line of progress) and its Triton
 sibling. The readable
 plain-PyTorch paths live beside the policies they implement (attention.dense_attention_torch,
 sparq.sparq_attention_torch); every kernel here computes what its reference computes (the tests
@@ -158,9 +158,12 @@ def _build_and_load() -> None:
     lock = os.path.join(build_dir, "lock")
     if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > 600:
         os.remove(lock)  # left by a build that was killed: torch would wait on it forever
-    print("building the fused CPU kernels (first use only)...", file=sys.stderr, flush=True)
-    cpp_extension.load(name=name, sources=_csrc_files((".cpp",)), extra_cflags=_CPU_CFLAGS,
-                       extra_ldflags=_CPU_LDFLAGS, is_python_module=False, verbose=False)
+    from cli import OneTimeWork
+
+    with OneTimeWork(f"building the fused CPU kernels (once per machine: {len(_csrc_files(('.cpp',)))} files of "
+                     f"csrc/, cached in {build_dir})"):
+        cpp_extension.load(name=name, sources=_csrc_files((".cpp",)), extra_cflags=_CPU_CFLAGS,
+                           extra_ldflags=_CPU_LDFLAGS, is_python_module=False, verbose=False)
 
 
 def cpu_kernel_error() -> Optional[str]:

@@ -511,6 +511,13 @@ class Transformer(nn.Module):
         for cache in self.caches:
             cache.truncate(row, length)
 
+    def keep_prefix(self, row: int, length: int, piece: int) -> None:
+        """Batch row `row` keeps its first `length` positions in every cache, their running sums as a prefill
+        in pieces of `piece` leaves them (KVCache.keep_prefix): a server's prefix reuse."""
+        self.check_row_operations()
+        for cache in self.caches:
+            cache.keep_prefix(row, length, piece)
+
     def reset_row(self, row: int) -> None:
         """Empty batch row `row` of every cache (a finished request's row, free for the next); the other
         rows keep their state."""

@@ -294,6 +294,7 @@ class Reply:
     released: str = ""  # text released, the echoed prompt first
     sent: tuple[int, int] = (0, 0)  # (characters, entries) a stream has sent
     stop_token: bool = False  # the request ended at a stop token (reported in logprobs and usage)
+    cached_tokens: int = 0  # prompt tokens its row's cache kept from an earlier request (prefix reuse)
 
     def __post_init__(self):
         if self.echo:  # the prompt's text; its logprobs come once it is prefilled (emit_prompt)
@@ -303,6 +304,9 @@ class Reply:
         """An engine event -> the finish reason, or None while the request goes on."""
         if token == "prompt":  # the prompt's logprobs (echo): reported before the generated tokens
             self.entries = [(t, lp) for t, lp in zip(self.prompt, logprob)] + self.entries
+            return None
+        if token == "admitted":  # in a row: `finish` is how many prompt tokens its cache kept
+            self.cached_tokens = finish
             return None
         if token is not None:
             self.released += self.text.add(token)
@@ -315,8 +319,10 @@ class Reply:
         return finish
 
     def usage(self) -> dict:
+        """OpenAI's usage, the prompt tokens a kept prefix served in prompt_tokens_details.cached_tokens."""
         n = len(self.text.tokens) + self.stop_token
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def whole(self, reason: str) -> dict:
         end = len(self.released) if self.text.stopped else None  # a stop string cut the text: its tokens go too

@@ -99,6 +99,10 @@ class Metrics:
                                 ["endpoint", "outcome"], registry=registry)
         self.prompt_tokens = Counter("sparq_prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
         self.generated_tokens = Counter("sparq_generation_tokens", "Tokens generated", registry=registry)
+        self.prefix_hits = Counter("sparq_prefix_cache_hits", "Requests that kept a prefix of an earlier prompt",
+                                   registry=registry)
+        self.cached_tokens = Counter("sparq_prefix_cached_tokens", "Prompt tokens served from a kept prefix",
+                                     registry=registry)
         queue = Gauge("sparq_queue_depth", "Requests waiting for a cache row", registry=registry)
         queue.set_function(lambda: len(engine.waiting))
         rows = Gauge("sparq_rows_in_use", "Cache rows holding a request", registry=registry)
@@ -125,7 +129,16 @@ class Timing:
     start: float = field(default_factory=time.perf_counter)
     last: Optional[float] = None
 
-    def token(self, metrics: Optional[Metrics]) -> None:
+    def event(self, event: tuple, metrics: Optional[Metrics]) -> None:
+        """An engine event (Reply.step's): a token's latency observed, an admission's kept prefix counted."""
+        kind = event[0]
+        if kind == "admitted":
+            if metrics is not None and event[1]:
+                metrics.prefix_hits.inc()
+                metrics.cached_tokens.inc(event[1])
+            return
+        if kind is None or kind == "prompt":
+            return
         now = time.perf_counter()
         if metrics is not None:
             (metrics.ttft if self.last is None else metrics.itl).observe(now - (self.start if self.last is None else self.last))
@@ -275,7 +288,9 @@ async def generate(request, chat: bool):
                         emit=lambda token, reason, logprob=None: loop.call_soon_threadsafe(
                             events.put_nowait, (token, reason, logprob)),
                         emit_prompt=lambda logprobs: loop.call_soon_threadsafe(
-                            events.put_nowait, ("prompt", None, logprobs)))
+                            events.put_nowait, ("prompt", None, logprobs)),
+                        emit_admitted=lambda cached: loop.call_soon_threadsafe(
+                            events.put_nowait, ("admitted", cached, None)))
     try:
         request_id = engine.submit(submitted)
     except ValueError as e:  # the engine's own check of the prompt
@@ -294,8 +309,7 @@ async def generate(request, chat: bool):
         reason = None
         while reason is None:
             event = await events.get()
-            if event[0] is not None and event[0] != "prompt":
-                timing.token(served.metrics)
+            timing.event(event, served.metrics)
             reason = reply.step(*event)
             if reason is not None and event[1] is None:  # a stop string: the engine can stop
                 engine.cancel(request_id)
@@ -316,8 +330,7 @@ async def stream_events(served: Served, request_id: int, events: asyncio.Queue, 
         reason = None
         while reason is None:
             event = await events.get()
-            if event[0] is not None and event[0] != "prompt":
-                timing.token(served.metrics)
+            timing.event(event, served.metrics)
             reason = reply.step(*event)
             piece = reply.pending()
             if piece is not None:

@@ -728,3 +728,123 @@ def test_llama_server_avoids_amx_tiles_where_asked():
     cmd = serve_load.llama_server_command("llama-server", "m.gguf", 8080, 4, 1024, 2, avoid_amx_tiles=False)
     assert cmd[cmd.index("-np") + 1] == "4" and cmd[cmd.index("-c") + 1] == "4096" and "--no-repack" not in cmd
     assert serve_load.llama_server_command("s", "m", 1, 1, 1, 1, avoid_amx_tiles=True)[-1] == "--no-repack"
+
+
+def run_cold_and_warm(model, settings, kv_format, first, follow, new_tokens, chunk=16):
+    """(the follow-up's tokens on an engine that reused the first request's row, its tokens on a fresh one,
+    both engines' caches after it): one row each, so the caches compare row for row."""
+    from cache import KVFormat  # noqa: F401  (kv_format is one)
+
+    out = {}
+    for name, reuse in (("warm", True), ("cold", False)):
+        model.setup_caches(1, 512, kv_format)
+        model.set_decode_attention(policy_factory(settings, model.args, model.kernels))
+        engine = Engine(model, 512, prefill_chunk=chunk, reuse_prefixes=reuse)
+        admitted = []
+        if reuse:
+            run_alone(engine, Request(first, new_tokens))
+        tokens, _ = run_alone(engine, Request(follow, new_tokens, emit_admitted=admitted.append))
+        out[name] = (tokens, [cache.snapshot() for cache in model.caches], admitted, dict(engine.stats))
+    return out["warm"], out["cold"]
+
+
+@pytest.mark.parametrize("policy", ["dense", "sparq", "sparq-adaptive"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_warm_request_is_its_cold_run(policy, fused):
+    """Prefix reuse (Engine): a request sharing a prefix with a finished one's prompt keeps it at a multiple of
+    prefill_chunk and prefills the rest: its cache, running sums included, is bit for bit a cold prefill's and
+    its tokens are the cold run's. A chat's next turn (the first prompt, the reply, a new message) keeps the
+    first prompt's prefilled positions (64 of 70), not the reply's decode-written ones. On a float cache and
+    on the CPU's default int4 K^T, the torch path and the fused kernels."""
+    from cache import KVFormat
+
+    if fused and kernels.cpu_kernel_error() is not None:
+        pytest.fail(f"the fused CPU kernels did not build: {kernels.cpu_kernel_error()}")
+    model = tiny_model(kernels=kernels.CPU_KERNELS if fused else kernels.TORCH_KERNELS)
+    gen = torch.Generator().manual_seed(11)
+    first = torch.randint(0, 101, (70,), generator=gen).tolist()
+    settings = settings_for(policy)
+    for kv_format in (KVFormat(), KVFormat(kt_dtype="int4")):
+        # the same first 50 tokens, then others: 48 positions kept, all of them prefilled
+        shared = first[:50] + torch.randint(0, 101, (30,), generator=gen).tolist()
+        (warm, warm_caches, admitted, stats), (cold, cold_caches, _, _) = run_cold_and_warm(
+            model, settings, kv_format, first, shared, 10)
+        assert admitted == [48] and stats["prefix_hits"] == 1 and stats["prefix_reused_tokens"] == 48
+        assert warm == cold, (policy, fused, kv_format)
+        for w, c in zip(warm_caches, cold_caches):
+            assert torch.equal(w["sums"], c["sums"]) and torch.equal(w["live_length"], c["live_length"])
+        # a chat's next turn: the first prompt, its reply, a new message
+        reply, _ = run_alone(engine_for(model, settings, rows=1, chunk=16), Request(first, 14))
+        turn = first + reply + torch.randint(0, 101, (9,), generator=gen).tolist()
+        (warm, warm_caches, admitted, _), (cold, cold_caches, _, _) = run_cold_and_warm(
+            model, settings, kv_format, first, turn, 14)
+        assert admitted == [64] and warm == cold, (policy, fused, kv_format)
+        assert all(torch.equal(w["sums"], c["sums"]) for w, c in zip(warm_caches, cold_caches))
+
+
+def test_sampling_fields_clients_send_and_text_parts(dense_server):
+    """What chat clients send passes through the official client: top_p, min_p, the three penalties, a seed,
+    content as a list of text parts. A seeded request repeats itself; greedy with top_p < 1 is greedy."""
+    client = dense_server.client()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name three "}, {"type": "text", "text": "fruits."}]}]
+    plain = [{"role": "user", "content": "Name three fruits."}]
+    sampled = [client.chat.completions.create(model="x", messages=parts, max_tokens=12, temperature=0.8, top_p=0.9,
+                                              seed=5, presence_penalty=0.5, frequency_penalty=0.2,
+                                              extra_body={"min_p": 0.05, "repetition_penalty": 1.1})
+               for _ in range(2)]
+    assert sampled[0].choices[0].message.content == sampled[1].choices[0].message.content
+    greedy = client.chat.completions.create(model="x", messages=plain, max_tokens=12, temperature=0)
+    nucleus = client.chat.completions.create(model="x", messages=parts, max_tokens=12, temperature=0, top_p=0.5)
+    assert nucleus.choices[0].message.content == greedy.choices[0].message.content
+    code, payload, _ = dense_server.post("/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode())
+    assert code == 400 and "image_url" in payload["error"]["message"]
+
+
+def test_a_follow_up_reuses_the_prefix_and_says_so(dense_server):
+    """The same long prompt twice (a conversation's shared history): the second keeps 256 of its tokens (the
+    server's prefill piece), says so in usage.prompt_tokens_details.cached_tokens and /health, and answers
+    what the first did."""
+    import data
+    import tokenizer as tokenizer_module
+    from conftest import SMOLLM2_DIR
+
+    tok = tokenizer_module.load_tokenizer(SMOLLM2_DIR)
+    prompt = data.essay_tokens(tok, 300)
+    client = dense_server.client()
+    before = dense_server.health()
+    first = client.completions.create(model="x", prompt=prompt, max_tokens=6, temperature=0)
+    second = client.completions.create(model="x", prompt=prompt, max_tokens=6, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 or before["prefix_hits"] > 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 256
+    assert second.choices[0].text == first.choices[0].text
+    after = dense_server.health()
+    assert after["prefix_hits"] >= before["prefix_hits"] + 1
+    assert after["prefix_reused_tokens"] >= before["prefix_reused_tokens"] + 256
+
+
+@pytest.fixture(scope="module")
+def keyed_server(smollm2_checkpoint, openai_client):
+    server = Server(smollm2_checkpoint, "--max-batch-size", "2", "--api-key", "sesame", "--served-model-name", "tiny-chef")
+    yield server
+    server.close()
+
+
+def test_api_key_metrics_and_the_served_name(keyed_server, openai_client):
+    """--api-key: a 401 without it (the client's AuthenticationError), /health and /metrics open; the metrics in
+    Prometheus text count what was served; --served-model-name is the name every reply reports."""
+    import openai
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed_server.url, api_key="wrong", max_retries=0).completions.create(
+            model="x", prompt="Hi", max_tokens=2)
+    client = openai.OpenAI(base_url=keyed_server.url, api_key="sesame", max_retries=0, timeout=300)
+    reply = client.completions.create(model="x", prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert reply.model == "tiny-chef" and client.models.list().data[0].id == "tiny-chef"
+    assert keyed_server.health()["status"] == "ok"
+    with urllib.request.urlopen(keyed_server.url.removesuffix("/v1") + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    assert 'sparq_requests_total{endpoint="/v1/completions",outcome="2xx"} 1.0' in text
+    assert 'sparq_requests_total{endpoint="/v1/completions",outcome="4xx"} 1.0' not in text  # the 401 is the key's
+    assert "sparq_generation_tokens_total 4.0" in text and "sparq_time_to_first_token_seconds_count 1.0" in text
+    assert "sparq_queue_depth 0.0" in text and "sparq_rows_in_use 0.0" in text
