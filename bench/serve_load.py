@@ -5,6 +5,10 @@ on the loopback interface only.
     python -m bench serve-load --server-args "--sparq-r 16 --sparq-k 128" --clients 16 --prompt-tokens 4096
     python -m bench serve-load --url http://127.0.0.1:8000/v1 --clients 4 --prompt-tokens 512
 
+With --conversations each client instead holds a chat whose history grows by a user turn and a reply
+each turn (up to --history-tokens, then a new chat), llama-server with its prompt cache on: the TTFT
+columns are then the follow-up turns', and "reused" the share of prompt tokens the server kept.
+
 C clients each send their next request when the last one finished (streamed /v1/completions, a prompt
 of N essay tokens at its own offset after a head of its own, "Request i.", so that no server reuses a
 cached prefix; `max_tokens` new tokens with ignore_eos, greedy), for --duration
@@ -31,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import urlparse
 
 import cli
@@ -53,15 +57,19 @@ class Outcome:
     ttft_s: Optional[float] = None
     gaps_s: list[float] = field(default_factory=list)  # between successive streamed tokens
     error: str = ""
+    text: str = ""  # what was streamed
+    prompt_tokens: Optional[int] = None  # the usage's, where the server reports it
+    cached_tokens: Optional[int] = None  # usage.prompt_tokens_details.cached_tokens, where reported
 
 
-def stream_completion(url: str, prompt: str | list[int], new_tokens: int, timeout: float = 600) -> Outcome:
+def stream_completion(url: str, prompt: str | list[int], new_tokens: int, timeout: float = 600,
+                      cache_prompt: bool = False) -> Outcome:
     """POST {url}/completions with stream: true (a text prompt, or token ids); time each server-sent chunk
     that carries text."""
     parsed = urlparse(url)
     body = json.dumps({"model": "any", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                       "cache_prompt": False})  # llama-server: no prompt cache
+                       "cache_prompt": cache_prompt})  # llama-server's prompt cache: on for conversations only
     start = time.perf_counter()
     conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
     try:
@@ -79,8 +87,12 @@ def stream_completion(url: str, prompt: str | list[int], new_tokens: int, timeou
                 break
             chunk = json.loads(payload)
             if chunk.get("usage"):
-                out.tokens = chunk["usage"].get("completion_tokens", out.tokens)
+                usage = chunk["usage"]
+                out.tokens = usage.get("completion_tokens", out.tokens)
+                out.prompt_tokens = usage.get("prompt_tokens")
+                out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             choices = chunk.get("choices") or [{}]
+            out.text += choices[0].get("text") or ""
             if choices[0].get("text"):
                 now = time.perf_counter()
                 if last is None:
@@ -147,6 +159,52 @@ def closed_loop(url: str, prompts: list[str] | list[list[int]], clients: int, ne
                 itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99))
 
 
+def conversation_loop(url: str, clients: int, turns: Callable[[int, int], list[int]], encode: Callable[[str], list[int]],
+                      new_tokens: int, history_tokens: int, duration: float) -> dict:
+    """`clients` threads, each holding a chat for `duration` seconds: each turn sends the history so far plus
+    a user turn (turns(client, k): token ids, its k-th), streams `new_tokens` of reply, and appends both (the
+    reply's text as `encode` tokenizes it) to the history; a history that would pass `history_tokens` starts a
+    new conversation. Reports the generated tokens' throughput, the time to the first token of a conversation's
+    first turn and of its follow-ups, the inter-token latency and the share of prompt tokens the server says it
+    kept (usage.prompt_tokens_details.cached_tokens)."""
+    outcomes: list[tuple[Outcome, bool]] = []  # (outcome, a follow-up turn)
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def client(c: int) -> None:
+        history, k, follow_up = [], 0, False
+        while time.perf_counter() - start < duration:
+            prompt = history + turns(c, k)
+            outcome = stream_completion(url, prompt, new_tokens, cache_prompt=True)
+            k += 1
+            with lock:
+                outcomes.append((outcome, follow_up))
+            history = prompt + encode(outcome.text)[:new_tokens] if outcome.ok else []
+            follow_up = bool(history) and len(history) + len(turns(c, k)) + new_tokens <= history_tokens
+            if not follow_up:
+                history = []
+
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    done = [(o, f) for o, f in outcomes if o.ok]
+    gaps = [g for o, _ in done for g in o.gaps_s]
+    prompts = sum(o.prompt_tokens or 0 for o, _ in done)
+    cached = [o.cached_tokens for o, _ in done if o.cached_tokens is not None]
+    return dict(clients=clients, requests=len(outcomes), failed=len(outcomes) - len(done),
+                errors=sorted({o.error for o, _ in outcomes if not o.ok})[:3], wall_s=wall,
+                tokens=sum(o.tokens for o, _ in done), tokens_per_s=sum(o.tokens for o, _ in done) / wall,
+                ttft_p50_s=percentile([o.ttft_s for o, f in done if f], 50),
+                ttft_p99_s=percentile([o.ttft_s for o, f in done if f], 99),
+                first_turn_ttft_p50_s=percentile([o.ttft_s for o, f in done if not f], 50),
+                itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99),
+                follow_ups=sum(f for _, f in done), prompt_tokens_sent=prompts,
+                reused_share=sum(cached) / prompts if cached and prompts else None)
+
+
 def token_prompts(n_tokens: int, count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
     """`count` different prompts of n_tokens random token ids in [20, vocab_size) (below 20: the heads'
     digits), for a server without a tokenizer (--random-weights)."""
@@ -183,11 +241,41 @@ def server_decode_rate(before: Optional[dict], after: Optional[dict]) -> dict:
     prefill rate; {} for a server without them (llama-server)."""
     if not before or not after or "decode_s" not in after:
         return {}
-    d = {k: after[k] - before[k] for k in ("decode_tokens", "decode_s", "decode_steps", "prefill_tokens", "prefill_s")}
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("decode_tokens", "decode_s", "decode_steps", "prefill_tokens",
+                                                         "prefill_s", "prompt_tokens", "prefix_reused_tokens")}
     return {"server_decode_tokens_per_s": d["decode_tokens"] / d["decode_s"] if d["decode_s"] > 0 else None,
+            "server_reused_share": d["prefix_reused_tokens"] / d["prompt_tokens"] if d["prompt_tokens"] else None,
             "server_decode_step_ms": 1e3 * d["decode_s"] / d["decode_steps"] if d["decode_steps"] else None,
             "server_rows_per_step": d["decode_tokens"] / d["decode_steps"] if d["decode_steps"] else None,
             "server_prefill_tokens_per_s": d["prefill_tokens"] / d["prefill_s"] if d["prefill_s"] > 0 else None}
+
+
+def conversation_turns(text: bool, vocab_size: int, turn_tokens: int) -> tuple[Callable, Callable]:
+    """(turns(client, k) -> the user turn's token ids, encode(reply text) -> its ids) for a conversation load:
+    essay tokens of the embedded model's tokenizer, each client and turn at an offset of its own, the reply
+    tokenized as both servers tokenize text (text: True), or random ids and a reply of token ids (a server
+    without a tokenizer). A client's turn 0 starts with a head of its own ("Client c, chat k."), so no server
+    reuses another conversation's prefix."""
+    if text:
+        import data
+        import tokenizer as tokenizer_module
+
+        tok = tokenizer_module.load_tokenizer(data.DEFAULT_CHECKPOINT)
+        ids = data.essay_tokens(tok, 100_000)
+
+        def turns(c: int, k: int) -> list[int]:
+            at = (7919 * c + 811 * k) % (len(ids) - turn_tokens)
+            head = tok.encode(f"Client {c}, turn {k}. ")
+            return head + ids[at:at + turn_tokens - len(head)]
+
+        return turns, tok.encode
+    import random
+
+    def random_turns(c: int, k: int) -> list[int]:
+        rng = random.Random(1000 * c + k)
+        return [rng.randrange(20, vocab_size) for _ in range(turn_tokens)]
+
+    return random_turns, lambda reply: [int(t) for t in reply.split()]
 
 
 def essay_prompts(n_tokens: int, count: int) -> list[str]:
@@ -309,6 +397,13 @@ def add_parser(sub) -> None:
     p.add_argument("--clients", default="1,4,16", help="comma list of concurrent clients (default 1,4,16)")
     p.add_argument("--prompt-tokens", default="512,4096", help="comma list of prompt lengths (default 512,4096)")
     p.add_argument("--new-tokens", type=cli.positive_int, default=128)
+    p.add_argument("--conversations", action="store_true",
+                   help="each client holds a chat: every turn sends the history so far and a user turn of "
+                        "--turn-tokens, gets a reply of --new-tokens, until the history reaches --history-tokens "
+                        "(then a new chat); reports follow-up TTFT and the share of prompt tokens reused")
+    p.add_argument("--turn-tokens", type=cli.positive_int, default=200, help="a user turn's tokens (default 200)")
+    p.add_argument("--history-tokens", type=cli.positive_int, default=8192,
+                   help="a conversation's longest history before a new one starts (default 8192)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds each (C, N) keeps sending (default 60)")
     p.add_argument("--llama-server", action="store_true",
                    help="the same load against llama-server in the same run (the servers take turns at each C, N)")
@@ -326,6 +421,8 @@ def run(args: argparse.Namespace) -> int:
     if args.url is not None and urlparse(args.url).hostname not in LOOPBACK:
         raise UserError(f"--url must be a loopback address (this load generator stays on this machine), got {args.url}")
     rows, context = max(clients), max(lengths) + args.new_tokens + 64
+    if args.conversations:
+        lengths, context = [args.history_tokens], args.history_tokens + 64
     targets = []  # (label, url, process or None)
     if args.url:
         wait_healthy(args.url, None, "the server at --url")
@@ -340,8 +437,11 @@ def run(args: argparse.Namespace) -> int:
         if not text and args.llama_server:
             raise UserError("--llama-server runs the embedded GGUF, and a server without a tokenizer (--random-weights) "
                             "does not: drop one of them")
-        prompts = {n: essay_prompts(n, 2 * max(clients)) if text else token_prompts(n, 2 * max(clients), model["vocab_size"])
-                   for n in lengths}
+        if args.conversations:
+            turns, encode = conversation_turns(text, model.get("vocab_size", 0), args.turn_tokens)
+        else:
+            prompts = {n: essay_prompts(n, 2 * max(clients)) if text
+                       else token_prompts(n, 2 * max(clients), model["vocab_size"]) for n in lengths}
         if args.llama_server:
             url, proc, version = start_llama_server(rows, context, args.llama_format, args.threads)
             targets.append((f"llama-server {version.split(' (')[0]} {args.llama_format}", url, proc))
@@ -350,8 +450,12 @@ def run(args: argparse.Namespace) -> int:
                 for label, url, _ in targets:
                     print(f"{label}: C={c} N={n} ...", file=sys.stderr, flush=True)
                     before = get_json(url, "/health")
-                    row = dict(server=label, prompt_tokens=n, new_tokens=args.new_tokens,
-                               **closed_loop(url, prompts[n], c, args.new_tokens, args.duration))
+                    if args.conversations:
+                        load = conversation_loop(url, c, turns, encode, args.new_tokens, args.history_tokens,
+                                                 args.duration)
+                    else:
+                        load = closed_loop(url, prompts[n], c, args.new_tokens, args.duration)
+                    row = dict(server=label, prompt_tokens=n, new_tokens=args.new_tokens, **load)
                     row.update(server_decode_rate(before, get_json(url, "/health")))
                     results.append(row)
                     print(format_row(row), file=sys.stderr, flush=True)
@@ -377,7 +481,7 @@ def format_row(r: dict) -> str:
 def format_table(rows: list[dict]) -> str:
     """The rows as a table; serve.py's own decode rate (server_decode_rate) where it reports one."""
     head = ["server", "C", "prompt", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-            "p99/p50", "requests", "failed", "decode tok/s", "step ms"]
+            "p99/p50", "requests", "failed", "decode tok/s", "step ms", "reused"]
 
     def num(x: Optional[float], spec: str) -> str:
         return "-" if x is None else format(x, spec)
@@ -385,7 +489,8 @@ def format_table(rows: list[dict]) -> str:
     body = [[r["server"], r["clients"], r["prompt_tokens"], f"{r['tokens_per_s']:.1f}", ms(r["ttft_p50_s"]),
              ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
              f"{r['itl_p99_s'] / r['itl_p50_s']:.1f}" if r["itl_p50_s"] else "-", r["requests"], r["failed"],
-             num(r.get("server_decode_tokens_per_s"), ".1f"), num(r.get("server_decode_step_ms"), ".1f")]
+             num(r.get("server_decode_tokens_per_s"), ".1f"), num(r.get("server_decode_step_ms"), ".1f"),
+             num(r.get("reused_share") if r.get("reused_share") is not None else r.get("server_reused_share"), ".0%")]
             for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(line, widths)))

@@ -720,6 +720,20 @@ def test_the_load_generator_measures_a_closed_loop(dense_server):
     assert not bad.ok and "HTTP 400" in bad.error
 
 
+def test_the_conversation_load_reuses_each_chats_history(dense_server):
+    """bench serve-load --conversations: each client's chat sends its history and a new turn; the follow-ups
+    keep the history's prefix (the server reports the share it kept), no turn fails, and a chat that would pass
+    the history limit starts anew."""
+    from bench import serve_load
+
+    turns, encode = serve_load.conversation_turns(True, 0, 300)  # a follow-up keeps the first turn's 256
+    assert turns(0, 0) != turns(1, 0) and turns(0, 0) != turns(0, 1) and len(turns(0, 0)) == 300  # own texts
+    row = serve_load.conversation_loop(dense_server.url, 1, turns, encode, new_tokens=4, history_tokens=1000,
+                                       duration=12.0)
+    assert row["failed"] == 0 and row["follow_ups"] >= 1 and row["tokens"] == 4 * row["requests"]
+    assert row["reused_share"] is not None and 0 < row["reused_share"] < 1
+
+
 def test_llama_server_avoids_amx_tiles_where_asked():
     """bench serve-load's llama-server: -np rows of the context each, and --no-repack on CPUs whose AMX
     tiles the runs avoid (a batch of more than one row would run on them)."""
