@@ -127,8 +127,11 @@ class _AOTKey:
         return f"{cls.__module__}.{cls.__qualname__}"
 
     def tensor(self, t: Tensor, values: bool) -> dict:
+        # its alignment, not its offset in its storage: a model's weights on huge pages (model.weights_on_huge_pages)
+        # sit at offsets into one buffer that shift with where the buffer lands, and a key with them changed at
+        # every process, so no later run ever found its programs; the program reads the tensor it is bound to
         entry = {"shape": list(t.shape), "dtype": str(t.dtype), "stride": list(t.stride()),
-                 "offset": t.storage_offset(), "device": str(t.device), "requires_grad": t.requires_grad,
+                 "aligned64": t.data_ptr() % 64 == 0, "device": str(t.device), "requires_grad": t.requires_grad,
                  "class": self.note_class(type(t))}
         if values and t.numel() <= _AOT_VALUE_HASH_MAX and t.device.type == "cpu" and t.layout == torch.strided:
             entry["sha256"] = hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()

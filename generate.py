@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: cuda when a CUDA device is available, else cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights, activations and KV cache (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--threads", type=cli.positive_int, default=None,
+                   help="torch threads (default: torch's, one per core; under torchrun each rank takes its share of the cores)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (a warm-up generation compiles it before the timed ones)")
     p.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default=None,
@@ -221,6 +223,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     check_flags(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     settings, draft_settings = speculation_settings(args)
     check_speculation(args, settings, draft_settings)
     if args.interactive and settings.compression is not None:

