@@ -484,6 +484,15 @@ class KVCache(nn.Module):
         self.live_length[row] = length
         self.ragged = True
 
+    def row_state(self, rows: list[int]) -> dict:
+        """Copies of these rows' running sums and live lengths (restore_row_state puts them back)."""
+        index = torch.tensor(rows, device=self.sums.device)
+        return {"rows": index, "sums": self.sums[index].clone(), "live_length": self.live_length[index].clone()}
+
+    def restore_row_state(self, state: dict) -> None:
+        self.sums[state["rows"]] = state["sums"]
+        self.live_length[state["rows"]] = state["live_length"]
+
     def keep_prefix(self, row: int, length: int, piece: int) -> None:
         """Row `row` keeps positions [0, length) (a prefix a new request shares: engine.py's reuse) with its
         running sums summed again over them piece by piece, [0, piece), [piece, 2 piece)..., in the order and

@@ -52,8 +52,7 @@ def prefill(model: Transformer, prompt: Tensor, chunk: int = PREFILL_CHUNK, step
     ends = chunk_ends(start, start + T, chunk)
     logits = None
     with progress_bar(T, "prefill", "tok", enabled=progress and len(ends) > 1) as bar:
-        for end in ends:
-            begin = max(start, end - chunk)
+        for begin, end in zip([start] + ends[:-1], ends):
             tokens = prompt[:, begin - start:end - start]
             positions = torch.arange(begin, end, device=prompt.device)
             if row is not None:

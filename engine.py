@@ -155,6 +155,7 @@ class Engine:
             raise ValueError("the prefill chunk and the step's token budget must be positive")
         self.rows = [None] * self.model.caches[0].max_batch
         self.cached: list[list[int]] = [[] for _ in self.rows]  # the prompt ids each row's cache holds, from 0
+        self.held = [0] * len(self.rows)  # positions a free row's cache holds (its last request's)
         self.used: list[float] = [0.0] * len(self.rows)  # when each row was last taken (least recently used first)
         self._ids = itertools.count()
         self._lock = threading.Condition()
@@ -294,7 +295,7 @@ class Engine:
                     self.stats["prefix_reused_tokens"] += kept
                 else:
                     self.model.reset_row(i)
-                self.cached[i] = []  # the row's tokens are the request's from now on (_finish records them)
+                self.cached[i], self.held[i] = [], 0  # the row is the request's from now on (_finish records it)
                 row.prefilled = kept
                 row.pieces = chunk_ends(kept, len(row.request.prompt), self.prefill_chunk)
                 self.stats["prompt_tokens"] += len(row.request.prompt)
@@ -347,13 +348,16 @@ class Engine:
 
     def _decode_step(self) -> None:
         """The first n rows step (row_bucket): a decoding row feeds its next token at its length; any
-        other row among them feeds a dummy token at its own length, which is truncated away (its
-        cache is as before)."""
+        other row among them (prefilling, or free with the prefix it keeps) feeds a dummy token at its own
+        length, its running sums and live length set aside before and put back after, bit for bit: its
+        cache is as before (the dummy's position is past its live length, rewritten before it is read)."""
         last = max(i for i, row in enumerate(self.rows) if row is not None and row.decoding)
         n, device = row_bucket(last + 1, len(self.rows)), self.model.device
         rows = self.rows[:n]
         tokens = [row.next_token if row is not None and row.decoding else 0 for row in rows]
-        lengths = [0 if row is None else row.length for row in rows]
+        lengths = [self.held[i] if row is None else row.length for i, row in enumerate(rows)]
+        idle = [i for i, row in enumerate(rows) if row is None or not row.decoding]
+        aside = self.model.rows_state(idle) if idle else None
         input_pos = torch.tensor(lengths, device=device).view(n, 1)
         token = torch.tensor(tokens, device=device).view(n, 1)
         start = time.perf_counter()
@@ -363,9 +367,8 @@ class Engine:
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(decoding)
         self.stats["decode_s"] += time.perf_counter() - start
-        for i, row in enumerate(rows):
-            if row is not None and not row.decoding:  # a free row's scratch position is reset when it is taken
-                self.model.truncate_row(i, lengths[i])
+        if aside is not None:
+            self.model.restore_rows_state(aside)
         for i, row_logits in zip(decoding, picked):
             self._take(i, row_logits)
 
@@ -392,6 +395,7 @@ class Engine:
         # the prefilled prompt its cache holds, for the next request's prefix (none after a failed step, whose
         # writes are unknown)
         self.cached[i] = [] if reason == "error" else row.request.prompt[:row.prefilled]
+        self.held[i] = row.length
         row.request.emit(None, reason, stop_logprob)
 
 

@@ -511,6 +511,16 @@ class Transformer(nn.Module):
         for cache in self.caches:
             cache.truncate(row, length)
 
+    def rows_state(self, rows: list[int]) -> list[dict]:
+        """Copies of these batch rows' running sums and live lengths in every cache, for restore_rows_state to
+        put back bit for bit: a server's decode step writes a scratch token into the rows among its bucket that
+        do not decode (their positions past the live length are never read)."""
+        return [cache.row_state(rows) for cache in self.caches]
+
+    def restore_rows_state(self, state: list[dict]) -> None:
+        for cache, rows in zip(self.caches, state, strict=True):
+            cache.restore_row_state(rows)
+
     def keep_prefix(self, row: int, length: int, piece: int) -> None:
         """Batch row `row` keeps its first `length` positions in every cache, their running sums as a prefill
         in pieces of `piece` leaves them (KVCache.keep_prefix): a server's prefix reuse."""

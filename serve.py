@@ -42,6 +42,7 @@ import torch
 
 import cli
 import data
+import tp
 from assemble import (DTYPES, TokenIds, add_cache_flags, add_model_flags, allocate_caches, cache_format, kernels_for,
                       load_checkpoint, load_tokenizer, model_args, solve_compression)
 from budgets import Storage
@@ -74,8 +75,17 @@ class Served:
     model_name: str
     description: dict
     metrics: Optional["Metrics"] = None
+    leader: Optional[tp.Leader] = None  # under torchrun: rank 0's model, which sends each step to the other ranks
     thread: Optional[threading.Thread] = None
     decode_step: str = "eager"  # what the engine's step is: "eager", "compiling (n of m built)", or the backend
+
+    def use_step(self, step: Callable) -> None:
+        """The decode step the engine runs from its next step on (under torchrun, the one run on rank 0 after
+        the step is sent: the other ranks run their own, tp.follow)."""
+        if self.leader is not None:
+            self.leader.step = step
+        else:
+            self.engine.decode = step
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.engine.run_forever, name="engine", daemon=True)
@@ -85,6 +95,8 @@ class Served:
         self.engine.stop()
         if self.thread is not None:
             self.thread.join(timeout)
+        if self.leader is not None:
+            self.leader.stop()
 
 
 class Metrics:
@@ -491,9 +503,14 @@ def plan(args: argparse.Namespace) -> Plan:
         raise UserError("--device cuda: no CUDA device is available")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    args.compile_backend = args.compile_backend or default_compile_backend(args.device)
+    # aot builds one process's step; under torchrun every rank compiles its own (inductor)
+    args.compile_backend = args.compile_backend or (default_compile_backend(args.device) if tp.world_size() == 1
+                                                    else "inductor")
     if args.compile_backend == "aot" and args.device == "cuda":
         raise UserError("--compile-backend aot builds the CPU step; on CUDA the step is captured in CUDA graphs (inductor)")
+    if args.compile_backend == "aot" and tp.world_size() > 1:
+        raise UserError("--compile-backend aot builds one process's CPU step; under torchrun each rank compiles its "
+                        "own: --compile-backend inductor (the default there) or --no-compile")
     if not args.random_weights:  # a .gguf file or an HF directory: converted once, beside it
         args.checkpoint = resolve_checkpoint(args.checkpoint or data.DEFAULT_CHECKPOINT)
     settings = attention_settings(args)
@@ -518,8 +535,9 @@ def plan(args: argparse.Namespace) -> Plan:
     return Plan(settings, config, max_seq_length, length_bucket, kv_format)
 
 
-def load(args: argparse.Namespace, planned: Plan) -> Served:
-    """The model, its policy and the engine (not started) on the eager step; UserError for what cannot serve."""
+def load_model(args: argparse.Namespace, planned: Plan):
+    """(the model, with this rank's shard under torchrun, its caches allocated and its policy installed; the
+    tokenizer; the served name; the kernels): what every rank of a server loads."""
     settings, config, kv_format = planned.settings, planned.config, planned.kv_format
     # rows come and go between steps: a row's result must not depend on its neighbours
     kernels = batch_invariant_kernels(kernels_for(args.kernel, args.device, config, planned.length_bucket, [kv_format]))
@@ -531,18 +549,30 @@ def load(args: argparse.Namespace, planned: Plan) -> Served:
         tokenizer = load_tokenizer(args.checkpoint)
         path = Path(args.checkpoint)
         name = path.name if path.is_dir() else path.parent.name
+    tp.maybe_shard(model, args.device)  # under torchrun: this rank's KV heads (tp.py)
     allocate_caches(model, kv_format, args.max_batch_size, planned.max_seq_length, planned.length_bucket)
     install_policy(model, settings)
-    engine = Engine(model, planned.max_seq_length, prefill_chunk=args.prefill_chunk, step_tokens=args.step_tokens,
-                    max_queue=args.max_queue, decode=decode_step)
+    return model, tokenizer, name, kernels
+
+
+def load(args: argparse.Namespace, planned: Plan) -> Served:
+    """The model, its policy and the engine (not started) on the eager step; UserError for what cannot serve.
+    Under torchrun, rank 0's: its engine steps the other ranks through a tp.Leader."""
+    settings, config = planned.settings, planned.config
+    model, tokenizer, name, kernels = load_model(args, planned)
+    leader = tp.Leader(model, decode_step) if tp.world_size() > 1 else None
+    engine = Engine(leader or model, planned.max_seq_length, prefill_chunk=args.prefill_chunk,
+                    step_tokens=args.step_tokens, max_queue=args.max_queue,
+                    decode=leader.decode_step if leader else decode_step)
     description = {"attention": describe_layers(model), "settings": public_settings(settings, args.checkpoint),
                    "max_batch_size": args.max_batch_size, "max_seq_length": planned.max_seq_length,
                    "step_tokens": args.step_tokens, "prefill_chunk": args.prefill_chunk,
                    "dtype": args.dtype, "device": args.device, "kernels": kernels.name,
                    "compiled": args.compile_backend if args.compile else None,
-                   "tokenizer": not isinstance(tokenizer, TokenIds), "vocab_size": config.vocab_size}
+                   "tokenizer": not isinstance(tokenizer, TokenIds), "vocab_size": config.vocab_size,
+                   "tensor_parallel": tp.world_size()}
     return Served(engine, tokenizer, args.served_model_name or name, description,
-                  Metrics(engine) if args.metrics else None)
+                  Metrics(engine) if args.metrics else None, leader=leader)
 
 
 def warm_up_lengths(engine: Engine) -> list[int]:
@@ -580,7 +610,7 @@ def build_in_background(served: Served, say: Callable[[str], None]) -> None:
             what = compiled.prepare(model, tokens, positions, model.read_length(length + 1), build_on=shadow)
             done += 1
             say(f"decode step {done} of {total} ready ({n} row{'s' * (n > 1)}, live length {length}): {what}")
-    engine.decode = compiled
+    served.use_step(compiled)
     served.decode_step = "aot"
     say(f"the compiled decode step serves from now on ({time.perf_counter() - start:.0f} s; {compiled.summary()})")
 
@@ -590,7 +620,7 @@ def warm_up_in_place(served: Served, backend: str) -> float:
     bucket at each warm-up length (Engine.warm_up), then one short request end to end, before any request."""
     engine = served.engine
     start = time.perf_counter()
-    engine.decode = compiled_decode_step(decode_step, engine.model.device.type, backend)
+    served.use_step(compiled_decode_step(decode_step, engine.model.device.type, backend))
     if not engine.model.args.has_window_layers:  # (window layers' caches cannot hold rows of set lengths; one row)
         engine.warm_up(warm_up_lengths(engine))
     run_alone(engine, Request(prompt=[1, 2, 3], max_new_tokens=2))
@@ -642,6 +672,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     planned = plan(args)
+    if tp.rank() > 0:  # under torchrun: rank 0 speaks HTTP, the others make its engine's calls on their shards
+        return follow_rank_0(args, planned)
     app = build_app(api_key=args.api_key)
 
     class Server(uvicorn.Server):
@@ -662,8 +694,21 @@ def run(args: argparse.Namespace) -> int:
     asyncio.run(_serve_and_report(server, args, loader))
     if app.state.served is not None:
         app.state.served.stop()
+    tp.shutdown()
     if failure:
         raise failure[0]
+    return 0
+
+
+def follow_rank_0(args: argparse.Namespace, planned: Plan) -> int:
+    """A rank other than 0 of a tensor-parallel server: its shard loaded as rank 0 loads its own, then every call
+    rank 0's engine sends made here (tp.follow) until rank 0 stops."""
+    model = load_model(args, planned)[0]
+    step = compiled_decode_step(decode_step, args.device, args.compile_backend) if args.compile else decode_step
+    try:
+        tp.follow(model, step)
+    finally:
+        tp.shutdown()
     return 0
 
 

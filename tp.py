@@ -154,3 +154,77 @@ def maybe_shard(model: Transformer, device: str) -> Optional[int]:
     quiet_unless_rank0()
     shard(model, rank(), world)
     return world
+
+
+# ---------------------------------------------------------------------------------------------
+# A tensor-parallel server: rank 0's engine leads, the other ranks make the same calls
+# ---------------------------------------------------------------------------------------------
+
+
+def _send(call: tuple) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([call], src=0)
+
+
+def _receive() -> tuple:
+    import torch.distributed as dist
+
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Leader:
+    """Rank 0's model as a tensor-parallel engine sees it (serve.py under torchrun): every call that steps the
+    model or changes its caches (a prefill piece, a decode step, a row kept, truncated or reset, live lengths
+    set) is first sent to the other ranks, which make the same call on their shards (follow), so the ranks'
+    collectives meet in the same order with the same inputs; everything else (its args, caches, read_length)
+    is the model's own. decode_step is the engine's step: the same call sent, then `step` run here."""
+
+    STEPS = ("prefill", "reset_row", "keep_prefix", "truncate_row", "set_live_lengths", "rows_state")
+
+    def __init__(self, model: Transformer, step):
+        self.model, self.step = model, step
+
+    def __getattr__(self, name: str):
+        value = getattr(self.model, name)
+        if name not in Leader.STEPS:
+            return value
+
+        def sent_then_made(*args, **kwargs):
+            _send((name, args, kwargs))
+            return value(*args, **kwargs)
+
+        return sent_then_made
+
+    def restore_rows_state(self, state: list) -> None:
+        """Each rank puts back the rows' state it copied at the last rows_state (its own shard's)."""
+        _send(("restore_rows_state", (), {}))
+        self.model.restore_rows_state(state)
+
+    def decode_step(self, model, token: Tensor, input_pos: Tensor, length: int) -> Tensor:
+        _send(("decode", (token, input_pos, length), {}))
+        return self.step(self.model, token, input_pos, length)
+
+    def stop(self) -> None:
+        """The other ranks' follow() returns."""
+        _send(("stop", (), {}))
+
+
+def follow(model: Transformer, step) -> None:
+    """Ranks other than 0 in a tensor-parallel server: make each call rank 0's Leader sends, on this rank's
+    shard (decode steps through `step`, this rank's own compiled or eager step), until it says stop."""
+    aside = None  # the rows' state this rank copied at rank 0's last rows_state
+    while True:
+        name, args, kwargs = _receive()
+        if name == "stop":
+            return
+        if name == "decode":
+            step(model, *args)
+        elif name == "rows_state":
+            aside = model.rows_state(*args)
+        elif name == "restore_rows_state":
+            model.restore_rows_state(aside)
+        else:
+            getattr(model, name)(*args, **kwargs)

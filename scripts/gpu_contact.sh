@@ -12,6 +12,8 @@
 #                                  # takes over ~190 s)                                        ~450-590 s (590)
 #   bash scripts/gpu_contact.sh 5  # one layer's attention op: Table 4, B = 1 at 8k-128k, quantized cache  ~75 s (120)
 #   bash scripts/gpu_contact.sh 6  # Llama-2-7B 16k, B = 4: dense, SparQ, self-speculation      ~340 s (480)
+#   bash scripts/gpu_contact.sh 7  # the server over tensor parallel: torchrun, one rank per GPU lent
+#                                  # (NCCL; gloo in the smoke), call 4's load with SparQ            ~300 s (590)
 # A 15-minute contact (a fresh machine starts in ~30 s) runs 1 then 5; the next, 2 (then 5 if not run);
 # then 3 + 6, then 4 (or 4a and 4b).
 # Estimates from the contacts so far (H200, cold caches): the tests 45-65 s (70 of them); the
@@ -43,11 +45,14 @@ if [ "$SMOKE" = 1 ]; then
     SMOKE_ARGS=(--device cpu --compile eager --steps 2)
     SHAPE=smollm2  # token ids up to 30000 (bench serve-load's): the tiny shape's 256 ids are too few
     CLIENTS=2 PROMPT=64 NEW=8 DURATION=3 SERVE_ARGS=(--device cpu --no-compile)
+    RANKS=2  # tensor parallel over two CPU processes (gloo)
 else
     SMOKE_ARGS=()
     SHAPE=llama-3.1-8b
     CLIENTS=16 PROMPT=16384 NEW=256 DURATION=45 SERVE_ARGS=()
+    RANKS=$(nvidia-smi -L 2>/dev/null | wc -l)  # one rank per GPU lent (NCCL)
 fi
+LAUNCH=("$PY")  # how serve() starts serve.py: call 7 puts torchrun in front
 SPARQ=(--sparq-r 32 --sparq-k 128)  # gpu_check's SparQ (r = 32, k = 128)
 
 device() {  # the device line at the top of a call's first log
@@ -69,7 +74,7 @@ serve() {  # name, timeout s, serve.py flags...: a server of random weights, the
     local name=$1 limit=$2
     shift 2
     local log="$OUT/$name.log" start=$SECONDS url="" load=$((DURATION + 60))
-    "$PY" serve.py --random-weights "$SHAPE" --port 0 --max-batch-size "$CLIENTS" \
+    "${LAUNCH[@]}" serve.py --random-weights "$SHAPE" --port 0 --max-batch-size "$CLIENTS" \
         --max-seq-length $((PROMPT + NEW + 64)) ${SERVE_ARGS[@]+"${SERVE_ARGS[@]}"} "$@" >> "$log" 2>&1 &
     local server=$!
     while [ -z "$url" ] && kill -0 "$server" 2>/dev/null && [ $((SECONDS - start)) -lt $((limit - load)) ]; do
@@ -127,8 +132,14 @@ case "${1:-1}" in
     check e2e_l2_b4 480 330 --sections e2e --models llama-2-7b --batches 4 --contexts 16384 --speculate-k 2
     tail -n 40 "$OUT/e2e_l2_b4.log"
     ;;
+7)
+    device serve_tp
+    LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc_per_node "${RANKS:-1}")
+    serve serve_tp 590 "${SPARQ[@]}"
+    tail -n 12 "$OUT/serve_tp.log"
+    ;;
 *)
-    echo "gpu_contact.sh: give the call: 1, 2, 3, 4 (or 4a, 4b), 5 or 6, not '$1'" >&2
+    echo "gpu_contact.sh: give the call: 1, 2, 3, 4 (or 4a, 4b), 5, 6 or 7, not '$1'" >&2
     exit 2
     ;;
 esac

@@ -212,3 +212,23 @@ def test_preserved_caches_leave_every_cache_as_found_even_when_the_block_raises(
         for cache, (live, sums) in zip(model.caches, before):
             assert torch.equal(cache.live_length, live) and torch.equal(cache.sums, sums)
         assert continue_rows(model, rows, 5) == untouched
+
+
+def test_a_prefill_in_pieces_writes_each_position_once():
+    """decoding.prefill cuts a prompt at the multiples of its chunk (decoding.chunk_ends: the last piece short)
+    and feeds each position once: the running sums are those of the positions stored, whatever the chunk."""
+    from cache import position_sums
+    from decoding import chunk_ends
+    from test_ragged import tiny_model
+
+    assert chunk_ends(0, 90, 16) == [16, 32, 48, 64, 80, 90] and chunk_ends(20, 40, 16) == [32, 40]
+    model = tiny_model()
+    prompt = torch.randint(0, 101, (1, 90), generator=torch.Generator().manual_seed(1))
+    for chunk in (16, 37, 90):
+        model.setup_caches(1, 128)
+        with torch.no_grad():
+            prefill(model, prompt, chunk)
+        for cache in model.caches:
+            stored = position_sums(cache.k[:1, :, :90], cache.v[:1, :, :90])
+            torch.testing.assert_close(cache.sums[:1], stored, rtol=1e-5, atol=1e-4)
+            assert int(cache.live_length[0]) == 90

@@ -442,17 +442,18 @@ def test_every_prepared_calls_flags_are_valid_and_fit_the_limit(tmp_path, capsys
             assert gpu_check.main(args + ["--budget-s", str(budget), "--json", str(tmp_path / f"{name}.json")]) == 0, \
                 (name, capsys.readouterr())
             assert read_json(tmp_path / f"{name}.json")["skipped"], name
-    proc = subprocess.run(["bash", str(CONTACT_SCRIPT), "7"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["bash", str(CONTACT_SCRIPT), "8"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "give the call" in proc.stderr
 
 
 def test_cpu_smoke_of_the_prepared_calls(tmp_path):
     """GPU_CONTACT_SMOKE=1 runs a call on the CPU at tiny scale with the same flags: call 6 (a batch with
     self-speculation) leaves its JSON and log under $OUT; call 4 starts serve.py twice (SparQ, then dense)
-    with random weights and drives each with bench serve-load's token-id prompts, every request served."""
+    with random weights and drives each with bench serve-load's token-id prompts, every request served; call 7
+    the same over two tensor-parallel ranks."""
     env = {**os.environ, "GPU_CONTACT_SMOKE": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
     out = {}
-    for call in ("6", "4"):
+    for call in ("6", "4", "7"):
         proc = subprocess.run(["bash", str(CONTACT_SCRIPT), call], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -461,7 +462,8 @@ def test_cpu_smoke_of_the_prepared_calls(tmp_path):
     assert sorted(r["policy"] for r in rows) == ["dense", "sparq", "speculate"] and all(r["B"] == 4 for r in rows)
     assert "e2e_l2_b4: exit 0" in out["6"] and "smoke" in (tmp_path / "e2e_l2_b4.log").read_text()
     assert "serve_sparq: serve-load exit 0" in out["4"] and "serve_dense: serve-load exit 0" in out["4"]
-    for name, policy in (("serve_sparq", "sparq"), ("serve_dense", "dense")):
+    assert "serve_tp: serve-load exit 0" in out["7"]  # tensor parallel: two ranks on gloo
+    for name, policy in (("serve_sparq", "sparq"), ("serve_dense", "dense"), ("serve_tp", "sparq")):
         log = (tmp_path / f"{name}.log").read_text()
         assert f"({policy} on" in log and "listening on" in log, log[-2000:]
         load = read_json(tmp_path / f"{name}.json")["rows"]

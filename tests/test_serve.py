@@ -154,8 +154,8 @@ def test_warm_up_steps_every_bucket_and_leaves_the_engine_as_new():
 
 
 def test_a_step_carries_prompt_pieces_within_its_token_budget():
-    """With two rows decoding and a budget of 40 tokens a step, a 100-token prompt (pieces of 16, the
-    first short) goes in 38 tokens a step at most, at least one piece a step, and the decoding rows
+    """With two rows decoding and a budget of 40 tokens a step, a 100-token prompt (pieces ending at the
+    multiples of 16, the last short) goes in 38 tokens a step at most, at least one piece a step, and the decoding rows
     get a token at every step meanwhile."""
     engine = engine_for(tiny_model(), AttentionSettings("dense"), rows=4, chunk=16, step_tokens=40)
     pieces, original = [], engine._prefill_piece
@@ -179,7 +179,7 @@ def test_a_step_carries_prompt_pieces_within_its_token_budget():
         pieces.append(0)
         engine.step()
         per_step.append(pieces[-1])
-    assert per_step == [36, 32, 32], per_step  # 4 + 16 + 16, then two pieces of 16 (a third would exceed 38)
+    assert per_step == [32, 32, 36], per_step  # two pieces of 16 (a third would exceed 38), twice, then 16 + 16 + 4
     assert len(early[0].tokens) - before == len(per_step)  # a decoding row's token at every step
 
 

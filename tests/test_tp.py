@@ -3,6 +3,7 @@ SparQ and H2O eager, dense and SparQ compiled; sharded shapes per rank; generate
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,3 +65,68 @@ def test_more_ranks_than_kv_heads_is_one_line(tmp_path):
 def test_interactive_refuses_torchrun(smollm2_checkpoint):
     result = torchrun("generate.py", "--checkpoint", smollm2_checkpoint, "--interactive", timeout=300)
     assert result.returncode != 0 and "one process" in result.stderr
+
+
+def rank_0_of(torchrun_pid: int) -> int:
+    """The pid of the worker torchrun started as rank 0 (its environment says RANK=0)."""
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == torchrun_pid and b"RANK=0" in environ:
+            return pid
+    raise AssertionError("no rank 0 under torchrun")
+
+
+def test_the_server_over_two_ranks_answers_what_one_process_does(smollm2_checkpoint):
+    """torchrun --nproc-per-node 2 serve.py: rank 0 speaks HTTP and its engine's every step reaches rank 1
+    (tp.Leader / tp.follow, gloo); through the OpenAI client two concurrent greedy completions equal one
+    process's, and SIGTERM ends both ranks."""
+    import signal
+    import time
+
+    import openai
+
+    from test_serve import Server
+
+    prompts = ["The three best things about Paris are", "Once upon a time"]
+    flags = ["--max-batch-size", "2", "--kernel", "torch", "--max-seq-length", "512"]
+    single = Server(smollm2_checkpoint, *flags)
+    try:
+        client = single.client()
+        expected = [client.completions.create(model="x", prompt=p, max_tokens=10, temperature=0).choices[0].text
+                    for p in prompts]
+    finally:
+        single.close()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "serve.py", "--checkpoint", str(smollm2_checkpoint), "--port", "0", "--no-compile",
+                             *flags], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        lines, url = [], None
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            line = proc.stderr.readline()
+            assert line, "torchrun serve.py exited: " + "".join(lines)
+            lines.append(line)
+            if "listening on" in line:
+                url = line.split("listening on ")[1].split()[0]
+            if "serve.py: ready:" in line:
+                break
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+        assert client.models.list().data[0].model_extra["tensor_parallel"] == 2
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: client.completions.create(model="x", prompt=p, max_tokens=10,
+                                                                    temperature=0).choices[0].text, prompts))
+        assert got == expected
+        os.kill(rank_0_of(proc.pid), signal.SIGTERM)  # the server's own shutdown (torchrun's would kill the ranks)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
