@@ -15,6 +15,7 @@ from attention import DecodePolicy, DenseDecode
 from cache import KVFormat
 from kernels import TORCH_KERNELS
 from model import ModelArgs
+from baselines import QUEST_PAGES
 from policies import DENSE, OPTIONAL_SETTINGS, POLICIES, AttentionSettings, fraction_label, policy_factory
 from sparq_adaptive import StepCosts
 
@@ -95,9 +96,41 @@ def settings_for_compression(settings: AttentionSettings, target: float, seq_len
     if entry.knob == "compression":
         best = replace(settings, compression=Fraction(target).limit_denominator(1 << 16))
         return best, _compression_ratio(best, seq_len, args, storage)
+    if "page_size" in entry.flags:  # pages too small to reach the target: larger ones cost less metadata
+        settings = replace(settings, page_size=_pages_for(settings, target, seq_len, args, storage))
     ratio, lo, hi = _knob_ratio(settings, seq_len, args, storage)
+    if entry.knob == "sparq_r" and ratio(hi) < target:  # every component read, budget left: more positions
+        return _positions_for(replace(settings, sparq_r=hi), target, seq_len, args, storage)
+    while entry.knob == "sparq_r" and ratio(lo) > target and settings.sparq_k > MIN_SPARQ_K:
+        # k alone reads more than the target (short prompts, low targets): half the positions, then r again
+        settings = replace(settings, sparq_k=max(MIN_SPARQ_K, settings.sparq_k // 2))
+        ratio, lo, hi = _knob_ratio(settings, seq_len, args, storage)
     best = replace(settings, **{entry.knob: _closest(ratio, lo, hi, target)})
     return best, ratio(getattr(best, entry.knob))
+
+
+MIN_SPARQ_K = 8  # the fewest positions SparQ's budget goes down to before a target is out of its reach
+
+
+def _positions_for(settings: AttentionSettings, target: float, seq_len: int, args: ModelArgs,
+                   storage: Storage) -> tuple[AttentionSettings, float]:
+    """SparQ at every component (r = d) with the k closest to the target: a budget generous enough to read all
+    of a cheap K^T (an int4 one at 1/4) spends the rest on positions, as sparq-fixed-r solves k."""
+    def ratio(k: int) -> float:
+        return _compression_ratio(replace(settings, sparq_k=k), seq_len, args, storage)
+
+    k = _closest(ratio, settings.sparq_k, max(seq_len - 1, settings.sparq_k), target)
+    return replace(settings, sparq_k=k), ratio(k)
+
+
+def _pages_for(settings: AttentionSettings, target: float, seq_len: int, args: ModelArgs, storage: Storage) -> int:
+    """The page size a page selector (Quest, the hybrid) needs for `target`: its own where that reaches it,
+    else the smallest of QUEST_PAGES from it on whose one-page budget does (the largest if none)."""
+    sizes = [p for p in QUEST_PAGES if p >= settings.page_size] or [settings.page_size]
+    for page in sizes:
+        if _compression_ratio(replace(settings, page_size=page, kv_budget=page), seq_len, args, storage) <= target:
+            return page
+    return sizes[-1]
 
 
 def _knob_ratio(settings: AttentionSettings, seq_len: int, args: ModelArgs,
@@ -166,7 +199,11 @@ class Budget:
             setting = f"r and k per layer and step (sparq_adaptive.adaptive_split{capped}){at}"
         else:
             setting = f"r={self.r}, k={self.k_top}" if self.r is not None else f"k={self.k_top}"
-        return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len})"
+            if "page_size" in POLICIES[self.method].flags:
+                setting += f", pages of {self.settings.page_size}"
+        below = (f"; all it reads, below the target of {float(self.target):.3f}"
+                 if self.achieved < float(self.target) * (1 - REACH_TOLERANCE) else "")
+        return f"{self.method} {setting} ({self.achieved:.3f} of dense at S={self.seq_len}{below})"
 
 
 def solve_budget(method: str, target: Fraction, seq_len: int, args: ModelArgs,
@@ -186,20 +223,22 @@ def solve_budget(method: str, target: Fraction, seq_len: int, args: ModelArgs,
     return Budget(method, target, seq_len, settings, achieved, split)
 
 
-REACH_TOLERANCE = 0.02  # a target this far (relative) beyond what the knob's range reaches is refused
+REACH_TOLERANCE = 0.02  # a target this far (relative) below what the knob's range reaches is refused
 
 
 def solve_target(settings: AttentionSettings, seq_len: int, args: ModelArgs, storage: Storage = FLOAT_CACHE) -> Budget:
     """The budget for settings.compression (generate.py's --compression) at seq_len (a batch's longest
-    prompt), in bytes as `storage` holds them. A target outside what the policy reaches is a one-line
-    error naming the range: below it, e.g. FlexGen's top-k (which reads all of K) under 1/2, or SparQ
-    on a model whose window layers stay dense; within it, the closest knob (reported as achieved)."""
+    prompt), in bytes as `storage` holds them: the closest knob (reported as achieved). A target is a ceiling:
+    above all the policy reads (a budget SparQ's cheap K^T and positions up to the prompt cannot spend) it takes
+    its most, reported as the lower fraction it reads; below its floor it is a one-line error naming the range
+    (it would read more than asked), e.g. FlexGen's top-k (which reads all of K) under 1/2, or SparQ on a model
+    whose window layers stay dense."""
     budget = solve_budget(settings.policy, settings.compression, seq_len, args, settings, storage)
     if budget.method == "dense":  # a target of 1
         return budget
     lowest, highest = reachable_compression(budget.settings, seq_len, args, storage)
     target = float(settings.compression)
-    if not lowest * (1 - REACH_TOLERANCE) <= target <= highest * (1 + REACH_TOLERANCE):
+    if target < lowest * (1 - REACH_TOLERANCE):
         raise cli.UserError(f"--compression {fraction_label(settings.compression)} is out of reach of "
                             f"{settings.policy} at {seq_len} tokens: its transfers range from {lowest:.3f} "
                             f"(1/{1 / lowest:.1f}, the lowest target it reaches) to {highest:.3f} of dense")

@@ -862,3 +862,75 @@ def test_api_key_metrics_and_the_served_name(keyed_server, openai_client):
     assert 'sparq_requests_total{endpoint="/v1/completions",outcome="4xx"} 1.0' not in text  # the 401 is the key's
     assert "sparq_generation_tokens_total 4.0" in text and "sparq_time_to_first_token_seconds_count 1.0" in text
     assert "sparq_queue_depth 0.0" in text and "sparq_rows_in_use 0.0" in text
+
+
+def test_a_fresh_server_answers_at_once_and_swaps_in_its_compiled_step(tmp_path):
+    """On an empty AOT cache: the port opens and /health answers (503 'loading', then 200) before any build;
+    requests are served by the eager step while the compiled programs build in the background, each build said
+    on stderr; then the compiled step takes over ("aot" in /health) with the same greedy tokens; a second start
+    finds the programs in the cache."""
+    import os
+
+    env = {**os.environ, "SPARQ_FAST_CACHE": str(tmp_path)}
+    flags = ["--random-weights", "tiny", "--max-batch-size", "2", "--max-seq-length", "256"]
+
+    def start() -> tuple[subprocess.Popen, str, list]:
+        proc = subprocess.Popen([sys.executable, "serve.py", *flags, "--port", "0"], cwd=REPO, env=env,
+                                stderr=subprocess.PIPE, text=True)
+        lines = []
+        while True:
+            line = proc.stderr.readline()
+            assert line, "serve.py exited: " + "".join(lines)
+            lines.append(line)
+            if "listening on" in line:
+                return proc, line.split("listening on ")[1].split()[0].removesuffix("/v1"), lines
+
+    def get(url: str, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(url + path, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def complete(url: str) -> list[int]:
+        request = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+            {"prompt": list(range(5, 40)), "max_tokens": 8, "temperature": 0}).encode(),
+            headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return [int(t) for t in json.loads(response.read())["choices"][0]["text"].split()]
+
+    proc, url, lines = start()
+    try:
+        code, health = get(url, "/health")
+        assert code in (200, 503) and (code == 200 or health["status"] == "loading")  # answers before the model
+        deadline = time.time() + 120
+        while get(url, "/health")[0] != 200:
+            assert time.time() < deadline
+            time.sleep(0.2)
+        assert get(url, "/health")[1]["decode_step"].startswith("eager")  # the builds have just begun
+        eager = complete(url)
+        while True:
+            line = proc.stderr.readline()
+            assert line, "serve.py exited: " + "".join(lines)
+            lines.append(line)
+            if "serves from now on" in line:
+                break
+        said = "".join(lines)
+        assert said.count("ready (") == 4 and "built the decode step" in said  # 2 buckets x 2 lengths
+        assert get(url, "/health")[1]["decode_step"] == "aot" and complete(url) == eager
+    finally:
+        proc.kill()
+        proc.wait(30)
+    proc, url, lines = start()  # the cache holds the programs now: loaded, not built
+    try:
+        while True:
+            line = proc.stderr.readline()
+            assert line, "serve.py exited: " + "".join(lines)
+            lines.append(line)
+            if "serves from now on" in line:
+                break
+        assert "loaded the decode step" in "".join(lines) and "built the decode step" not in "".join(lines)
+        assert complete(url) == eager
+    finally:
+        proc.kill()
+        proc.wait(30)
