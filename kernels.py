@@ -114,8 +114,8 @@ KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 # So eager calls go straight from the dispatcher to C++ (no Python in between).
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_CPU_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_CPU_LDFLAGS = ["-fopenmp"]
+_CPU_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_CPU_LDFLAGS = ("-fopenmp",)  # tuples: cpp_extension.load appends its own flags to the lists it is given
 # error: None = loaded (once tried), else why not; gemv_isa: linear_cpu_isa() of the loaded build
 _cpu_ext: dict = {"error": None, "tried": False, "gemv_isa": None}
 _cpu_ext_lock = threading.Lock()
@@ -133,7 +133,7 @@ def _cpu_build_tag() -> str:
         h.update(os.path.basename(path).encode())
         with open(path, "rb") as f:
             h.update(f.read())
-    h.update(" ".join(_CPU_CFLAGS + _CPU_LDFLAGS).encode())
+    h.update(" ".join(_CPU_CFLAGS + _CPU_LDFLAGS).encode())  # the flags as written, never as the build extended them
     h.update(torch.__version__.encode())
     try:
         with open("/proc/cpuinfo") as f:
@@ -162,8 +162,8 @@ def _build_and_load() -> None:
 
     with OneTimeWork(f"building the fused CPU kernels (once per machine: {len(_csrc_files(('.cpp',)))} files of "
                      f"csrc/, cached in {build_dir})"):
-        cpp_extension.load(name=name, sources=_csrc_files((".cpp",)), extra_cflags=_CPU_CFLAGS,
-                           extra_ldflags=_CPU_LDFLAGS, is_python_module=False, verbose=False)
+        cpp_extension.load(name=name, sources=_csrc_files((".cpp",)), extra_cflags=list(_CPU_CFLAGS),
+                           extra_ldflags=list(_CPU_LDFLAGS), is_python_module=False, verbose=False)
 
 
 def cpu_kernel_error() -> Optional[str]:
@@ -230,6 +230,9 @@ _CPU_OPS = (
     # the same with x quantized to int8 per group, integer dot products (quantize.py's "gemv-q8")
     ("linear_int4_q8_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros, int N) -> Tensor", _rows_by_n),
     ("linear_int8_q8_cpu", "(Tensor x, Tensor w, Tensor scales, int N) -> Tensor", _rows_by_n),
+    # their prefill GEMMs: any number of rows, each row the GEMV's bit for bit (quantize.py's "gemv-q8" prefill)
+    ("linear_int4_q8_gemm_cpu", "(Tensor x, Tensor w, Tensor scales, Tensor zeros, int N) -> Tensor", _rows_by_n),
+    ("linear_int8_q8_gemm_cpu", "(Tensor x, Tensor w, Tensor scales, int N) -> Tensor", _rows_by_n),
     ("linear_cpu_isa", "() -> str", None),  # the GEMV's instruction set in this build
     ("dense_int8_path", "() -> str", None),  # "vnni" or "float" (csrc/dense_decode.cpp)
     ("linear_q8_path", "() -> str", None),  # "vnni", "avx2" or "portable" in this build

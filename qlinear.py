@@ -24,9 +24,13 @@ Kernels (CPU, torch 2.13).
                             products (sparq::linear_int4_q8_cpu / linear_int8_q8_cpu, vpdpbusd) on the
                             weights repacked at load in rows of 16 (pack_int4_rows16 / pack_int8_rows16;
                             a tied embedding gathers its rows from the head's copy): "auto"'s choice where
-                            the build has AVX512_VNNI (gemv_kernel), the only path here whose decode
+                            the build has AVX512_VNNI (gemv_kernel), the only path here whose
                             numerics are not those of the dequantized weights: the rounding of x costs
-                            SmolLM2 less than llama.cpp's formats lose (docs/NOTES.md).
+                            SmolLM2 less than llama.cpp's formats lose (docs/NOTES.md). A prefill's
+                            many rows take the integer GEMMs on the same repacked weights
+                            (sparq::linear_int4_q8_gemm_cpu / linear_int8_q8_gemm_cpu, where q8_gemm_pays), each
+                            row the GEMV's bit for bit, where torch's F.linear needed the whole weight
+                            dequantized first.
 aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu are only vectorized for bf16
 activations; with fp32 activations they run a scalar loop, many times slower. So the packed paths cast
 the activations to bf16, run the kernel (fp32 accumulation) and cast back:
@@ -43,6 +47,7 @@ trace into torch.compile(fullgraph=True) graphs.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -176,6 +181,29 @@ def gemv_kernel(device: torch.device) -> str:
     return "gemv"
 
 
+def q8_gemm_built() -> bool:
+    """Whether this build's gemv-q8 has integer GEMM tiles for a prefill (vpdpbusd or vpmaddubsw: a quarter of
+    F.linear's fp32 work per multiply-add on the 1-byte x, each weight tile reused across rows); the portable
+    path's scalar loops would lose to torch's vectorised GEMM at any size."""
+    return torch.ops.sparq.linear_q8_path() in ("vnni", "avx2")
+
+
+AMX_BF16_GEMM_FROM_ROWS = 512  # bf16 rows from which torch's AMX GEMM beats the integer one (docs/NOTES.md)
+
+
+@functools.cache
+def _bf16_gemm_on_amx() -> bool:
+    return torch.cpu._is_amx_tile_supported()
+
+
+def q8_gemm_pays(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a gemv-q8 prefill of `rows` rows of x in `dtype` takes the integer GEMM rather than dequantizing the
+    whole weight for F.linear. It does for fp32 x, and for bf16 x where torch's bf16 GEMM runs on AVX-512 or AVX2;
+    where it runs on AMX tiles (Sapphire Rapids on), the dequantization's fixed cost still loses to the integer
+    GEMM below AMX_BF16_GEMM_FROM_ROWS rows (the engine's 256-token pieces) but AMX wins above (generate's)."""
+    return dtype != torch.bfloat16 or rows < AMX_BF16_GEMM_FROM_ROWS or not _bf16_gemm_on_amx()
+
+
 def _int4pack_mm(x2: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
     if packed.device.type == "cpu":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_and_zeros)
@@ -270,10 +298,12 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel in ("gemv", "gemv-q8"):
             x2 = _gemv_rows(x, self.in_features)
-            if x2 is None:  # a prefill: a GEMM's work, torch's own
-                y = self.forward_dequant(x)
-            else:
+            if x2 is not None:
                 y = self.gemv(x2).reshape(*x.shape[:-1], self.out_features)
+            elif self.prefill_gemm and q8_gemm_pays(x[..., 0].numel(), x.dtype):  # x rounded once, integer dot products
+                y = self.gemm(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+            else:  # a prefill: a GEMM's work, torch's own (forward_dequant, the reference)
+                y = self.forward_dequant(x)
         elif self.kernel == "dequant":
             y = self.forward_dequant(x)
         else:  # an aten packed kernel, on bf16 rows
@@ -298,6 +328,9 @@ class QuantizedLinear(nn.Module):
     def packed_mm(self, x2: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def gemm(self, x2: Tensor) -> Tensor:
+        raise NotImplementedError
+
     def forward_dequant(self, x: Tensor) -> Tensor:
         raise NotImplementedError
 
@@ -311,7 +344,8 @@ class Int8Linear(QuantizedLinear):
                  dequantize + F.linear for more rows (see the module docstring).
       "gemv-q8"  sparq::linear_int8_q8_cpu (x rounded to int8 per 32 inputs): finalize repacks weight and
                  scales into rows16 / rows16_scales (pack_int8_rows16) and drops them unless keep_weight;
-                 prefill dequantizes from the repacked ones.
+                 prefill runs sparq::linear_int8_q8_gemm_cpu on them where q8_gemm_pays, else
+                 dequantizes from them.
       "int4x2"   q = 16 hi + lo with hi in [-8, 7], lo in [0, 15]: both halves go through the int4
                  kernel as one (N, 2K) matrix -- [hi | lo] with scales 16 s / s and zeros 0 / 8 s --
                  against [x | x]. Exactly the same weights; the int4 kernel is faster than the int8
@@ -337,6 +371,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("rows16_scales", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None  # float, added after
         self.split_group_size = 0
+        self.prefill_gemm = False  # gemv-q8's prefill on the integer GEMM (use_kernel: q8_gemm_built; forward: q8_gemm_pays)
         self.kernel = "dequant"  # finalize() picks a packed kernel where one applies
 
     def _split_group_size(self) -> Optional[int]:
@@ -374,6 +409,7 @@ class Int8Linear(QuantizedLinear):
             self.split_group_size = gs
         elif kernel == "gemv-q8":
             self.rows16, self.rows16_scales = pack_int8_rows16(self.weight, self.scales)
+            self.prefill_gemm = q8_gemm_built()
         elif kernel == "int8pack":
             if self.weight.data_ptr() % 64:  # the kernel uses aligned loads: own, aligned memory
                 self.weight = self.weight.clone()
@@ -397,6 +433,9 @@ class Int8Linear(QuantizedLinear):
         if self.kernel == "gemv-q8":
             return torch.ops.sparq.linear_int8_q8_cpu(x2, self.rows16, self.rows16_scales, self.out_features)
         return torch.ops.sparq.linear_int8_cpu(x2, self.weight, self.scales)
+
+    def gemm(self, x2: Tensor) -> Tensor:  # gemv-q8's prefill
+        return torch.ops.sparq.linear_int8_q8_gemm_cpu(x2, self.rows16, self.rows16_scales, self.out_features)
 
     def packed_mm(self, x2: Tensor) -> Tensor:
         if self.kernel == "int4x2":
@@ -436,7 +475,8 @@ class Int4Linear(QuantizedLinear):
     Kernels: "gemv" (sparq::linear_int4_cpu on the stored tensors for decode-sized inputs, dequantize
     + F.linear for more rows), "gemv-q8" (sparq::linear_int4_q8_cpu: finalize repacks the three into
     rows16 / rows16_scales / rows16_zeros, pack_int4_rows16, and drops the portable tensors unless
-    keep_weight; prefill dequantizes from the repacked ones), "int4pack" (aten int4 kernel; finalize
+    keep_weight; prefill runs sparq::linear_int4_q8_gemm_cpu on them where q8_gemm_pays, else dequantizes
+    from them), "int4pack" (aten int4 kernel; finalize
     packs the weight for this machine into `packed` / `scales_and_zeros` and drops the portable tensors
     unless keep_weight) or "dequant".
     """
@@ -452,6 +492,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None  # float, added after
+        self.prefill_gemm = False  # gemv-q8's prefill on the integer GEMM (use_kernel: q8_gemm_built; forward: q8_gemm_pays)
         self.kernel = "dequant"
 
     def supports(self, kernel: str) -> bool:
@@ -470,6 +511,7 @@ class Int4Linear(QuantizedLinear):
             self.scales_and_zeros = _int4_scales_and_zeros(self.scales, self.zeros)
         elif kernel == "gemv-q8":
             self.rows16, self.rows16_scales, self.rows16_zeros = pack_int4_rows16(self.weight, self.scales, self.zeros)
+            self.prefill_gemm = q8_gemm_built()
         elif kernel not in ("gemv", "dequant"):  # the GEMV reads the stored tensors as they are
             raise ValueError(f"unknown int4 kernel {kernel!r}")
         self.kernel = kernel
@@ -494,6 +536,10 @@ class Int4Linear(QuantizedLinear):
             return torch.ops.sparq.linear_int4_q8_cpu(x2, self.rows16, self.rows16_scales, self.rows16_zeros,
                                                       self.out_features)
         return torch.ops.sparq.linear_int4_cpu(x2, self.weight, self.scales, self.zeros)
+
+    def gemm(self, x2: Tensor) -> Tensor:  # gemv-q8's prefill
+        return torch.ops.sparq.linear_int4_q8_gemm_cpu(x2, self.rows16, self.rows16_scales, self.rows16_zeros,
+                                                       self.out_features)
 
     def packed_mm(self, x2: Tensor) -> Tensor:  # int4pack
         return _int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
@@ -582,11 +628,13 @@ def _kernel_ok(kernel: str, device: torch.device, group_size: int = 0, bits: Opt
 
 
 def _check_kernel(kernel: str, device: torch.device, group_size: int, bits: int = 8) -> bool:
-    """Run `kernel` on a small random int{bits} layer and compare it with the dequantized matmul."""
+    """Run `kernel` on a small random int{bits} layer and compare it with the dequantized matmul, at a decode
+    step's 5 rows and a prefill's 21 (gemv-q8's GEMM)."""
     gen = torch.Generator().manual_seed(0)
     N, K = 64, max(2 * group_size, 128)
     w = torch.randn(N, K, generator=gen)
-    x = torch.randn(5, K, generator=gen).to(KERNEL_DTYPE).float()  # bf16 values: the kernels' input
+    prefill = kernels.LINEAR_CPU_MAX_ROWS + 5  # rows past a decode step's
+    x = torch.randn(prefill, K, generator=gen).to(KERNEL_DTYPE).float()  # bf16 values: the kernels' input
     try:
         if bits == 4:
             layer = Int4Linear(K, N, group_size)
@@ -598,9 +646,9 @@ def _check_kernel(kernel: str, device: torch.device, group_size: int, bits: int 
         expected = x @ layer.dequantized_weight().T  # on the CPU, before the layer moves to `device`
         layer = layer.to(device)
         layer.use_kernel(kernel)
-        actual = layer(x.to(device)).cpu()
         # The same weights on both sides; the kernel rounds its output to bf16 (8 bits of mantissa).
-        ok = torch.allclose(actual, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+        ok = all(torch.allclose(layer(x[:rows].to(device)).cpu(), expected[:rows], rtol=1e-2,
+                                atol=1e-2 * float(expected.abs().max())) for rows in (5, prefill))
     except (RuntimeError, NotImplementedError, AttributeError, StopIteration) as e:
         warnings.warn(f"{kernel} kernel unavailable on {device} ({str(e).splitlines()[0]}); "
                       f"using another kernel or the dequantize-then-matmul fallback")

@@ -16,8 +16,12 @@
 //   linear_int8_q8_cpu(Tensor x, Tensor w, Tensor scales, int N) -> Tensor
 //       linear_int8_cpu's weights repacked in rows of 16 (below int8_q8_rows16_ref), x quantized to
 //       int8 per group of 32 first
+//   linear_int4_q8_gemm_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros, int N) -> Tensor
+//   linear_int8_q8_gemm_cpu(Tensor x, Tensor w, Tensor scales, int N) -> Tensor
+//       the two above for any number of rows (a prefill's), each row theirs bit for bit (below
+//       gemm_rows16)
 //   linear_q8_path() -> str     "vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "portable": this build's path
-//                               for both *_q8 ops
+//                               for the *_q8 ops
 // y = x @ W^T in fp32 (x any float dtype, returned in x's dtype); scales / zeros bf16 or fp32.
 //
 // Each weight vector is dequantized in registers to exactly the fp32 values quantize.py's
@@ -392,26 +396,38 @@ static inline int32_t quantize_group(const float* x, int64_t gs, int8_t* dst, in
   return qsum;
 }
 
-// planes 2: even / odd columns (int4; K / G even); 1: columns in order (int8). G groups of K / G columns.
-static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G, int planes, float offset) {
+// XQ for M rows of K columns in G groups, zero-filled: planes 2: even / odd columns (int4; K / G even);
+// 1: columns in order (int8).
+static XQ xq_alloc(int64_t M, int64_t K, int64_t G, int planes) {
   XQ r;
-  const int64_t gs = K / G;
   r.M = M, r.G = G, r.Kp = round_up(std::max<int64_t>(K / planes, 1), 64);
   r.q.assign(planes * M * r.Kp, 0);
   r.a.assign(M * G, 0.f);
   r.off.assign(M * G, 0.f);
   r.X.assign(M * G, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      int8_t* dst = r.q.data() + m * r.Kp + g * gs / planes;
-      float amax, sum;
-      const int32_t qsum = planes == 1 ? quantize_group<1>(xf + m * K + g * gs, gs, dst, 0, &amax, &sum)
-                                       : quantize_group<2>(xf + m * K + g * gs, gs, dst, M * r.Kp, &amax, &sum);
-      const float a = amax / 127.f;
-      r.a[m * G + g] = a;
-      r.off[m * G + g] = offset * a * (float)qsum;
-      r.X[m * G + g] = sum;
-    }
+  return r;
+}
+
+// Row m of x (xm: its K values in fp32) into r, group by group: xq, a, offset a sum(xq) and X. Rows
+// are independent, so the prefill GEMMs quantize theirs on every thread, to the same bytes.
+static void quantize_x_row(XQ& r, int64_t m, const float* xm, int64_t K, int planes, float offset) {
+  const int64_t G = r.G, gs = K / G;
+  for (int64_t g = 0; g < G; ++g) {
+    int8_t* dst = r.q.data() + m * r.Kp + g * gs / planes;
+    float amax, sum;
+    const int32_t qsum = planes == 1 ? quantize_group<1>(xm + g * gs, gs, dst, 0, &amax, &sum)
+                                     : quantize_group<2>(xm + g * gs, gs, dst, r.M * r.Kp, &amax, &sum);
+    const float a = amax / 127.f;
+    r.a[m * G + g] = a;
+    r.off[m * G + g] = offset * a * (float)qsum;
+    r.X[m * G + g] = sum;
+  }
+}
+
+// The GEMVs' x (M rows, fp32, K apart), on the calling thread.
+static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G, int planes, float offset) {
+  XQ r = xq_alloc(M, K, G, planes);
+  for (int64_t m = 0; m < M; ++m) quantize_x_row(r, m, xf + m * K, K, planes, offset);
   return r;
 }
 
@@ -425,12 +441,12 @@ static XQ quantize_x_int8(const float* xf, int64_t M, int64_t K, int64_t G, int 
 // sequential stream (llama.cpp repacks Q4_0 at load for the same reasons).
 
 // The readable path (every CPU): per row and group, the integer dot product, then the formula.
-// y[m * ldy + r] for the 16 rows of block w16 (its s16 / z16).
+// y[(m - m0) * ldy + r] for rows [m0, m0 + mb) of x and the 16 rows of block w16 (its s16 / z16).
 template <class ST>
-static void int4_q8_rows16_ref(const XQ& xq, int64_t C, const uint8_t* w16, const ST* s16, const ST* z16, float* y,
-                               int64_t ldy) {
+static void int4_q8_rows16_ref(const XQ& xq, int64_t m0, int64_t mb, int64_t C, const uint8_t* w16, const ST* s16,
+                               const ST* z16, float* y, int64_t ldy) {
   const int64_t G = xq.G, cpg = C / G;  // chunks of 4 bytes per group
-  for (int64_t m = 0; m < xq.M; ++m) {
+  for (int64_t m = m0; m < m0 + mb; ++m) {
     const int8_t* xe = xq.plane(0, m);
     const int8_t* xo = xq.plane(1, m);
     for (int r = 0; r < 16; ++r) {
@@ -445,7 +461,7 @@ static void int4_q8_rows16_ref(const XQ& xq, int64_t C, const uint8_t* w16, cons
         const float sg = to_f(s16[g * 16 + r]);
         acc += sg * xq.a[m * G + g] * (float)dot - sg * xq.off[m * G + g] + to_f(z16[g * 16 + r]) * xq.X[m * G + g];
       }
-      y[m * ldy + r] = acc;
+      y[(m - m0) * ldy + r] = acc;
     }
   }
 }
@@ -566,12 +582,13 @@ static inline void int4_q8_rows16_avx2(const XQ& xq, int64_t m0, int64_t C, cons
 //   s16[b, g, r] = scales[16 b + r, g]             (NB, Gw, 16); Gw = 1: per output channel
 // x's groups are 32 columns (llama.cpp's Q8_0 block; 8 chunks), Gw's a multiple of them:
 //   x . W = sum_gw s_gw (sum_{g in gw} a_g (xq_g . u_g) - 128 a_g sum(xq_g))
-// The readable path (every CPU): y[m * ldy + r] for the 16 rows of block w16.
+// The readable path (every CPU): y[(m - m0) * ldy + r] for rows [m0, m0 + mb) of x and the 16 rows of
+// block w16.
 template <class ST>
-static void int8_q8_rows16_ref(const XQ& xq, int64_t C, int64_t Gw, const uint8_t* w16, const ST* s16, float* y,
-                               int64_t ldy) {
+static void int8_q8_rows16_ref(const XQ& xq, int64_t m0, int64_t mb, int64_t C, int64_t Gw, const uint8_t* w16,
+                               const ST* s16, float* y, int64_t ldy) {
   const int64_t G = xq.G, cpg = C / G, gpw = G / Gw;  // chunks per x group, x groups per weight group
-  for (int64_t m = 0; m < xq.M; ++m) {
+  for (int64_t m = m0; m < m0 + mb; ++m) {
     const int8_t* xm = xq.plane(0, m);
     for (int r = 0; r < 16; ++r) {
       float acc = 0.f;
@@ -585,7 +602,7 @@ static void int8_q8_rows16_ref(const XQ& xq, int64_t C, int64_t Gw, const uint8_
         }
         acc += to_f(s16[gw * 16 + r]) * t;
       }
-      y[m * ldy + r] = acc;
+      y[(m - m0) * ldy + r] = acc;
     }
   }
 }
@@ -757,9 +774,10 @@ static std::vector<float> x_f32(const at::Tensor& x) {
   return f;
 }
 
-static void check_x(const at::Tensor& x, const char* op) {
+// decode: the GEMVs' x, at most 16 rows; else a GEMM's, any number.
+static void check_x(const at::Tensor& x, const char* op, bool decode = true) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.stride(1) == 1, op, ": x must be a CPU (M, K) tensor contiguous along K");
-  TORCH_CHECK(x.size(0) <= 16, op, ": at most 16 rows (decode)");
+  TORCH_CHECK(!decode || x.size(0) <= 16, op, ": at most 16 rows (decode)");
   const auto t = x.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, op, ": unsupported x dtype");
 }
@@ -871,12 +889,13 @@ at::Tensor linear_int4_cpu(const at::Tensor& x, const at::Tensor& w, const at::T
   return y;
 }
 
-// The rows16 GEMVs' arguments (x checked too): w (NB, K / cols, 16, 4) uint8 contiguous, cols columns
-// per 4-byte chunk of a row (int4: 8, int8: 4), 16 NB - 16 < N <= 16 NB; scales (NB, G, 16) CPU bf16
-// or fp32 contiguous, in groups of whole 32 columns -> G.
+// The rows16 GEMVs' arguments (x checked too, at most 16 rows where decode, the GEMMs' any number): w
+// (NB, K / cols, 16, 4) uint8 contiguous, cols columns per 4-byte chunk of a row (int4: 8, int8: 4),
+// 16 NB - 16 < N <= 16 NB; scales (NB, G, 16) CPU bf16 or fp32 contiguous, in groups of whole 32
+// columns -> G.
 static int64_t check_rows16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t N, int64_t cols,
-                            const char* pack, const char* op) {
-  check_x(x, op);
+                            const char* pack, const char* op, bool decode = true) {
+  check_x(x, op, decode);
   const int64_t K = x.size(1);
   TORCH_CHECK(w.dim() == 4 && w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() &&
                   K % 32 == 0 && w.size(1) == K / cols && w.size(2) == 16 && w.size(3) == 4,
@@ -919,7 +938,7 @@ at::Tensor linear_int4_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at
         });
 #else
       for (int i = 0; i < decltype(nbk)::value; ++i)
-        int4_q8_rows16_ref(xq, C, wb + i * C * 64, sb + i * G * 16, zb + i * G * 16, out + 16 * i, ldo);
+        int4_q8_rows16_ref(xq, 0, M, C, wb + i * C * 64, sb + i * G * 16, zb + i * G * 16, out + 16 * i, ldo);
 #endif
     });
   };
@@ -950,7 +969,295 @@ at::Tensor linear_int8_q8_cpu(const at::Tensor& x, const at::Tensor& w, const at
         });
 #else
       for (int i = 0; i < decltype(nbk)::value; ++i)
-        int8_q8_rows16_ref(xq, C, Gw, wb + i * C * 64, sb + i * Gw * 16, out + 16 * i, ldo);
+        int8_q8_rows16_ref(xq, 0, M, C, Gw, wb + i * C * 64, sb + i * Gw * 16, out + 16 * i, ldo);
+#endif
+    });
+  };
+  if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<bf16>());
+  else run(scales.data_ptr<float>());
+  return y;
+}
+
+// =============================================================================================
+// Prefill GEMMs on the same rows16 weights (linear_int4_q8_gemm_cpu, linear_int8_q8_gemm_cpu): any
+// number of rows of x, for a prefill chunk's hundreds, where the GEMVs above take a decode step's few.
+// There the work is compute-bound, not a stream: x is rounded to int8 once per call, on every thread
+// (quantize_x_row, the GEMVs' rounding to the byte), then each tile of NBK blocks of 16 weight rows,
+// loaded into L1 once per m-chunk, serves every row of that chunk, MB rows per pass with MB x NBK
+// accumulators in registers (each 64-byte weight load feeds MB vpdpbusd pairs, each broadcast of x
+// NBK of them), and the threads claim units of (m-chunk, tile). Every output is the GEMV's formula in
+// the GEMV's order: the integer dot products are exact in any order of their sums, and the float
+// epilogue per group is the same instructions on the same operands, so each row of the GEMM is its
+// one-row GEMV call bit for bit, at any M and thread count (tests/test_kernels_cpu.py).
+// =============================================================================================
+
+#ifndef SPARQ_GEMM_MC
+#define SPARQ_GEMM_MC 256  // rows of x per unit: one m-chunk's int8 x stays in L2 while the tiles pass over it
+#endif
+
+#ifdef SPARQ_AVX512_VNNI
+// 4 bytes of x at p, in every 32-bit lane (vpdpbusd's signed operand)
+static inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// int4 tile: MB rows of x (from m0) against NBK blocks of 16 weight rows (C * 64 bytes apart), the
+// whole of K, into t[m * ldt + 16 b + r]. int4_q8_rows16_vnni's arithmetic: per group the exact dot
+// product, then s (a dot - 8 a sum xq) + z X on 16 rows at once. Only the blocking differs: a chunk's
+// nibbles unpacked once for MB rows, one int32 chain per (row, block) for both nibbles (the GEMV's even
+// + odd chains, the same integer), no prefetch (the tile is re-read from L1). CPG, the chunks per
+// group, as a constant unrolls the group's loop (GCC kept copying the accumulators of a runtime loop);
+// 0: read it from C / G.
+template <int MB, int NBK, int CPG, class ST>
+static inline void int4_q8_tile_vnni(const XQ& xq, int64_t m0, int64_t C, const uint8_t* w16, const ST* s16,
+                                     const ST* z16, float* t, int64_t ldt) {
+  const int64_t G = xq.G, cpg = CPG ? CPG : C / G, bs = C * 64;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MB][NBK];
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NBK; ++b) acc[m][b] = _mm512_setzero_ps();
+  const int8_t* xe[MB];
+  const int8_t* xo[MB];
+  for (int m = 0; m < MB; ++m) xe[m] = xq.plane(0, m0 + m), xo[m] = xq.plane(1, m0 + m);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i d[MB][NBK];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NBK; ++b) d[m][b] = _mm512_setzero_si512();
+    const uint8_t* wg = w16 + g * cpg * 64;
+    const int64_t xg = 4 * g * cpg;
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < cpg; ++c) {
+      __m512i lo[NBK], hi[NBK];
+      for (int b = 0; b < NBK; ++b) {
+        const __m512i bytes = _mm512_loadu_si512(wg + b * bs + c * 64);
+        lo[b] = _mm512_and_si512(bytes, low4);
+        hi[b] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512i e = bcast4(xe[m] + xg + 4 * c);
+        for (int b = 0; b < NBK; ++b) d[m][b] = _mm512_dpbusd_epi32(d[m][b], lo[b], e);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512i o = bcast4(xo[m] + xg + 4 * c);
+        for (int b = 0; b < NBK; ++b) d[m][b] = _mm512_dpbusd_epi32(d[m][b], hi[b], o);
+      }
+    }
+    for (int b = 0; b < NBK; ++b) {
+      const __m512 sv = load(s16 + (b * G + g) * 16).x, zv = load(z16 + (b * G + g) * 16).x;
+      for (int m = 0; m < MB; ++m) {
+        const int64_t mg = (m0 + m) * G + g;
+        const __m512 dot = _mm512_cvtepi32_ps(d[m][b]);
+        const __m512 u = _mm512_fmsub_ps(dot, _mm512_set1_ps(xq.a[mg]), _mm512_set1_ps(xq.off[mg]));
+        acc[m][b] = _mm512_fmadd_ps(sv, u, acc[m][b]);
+        acc[m][b] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xq.X[mg]), acc[m][b]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NBK; ++b) _mm512_storeu_ps(t + m * ldt + 16 * b, acc[m][b]);
+}
+
+// int8 tile, as int4's: int8_q8_rows16_vnni's arithmetic (per x group of 32 columns the exact dot
+// product, a dot - 128 a sum xq into the weight group's sum, scaled once per weight group) with one
+// int32 chain per (row, block) where the GEMV keeps two: the MB x NBK chains are independent enough.
+template <int MB, int NBK, class ST>
+static inline void int8_q8_tile_vnni(const XQ& xq, int64_t m0, int64_t C, int64_t Gw, const uint8_t* w16,
+                                     const ST* s16, float* t, int64_t ldt) {
+  constexpr int64_t cpg = 8;  // x's groups of 32 columns
+  const int64_t G = xq.G, gpw = G / Gw, bs = C * 64;
+  __m512 acc[MB][NBK];
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NBK; ++b) acc[m][b] = _mm512_setzero_ps();
+  const int8_t* xm[MB];
+  for (int m = 0; m < MB; ++m) xm[m] = xq.plane(0, m0 + m);
+  for (int64_t gw = 0; gw < Gw; ++gw) {
+    __m512 sum[MB][NBK];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NBK; ++b) sum[m][b] = _mm512_setzero_ps();
+    for (int64_t g = gw * gpw; g < (gw + 1) * gpw; ++g) {
+      __m512i d[MB][NBK];
+      for (int m = 0; m < MB; ++m)
+        for (int b = 0; b < NBK; ++b) d[m][b] = _mm512_setzero_si512();
+      const uint8_t* wg = w16 + g * cpg * 64;
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < cpg; ++c) {
+        __m512i w[NBK];
+        for (int b = 0; b < NBK; ++b) w[b] = _mm512_loadu_si512(wg + b * bs + c * 64);
+        for (int m = 0; m < MB; ++m) {
+          const __m512i xv = bcast4(xm[m] + 4 * (g * cpg + c));
+          for (int b = 0; b < NBK; ++b) d[m][b] = _mm512_dpbusd_epi32(d[m][b], w[b], xv);
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int64_t mg = (m0 + m) * G + g;
+        for (int b = 0; b < NBK; ++b) {
+          const __m512 dot = _mm512_cvtepi32_ps(d[m][b]);
+          sum[m][b] = _mm512_add_ps(sum[m][b], _mm512_fmsub_ps(dot, _mm512_set1_ps(xq.a[mg]), _mm512_set1_ps(xq.off[mg])));
+        }
+      }
+    }
+    for (int b = 0; b < NBK; ++b) {
+      const __m512 sv = load(s16 + (b * Gw + gw) * 16).x;
+      for (int m = 0; m < MB; ++m) acc[m][b] = _mm512_fmadd_ps(sv, sum[m][b], acc[m][b]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NBK; ++b) _mm512_storeu_ps(t + m * ldt + 16 * b, acc[m][b]);
+}
+#endif
+
+// The tiles' shape, MB rows of x by NBK blocks of 16 weight rows: on VNNI MB x NBK int32 chains and as
+// many fp32 sums in registers, with the unpacked nibbles (int4) or weight vectors of the NBK blocks, stay
+// within the 32 zmm registers (6 x 2 and 8 x 1 spilled more, 4 x 2 and 4 x 3 ran alike; docs/NOTES.md).
+// The GEMVs' AVX2 kernels already hold up to 4 rows of x against one block (16 ymm registers leave no
+// room for more), so that path tiles them as they are, and the portable path runs the readable GEMV
+// loops on a tile's rows; their NBK blocks share one pass over x, in L1.
+constexpr int kTileRows = 4, kTileBlocks = 3;
+
+// tile(mb, nbk) with both as integral_constants: mb <= MB rows of x, nbk <= NBK blocks (a unit's last
+// rows and blocks run the smaller kernels).
+template <int MB, int NBK, class Tile>
+static inline void with_tile_shape(int64_t mb, int64_t nbk, Tile& tile) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return with_tile_shape<MB - 1, NBK>(mb, nbk, tile);
+  }
+  if constexpr (NBK > 1) {
+    if (nbk < NBK) return with_tile_shape<MB, NBK - 1>(mb, nbk, tile);
+  }
+  tile(std::integral_constant<int, MB>{}, std::integral_constant<int, NBK>{});
+}
+
+// bf16 bits of v rounded to nearest even, NaN as 0x7FC0: c10::BFloat16(v), the GEMVs' rounding,
+// written without a branch so that the loop over a row vectorises.
+static inline uint16_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint16_t rounded = (uint16_t)((u + ((u >> 16) & 1) + 0x7FFFu) >> 16);
+  return v != v ? (uint16_t)0x7FC0 : rounded;
+}
+
+// Rows [m0, m0 + mb) and columns [n0, n0 + cols) of y from the fp32 tile t (rows ldt apart), in y's
+// dtype, rounded as over_weight_rows_into rounds the GEMVs' outputs.
+static void write_tile(at::Tensor& y, int64_t m0, int64_t mb, int64_t n0, int64_t cols, const float* t, int64_t ldt) {
+  const int64_t N = y.size(1);
+  for (int64_t m = 0; m < mb; ++m) {
+    const float* src = t + m * ldt;
+    const int64_t off = (m0 + m) * N + n0;
+    switch (y.scalar_type()) {
+      case at::kFloat: std::memcpy(y.data_ptr<float>() + off, src, cols * sizeof(float)); break;
+      case at::kBFloat16: {
+        uint16_t* dst = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()) + off;
+        for (int64_t i = 0; i < cols; ++i) dst[i] = bf16_bits(src[i]);
+        break;
+      }
+      default: {
+        c10::Half* dst = y.data_ptr<c10::Half>() + off;
+        for (int64_t i = 0; i < cols; ++i) dst[i] = c10::Half(src[i]);
+      }
+    }
+  }
+}
+
+// Rows [m0, m1) of x (fp32, bf16 or fp16) into xq, through an fp32 copy of each row unless x is fp32
+// (the values quantize_x_row reads are the GEMVs' either way: widening is exact).
+static void quantize_x_rows(XQ& xq, const at::Tensor& x, int64_t m0, int64_t m1, int planes, float offset) {
+  const int64_t K = x.size(1), xs = x.stride(0);
+  if (x.scalar_type() == at::kFloat) {
+    for (int64_t m = m0; m < m1; ++m) quantize_x_row(xq, m, x.data_ptr<float>() + m * xs, K, planes, offset);
+    return;
+  }
+  std::vector<float> row(K);
+  for (int64_t m = m0; m < m1; ++m) {
+    if (x.scalar_type() == at::kBFloat16)
+      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(x.data_ptr<bf16>()[m * xs + k]);
+    else
+      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(x.data_ptr<f16>()[m * xs + k]);
+    quantize_x_row(xq, m, row.data(), K, planes, offset);
+  }
+}
+
+// The GEMMs' schedule, one parallel region of two phases: x quantized in units of 32 rows, then units
+// of (m-chunk of SPARQ_GEMM_MC rows, tile of NBK blocks), m-chunks outermost so that both threads work
+// on one chunk of x at a time; tile(mb, nbk, m, b, t, ldt) computes mb rows of x from m against blocks
+// [b, b + nbk) into the fp32 tile t, which write_tile then stores (the last block's live rows only).
+template <int MB, int NBK, class Tile>
+static void gemm_rows16(at::Tensor& y, XQ& xq, const at::Tensor& x, int planes, float offset, int64_t NB, Tile&& tile) {
+  const int64_t M = y.size(0), N = y.size(1), kQuantRows = 32, mc = SPARQ_GEMM_MC / MB * MB;  // whole tiles
+  const int64_t n_tiles = (NB + NBK - 1) / NBK, m_chunks = (M + mc - 1) / mc;
+  auto unit = [&](int phase, int64_t u, int /*slot*/) {
+    if (phase == 0) return quantize_x_rows(xq, x, u * kQuantRows, std::min(M, (u + 1) * kQuantRows), planes, offset);
+    const int64_t m1 = std::min(M, (u / n_tiles + 1) * mc), b = u % n_tiles * NBK;
+    const int64_t nbk = std::min<int64_t>(NBK, NB - b), cols = std::min(16 * nbk, N - 16 * b);
+    float t[MB * 16 * NBK];
+    for (int64_t m = u / n_tiles * mc; m < m1; m += MB) {
+      const int64_t mb = std::min<int64_t>(MB, m1 - m);
+      auto run = [&](auto mbc, auto nbkc) { tile(mbc, nbkc, m, b, t, 16 * NBK); };
+      with_tile_shape<MB, NBK>(mb, nbk, run);
+      write_tile(y, m, mb, 16 * b, cols, t, 16 * NBK);
+    }
+  };
+  run_phases(thread_count(), {(M + kQuantRows - 1) / kQuantRows, m_chunks * n_tiles}, unit);
+}
+
+at::Tensor linear_int4_q8_gemm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                                   const at::Tensor& zeros, int64_t N) {
+  const char* op = "sparq::linear_int4_q8_gemm_cpu";
+  const int64_t G = check_rows16(x, w, scales, N, 8, "pack_int4_rows16", op, /*decode=*/false);
+  TORCH_CHECK(zeros.sizes() == scales.sizes() && zeros.is_contiguous() && zeros.scalar_type() == scales.scalar_type() &&
+                  zeros.device().is_cpu(), op, ": zeros must be laid out as scales");
+  const int64_t M = x.size(0), K = x.size(1), C = K / 8, NB = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  XQ xq = xq_alloc(M, K, G, 2);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  auto run = [&](auto* s, auto* z) {
+    gemm_rows16<kTileRows, kTileBlocks>(y, xq, x, 2, 8.f, NB, [&](auto mbc, auto nbkc, int64_t m, int64_t b, float* t, int64_t ldt) {
+      constexpr int MB = decltype(mbc)::value, NBK = decltype(nbkc)::value;
+      const uint8_t* wb = wp + b * C * 64;
+      const auto *sb = s + b * G * 16, *zb = z + b * G * 16;
+#if defined(SPARQ_AVX512_VNNI)
+      switch (C / G) {  // chunks per group: groups of 32 and 64 (the default, SmolLM2's) unrolled whole
+        case 4: int4_q8_tile_vnni<MB, NBK, 4>(xq, m, C, wb, sb, zb, t, ldt); break;
+        case 8: int4_q8_tile_vnni<MB, NBK, 8>(xq, m, C, wb, sb, zb, t, ldt); break;
+        default: int4_q8_tile_vnni<MB, NBK, 0>(xq, m, C, wb, sb, zb, t, ldt);
+      }
+#elif defined(SPARQ_Q8_AVX2)
+      for (int i = 0; i < NBK; ++i)
+        int4_q8_rows16_avx2<MB>(xq, m, C, wb + i * C * 64, sb + i * G * 16, zb + i * G * 16, t + 16 * i, ldt);
+#else
+      for (int i = 0; i < NBK; ++i)
+        int4_q8_rows16_ref(xq, m, MB, C, wb + i * C * 64, sb + i * G * 16, zb + i * G * 16, t + 16 * i, ldt);
+#endif
+    });
+  };
+  if (scales.scalar_type() == at::kBFloat16) run(scales.data_ptr<bf16>(), zeros.data_ptr<bf16>());
+  else run(scales.data_ptr<float>(), zeros.data_ptr<float>());
+  return y;
+}
+
+at::Tensor linear_int8_q8_gemm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t N) {
+  const int64_t Gw = check_rows16(x, w, scales, N, 4, "pack_int8_rows16", "sparq::linear_int8_q8_gemm_cpu",
+                                  /*decode=*/false);
+  const int64_t M = x.size(0), K = x.size(1), C = K / 4, NB = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  XQ xq = xq_alloc(M, K, K / 32, 1);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  auto run = [&](auto* s) {
+    gemm_rows16<kTileRows, kTileBlocks>(y, xq, x, 1, 128.f, NB, [&](auto mbc, auto nbkc, int64_t m, int64_t b, float* t, int64_t ldt) {
+      constexpr int MB = decltype(mbc)::value, NBK = decltype(nbkc)::value;
+      const uint8_t* wb = wp + b * C * 64;
+      const auto* sb = s + b * Gw * 16;
+#if defined(SPARQ_AVX512_VNNI)
+      int8_q8_tile_vnni<MB, NBK>(xq, m, C, Gw, wb, sb, t, ldt);
+#elif defined(SPARQ_Q8_AVX2)
+      for (int i = 0; i < NBK; ++i)
+        int8_q8_rows16_avx2<MB>(xq, m, C, Gw, wb + i * C * 64, sb + i * Gw * 16, t + 16 * i, ldt);
+#else
+      for (int i = 0; i < NBK; ++i)
+        int8_q8_rows16_ref(xq, m, MB, C, Gw, wb + i * C * 64, sb + i * Gw * 16, t + 16 * i, ldt);
 #endif
     });
   };
@@ -975,6 +1282,8 @@ TORCH_LIBRARY_IMPL(sparq, CPU, m) {
   m.impl("linear_int4_cpu", &sparq_cpu::linear_int4_cpu);
   m.impl("linear_int4_q8_cpu", &sparq_cpu::linear_int4_q8_cpu);
   m.impl("linear_int8_q8_cpu", &sparq_cpu::linear_int8_q8_cpu);
+  m.impl("linear_int4_q8_gemm_cpu", &sparq_cpu::linear_int4_q8_gemm_cpu);
+  m.impl("linear_int8_q8_gemm_cpu", &sparq_cpu::linear_int8_q8_gemm_cpu);
 }
 TORCH_LIBRARY_IMPL(sparq, CompositeExplicitAutograd, m) {  // no tensor arguments
   m.impl("linear_q8_path", &sparq_cpu::linear_q8_path);

@@ -73,8 +73,13 @@ def off_target(row: dict) -> bool:
 def budget_records(budgets: dict[tuple, Budget]) -> list[dict]:
     """Results.budgets as JSON (the --json's meta, read back by --report)."""
     return [{"task": task, "attention": method, "compression": fraction_label(target), "seq_len": size,
-             "r": b.r if b.split is None else b.split[0], "k": b.k_top, "achieved": b.achieved}
+             "r": b.r if b.split is None else b.split[0], "k": b.k_top, "achieved": b.achieved,
+             "page_size": b.settings.page_size if _paged(method) else None}
             for (task, method, target, size), b in budgets.items()]
+
+
+def _paged(method: str) -> bool:
+    return method in POLICIES and "page_size" in POLICIES[method].flags
 
 
 def no_selection(budgets: list[dict], page_size: int = QUEST_PAGE) -> set[tuple]:
@@ -82,12 +87,14 @@ def no_selection(budgets: list[dict], page_size: int = QUEST_PAGE) -> set[tuple]
     to select: the transfers went to reading (SparQ's step 1 with r fixed, top-k's all of K, Quest's page
     summaries), leaving k = 1, or for the paged policies (Quest, the hybrid) one page of page_size, the
     newest position's, which they read whatever the query. The cell then scores attention to what the
-    policy always reads. On target, so ranked, but not a comparison of how well a method selects."""
-    def floor(method: str) -> int:
-        return page_size if method in POLICIES and "page_size" in POLICIES[method].flags else 1
+    policy always reads. On target, so ranked, but not a comparison of how well a method selects. A record's
+    own page size (the solver takes larger pages where the default's metadata alone exceeds the target)
+    comes before page_size, the run's flag (records written before they carried one)."""
+    def floor(b: dict) -> int:
+        return (b.get("page_size") or page_size) if _paged(b["attention"]) else 1
 
     return {(b["task"], b["seq_len"], b["attention"], b["compression"]) for b in budgets
-            if b["attention"] != "dense" and b["k"] is not None and b["k"] <= floor(b["attention"])}
+            if b["attention"] != "dense" and b["k"] is not None and b["k"] <= floor(b)}
 
 
 NO_SELECTION = "‡ = its budget leaves nothing to select (k = 1, or a paged policy's newest page alone: see the budgets)"

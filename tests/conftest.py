@@ -98,12 +98,12 @@ def read_json(path: Path):
     return strict_json(Path(path).read_text())
 
 
-def run_python(*args, timeout: int = 600):
-    """`python ARGS...` in the repo root (a tool as a user runs it): the CompletedProcess, text captured."""
+def run_python(*args, timeout: int = 600, cwd: Path = REPO):
+    """`python ARGS...` in the repo root, or cwd (a tool as a user runs it): the CompletedProcess, text captured."""
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 _CHANNEL_FILES: dict = {}

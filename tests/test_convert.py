@@ -5,7 +5,6 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,8 +34,7 @@ def tiny_llama_dir(directory: Path, hidden: int = 32, tie: bool = False, dtype=t
 
 
 def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+    return run_python(SCRIPT, *args, cwd=cwd, timeout=120)
 
 
 def edit_config(directory: Path, **changes) -> None:

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import gpu_attention, gpu_check  # noqa: E402
-from conftest import assert_one_line_error, read_json  # noqa: E402
+from conftest import assert_one_line_error, read_json, run_python  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 ON_GPU = torch.cuda.is_available()
@@ -393,15 +393,13 @@ def test_generate_profile_writes_a_chrome_trace_of_decode_steps(tmp_path, smollm
     a few decode steps as a Chrome trace (CPU activities here), where it went said on stderr; a PATH in
     no directory is a one-line error before anything loads."""
     trace = tmp_path / "trace.json"
-    proc = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(smollm2_checkpoint), "--max-new-tokens",
-                           "4", "--no-stream", "--profile", str(trace)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_python("generate.py", "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "4", "--no-stream",
+                      "--profile", trace)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"3 decode steps traced (CPU activities) to {trace}" in proc.stderr, proc.stderr[-2000:]
     events = read_json(trace)["traceEvents"]
     assert any(e.get("cat") == "cpu_op" for e in events) and any("linear" in e.get("name", "") for e in events)
-    proc = subprocess.run([sys.executable, "generate.py", "--profile", str(tmp_path / "missing" / "trace.json")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_python("generate.py", "--profile", tmp_path / "missing" / "trace.json", timeout=300)
     assert_one_line_error(proc, "--profile", "no directory")
 
 
@@ -434,7 +432,7 @@ def test_every_prepared_calls_flags_are_valid_and_fit_the_limit(tmp_path, capsys
     without CUDA, every section is then skipped), each command's budget ends before its timeout, and a
     call's timeouts add up to less than the device's 10 minutes."""
     calls = contact_calls()
-    assert set(calls) == {"1", "2", "3", "4 | 4a | 4b", "5", "6"} and all(calls[c] for c in ("1", "2", "3", "5", "6"))
+    assert set(calls) == {"1", "2", "3", "4 | 4a | 4b", "5", "6", "7"} and all(calls[c] for c in ("1", "2", "3", "5", "6"))
     for label, commands in calls.items():
         assert sum(limit for _, limit, _, _ in commands) <= 590, label
         for name, limit, budget, args in commands:

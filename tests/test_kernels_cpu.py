@@ -715,6 +715,216 @@ def test_int4_q8_path_matches_the_cpu():
         assert torch.ops.sparq.linear_q8_path() == "portable"
 
 
+# ---------------------------------------------------------------------------------------------
+# The prefill GEMMs on the rows16 weights (sparq::linear_int4_q8_gemm_cpu / linear_int8_q8_gemm_cpu)
+# ---------------------------------------------------------------------------------------------
+
+
+def q8_layer(bits, N, K, group, scale_dtype, gen):
+    """A random gemv-q8 weight: (its rows16 tensors, q, s, z, W = the dequantized weight in fp64). int4: nibbles
+    in [0, 15], scales and zeros per group; int8: codes in [-127, 127] with both ends present, scales per channel
+    (group None) or per group."""
+    if bits == 4:
+        q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+        s = (torch.rand(N, K // group, generator=gen) + 0.01).to(scale_dtype)
+        z = torch.randn(N, K // group, generator=gen).to(scale_dtype)
+        w = (q.double() - 8) * s.double().repeat_interleave(group, 1) + z.double().repeat_interleave(group, 1)
+        return pack_int4_rows16(q[:, 0::2] | (q[:, 1::2] << 4), s, z), q, s, z, w
+    q = torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8)
+    q[0, :8], q[-1, -8:] = -127, 127
+    s = (torch.rand(N, K // (group or K), generator=gen) + 0.01).to(scale_dtype)
+    s = s[:, 0] if group is None else s
+    w = q.double() * (s.double()[:, None] if group is None else s.double().repeat_interleave(group, 1))
+    return pack_int8_rows16(q, s), q, s, None, w
+
+
+def q8_gemm(bits, x, rows16, N):
+    op = torch.ops.sparq.linear_int4_q8_gemm_cpu if bits == 4 else torch.ops.sparq.linear_int8_q8_gemm_cpu
+    return op(x, *rows16, N)
+
+
+def q8_gemv(bits, x, rows16, N):
+    """The decode GEMV on any number of rows, 16 at a time."""
+    op = torch.ops.sparq.linear_int4_q8_cpu if bits == 4 else torch.ops.sparq.linear_int8_q8_cpu
+    return torch.cat([op(x[i:i + 16], *rows16, N) for i in range(0, x.shape[0], 16)])
+
+
+def q8_input(M, K, x_dtype, gen):
+    """x (M, K) with a zero group in row 1 (scale 0) and a last row far larger than the others."""
+    x = torch.randn(M, K, generator=gen)
+    x[1, :32] = 0
+    x[-1] *= 1000 if x_dtype != torch.float16 else 4  # fp16 outputs stay finite
+    return x.to(x_dtype)
+
+
+# bits, M, N, K, weight group (int8: None = per channel), x dtype, scale dtype, threads. M: one row past a
+# decode step's 16, past one m-chunk of 256 rows, not a multiple of the tiles' 4 rows; N: a last block of
+# 5 or 3 live rows, a single block, odd numbers of blocks; every int4 group size of quantize.GROUP_SIZES and
+# the int8 groups gemv-q8 takes (per channel, the head's 64 and 32, 128).
+Q8_GEMM_CASES = [
+    (4, 17, 67, 576, 32, "float32", "bfloat16", 2), (4, 259, 961, 576, 64, "bfloat16", "bfloat16", 2),
+    (4, 45, 131, 1536, 128, "float16", "float32", 1), (4, 33, 1027, 768, 256, "float32", "bfloat16", 2),
+    (4, 130, 16, 64, 32, "float32", "float32", 2), (4, 300, 3072, 576, 32, "float32", "bfloat16", 2),
+    (8, 17, 67, 576, None, "float32", "bfloat16", 2), (8, 259, 961, 576, 64, "bfloat16", "bfloat16", 2),
+    (8, 45, 131, 1536, None, "float16", "float32", 1), (8, 33, 1027, 768, 128, "float32", "bfloat16", 2),
+    (8, 130, 5, 32, 32, "float32", "float32", 2), (8, 300, 576, 1536, None, "float32", "bfloat16", 2),
+]
+
+
+@pytest.mark.parametrize("bits,M,N,K,group,x_dtype,scale_dtype,n_threads", Q8_GEMM_CASES)
+def test_q8_gemm_rows_are_the_gemvs_bit_for_bit(bits, M, N, K, group, x_dtype, scale_dtype, n_threads, threads):
+    """Each row of the prefill GEMM is the decode GEMV's output for that row, bit for bit: the integer dot
+    products are exact and the float epilogue is the GEMV's, in its order (csrc/linear_quant.cpp). So a
+    prompt's positions get what one-token steps would, whatever the chunking, tiles or threads."""
+    threads(n_threads)
+    gen = torch.Generator().manual_seed(M * N + K + bits)
+    x = q8_input(M, K, getattr(torch, x_dtype), gen)
+    rows16 = q8_layer(bits, N, K, group, getattr(torch, scale_dtype), gen)[0]
+    out = q8_gemm(bits, x, rows16, N)
+    assert out.dtype == x.dtype and out.shape == (M, N)
+    assert torch.equal(out, q8_gemv(bits, x, rows16, N))
+    for m in (0, M // 2, M - 1):  # and each row alone
+        assert torch.equal(out[m:m + 1], q8_gemv(bits, x[m:m + 1], rows16, N)), m
+
+
+def kernel_rounded_x(x, group):
+    """x rounded to int8 per group of `group` columns as the kernels round it (quantize_group): xq =
+    round_half_even(x * fp32(127 / max|x_g|)), times fp32(max|x_g| / 127), in fp64. The 127 / max is a true
+    fp32 division, as the kernel's: torch's `127 / tensor` is 127 * reciprocal(tensor), one rounding more,
+    which moves an x at a half step (x = max / 2, say) to the other side."""
+    M, K = x.shape
+    xg = x.float().reshape(M, K // group, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), 0)
+    return (torch.round(xg * inv).double() * (amax / 127).double()).reshape(M, K)
+
+
+def activation_rounding_bound(x, w_rounded, group):
+    """The most rounding x to int8 per group of `group` columns (|error| <= max|x_g| / 254 per element) can move
+    each output, against the weights it meets (w_rounded (N, K), fp64): sum_g max|x_g| / 254 sum_{k in g}
+    |w[n, k]|, (M, N)."""
+    M, K = x.shape
+    half_step = x.double().reshape(M, K // group, group).abs().amax(-1) / 254
+    return half_step @ w_rounded.abs().reshape(w_rounded.shape[0], K // group, group).sum(-1).T
+
+
+@pytest.mark.parametrize("bits,M,N,K,group,x_dtype,scale_dtype,n_threads", Q8_GEMM_CASES)
+def test_q8_gemm_matches_fp64(bits, M, N, K, group, x_dtype, scale_dtype, n_threads, threads):
+    """The GEMM against two independent fp64 references: over x rounded as the kernel documents it
+    (kernel_rounded_x, llama.cpp's Q8_0 rounding: exact but for fp32 rounding), and over x itself (the dequantized weights' F.linear), within the most the rounding of x
+    can move each output (activation_rounding_bound): int4 rounds x per weight group and its zero points' term
+    sees x exactly, int8 rounds x per 32 columns."""
+    threads(n_threads)
+    gen = torch.Generator().manual_seed(M * N + K + bits)
+    x = q8_input(M, K, getattr(torch, x_dtype), gen)
+    rows16, q, s, z, w = q8_layer(bits, N, K, group, getattr(torch, scale_dtype), gen)
+    out = q8_gemm(bits, x, rows16, N).double()
+    if bits == 4:  # W = (q - 8) s + z, the zero points' term on x itself
+        scaled = (q.double() - 8) * s.double().repeat_interleave(group, 1)
+        ref = kernel_rounded_x(x, group) @ scaled.T + x.double() @ z.double().repeat_interleave(group, 1).T
+        bound = activation_rounding_bound(x, scaled, group)
+    else:
+        ref = kernel_rounded_x(x, 32) @ w.T
+        bound = activation_rounding_bound(x, w, 32)
+    # fp32 sums of K products against fp64, and the output's own rounding to x's dtype (bf16 2^-8, fp16 2^-11)
+    ulp = {"float32": 2 ** -23, "bfloat16": 2 ** -8, "float16": 2 ** -11}[x_dtype]
+    magnitude = x.double().abs() @ w.abs().T  # sum_k |x_k w_k| bounds every partial sum
+    fp_tol = 1e-6 * math.sqrt(K) * magnitude + ulp * ref.abs()
+    assert ((out - ref).abs() <= fp_tol).all(), float(((out - ref).abs() / fp_tol).max())
+    exact = x.double() @ w.T
+    assert ((out - exact).abs() <= bound * (1 + 1e-4) + fp_tol + ulp * exact.abs()).all()
+    assert float((out - exact).norm() / exact.norm()) < 0.02  # the rounding is small beside the outputs
+
+
+def test_q8_gemm_checks_its_arguments():
+    """Any number of rows, none included (the GEMVs take at most 16); a weight of another N or K is a
+    one-line error."""
+    gen = torch.Generator().manual_seed(0)
+    rows16 = q8_layer(4, 20, 64, 32, torch.bfloat16, gen)[0]
+    assert q8_gemm(4, torch.randn(0, 64), rows16, 20).shape == (0, 20)
+    with pytest.raises(RuntimeError, match="N = 40 is not a weight of 2 blocks"):
+        q8_gemm(4, torch.randn(40, 64), rows16, 40)
+    with pytest.raises(RuntimeError, match="K = x's"):
+        q8_gemm(4, torch.randn(40, 96), rows16, 20)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        torch.ops.sparq.linear_int4_q8_cpu(torch.randn(17, 64), *rows16, 20)
+
+
+# A variant build of csrc/linear_quant.cpp alone (python -c, in the repo root: the ops' schemas from kernels.py,
+# no main build loaded): its GEMMs against its GEMVs bit for bit and against fp64 over the rounded x.
+_Q8_VARIANT_CHECK = r"""
+import math, sys, torch
+from torch.utils import cpp_extension
+import kernels
+from qlinear import pack_int4_rows16, pack_int8_rows16
+name, flags = sys.argv[1], sys.argv[2:]
+cpp_extension.load(name=name, sources=["csrc/linear_quant.cpp"], extra_cflags=["-O1", *flags, "-fopenmp"],
+                   extra_ldflags=["-fopenmp"], is_python_module=False)
+print("Q8", torch.ops.sparq.linear_q8_path())
+torch.set_num_threads(2)
+def rounded(x, group):  # x rounded to int8 per group as the kernels do (127 / max a true fp32 division), in fp64
+    xg = x.float().reshape(x.shape[0], -1, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), 0)
+    return (torch.round(xg * inv).double() * (amax / 127).double()).flatten(1)
+for bits, M, N, K, group, dt in [(4, 37, 67, 576, 32, torch.float32), (4, 21, 35, 256, 128, torch.bfloat16),
+                                 (4, 19, 48, 1536, 256, torch.float16), (8, 40, 20, 96, None, torch.float32),
+                                 (8, 33, 70, 1536, 64, torch.bfloat16), (8, 18, 16, 576, None, torch.float32)]:
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g).to(dt)
+    x[1, :32] = 0
+    if bits == 4:
+        q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+        s, z = (torch.rand(N, K // group, generator=g) + 0.01).bfloat16(), torch.randn(N, K // group, generator=g).bfloat16()
+        w = pack_int4_rows16(q[:, 0::2] | (q[:, 1::2] << 4), s, z)
+        gemm, gemv = torch.ops.sparq.linear_int4_q8_gemm_cpu, torch.ops.sparq.linear_int4_q8_cpu
+        rep = lambda t: t.double().repeat_interleave(group, 1)
+        ref = rounded(x, group) @ ((q.double() - 8) * rep(s)).T + x.double() @ rep(z).T
+    else:
+        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        s = (torch.rand(N, K // (group or K), generator=g) + 0.01).bfloat16()
+        s = s[:, 0] if group is None else s
+        w = pack_int8_rows16(q, s)
+        gemm, gemv = torch.ops.sparq.linear_int8_q8_gemm_cpu, torch.ops.sparq.linear_int8_q8_cpu
+        ref = rounded(x, 32) @ (q.double() * (s.double()[:, None] if group is None else s.double().repeat_interleave(group, 1))).T
+    out = gemm(x, *w, N)
+    assert torch.equal(out, torch.cat([gemv(x[i:i + 16], *w, N) for i in range(0, M, 16)])), (bits, M, N, K)
+    ref = ref.to(dt).double()
+    tol = 1e-5 * math.sqrt(K) * float(ref.abs().max()) / 10 if dt == torch.float32 else 1e-2 * float(ref.abs().max())
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-5 if dt == torch.float32 else 1e-2)
+print("OK")
+"""
+
+
+def test_q8_gemm_variants_without_cpu_features_are_their_gemvs():
+    """The GEMMs' other paths, built with features turned off (AVX-512 without VNNI and AVX2 only: the
+    vpmaddubsw tiles; SSE2 only: the portable loops), each row their own build's GEMV bit for bit (each path's
+    epilogue is its GEMV's) and near fp64. One subprocess per variant (a second build of these ops cannot load
+    beside the main one), cached in torch's extension dir like the main build."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the variants are x86-64 -march flags")
+    cpu = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    variants = [(["-march=x86-64"], "portable")]
+    if {"avx2", "fma", "f16c"} <= cpu:
+        variants.append((["-march=x86-64-v3"], "avx2"))
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
+        variants.append((["-march=native", "-mno-avx512vnni"], "avx2"))
+    repo = Path(kernels.__file__).resolve().parent
+    tag = hashlib.sha1(torch.__version__.encode() + _Q8_VARIANT_CHECK.encode())
+    for path in sorted((repo / "csrc").iterdir()):
+        tag.update(path.name.encode() + path.read_bytes())
+    procs = []
+    for flags, q8 in variants:  # built in parallel, one subprocess each
+        name = "sparq_q8gemm_" + "_".join(f.strip("-").replace("=", "").replace("-", "") for f in flags)
+        procs.append((flags, q8, subprocess.Popen([sys.executable, "-c", _Q8_VARIANT_CHECK, f"{name}_{tag.hexdigest()[:10]}",
+                                                   *flags], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                  text=True)))
+    for flags, q8, proc in procs:
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0 and out.rstrip().endswith("OK"), f"{flags}:\n{out[-3000:]}"
+        assert f"Q8 {q8}" in out, f"{flags} built the wrong path:\n{out[-3000:]}"
+
+
 def test_gemv_isa_matches_the_cpu():
     """The GEMV's instruction set is fixed at build time (-march=native): bf16 dot products where
     the CPU has them."""
@@ -946,3 +1156,23 @@ def test_each_op_registers_one_fake():
             assert shape in (q.shape, (2, 5), (2, 7)), (name, shape)
     triton = Counter(re.findall(r"@(\w+)\.register_fake", (REPO / "kernels_triton.py").read_text()))
     assert triton and all(count == 1 for count in triton.values()), triton
+
+
+def test_a_build_leaves_the_build_tag_as_a_later_load_reads_it(monkeypatch, tmp_path):
+    """The tag names the build's folder and keys the AOT programs (aot._aot_machine): a first run, which builds,
+    must read the same tag as every later run, which only loads the build, or no later run finds the first run's
+    programs. torch's cpp_extension.load appends its library flags to the lists it is given (_prepare_ldflags,
+    run here as the build runs it)."""
+    from torch.utils import cpp_extension
+
+    before = kernels._cpu_build_tag()
+    builds = []
+
+    def load(**kwargs):
+        builds.append(kwargs["name"])
+        cpp_extension._prepare_ldflags(kwargs["extra_ldflags"], False, False, False, False)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))  # nothing built
+    kernels._build_and_load()
+    assert builds == [f"sparq_cpu_{before}"] and kernels._cpu_build_tag() == before

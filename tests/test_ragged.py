@@ -5,32 +5,30 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import data
 import kernels
-from conftest import REPO, assert_one_line_error, channels_file, read_json
-from decoding import Generator
+from conftest import assert_one_line_error, channels_file, read_json, run_python
+from decoding import PREFILL_CHUNK, Generator, chunk_ends
 from kernels import TORCH_KERNELS
 from model import ModelArgs, Transformer, load_model
 from policies import POLICIES, AttentionSettings, policy_factory
 
 
-def run_rows(model, rows, new_tokens, settings, compile_decode=False):
-    """Greedy tokens of each row, generated together in one batch."""
+def run_rows(model, rows, new_tokens, settings, compile_decode=False, prefill_chunk=PREFILL_CHUNK):
+    """Greedy tokens of each row, generated together in one batch (prompts prefilled in pieces of prefill_chunk)."""
     model.setup_caches(len(rows), max(map(len, rows)) + new_tokens)
     model.set_decode_attention(policy_factory(settings, model.args, model.kernels))
-    tokens, stats = Generator(model, compile_decode=compile_decode).generate(rows, new_tokens)
+    generator = Generator(model, compile_decode=compile_decode, prefill_chunk=prefill_chunk)
+    tokens, stats = generator.generate(rows, new_tokens)
     assert stats.steps == new_tokens - 1
     return tokens
 
 
-def alone(model, rows, new_tokens, settings):
-    return [run_rows(model, [row], new_tokens, settings)[0] for row in rows]
+def alone(model, rows, new_tokens, settings, prefill_chunk=PREFILL_CHUNK):
+    return [run_rows(model, [row], new_tokens, settings, prefill_chunk=prefill_chunk)[0] for row in rows]
 
 
 def tiny_model(seed: int = 0, scale: float = 1.5, kernels=TORCH_KERNELS, **shape) -> Transformer:
@@ -77,15 +75,18 @@ def smollm2(smollm2_checkpoint):
 
 
 @pytest.mark.parametrize("policy", ["dense", "sparq"])
-def test_smollm2_rows_of_20_700_2100_tokens_equal_each_prompt_alone(smollm2, policy):
-    """The issue's reference: a batch mixing short and long prompts (the longest crosses a prefill
-    chunk boundary), fp32, eager, torch kernels (fused kernels: test_fused_kernels_run_ragged_rows)."""
+def test_smollm2_rows_of_20_200_450_tokens_equal_each_prompt_alone(smollm2, policy):
+    """The issue's reference (rows of 20, 700 and 2100 tokens, prefilled in the default chunks of 2048), scaled
+    down: a batch mixing short and long prompts prefilled in chunks of 128 tokens, the short row ending in the
+    first chunk, the middle one in the second, the longest crossing three chunk boundaries; fp32, eager, torch
+    kernels (fused kernels: test_fused_kernels_run_ragged_rows)."""
     model, tok = smollm2
-    essay = data.essay_tokens(tok, 2200)
-    rows = [essay[:20], essay[50:750], essay[100:2200]]
+    essay = data.essay_tokens(tok, 550)
+    rows = [essay[:20], essay[50:250], essay[100:550]]
+    assert [len(chunk_ends(0, len(row), 128)) for row in rows] == [1, 2, 4]
     settings = AttentionSettings(policy, sparq_r=16 if "sparq_r" in POLICIES[policy].flags else None, sparq_k=64)
-    batch = run_rows(model, rows, 10, settings)
-    assert batch == alone(model, rows, 10, settings)
+    batch = run_rows(model, rows, 10, settings, prefill_chunk=128)
+    assert batch == alone(model, rows, 10, settings, prefill_chunk=128)
 
 
 @pytest.mark.parametrize("policy", ["dense", "sparq"])
@@ -103,15 +104,16 @@ def test_compiled_ragged_decode_equals_eager(policy):
 
 
 def test_fused_kernels_run_ragged_rows(smollm2_checkpoint, smollm2):
-    """The fused CPU kernels read each row's own live length: the same tokens as the torch path."""
-    _, tok = smollm2
+    """The fused CPU kernels read each row's own live length: the same tokens as the torch path (the module's
+    model, loaded with the torch kernels); rows of 25, 300 and 200 tokens, the shortest below SparQ's k = 64."""
+    plain, tok = smollm2
+    assert plain.kernels.name == TORCH_KERNELS.name
     error = kernels.cpu_kernel_error()
     if error is not None:
         pytest.fail(f"the fused CPU kernels did not build: {error}")
     fused = load_model(smollm2_checkpoint, kernels=kernels.CPU_KERNELS)
-    plain = load_model(smollm2_checkpoint, kernels=TORCH_KERNELS)
-    essay = data.essay_tokens(tok, 700)
-    rows = [essay[:25], essay[100:700], essay[10:210]]
+    essay = data.essay_tokens(tok, 400)
+    rows = [essay[:25], essay[100:400], essay[10:210]]
     for policy in ("dense", "sparq"):
         settings = AttentionSettings(policy, sparq_r=16 if "sparq_r" in POLICIES[policy].flags else None, sparq_k=64)
         assert run_rows(fused, rows, 10, settings) == run_rows(plain, rows, 10, settings)
@@ -123,17 +125,15 @@ def test_prompt_file_jsonl_keeps_input_order(tmp_path, smollm2_checkpoint):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": p, "chat": True}) for p in prompts) + "\n\n")
     out = tmp_path / "out.json"
-    result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(smollm2_checkpoint), "--prompt-file",
-                             str(path), "--max-new-tokens", "12", "--json", str(out), "--kernel", "torch"],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = run_python("generate.py", "--checkpoint", smollm2_checkpoint, "--prompt-file", path, "--max-new-tokens",
+                        "12", "--json", out, "--kernel", "torch")
     assert result.returncode == 0, result.stderr
     report = read_json(out)
     assert report["batch_size"] == 3 and len(report["samples"]) == 3
     lengths = [s["prompt_tokens"] for s in report["samples"]]
     assert len(set(lengths)) > 1  # a ragged batch
-    single = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(smollm2_checkpoint), "--chat",
-                             "--prompt", prompts[1], "--max-new-tokens", "12", "--json", str(tmp_path / "one.json"),
-                             "--kernel", "torch"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    single = run_python("generate.py", "--checkpoint", smollm2_checkpoint, "--chat", "--prompt", prompts[1],
+                        "--max-new-tokens", "12", "--json", tmp_path / "one.json", "--kernel", "torch")
     assert single.returncode == 0, single.stderr
     assert read_json(tmp_path / "one.json")["samples"][0]["tokens"] == report["samples"][1]["tokens"]
 
@@ -144,6 +144,5 @@ def test_prompt_file_jsonl_keeps_input_order(tmp_path, smollm2_checkpoint):
 def test_bad_prompt_files_are_one_line_errors(tmp_path, smollm2_checkpoint, content, fragment):
     path = tmp_path / "p.jsonl"
     path.write_text(content)
-    result = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(smollm2_checkpoint),
-                             "--prompt-file", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_python("generate.py", "--checkpoint", smollm2_checkpoint, "--prompt-file", path, timeout=300)
     assert_one_line_error(result, fragment)

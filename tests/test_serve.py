@@ -246,19 +246,20 @@ def test_models_reports_no_absolute_path(tmp_path):
 
 
 def test_engine_smollm2_dense_and_sparq_rows_equal_alone(smollm2_checkpoint):
-    """The embedded model, fp32: prompts of 20 to 600 essay tokens, 4 of them through 2 rows."""
+    """The embedded model, fp32: prompts of 20 to 300 essay tokens (prefilled in pieces of 64, the longest in
+    five), 4 of them through 2 rows."""
     import data
     import tokenizer as tokenizer_module
     from model import load_model
 
     model, tok = load_model(smollm2_checkpoint), tokenizer_module.load_tokenizer(smollm2_checkpoint)
-    essay = data.essay_tokens(tok, 700)
-    prompts = [essay[:20], essay[40:640], essay[100:300], essay[5:60]]
+    essay = data.essay_tokens(tok, 400)
+    prompts = [essay[:20], essay[40:340], essay[100:250], essay[5:60]]
     for settings in (AttentionSettings("dense"), AttentionSettings("sparq", sparq_r=16, sparq_k=64)):
-        expected = [alone(model, p, 8, settings, 128, 768) for p in prompts]
-        model.setup_caches(2, 768)
+        expected = [alone(model, p, 8, settings, 64, 384) for p in prompts]
+        model.setup_caches(2, 384)
         model.set_decode_attention(policy_factory(settings, model.args, model.kernels))
-        engine = Engine(model, 768, prefill_chunk=128)
+        engine = Engine(model, 384, prefill_chunk=64)
         outs = [Collect() for _ in prompts]
         run_all(engine, [Request(p, 8, emit=out) for p, out in zip(prompts, outs)], arrive_every=2)
         assert [out.tokens for out in outs] == expected, settings.policy

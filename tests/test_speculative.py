@@ -216,8 +216,9 @@ def test_a_draft_with_another_tokenizer_is_refused():
 
 
 def test_generate_cli_self_speculation_matches_dense(tmp_path, smollm2_checkpoint):
-    """The embedded model: the same greedy tokens as dense alone, two rows, with the acceptance in the JSON."""
-    base = ("--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "700", "--max-new-tokens", "24",
+    """The embedded model: the same greedy tokens as dense alone, two rows of 300 tokens (SparQ drafts beyond its
+    k = 64), with the acceptance in the JSON."""
+    base = ("--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "300", "--max-new-tokens", "24",
             "--batch-size", "2")
     assert run_generate(*base, "--json", str(tmp_path / "dense.json")).returncode == 0
     result = run_generate(*base, "--speculate-k", "4", "--draft-attention", "sparq", "--sparq-r", "8", "--sparq-k", "64",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_python
 
 
 def torchrun(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -39,8 +39,7 @@ def test_two_ranks_generate_what_one_process_does(tmp_path, compiled):
 def test_generate_under_torchrun_matches_one_process(tmp_path, smollm2_checkpoint):
     common = ["--checkpoint", smollm2_checkpoint, "--prompt", "The three best things about Paris are",
               "--max-new-tokens", "10", "--no-stream", "--kernel", "torch"]
-    single = subprocess.run([sys.executable, "generate.py", *map(str, common), "--json", str(tmp_path / "one.json")],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    single = run_python("generate.py", *common, "--json", tmp_path / "one.json")
     assert single.returncode == 0, single.stderr
     result = torchrun("generate.py", *common, "--json", tmp_path / "tp.json")
     assert result.returncode == 0, result.stderr[-3000:]
