@@ -295,14 +295,9 @@ def essay_prompts(n_tokens: int, count: int) -> list[str]:
 
 
 def last_lines(proc: subprocess.Popen, n: int = 3) -> list[str]:
-    """The last lines a server started here wrote to stderr (its log, or its pipe once it has exited)."""
-    log = getattr(proc, "log", None)
-    if log is not None:
-        log.seek(0)
-        text = log.read()
-    else:
-        text = proc.stderr.read() if proc.stderr else ""
-    return text.strip().splitlines()[-n:]
+    """The last lines a server started here wrote to stderr (its log file)."""
+    proc.log.seek(0)
+    return proc.log.read().strip().splitlines()[-n:]
 
 
 def free_port() -> int:
@@ -368,7 +363,9 @@ def start_llama_server(rows: int, context: int, fmt: str, threads: int) -> tuple
     gguf = llamacpp.requantize(data.DEFAULT_GGUF, fmt, build_=build)
     port = free_port()
     cmd = llama_server_command(build.tool("server"), gguf, port, rows, context, threads, llamacpp.amx_tiles_avoided())
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")  # as start_ours's: llama-server logs every request, and a pipe nobody
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)  # reads stalled it when full
+    proc.log = log
     url = f"http://127.0.0.1:{port}/v1"
     wait_healthy(url, proc, "llama-server")
     return url, proc, build.version
@@ -402,8 +399,9 @@ def add_parser(sub) -> None:
                         "--turn-tokens, gets a reply of --new-tokens, until the history reaches --history-tokens "
                         "(then a new chat); reports follow-up TTFT and the share of prompt tokens reused")
     p.add_argument("--turn-tokens", type=cli.positive_int, default=200, help="a user turn's tokens (default 200)")
-    p.add_argument("--history-tokens", type=cli.positive_int, default=8192,
-                   help="a conversation's longest history before a new one starts (default 8192)")
+    p.add_argument("--history-tokens", type=cli.positive_int, default=8000,
+                   help="a conversation's longest history before a new one starts (default 8000: the servers' rows "
+                        "hold 64 positions more, within the embedded model's 8192)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds each (C, N) keeps sending (default 60)")
     p.add_argument("--llama-server", action="store_true",
                    help="the same load against llama-server in the same run (the servers take turns at each C, N)")

@@ -745,6 +745,50 @@ def test_llama_server_avoids_amx_tiles_where_asked():
     assert serve_load.llama_server_command("s", "m", 1, 1, 1, 1, avoid_amx_tiles=True)[-1] == "--no-repack"
 
 
+
+FAKE_LLAMA_SERVER = """import http.server, sys
+sys.stderr.write("llama-server's log line\\n" * 20000)  # ~500 KB, as a long load's request logs add up
+sys.stderr.flush()
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{"status": "ok"}')
+    def log_message(self, *args):
+        sys.stderr.write("GET /health\\n")
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_llama_server_logs_where_nothing_can_stall_it(tmp_path, monkeypatch):
+    """bench serve-load's llama-server writes its log to a file, as serve.py's does: a pipe nobody reads fills
+    (64 KB) and then blocks the server's next write, which stalled a 5-minute conversation load mid-run. A fake
+    llama-server that logs ~500 KB before it answers /health must come up, its last lines readable."""
+    from bench import llamacpp, serve_load
+
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"#!{sys.executable}\n" + FAKE_LLAMA_SERVER)
+    fake.chmod(0o755)
+
+    class FakeBuild:
+        version = "fake"
+
+        def tool(self, role):
+            return str(fake)
+
+    monkeypatch.setattr(llamacpp, "build", lambda **kwargs: FakeBuild())
+    monkeypatch.setattr(llamacpp, "requantize", lambda *args, **kwargs: tmp_path / "m.gguf")
+    monkeypatch.setattr(llamacpp, "amx_tiles_avoided", lambda: False)
+    wait = serve_load.wait_healthy
+    monkeypatch.setattr(serve_load, "wait_healthy", lambda url, proc, what: wait(url, proc, what, timeout=60))
+    url, proc, version = serve_load.start_llama_server(1, 64, "bf16", 1)
+    try:
+        assert version == "fake" and proc.poll() is None
+        assert serve_load.last_lines(proc)[-1] == "GET /health"
+    finally:
+        serve_load.stop(proc)
+
 def run_cold_and_warm(model, settings, kv_format, first, follow, new_tokens, chunk=16):
     """(the follow-up's tokens on an engine that reused the first request's row, its tokens on a fresh one,
     both engines' caches after it): one row each, so the caches compare row for row."""
