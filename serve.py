@@ -591,6 +591,9 @@ def shadow_copy(model: Transformer) -> Transformer:
     return copy.deepcopy(model, shared)
 
 
+BUILD_SWITCH_INTERVAL_S = 2e-4  # the interpreter's switch interval while the compiled step builds beside serving
+
+
 def build_in_background(served: Served, say: Callable[[str], None]) -> None:
     """The CPU's compiled decode step (AOTDecodeStep), each row bucket's programs built on a shadow copy of the
     model while the engine serves eagerly, then swapped in (the engine reads its step at every step)."""
@@ -602,14 +605,22 @@ def build_in_background(served: Served, say: Callable[[str], None]) -> None:
     shadow = shadow_copy(model)
     total, done = len(buckets) * len(lengths), 0
     start = time.perf_counter()
-    for n in buckets:
-        for length in lengths:
-            served.decode_step = f"eager, the compiled step building ({done} of {total} done)"
-            tokens = torch.zeros((n, 1), dtype=torch.long)
-            positions = torch.full((n, 1), length)
-            what = compiled.prepare(model, tokens, positions, model.read_length(length + 1), build_on=shadow)
-            done += 1
-            say(f"decode step {done} of {total} ready ({n} row{'s' * (n > 1)}, live length {length}): {what}")
+    # The build's Python (export, inductor's code generation) and the engine's eager ops share the interpreter:
+    # each op gives the GIL up while it runs and then waits up to the switch interval to take it back, so at the
+    # default 5 ms the eager step crawled beside the build (docs/NOTES.md, "The first ten minutes").
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(BUILD_SWITCH_INTERVAL_S)
+    try:
+        for n in buckets:
+            for length in lengths:
+                served.decode_step = f"eager, the compiled step building ({done} of {total} done)"
+                tokens = torch.zeros((n, 1), dtype=torch.long)
+                positions = torch.full((n, 1), length)
+                what = compiled.prepare(model, tokens, positions, model.read_length(length + 1), build_on=shadow)
+                done += 1
+                say(f"decode step {done} of {total} ready ({n} row{'s' * (n > 1)}, live length {length}): {what}")
+    finally:
+        sys.setswitchinterval(interval)
     served.use_step(compiled)
     served.decode_step = "aot"
     say(f"the compiled decode step serves from now on ({time.perf_counter() - start:.0f} s; {compiled.summary()})")
