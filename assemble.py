@@ -22,7 +22,7 @@ from cache import KT_DTYPES, KT_SCALE_DTYPES, KV_DTYPES, KVFormat
 from cli import UserError
 from kernels import Kernels, resolve_kernels
 from budgets import Storage, solve_target
-from model import SHAPES, ModelArgs, Transformer, checkpoint_paths, load_model
+from model import SHAPES, ModelArgs, Transformer, checkpoint_paths, load_model, load_state_dict
 from policies import POLICIES, AttentionSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,6 +53,12 @@ def load_checkpoint(checkpoint: Path, device: str, dtype: torch.dtype, kernels: 
     a quantized one's linears run quantize.finalize_model's `quantized_kernel` (--quantized-kernel)."""
     return load_model(checkpoint, device=device, dtype=dtype, kernels=kernels,
                       quantized=quantize.loading(quantized_kernel))
+
+
+def is_quantized_checkpoint(checkpoint: Path) -> bool:
+    """The checkpoint was written by quantize.py (its linears pack their weights for the kernels they load with);
+    reads the file's keys only (memory-mapped)."""
+    return "__quantization__" in load_state_dict(checkpoint_paths(checkpoint)[0])
 
 
 def load_tokenizer(checkpoint: Path):

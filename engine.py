@@ -161,6 +161,7 @@ class Engine:
         self._lock = threading.Condition()
         self._stopping = False
         self._cancelled: set[int] = set()
+        self._between: list[tuple[Callable[[], None], threading.Event, list]] = []  # run_between_steps' work
         self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0,
                       "prompt_tokens": 0, "prefix_hits": 0, "prefix_reused_tokens": 0}
         self.model.check_row_operations()  # a policy with per-row state cannot share the cache (ValueError)
@@ -193,6 +194,25 @@ class Engine:
         with self._lock:
             self._cancelled.add(request_id)
             self._lock.notify()
+
+    def run_between_steps(self, work: Callable[[], None]) -> None:
+        """Run `work` on the engine's thread between two steps (at once if it is idle) and wait for it; what it
+        raises is raised here. For what must not change while a step runs: the kernels a server takes once
+        they are built (serve.py). The engine's thread must be running."""
+        done, failure = threading.Event(), []
+        with self._lock:
+            self._between.append((work, done, failure))
+            self._lock.notify()
+        done.wait()
+        if failure:
+            raise failure[0]
+
+    def forget_prefixes(self) -> None:
+        """The free rows' caches hold nothing to reuse from now on (their positions were written by other
+        kernels: a warm request must compute what a cold one does). The engine's thread only."""
+        for i, row in enumerate(self.rows):
+            if row is None:
+                self.cached[i], self.held[i] = [], 0
 
     def stop(self) -> None:
         """Admit nothing more; every request waiting or in a row ends with "shutdown" at the next step."""
@@ -228,10 +248,19 @@ class Engine:
         """Step until stop() has ended every request."""
         while True:
             with self._lock:
-                while not self._has_work() and not self._stopping:
+                while not self._has_work() and not self._stopping and not self._between:
                     self._lock.wait()
-                if self._stopping and not self._has_work():
+                between, self._between = self._between, []
+                if self._stopping and not self._has_work() and not between:
                     return
+            for work, done, failure in between:
+                try:
+                    work()
+                except Exception as e:  # said to the caller, who waits for it
+                    failure.append(e)
+                done.set()
+            if not self._has_work():
+                continue
             try:
                 self.step()
             except Exception as e:  # a failed step ends the requests in the rows, not the server

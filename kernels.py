@@ -143,12 +143,25 @@ def _cpu_build_tag() -> str:
     return h.hexdigest()[:12]
 
 
-def _build_and_load() -> None:
+def _build_paths() -> tuple[str, str, str]:
+    """(the extension's name, its build directory, its .so) for this machine's build."""
     from torch.utils import cpp_extension
 
     name = f"sparq_cpu_{_cpu_build_tag()}"  # the tag covers sources, flags, torch and CPU
     build_dir = cpp_extension._get_build_directory(name, False)
-    so_path = os.path.join(build_dir, name + ".so")
+    return name, build_dir, os.path.join(build_dir, name + ".so")
+
+
+def cpu_kernels_built() -> bool:
+    """The fused CPU kernels are loaded, or were built on this machine before (loading them takes a moment);
+    False: their first use builds them (minutes on two cores). Builds nothing."""
+    return os.path.exists(_build_paths()[2])  # the link writes it last
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    name, build_dir, so_path = _build_paths()
     if os.path.exists(so_path):  # built before: load it directly (no ninja, no build lock)
         try:
             torch.ops.load_library(so_path)

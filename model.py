@@ -396,6 +396,18 @@ class Transformer(nn.Module):
         self.max_batch_size = -1
         self.max_seq_length = -1
 
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run `kernels` from the next call on: every float linear layer and the prefill attention take them (a
+        server that served on the torch kernels while the fused ones built, serve.py). The decode policies bind
+        theirs when they are made: install them again (policies.install_policy). Quantized linears keep what
+        QuantizedLoading.finalize picked and packed their weights for at load: a float model's call."""
+        self.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul = kernels.linear or F.linear
+            elif isinstance(module, Attention):
+                module.prefill_kernel = kernels.prefill_attention
+
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device

@@ -15,8 +15,10 @@ accepted and the served one (--served-model-name) reported. Bad input is a 400 w
 error body, a missing or wrong key (--api-key) a 401, a full queue a 429 with Retry-After; SIGTERM stops
 admitting, ends the requests in flight and exits.
 
-The port opens at once: /health answers 503 {"status": "loading"} while the model loads (and, on a first
-run, the fused CPU kernels build), then 200. On the CPU the decode step then serves eagerly while its
+The port opens at once: /health answers 503 {"status": "loading"} while the model loads, then 200. On a
+machine where the fused CPU kernels were never built, they build in the background (at a lower priority)
+while the torch kernels serve, and are taken between two engine steps once built. On the CPU the decode step
+then serves eagerly while its
 compiled programs (one per row bucket, engine.ROW_BUCKETS) build in a thread of their own, each said on
 stderr; the engine takes them once all are built (/health's "decode_step" says which runs). Built
 programs are cached on disk, so a later start loads them in seconds. On CUDA the step is captured in
@@ -43,14 +45,15 @@ import torch
 import cli
 import data
 import tp
-from assemble import (DTYPES, TokenIds, add_cache_flags, add_model_flags, allocate_caches, cache_format, kernels_for,
-                      load_checkpoint, load_tokenizer, model_args, solve_compression)
+from assemble import (DTYPES, TokenIds, add_cache_flags, add_model_flags, allocate_caches, cache_format,
+                      is_quantized_checkpoint, kernels_for, load_checkpoint, load_tokenizer, model_args,
+                      solve_compression)
 from budgets import Storage
 from cli import UserError
 from convert_hf_checkpoint import resolve_checkpoint
 from decoding import COMPILE_BACKENDS, compiled_decode_step, decode_step, default_compile_backend
 from engine import PREFILL_CHUNK, ROW_BUCKETS, STEP_TOKENS, Engine, QueueFull, Request, Stopped, run_alone
-from kernels import KERNEL_CHOICES, batch_invariant_kernels
+from kernels import KERNEL_CHOICES, batch_invariant_kernels, cpu_kernel_error, cpu_kernels_built
 from model import ModelArgs, Transformer, checkpoint_paths, random_model
 from openai_api import (BadRequest, Reply, TextOut, _field, check_context, read_messages, read_options, read_prompt,
                         sse)
@@ -535,12 +538,18 @@ def plan(args: argparse.Namespace) -> Plan:
     return Plan(settings, config, max_seq_length, length_bucket, kv_format)
 
 
-def load_model(args: argparse.Namespace, planned: Plan):
-    """(the model, with this rank's shard under torchrun, its caches allocated and its policy installed; the
-    tokenizer; the served name; the kernels): what every rank of a server loads."""
-    settings, config, kv_format = planned.settings, planned.config, planned.kv_format
+def server_kernels(choice: str, args: argparse.Namespace, planned: Plan):
     # rows come and go between steps: a row's result must not depend on its neighbours
-    kernels = batch_invariant_kernels(kernels_for(args.kernel, args.device, config, planned.length_bucket, [kv_format]))
+    return batch_invariant_kernels(kernels_for(choice, args.device, planned.config, planned.length_bucket,
+                                               [planned.kv_format]))
+
+
+def load_model(args: argparse.Namespace, planned: Plan, kernel: Optional[str] = None):
+    """(the model, with this rank's shard under torchrun, its caches allocated and its policy installed; the
+    tokenizer; the served name; the kernels): what every rank of a server loads. kernel: --kernel's choice
+    unless given."""
+    settings, config, kv_format = planned.settings, planned.config, planned.kv_format
+    kernels = server_kernels(kernel or args.kernel, args, planned)
     if args.random_weights:
         model, tokenizer = random_model(config, args.device, DTYPES[args.dtype], kernels), TokenIds()
         name = args.random_weights
@@ -555,11 +564,11 @@ def load_model(args: argparse.Namespace, planned: Plan):
     return model, tokenizer, name, kernels
 
 
-def load(args: argparse.Namespace, planned: Plan) -> Served:
+def load(args: argparse.Namespace, planned: Plan, kernel: Optional[str] = None) -> Served:
     """The model, its policy and the engine (not started) on the eager step; UserError for what cannot serve.
-    Under torchrun, rank 0's: its engine steps the other ranks through a tp.Leader."""
+    Under torchrun, rank 0's: its engine steps the other ranks through a tp.Leader. kernel: as load_model's."""
     settings, config = planned.settings, planned.config
-    model, tokenizer, name, kernels = load_model(args, planned)
+    model, tokenizer, name, kernels = load_model(args, planned, kernel)
     leader = tp.Leader(model, decode_step) if tp.world_size() > 1 else None
     engine = Engine(leader or model, planned.max_seq_length, prefill_chunk=args.prefill_chunk,
                     step_tokens=args.step_tokens, max_queue=args.max_queue,
@@ -573,6 +582,56 @@ def load(args: argparse.Namespace, planned: Plan) -> Served:
                    "tensor_parallel": tp.world_size()}
     return Served(engine, tokenizer, args.served_model_name or name, description,
                   Metrics(engine) if args.metrics else None, leader=leader)
+
+
+def fused_build_pending(args: argparse.Namespace, planned: Plan) -> bool:
+    """Loading would wait minutes for the fused CPU kernels' first build (169 s on two Zen 3 cores): --kernel
+    auto on the CPU, one process, exact lengths, a float checkpoint (a quantized one packs its weights for the
+    kernels it loads with), nothing built on this machine yet. The server then serves on the torch kernels
+    while they build (use_fused_kernels)."""
+    if args.kernel != "auto" or args.device != "cpu" or tp.world_size() > 1 or planned.length_bucket > 1:
+        return False
+    if args.compile and args.compile_backend != "aot":  # inductor's step is built before serving, on the kernels
+        return False
+    if not args.random_weights and is_quantized_checkpoint(args.checkpoint):
+        return False
+    return not cpu_kernels_built()
+
+
+BUILD_NICENESS = 10  # the builds beside serving: their compilers yield the cores to the engine's steps
+
+
+def build_at_low_priority(build: Callable[[], object]) -> None:
+    """build() on this thread at a lower priority: on Linux a thread's niceness is its own, and the compilers
+    it starts inherit it, so the requests served meanwhile keep the cores (the model loads beside the build:
+    /health's 200 at 29 s became 13 s on two Zen 3 cores). For a build whose work is in child processes only:
+    a niced thread that holds the GIL makes the engine wait (the AOT build's took a 16-token reply to 34 s)."""
+    try:
+        os.nice(BUILD_NICENESS)
+    except OSError:  # not permitted: build at the same priority
+        pass
+    build()
+
+
+def use_fused_kernels(served: Served, args: argparse.Namespace, planned: Plan) -> bool:
+    """The fused CPU kernels, once built, taken between two engine steps: the model's linears and prefill
+    attention, its policies made again (they bind their kernels when made); the free rows' kept prefixes are
+    dropped (other kernels wrote them: a warm request computes what a cold one does). False where they could not
+    be built (said; the torch kernels serve on)."""
+    kernels = server_kernels("auto", args, planned)  # loads the build the background thread made
+    if kernels.name != "cpu":
+        return False
+    model, engine = served.engine.model, served.engine
+
+    def swap() -> None:
+        model.use_kernels(kernels)
+        install_policy(model, planned.settings)
+        engine.forget_prefixes()
+
+    engine.run_between_steps(swap)
+    served.description["kernels"] = kernels.name
+    served.description["attention"] = describe_layers(model)
+    return True
 
 
 def warm_up_lengths(engine: Engine) -> list[int]:
@@ -651,8 +710,15 @@ def prepare_in_background(args: argparse.Namespace, planned: Plan, app, server, 
     """The loading thread: the model and its engine, then the ready line; then the compiled step (CPU: in a
     thread of its own while requests are served eagerly). A failure is said in one line and stops the server."""
     try:
-        app.state.loading = "loading the model (and, on a first run, building the fused CPU kernels)"
-        served = load(args, planned)
+        builder = None
+        if fused_build_pending(args, planned):  # built beside serving: the torch kernels serve meanwhile
+            builder = threading.Thread(target=build_at_low_priority, args=(cpu_kernel_error,), name="fused-kernels",
+                                       daemon=True)
+            builder.start()
+            app.state.loading = "loading the model (the fused CPU kernels build beside it, once per machine)"
+        else:
+            app.state.loading = "loading the model"
+        served = load(args, planned, "torch" if builder else None)
         for i in range(len(served.engine.rows)):  # the rows as serving leaves them (ragged): the compiled
             served.engine.model.reset_row(i)  # steps are built on what they will run
         if args.compile and args.compile_backend != "aot":
@@ -665,10 +731,17 @@ def prepare_in_background(args: argparse.Namespace, planned: Plan, app, server, 
         say(f"ready: {served.model_name} ({served.description['attention']}; {args.max_batch_size} rows x "
             f"{served.engine.max_seq_length} positions, {args.dtype} on {args.device}, decode step "
             f"{served.decode_step})")
+        if builder is not None:
+            say("serving on the torch kernels while the fused CPU kernels build (once per machine; a few minutes "
+                "on two cores)...")
+            start = time.perf_counter()
+            builder.join()
+            if use_fused_kernels(served, args, planned):
+                say(f"the fused CPU kernels serve from now on (built in {time.perf_counter() - start:.0f} s more)")
         if args.compile and args.compile_backend == "aot":
             say(f"building the compiled decode step in the background, one program per row bucket up to "
                 f"{args.max_batch_size} rows (requests are served eagerly meanwhile)...")
-            build_in_background(served, say)
+            build_in_background(served, say)  # not niced: its thread holds the GIL the engine waits for
     except UserError as e:
         failure.append(e)
         server.should_exit = True

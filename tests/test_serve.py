@@ -979,3 +979,61 @@ def test_a_fresh_server_answers_at_once_and_swaps_in_its_compiled_step(tmp_path)
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def served_greedy(served, prompt: list[int], new_tokens: int = 8) -> list[int]:
+    """A greedy request through a running server's engine (its own thread): the tokens."""
+    out, done = [], threading.Event()
+
+    def emit(token, reason, logprob=None):
+        if token is not None:
+            out.append(token)
+        if reason is not None:
+            done.set()
+
+    served.engine.submit(Request(prompt=prompt, max_new_tokens=new_tokens, emit=emit))
+    assert done.wait(120)
+    return out
+
+
+def test_a_server_on_the_torch_kernels_takes_the_fused_ones_between_steps(monkeypatch):
+    """A first start on a machine without the fused CPU kernels built serves on the torch kernels while they build
+    (serve.fused_build_pending), then takes them between two engine steps (serve.use_fused_kernels): its greedy
+    tokens are a torch-kernel server's before and a fused server's after (each loaded as such: the references),
+    and what the torch kernels wrote is not reused as a prefix after the swap."""
+    import serve
+    from torch.nn import functional as F
+
+    if kernels.cpu_kernel_error() is not None:
+        skip_or_fail("the fused CPU kernels are not available")
+    args = serve.build_parser().parse_args(["--random-weights", "tiny", "--max-batch-size", "2",
+                                            "--max-seq-length", "256"])
+    planned = serve.plan(args)
+    monkeypatch.setattr(serve, "cpu_kernels_built", lambda: False)
+    assert serve.fused_build_pending(args, planned)
+    assert not serve.fused_build_pending(serve.build_parser().parse_args(["--random-weights", "tiny", "--kernel",
+                                                                          "torch"]), planned)
+    prompt = list(range(5, 60))
+    references = {}
+    for kernel in ("torch", "cpu"):
+        reference = serve.load(args, planned, kernel)
+        reference.start()
+        references[kernel] = served_greedy(reference, prompt)
+        reference.stop()
+    served = serve.load(args, planned, "torch")
+    served.start()
+    try:
+        with pytest.raises(ZeroDivisionError):  # what the work raises reaches the caller
+            served.engine.run_between_steps(lambda: 1 / 0)
+        assert served_greedy(served, prompt) == references["torch"]
+        assert served.engine.model.output.matmul is F.linear
+        assert serve.use_fused_kernels(served, args, planned)
+        model = served.engine.model
+        assert model.output.matmul is not F.linear and model.kernels.name == "cpu"
+        assert served.description["kernels"] == "cpu"
+        assert all(layer.attention.decode_attention.fused for layer in model.layers)  # dense, remade
+        hits = served.engine.stats["prefix_hits"]
+        assert served_greedy(served, prompt) == references["cpu"]
+        assert served.engine.stats["prefix_hits"] == hits  # the torch kernels' positions were not kept
+    finally:
+        served.stop()
