@@ -204,7 +204,8 @@ async def health(request):
     if served is None:
         return JSONResponse({"status": "loading", "detail": request.app.state.loading}, 503)
     engine = served.engine
-    return JSONResponse({"status": "ok", "decode_step": served.decode_step, "busy_rows": engine.busy_rows,
+    return JSONResponse({"status": "ok", "decode_step": served.decode_step, "kernels": served.description["kernels"],
+                         "busy_rows": engine.busy_rows,
                          "waiting": len(engine.waiting), **engine.stats})
 
 
