@@ -594,9 +594,9 @@ def fused_build_pending(args: argparse.Namespace, planned: Plan) -> bool:
         return False
     if args.compile and args.compile_backend != "aot":  # inductor's step is built before serving, on the kernels
         return False
-    if not args.random_weights and is_quantized_checkpoint(args.checkpoint):
+    if cpu_kernels_built():  # every start but a machine's first: decided without opening the checkpoint
         return False
-    return not cpu_kernels_built()
+    return bool(args.random_weights) or not is_quantized_checkpoint(args.checkpoint)
 
 
 BUILD_NICENESS = 10  # the builds beside serving: their compilers yield the cores to the engine's steps
