@@ -26,10 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch._dynamo.config as dynamo_config
-import torch._inductor.config as inductor_config
 from torch import Tensor
-from torch.export import Dim
 
 import data
 import kernels
@@ -423,6 +420,9 @@ class AOTDecodeStep:
             policy, cache = attention._modules.get("decode_attention"), attention._modules.get("kv_cache")
             layers.append({"layer": i, "policy": key.describe(policy) if policy is None else key.module_state(
                 "decode_attention", policy), "cache": None if cache is None else key.module_state("kv_cache", cache)})
+        import torch._dynamo.config as dynamo_config  # here, not at import: dynamo takes a second to import, and
+        import torch._inductor.config as inductor_config  # an eager run or a one-line error never needs it
+
         dynamo = {k: v for k, v in dynamo_config.save_config_portable().items() if "limit" not in k}  # limits: no
         # program of theirs; aot_inductor.metadata: filled in by the first AOTInductor build of the process
         inductor = {k: v for k, v in inductor_config.save_config_portable().items() if k != "aot_inductor.metadata"}
@@ -516,6 +516,8 @@ class AOTDecodeStep:
     def _export_and_compile(self, module: _StepModule, tokens: Tensor, input_pos: Tensor, span: Tensor, n_key: int,
                             n_range: int) -> tuple[_Program, str]:
         """Export and build as before the cache: (the program, bound to the model; its package's path)."""
+        from torch.export import Dim
+
         start, length = time.perf_counter(), span.shape[0]
         with warnings.catch_warnings():  # torch 2.13's export and packaging warn of its own deprecated pytree API
             warnings.simplefilter("ignore", FutureWarning)

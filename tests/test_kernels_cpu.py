@@ -850,78 +850,14 @@ def test_q8_gemm_checks_its_arguments():
         torch.ops.sparq.linear_int4_q8_cpu(torch.randn(17, 64), *rows16, 20)
 
 
-# A variant build of csrc/linear_quant.cpp alone (python -c, in the repo root: the ops' schemas from kernels.py,
-# no main build loaded): its GEMMs against its GEMVs bit for bit and against fp64 over the rounded x.
-_Q8_VARIANT_CHECK = r"""
-import math, sys, torch
-from torch.utils import cpp_extension
-import kernels
-from qlinear import pack_int4_rows16, pack_int8_rows16
-name, flags = sys.argv[1], sys.argv[2:]
-cpp_extension.load(name=name, sources=["csrc/linear_quant.cpp"], extra_cflags=["-O1", *flags, "-fopenmp"],
-                   extra_ldflags=["-fopenmp"], is_python_module=False)
-print("Q8", torch.ops.sparq.linear_q8_path())
-torch.set_num_threads(2)
-def rounded(x, group):  # x rounded to int8 per group as the kernels do (127 / max a true fp32 division), in fp64
-    xg = x.float().reshape(x.shape[0], -1, group)
-    amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), 0)
-    return (torch.round(xg * inv).double() * (amax / 127).double()).flatten(1)
-for bits, M, N, K, group, dt in [(4, 37, 67, 576, 32, torch.float32), (4, 21, 35, 256, 128, torch.bfloat16),
-                                 (4, 19, 48, 1536, 256, torch.float16), (8, 40, 20, 96, None, torch.float32),
-                                 (8, 33, 70, 1536, 64, torch.bfloat16), (8, 18, 16, 576, None, torch.float32)]:
-    g = torch.Generator().manual_seed(M + N + K)
-    x = torch.randn(M, K, generator=g).to(dt)
-    x[1, :32] = 0
-    if bits == 4:
-        q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
-        s, z = (torch.rand(N, K // group, generator=g) + 0.01).bfloat16(), torch.randn(N, K // group, generator=g).bfloat16()
-        w = pack_int4_rows16(q[:, 0::2] | (q[:, 1::2] << 4), s, z)
-        gemm, gemv = torch.ops.sparq.linear_int4_q8_gemm_cpu, torch.ops.sparq.linear_int4_q8_cpu
-        rep = lambda t: t.double().repeat_interleave(group, 1)
-        ref = rounded(x, group) @ ((q.double() - 8) * rep(s)).T + x.double() @ rep(z).T
-    else:
-        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
-        s = (torch.rand(N, K // (group or K), generator=g) + 0.01).bfloat16()
-        s = s[:, 0] if group is None else s
-        w = pack_int8_rows16(q, s)
-        gemm, gemv = torch.ops.sparq.linear_int8_q8_gemm_cpu, torch.ops.sparq.linear_int8_q8_cpu
-        ref = rounded(x, 32) @ (q.double() * (s.double()[:, None] if group is None else s.double().repeat_interleave(group, 1))).T
-    out = gemm(x, *w, N)
-    assert torch.equal(out, torch.cat([gemv(x[i:i + 16], *w, N) for i in range(0, M, 16)])), (bits, M, N, K)
-    ref = ref.to(dt).double()
-    tol = 1e-5 * math.sqrt(K) * float(ref.abs().max()) / 10 if dt == torch.float32 else 1e-2 * float(ref.abs().max())
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-5 if dt == torch.float32 else 1e-2)
-print("OK")
-"""
 
 
-def test_q8_gemm_variants_without_cpu_features_are_their_gemvs():
-    """The GEMMs' other paths, built with features turned off (AVX-512 without VNNI and AVX2 only: the
-    vpmaddubsw tiles; SSE2 only: the portable loops), each row their own build's GEMV bit for bit (each path's
-    epilogue is its GEMV's) and near fp64. One subprocess per variant (a second build of these ops cannot load
-    beside the main one), cached in torch's extension dir like the main build."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the variants are x86-64 -march flags")
-    cpu = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    variants = [(["-march=x86-64"], "portable")]
-    if {"avx2", "fma", "f16c"} <= cpu:
-        variants.append((["-march=x86-64-v3"], "avx2"))
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
-        variants.append((["-march=native", "-mno-avx512vnni"], "avx2"))
-    repo = Path(kernels.__file__).resolve().parent
-    tag = hashlib.sha1(torch.__version__.encode() + _Q8_VARIANT_CHECK.encode())
-    for path in sorted((repo / "csrc").iterdir()):
-        tag.update(path.name.encode() + path.read_bytes())
-    procs = []
-    for flags, q8 in variants:  # built in parallel, one subprocess each
-        name = "sparq_q8gemm_" + "_".join(f.strip("-").replace("=", "").replace("-", "") for f in flags)
-        procs.append((flags, q8, subprocess.Popen([sys.executable, "-c", _Q8_VARIANT_CHECK, f"{name}_{tag.hexdigest()[:10]}",
-                                                   *flags], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                  text=True)))
-    for flags, q8, proc in procs:
-        out, _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0 and out.rstrip().endswith("OK"), f"{flags}:\n{out[-3000:]}"
+def test_q8_gemm_variants_without_cpu_features_are_their_gemvs(kernel_variants):
+    """The GEMMs' other paths in the variant builds (AVX-512 without VNNI and AVX2 only: the vpmaddubsw tiles;
+    SSE2 only: the portable loops), each row their own build's GEMV bit for bit (each path's epilogue is its
+    GEMV's) and near fp64 over the rounded x (tests/variant_check.py)."""
+    for flags, (isa, q8, out) in kernel_variants.items():
+        assert "Q8 GEMM OK" in out, f"{flags}:\n{out[-3000:]}"
         assert f"Q8 {q8}" in out, f"{flags} built the wrong path:\n{out[-3000:]}"
 
 
@@ -992,32 +928,44 @@ def test_bf16_prefill_rows_take_torchs_gemm_widened_where_it_is_slow(rows):
     torch.testing.assert_close(y.double(), exact, atol=0.05, rtol=2 ** -7)
 
 
-def test_kernel_variants_without_cpu_features_match_fp64():
-    """The GEMV and dense attention sources built with features turned off (AVX-512 without its bf16
-    and VNNI dot products; AVX2 only, x86-64-v3; SSE2 only, the portable vectors), each checked
-    against fp64: the paths other CPUs take stay correct (an int8 cache read by widening). Each variant is cached in torch's extension dir like the main build."""
+@pytest.fixture(scope="module")
+def kernel_variants() -> dict:
+    """The GEMV, quantized linear, dense decode and prefill attention sources built with CPU features turned
+    off (AVX-512 without its bf16 and VNNI dot products; AVX2 only, x86-64-v3; SSE2 only, the portable vectors),
+    each checked by tests/variant_check.py in its own subprocess (a second build of these ops cannot load beside
+    the main one), built in parallel and cached in torch's extension dir like the main build. One build per
+    variant serves both tests below. {flags: (the GEMV's path, the q8 GEMVs' path, the check's output)}."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the variants are x86-64 -march flags")
     cpu = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    variants = [(["-march=x86-64"], "portable", "portable")]  # flags, the GEMV's path, the q8 GEMVs' path
+    variants = [(("-march=x86-64",), "portable", "portable")]  # flags, the GEMV's path, the q8 GEMVs' path
     if {"avx2", "fma", "f16c"} <= cpu:
-        variants.append((["-march=x86-64-v3"], "avx2", "avx2"))
+        variants.append((("-march=x86-64-v3",), "avx2", "avx2"))
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
-        variants.append((["-march=native", "-mno-avx512bf16", "-mno-avx512vnni"], "avx512", "avx2"))
+        variants.append((("-march=native", "-mno-avx512bf16", "-mno-avx512vnni"), "avx512", "avx2"))
     csrc = Path(kernels.__file__).resolve().parent / "csrc"
-    tag = hashlib.sha1(torch.__version__.encode())
+    check = csrc.parent / "tests" / "variant_check.py"
+    tag = hashlib.sha1(torch.__version__.encode() + check.read_bytes())
     for path in sorted(csrc.iterdir()):
         tag.update(path.name.encode() + path.read_bytes())
     procs = []
     for flags, isa, q8 in variants:  # built in parallel, one subprocess each
         name = "sparq_variant_" + "_".join(f.strip("-").replace("=", "").replace("-", "") for f in flags)
         name += "_" + tag.hexdigest()[:10]
-        procs.append((flags, isa, q8, subprocess.Popen([sys.executable, str(csrc.parent / "tests" / "variant_check.py"),
-                                                    name, *flags], cwd=csrc.parent, stdout=subprocess.PIPE,
-                                                   stderr=subprocess.STDOUT, text=True)))
+        procs.append((flags, isa, q8, subprocess.Popen([sys.executable, str(check), name, *flags], cwd=csrc.parent,
+                                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    results = {}
     for flags, isa, q8, proc in procs:
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0 and out.rstrip().endswith("OK"), f"{flags}:\n{out[-3000:]}"
+        results[flags] = (isa, q8, out)
+    return results
+
+
+def test_kernel_variants_without_cpu_features_match_fp64(kernel_variants):
+    """The variant builds' GEMVs, dense attention (an int8 cache read by widening) and prefill attention
+    against fp64: the paths other CPUs take stay correct."""
+    for flags, (isa, q8, out) in kernel_variants.items():
         assert f"ISA {isa}" in out and "INT8 float" in out and f"Q8 {q8}" in out, \
             f"{flags} built the wrong path:\n{out[-3000:]}"
 

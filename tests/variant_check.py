@@ -1,8 +1,9 @@
-"""Run by tests/test_kernels_cpu.py: a variant build of the GEMV, dense decode and prefill attention sources alone, with some
+"""Run by tests/test_kernels_cpu.py: a variant build of the GEMV, quantized linear (GEMV and GEMM), dense decode and prefill attention sources alone, with some
 CPU features turned off, checked against fp64 (a subprocess: a second build of the same ops cannot
 load beside the main one). -O1: these builds check each path's arithmetic, not its speed, and build
 in about half the time of -O3.
-    python tests/variant_check.py NAME FLAG...     (in the repo root; prints "ISA <path>", "INT8 <path>" and "OK")
+    python tests/variant_check.py NAME FLAG...     (in the repo root; prints "ISA <path>", "INT8 <path>", "Q8 <path>",
+                                                  "Q8 GEMM OK" and "OK")
 """
 
 import math
@@ -95,4 +96,37 @@ for B, H, n_kv, T, S, d, dt in [(1, 6, 2, 70, 70, 64, "bfloat16"), (2, 4, 4, 9, 
     tol = 1e-5 if q.dtype == torch.float32 else 1e-2
     torch.testing.assert_close(torch.ops.sparq.prefill_cpu(q, k, v).double(),
                                (torch.softmax(scores, -1) @ values).to(q.dtype).double(), atol=tol, rtol=tol)
+# The q8 GEMMs: each row their own build's GEMV bit for bit, and near fp64 over the rounded x.
+torch.set_num_threads(2)
+def rounded(x, group):  # x rounded to int8 per group as the kernels do (127 / max a true fp32 division), in fp64
+    xg = x.float().reshape(x.shape[0], -1, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), 0)
+    return (torch.round(xg * inv).double() * (amax / 127).double()).flatten(1)
+for bits, M, N, K, group, dt in [(4, 37, 67, 576, 32, torch.float32), (4, 21, 35, 256, 128, torch.bfloat16),
+                                 (4, 19, 48, 1536, 256, torch.float16), (8, 40, 20, 96, None, torch.float32),
+                                 (8, 33, 70, 1536, 64, torch.bfloat16), (8, 18, 16, 576, None, torch.float32)]:
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g).to(dt)
+    x[1, :32] = 0
+    if bits == 4:
+        q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+        s, z = (torch.rand(N, K // group, generator=g) + 0.01).bfloat16(), torch.randn(N, K // group, generator=g).bfloat16()
+        w = pack_int4_rows16(q[:, 0::2] | (q[:, 1::2] << 4), s, z)
+        gemm, gemv = torch.ops.sparq.linear_int4_q8_gemm_cpu, torch.ops.sparq.linear_int4_q8_cpu
+        rep = lambda t: t.double().repeat_interleave(group, 1)
+        ref = rounded(x, group) @ ((q.double() - 8) * rep(s)).T + x.double() @ rep(z).T
+    else:
+        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        s = (torch.rand(N, K // (group or K), generator=g) + 0.01).bfloat16()
+        s = s[:, 0] if group is None else s
+        w = pack_int8_rows16(q, s)
+        gemm, gemv = torch.ops.sparq.linear_int8_q8_gemm_cpu, torch.ops.sparq.linear_int8_q8_cpu
+        ref = rounded(x, 32) @ (q.double() * (s.double()[:, None] if group is None else s.double().repeat_interleave(group, 1))).T
+    out = gemm(x, *w, N)
+    assert torch.equal(out, torch.cat([gemv(x[i:i + 16], *w, N) for i in range(0, M, 16)])), (bits, M, N, K)
+    ref = ref.to(dt).double()
+    tol = 1e-5 * math.sqrt(K) * float(ref.abs().max()) / 10 if dt == torch.float32 else 1e-2 * float(ref.abs().max())
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=1e-5 if dt == torch.float32 else 1e-2)
+print("Q8 GEMM OK")
 print("OK")
