@@ -1,6 +1,7 @@
 """Shared pytest fixtures."""
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -104,6 +105,31 @@ def run_python(*args, timeout: int = 600, cwd: Path = REPO):
     import sys
 
     return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def run_main(main, *args) -> tuple[int, str]:
+    """A tool's main(argv) called in this process, as `python tool.py ARGS` runs it (`sys.exit(main())`): (its exit
+    status, what it wrote to stderr), for assert_one_line_error. For the many refusal cases of one tool: each one
+    here costs no interpreter and torch start (about 2.5 s of a core) and no model's first load; each tool keeps
+    tests that run it as a process. torch's global seed and thread count are put back after (the tools set them).
+    Warnings reach stderr as they would in the process (pytest's capture would swallow an extra line)."""
+    import contextlib
+    import warnings
+
+    rng, threads, err = torch.random.get_rng_state(), torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: err.write(
+                warnings.formatwarning(message, category, filename, lineno, line))
+            try:
+                status = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's own errors exit
+                status = e.code if isinstance(e.code, int) else 1
+    finally:
+        torch.random.set_rng_state(rng)
+        torch.set_num_threads(threads)
+    return int(status or 0), err.getvalue()
 
 
 _CHANNEL_FILES: dict = {}

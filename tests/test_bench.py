@@ -7,7 +7,7 @@ import pytest
 import bench.__main__ as bench_cli
 from bench import decode as bench_decode
 from cli import UserError
-from conftest import assert_one_line_error, read_json, run_python
+from conftest import assert_one_line_error, read_json, run_main, run_python
 from model import ModelArgs, Transformer
 
 
@@ -277,7 +277,7 @@ def test_decode_cases_and_policies_take_turns_step_by_step(monkeypatch):
     (["decode", "--steps", "0"], "--steps"), (["attention", "--seq-len", "abc"], "--seq-len"),
     (["linear", "--rows", "99"], "--rows")])
 def test_bench_flags_are_one_line_errors(argv, fragment):
-    assert_one_line_error(run_python("-m", "bench", *argv), fragment)
+    assert_one_line_error(run_main(bench_cli.main, *argv), fragment)
 
 
 def test_speculate_json_rows(tmp_path, smollm2_checkpoint, capsys):

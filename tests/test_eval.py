@@ -21,7 +21,7 @@ from evals import report as evals_report
 from evals import runner as evals_runner
 from evals import tasks
 from cli import UserError
-from conftest import assert_one_line_error, read_json, run_python, strict_json
+from conftest import assert_one_line_error, read_json, run_main, run_python, strict_json
 from decoding import Generator
 from model import ModelArgs, Transformer
 from policies import AttentionSettings, policy_factory
@@ -1054,7 +1054,7 @@ def test_ragged_batches_on_a_sliding_window_model_are_refused_up_front(tmp_path,
 @pytest.mark.parametrize("argv, fragment", [
     (["--examples", "0"], "--examples"), (["--threads", "0"], "--threads"), (["--lengths", "0"], "--lengths")])
 def test_eval_flags_are_one_line_errors(argv, fragment):
-    assert_one_line_error(run_python("-m", "evals", *argv, "--quiet"), fragment)
+    assert_one_line_error(run_main(evals_cli.main, *argv, "--quiet"), fragment)
 
 
 def squad_run_identity(argv: list[str]) -> dict:

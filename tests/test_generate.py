@@ -10,7 +10,7 @@ import chat
 import data
 import decoding
 import generate
-from conftest import assert_one_line_error, read_json, run_python
+from conftest import assert_one_line_error, read_json, run_main, run_python
 import kernels
 from attention import DenseDecode
 from cache import KVFormat
@@ -157,10 +157,10 @@ def test_compression_solves_the_policy_knob_at_the_longest_prompt(tmp_path, smol
     (("--compression", "1/4", "--interactive"), "--interactive has none"),
 ])
 def test_compression_refusals(smollm2_checkpoint, args, fragment):
-    assert_one_line_error(run_generate("--checkpoint", str(smollm2_checkpoint), "--prompt-tokens", "600",
-                                       "--max-new-tokens", "2", *args)
+    assert_one_line_error(run_main(generate.main, "--checkpoint", smollm2_checkpoint, "--prompt-tokens", "600",
+                                   "--max-new-tokens", "2", *args)
                           if "--interactive" not in args else
-                          run_generate("--checkpoint", str(smollm2_checkpoint), *args), fragment)
+                          run_main(generate.main, "--checkpoint", smollm2_checkpoint, *args), fragment)
 
 
 def test_generate_cli_json_with_sparq(tmp_path, smollm2_checkpoint):
@@ -223,7 +223,7 @@ def test_generate_chat_answers_sensibly(smollm2_checkpoint):
     (["--quantized-kernel", "gemv"], "not quantized"),  # a float checkpoint: the flag would do nothing
 ])
 def test_bad_input_is_a_one_line_error(args, fragment, smollm2_checkpoint):
-    assert_one_line_error(run_generate("--checkpoint", str(smollm2_checkpoint), "--max-new-tokens", "2", *args),
+    assert_one_line_error(run_main(generate.main, "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "2", *args),
                           fragment)
 
 
@@ -277,7 +277,7 @@ def test_the_cards_command_with_random_weights_of_a_tiny_shape(tmp_path):
     (["--random-weights", "tiny", "--checkpoint", "x", "--prompt-tokens", "8"], "--checkpoint"),
 ])
 def test_random_weights_refusals_are_one_line_errors(args, fragment):
-    assert_one_line_error(run_generate(*args), fragment)
+    assert_one_line_error(run_main(generate.main, *args), fragment)
 
 
 def test_sampling_draws_from_the_softmax_without_syncing():
@@ -345,7 +345,7 @@ def test_rewind_sums_v_in_chunks_without_an_fp32_copy_of_the_cache():
     (["--prompt-tokens", "10000000"], "fewer than"),
 ])
 def test_generate_refuses_bad_input_in_one_line(smollm2_checkpoint, args, fragment):
-    assert_one_line_error(run_python("generate.py", "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "2", *args),
+    assert_one_line_error(run_main(generate.main, "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "2", *args),
                           fragment)
 
 

@@ -13,7 +13,8 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import assert_one_line_error, channels_file
+import generate
+from conftest import assert_one_line_error, channels_file, run_main
 from cache import QMAX, KVCache, KVFormat, quantize_symmetric, unpack_int4
 from decoding import Generator
 from model import ModelArgs, Transformer
@@ -310,12 +311,13 @@ def test_generate_runs_on_a_quantized_cache_and_refuses_kt_dtype_with_one_k():
     out = run_generate(*tiny, "--kv-dtype", "int8", "--kt-dtype", "int4", "--sparq-r", "4", "--sparq-k", "8")
     assert out.returncode == 0, out.stderr
     assert "K/V int8, K^T int4" in out.stderr
-    assert_one_line_error(run_generate(*tiny, "--kv-layout", "once", "--kt-dtype", "int4"), "--kv-layout once")
-    assert_one_line_error(run_generate(*tiny, "--dtype", "float32", "--kv-dtype", "bfloat16"), "--kv-dtype bfloat16")
+    assert_one_line_error(run_main(generate.main, *tiny, "--kv-layout", "once", "--kt-dtype", "int4"), "--kv-layout once")
+    assert_one_line_error(run_main(generate.main, *tiny, "--dtype", "float32", "--kv-dtype", "bfloat16"),
+                          "--kv-dtype bfloat16")
     out = run_generate(*tiny, "--kt-dtype", "int4", "--kt-scale-dtype", "bfloat16", "--sparq-r", "4", "--sparq-k", "8")
     assert out.returncode == 0, out.stderr
     assert "K^T int4 with bfloat16 scales" in out.stderr
-    assert_one_line_error(run_generate(*tiny, "--kv-dtype", "int8", "--kt-dtype", "int8", "--kt-scale-dtype",
+    assert_one_line_error(run_main(generate.main, *tiny, "--kv-dtype", "int8", "--kt-dtype", "int8", "--kt-scale-dtype",
                                        "bfloat16"), "--kt-scale-dtype")  # K^T is K's int8: K's scales, none of its own
 
 

@@ -16,7 +16,7 @@ import dataclasses
 import model as M
 import qlinear as QL
 import quantize as Q
-from conftest import REPO, assert_one_line_error, run_python
+from conftest import REPO, assert_one_line_error, run_main, run_python
 from decoding import compiled_decode_step, decode_step
 from kernels import TORCH_KERNELS
 
@@ -540,20 +540,20 @@ def tiny_dir(tmp_path_factory):
 
 def test_cli_errors_are_one_line(tiny_dir, tmp_path):
     ckpt = str(tiny_dir / "model.pth")
-    assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int3"), "--mode: invalid choice: 'int3'")
-    assert_one_line_error(run_quantize("--checkpoint", str(tmp_path / "nope.pth"), "--mode", "int8"),
+    assert_one_line_error(run_main(Q.main, "--checkpoint", ckpt, "--mode", "int3"), "--mode: invalid choice: 'int3'")
+    assert_one_line_error(run_main(Q.main, "--checkpoint", str(tmp_path / "nope.pth"), "--mode", "int8"),
                           "checkpoint not found")
-    assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int4", "--group-size", "48"),
+    assert_one_line_error(run_main(Q.main, "--checkpoint", ckpt, "--mode", "int4", "--group-size", "48"),
                           "--group-size: invalid choice: 48")
-    assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int8", "--group-size", "32"),
+    assert_one_line_error(run_main(Q.main, "--checkpoint", ckpt, "--mode", "int8", "--group-size", "32"),
                           "--group-size applies to --mode int4 only")
-    assert_one_line_error(run_quantize("--checkpoint", ckpt), "--mode")
+    assert_one_line_error(run_main(Q.main, "--checkpoint", ckpt), "--mode")
     # dim 128 is not a multiple of 256
-    assert_one_line_error(run_quantize("--checkpoint", ckpt, "--mode", "int4", "--group-size", "256"),
+    assert_one_line_error(run_main(Q.main, "--checkpoint", ckpt, "--mode", "int4", "--group-size", "256"),
                           "group size 256 does not divide the input dimension 128")
     done = run_quantize("--checkpoint", ckpt, "--mode", "int8", "--no-progress")
     assert done.returncode == 0, done.stderr
-    assert_one_line_error(run_quantize("--checkpoint", str(tiny_dir / "model_int8.pth"), "--mode", "int4"),
+    assert_one_line_error(run_main(Q.main, "--checkpoint", str(tiny_dir / "model_int8.pth"), "--mode", "int4"),
                           "already quantized")
 
 

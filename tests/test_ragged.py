@@ -10,7 +10,8 @@ import torch
 
 import data
 import kernels
-from conftest import assert_one_line_error, channels_file, read_json, run_python
+import generate
+from conftest import assert_one_line_error, channels_file, read_json, run_main, run_python
 from decoding import PREFILL_CHUNK, Generator, chunk_ends
 from kernels import TORCH_KERNELS
 from model import ModelArgs, Transformer, load_model
@@ -144,5 +145,4 @@ def test_prompt_file_jsonl_keeps_input_order(tmp_path, smollm2_checkpoint):
 def test_bad_prompt_files_are_one_line_errors(tmp_path, smollm2_checkpoint, content, fragment):
     path = tmp_path / "p.jsonl"
     path.write_text(content)
-    result = run_python("generate.py", "--checkpoint", smollm2_checkpoint, "--prompt-file", path, timeout=300)
-    assert_one_line_error(result, fragment)
+    assert_one_line_error(run_main(generate.main, "--checkpoint", smollm2_checkpoint, "--prompt-file", path), fragment)

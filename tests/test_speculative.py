@@ -12,7 +12,8 @@ import torch
 import kernels
 from assemble import check_same_tokenizer
 from cli import UserError
-from conftest import assert_one_line_error, read_json, run_python
+import generate
+from conftest import assert_one_line_error, read_json, run_main, run_python
 from decoding import Generator, prefill
 from sampling import Sampling, probabilities
 from speculation import Speculator
@@ -196,7 +197,8 @@ def run_generate(*args):
 ])
 def test_speculation_refusals(smollm2_checkpoint, args, fragment):
     checkpoint = () if "--random-weights" in args else ("--checkpoint", str(smollm2_checkpoint))
-    assert_one_line_error(run_generate(*checkpoint, "--prompt-tokens", "200", "--max-new-tokens", "4", *args), fragment)
+    assert_one_line_error(run_main(generate.main, *checkpoint, "--prompt-tokens", "200", "--max-new-tokens", "4", *args),
+                          fragment)
 
 
 def test_a_draft_with_another_tokenizer_is_refused():
