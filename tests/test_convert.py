@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import convert
 import convert_hf_checkpoint
 import model
-from conftest import REPO, assert_one_line_error, read_json, run_python
+from conftest import REPO, assert_one_line_error, read_json, run_main, run_python
 
 SCRIPT = REPO / "convert_hf_checkpoint.py"
 VOCAB = 128
@@ -35,6 +35,11 @@ def tiny_llama_dir(directory: Path, hidden: int = 32, tie: bool = False, dtype=t
 
 def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return run_python(SCRIPT, *args, cwd=cwd, timeout=120)
+
+
+def convert_cli(*args) -> tuple[int, str]:
+    """The converter's main in this process, for its refusals (run_cli runs it as a process)."""
+    return run_main(convert_hf_checkpoint.main, *args)
 
 
 def edit_config(directory: Path, **changes) -> None:
@@ -62,7 +67,7 @@ def test_unsupported_architecture(tmp_path: Path, architecture: str, model_type:
     (src / "config.json").write_text(json.dumps({
         "architectures": [architecture], "model_type": model_type, "hidden_size": 32, "num_attention_heads": 4,
         "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": VOCAB}))
-    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "unsupported architecture", architecture,
+    assert_one_line_error(convert_cli(src, "--out", tmp_path / "out"), "unsupported architecture", architecture,
                           "Qwen2ForCausalLM", "Gemma3ForCausalLM", "GPTNeoXForCausalLM")
 
 
@@ -95,15 +100,15 @@ def test_corrupt_safetensors(tmp_path: Path):
     weights = src / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "corrupt safetensors")
+    assert_one_line_error(convert_cli(src, "--out", tmp_path / "out"), "corrupt safetensors")
     weights.write_bytes(b"\x00" * 64)
-    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "corrupt safetensors")
+    assert_one_line_error(convert_cli(src, "--out", tmp_path / "out"), "corrupt safetensors")
 
 
 def test_shape_mismatch(tmp_path: Path):
     src = tiny_llama_dir(tmp_path / "src", hidden=32)
     edit_config(src, hidden_size=64, head_dim=16)  # the weights are for dim 32 (head_dim 8)
-    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "shape", "(128, 32)", "(128, 64)")
+    assert_one_line_error(convert_cli(src, "--out", tmp_path / "out"), "shape", "(128, 32)", "(128, 64)")
 
 
 def test_unexpected_and_missing_tensors(tmp_path: Path):
@@ -112,7 +117,8 @@ def test_unexpected_and_missing_tensors(tmp_path: Path):
     state = load_file(weights)
     state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
     save_file(state, weights, metadata={"format": "pt"})
-    assert_one_line_error(run_cli(src, "--out", tmp_path / "out"), "unexpected tensor model.layers.0.self_attn.q_proj.bias")
+    assert_one_line_error(convert_cli(src, "--out", tmp_path / "out"),
+                          "unexpected tensor model.layers.0.self_attn.q_proj.bias")
 
     del state["model.layers.0.self_attn.q_proj.bias"]
     del state["model.layers.1.mlp.up_proj.weight"]
@@ -144,7 +150,7 @@ def test_corrupt_and_unsupported_gguf(tmp_path: Path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert_one_line_error(run_cli(path, "--out", tmp_path / "out"), "unsupported GGUF architecture 'gpt2'")
+    assert_one_line_error(convert_cli(path, "--out", tmp_path / "out"), "unsupported GGUF architecture 'gpt2'")
 
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(path.read_bytes()[:200])
