@@ -850,8 +850,6 @@ def test_q8_gemm_checks_its_arguments():
         torch.ops.sparq.linear_int4_q8_cpu(torch.randn(17, 64), *rows16, 20)
 
 
-
-
 def test_q8_gemm_variants_without_cpu_features_are_their_gemvs(kernel_variants):
     """The GEMMs' other paths in the variant builds (AVX-512 without VNNI and AVX2 only: the vpmaddubsw tiles;
     SSE2 only: the portable loops), each row their own build's GEMV bit for bit (each path's epilogue is its
