@@ -1,7 +1,7 @@
-"""Run by tests/test_kernels_cpu.py: a variant build of the GEMV, quantized linear (GEMV and GEMM), dense decode and prefill attention sources alone, with some
-CPU features turned off, checked against fp64 (a subprocess: a second build of the same ops cannot
-load beside the main one). -O1: these builds check each path's arithmetic, not its speed, and build
-in about half the time of -O3.
+"""Run by tests/test_kernels_cpu.py: a variant build of the GEMV, quantized linear (GEMV and GEMM), dense decode
+and prefill attention sources alone, with some CPU features turned off, checked against fp64 (a subprocess: a
+second build of the same ops cannot load beside the main one). -O1: these builds check each path's arithmetic,
+not its speed, and build in about half the time of -O3.
     python tests/variant_check.py NAME FLAG...     (in the repo root; prints "ISA <path>", "INT8 <path>", "Q8 <path>",
                                                   "Q8 GEMM OK" and "OK")
 """
