@@ -180,3 +180,22 @@ def test_the_fused_kernel_takes_the_rotated_query(per_head, dtype, threads):
 def test_bad_basis_flags_are_one_line_errors(args, fragment, smollm2_checkpoint):
     assert_one_line_error(run_main(generate.main, "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "2", *args),
                           fragment)
+
+
+def test_the_studys_basis_free_variant_is_the_policy_at_the_split_without_the_basis():
+    """scripts/studies/cwe_selection_study.py --formats: BasisFree is the loop reference at the split the cache's
+    costs give with the basis left out (more components or positions than the policy's, which counts it)."""
+    from scripts.studies.cwe_selection_study import BasisFree
+
+    B, n_kv, g, d, S = 1, 2, 3, 64, 900
+    cache, _ = principal_cache(B, n_kv, d, S, S + 8)
+    q = random_query(B, n_kv, g, d, seed=8)
+    costs = StepCosts.of(cache.format, torch.float32, d)
+    free = StepCosts(costs.kt, costs.kt_scale)
+    r, k_top = adaptive_split(S, d, 1 / 16, None, free)
+    assert (r, k_top) != adaptive_split(S, d, 1 / 16, None, costs)
+    view = cache.view(S, B)
+    expected = sparq_adaptive_reference(q, view.k, view.v, view.v_sum, S,
+                                        SparQConfig(r=r, k_top=k_top, local=max(1, k_top // 4)),
+                                        spread=cache.kt_spread, k_t=view.k_t, q_step1=cache.step1_query(q))
+    torch.testing.assert_close(BasisFree(1 / 16, k_max=64)(q, cache, S), expected, atol=1e-5, rtol=1e-5)

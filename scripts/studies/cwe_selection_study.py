@@ -18,11 +18,17 @@ position leaves (2 bytes, not fp32's 4: more positions; --kt-scale-dtype bfloat1
 prompts (adaptive_split_study's, 1-shot with 7 confusion paragraphs, ~1.4k tokens; dense's answer to the end of its
 line), where pooling was the design before per-head selection was measured against it. The split is the int4 K^T's
 beside K and V in --dtype. One thread; ~3 min an example at 4k.
+
+--formats KV/KT/SCALE[/BASIS],...: the policy itself (SparQAdaptiveDecode, the run's kernels) on a cache of each
+format (bench's --cache-format spelling, e.g. auto/int4/bfloat16,auto/int4/bfloat16/principal), each prefilled
+on its own; on a principal-basis K^T (--kt-basis principal) also the same policy with the basis read left out
+of its split ("basis free": not a policy, what counting the basis costs).
 """
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -147,6 +153,63 @@ BUDGET_VARIANTS = {  # at any other target: what limits the policy there, step 1
 }
 
 
+class BasisFree(SparQAdaptiveDecode):
+    """The policy on a principal-basis K^T with the basis read left out of its split (StepCosts.fixed = 0): what the
+    budget's counting of the basis costs step 1 (not a policy: it reads more than its target)."""
+
+    def forward(self, q, cache, length):
+        if cache.visible_length(length) <= self.k_max:
+            return self.dense(q, cache, length)
+        B, d = q.shape[0], q.shape[-1]
+        costs = replace(StepCosts.of(cache.format, cache.dtype, d), fixed=0.0)
+        return self.attend_cache(q, cache, length, lambda view: (
+            view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length, view.live_length,
+            self.compression, self.k_max, self.k_cap, self.mean_v, self.per_head),
+            costs=costs, q_step1=cache.step1_query(q))
+
+
+def run_formats(args, model, kernels, tokenizer) -> None:
+    """--formats: the policy on each format's cache (and BasisFree beside a principal basis's), teacher-forced on
+    dense's answer from that cache's own prefill."""
+    from bench.common import cache_formats
+
+    compression = float(args.compression)
+    formats = cache_formats(args.formats)
+    variants = [(label, fmt, SparQAdaptiveDecode) for label, fmt in formats]
+    variants += [(f"{label} basis free", fmt, BasisFree) for label, fmt in formats if fmt.principal]
+    stats = {name: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for name, _, _ in variants}
+    splits = {}
+    start = time.time()
+    with torch.no_grad():
+        for ex, max_new, ended in tqdm(examples_and_answers(args.task, tokenizer, args.length, args.examples),
+                                       desc="examples"):
+            T = len(ex.prompt)
+            for label, fmt in formats:
+                model.setup_caches(1, T + max_new + 1, fmt)
+                model.set_decode_attention(lambda i: DenseDecode(kernels))
+                logits = prefill(model, torch.tensor([ex.prompt]))
+                snapshots = model.save_caches()
+                answer, dense_logprobs = dense_answer(model, logits, T, max_new, ended)
+                for name, vfmt, cls in variants:
+                    if vfmt is not fmt:
+                        continue
+                    model.restore_caches(snapshots)
+                    policies = [cls(compression, kernels=kernels) for _ in range(model.args.n_layer)]
+                    model.set_decode_attention(lambda i: policies[i])
+                    costs = StepCosts.of(fmt, model.cache_dtype, model.args.head_dim)
+                    splits[name] = adaptive_split(T, model.args.head_dim, compression, None,
+                                                  costs if cls is SparQAdaptiveDecode else replace(costs, fixed=0.0))
+                    score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
+    print(f"{args.checkpoint.name}, {args.dtype}, {args.examples} {args.task} examples, {args.compression}, "
+          f"{time.time() - start:.0f} s")
+    print(f"{'format':44} {'r, k':>10} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
+    for name, st in stats.items():
+        steps = max(st["steps"], 1)
+        split = f"{splits[name][0]}, {splits[name][1]}"
+        print(f"{name:44} {split:>10} {st['agree'] / steps:>15.4f} {st['whole']:>8}/{args.examples:<5} "
+              f"{st['kl'] / steps:>8.4f}")
+
+
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m scripts.studies.cwe_selection_study", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True)
@@ -157,6 +220,8 @@ def build_parser() -> cli.ArgumentParser:
                         "twice the positions, and splits giving the positions 1/4 or 1/8 of the budget)")
     p.add_argument("--stored", action="store_true",
                    help="step 1 on an int4 K^T as stored (bf16 scales), raw, centred, or in the keys' principal basis")
+    p.add_argument("--formats", help="the policy itself on caches of these formats (KV/KT/SCALE[/BASIS],...; the "
+                                     "module docstring)")
     p.add_argument("--examples", type=cli.positive_int, default=12)
     p.add_argument("--length", type=cli.positive_int, default=4096, help="ruler-cwe's prompt tokens")
     return p
@@ -178,6 +243,8 @@ def run(args) -> None:
     kernels = kernels_for("auto", "cpu", ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json"))
     dtype = DTYPES[args.dtype]
     model = load_checkpoint(args.checkpoint, "cpu", dtype, kernels)
+    if args.formats:
+        return run_formats(args, model, kernels, tokenizer)
     costs = StepCosts.of(KVFormat(kt_dtype="int4"), dtype, model.args.head_dim)  # the CPU default's split
     compression = float(args.compression)
     variants = STORED_VARIANTS if args.stored else VARIANTS if compression == COMPRESSION else BUDGET_VARIANTS
