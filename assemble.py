@@ -18,7 +18,7 @@ import torch
 
 import quantize
 import tokenizer as tokenizer_module
-from cache import KT_BASES, KT_DTYPES, KT_SCALE_DTYPES, KV_DTYPES, KVFormat
+from cache import KT_DTYPES, KT_SCALE_DTYPES, KV_DTYPES, KVFormat
 from cli import UserError
 from kernels import Kernels, resolve_kernels
 from budgets import Storage, solve_target
@@ -159,10 +159,6 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kt-scale-dtype", choices=KT_SCALE_DTYPES, default="float32",
                    help="a quantized K^T's per-position scales as stored: bfloat16 halves what step 1 reads beside "
                         "its r components, so a budget buys more (docs/accuracy.md)")
-    p.add_argument("--kt-basis", choices=KT_BASES, default="raw",
-                   help="the coordinates a quantized K^T stores: principal = each row's keys centred and rotated into "
-                        "their principal basis at its first write, step 1's query rotated alike (its basis read "
-                        "counted in the budget); for sparq-adaptive (docs/accuracy.md)")
 
 
 def kt_storage_for(flag: str, layout: str, device: str, policies: Sequence[str]) -> str:
@@ -182,15 +178,10 @@ def cache_format(args: argparse.Namespace, device: str, policies: Sequence[str] 
     """The KVFormat of add_cache_flags' flags for a run on `device` of these policies (kt_storage_for);
     a combination that makes no sense is a user error."""
     try:
-        fmt = KVFormat(args.kv_layout, args.kv_dtype, kt_storage_for(args.kt_dtype, args.kv_layout, device, policies),
-                       args.kt_scale_dtype, args.kt_basis)
+        return KVFormat(args.kv_layout, args.kv_dtype, kt_storage_for(args.kt_dtype, args.kv_layout, device, policies),
+                        args.kt_scale_dtype)
     except ValueError as e:
         raise UserError(str(e)) from None
-    raw = [name for name in policies if name in POLICIES and POLICIES[name].reads_kt and not POLICIES[name].kt_in_basis]
-    if fmt.principal and raw:
-        raise UserError(f"--kt-basis principal: step 1 of {', '.join(raw)} reads K^T in the keys' own dimensions "
-                        f"(it applies to sparq-adaptive)")
-    return fmt
 
 
 def describe_format(kv_format: KVFormat, dtype: torch.dtype, kt_flag: Optional[str] = None) -> str:
@@ -200,8 +191,6 @@ def describe_format(kv_format: KVFormat, dtype: torch.dtype, kt_flag: Optional[s
     words = f"layout {kv_format.layout}, K/V {kv_format.kv_storage(dtype)}" + (f", K^T {kt}" if kt else "")
     if kv_format.own_kt_scale and kv_format.kt_scale_dtype != "float32":  # fp32 scales: every format's default
         words += f" with {kv_format.kt_scale_dtype} scales"
-    if kv_format.principal:
-        words += " in the keys' principal basis"
     if kt_flag == "auto" and kv_format.kt_dtype != "same":
         words += " (--kt-dtype auto: SparQ's step 1 on the CPU; --kt-dtype same keeps the activations')"
     return words

@@ -2,9 +2,8 @@
 S-contiguous K^T for step 1's r rows), V, and running sums, preallocated for (max batch, max length)
 and written in place.
 
-KVFormat says how it stores them (--kv-layout, --kv-dtype, --kt-dtype, --kt-scale-dtype, --kt-basis: floats,
-or int8 K and V with fp32 scales and an int8 / int4 K^T with fp32 or bf16 scales, the K^T optionally in the
-keys' principal basis); KVCache holds the buffers and
+KVFormat says how it stores them (--kv-layout, --kv-dtype, --kt-dtype, --kt-scale-dtype: floats, or int8
+K and V with fp32 scales and an int8 / int4 K^T with fp32 or bf16 scales); KVCache holds the buffers and
 is the only code that names them; CacheView is what one decode step of one layer attends to.
 stored_bytes counts a policy's transfers in the bytes this cache stores.
 
@@ -41,18 +40,12 @@ QMAX = {"int8": 127, "int4": 7}  # symmetric integer range [-qmax, qmax] of each
 # beside the r components (4 of the 16 bytes a position gets at 1/16 on an int4 K^T at d = 64), and its
 # 0.4% rounding is small beside int4's steps of 1/7 of the absmax (docs/accuracy.md).
 KT_SCALE_DTYPES = ("float32", "bfloat16")
-# --kt-basis: the coordinates a quantized K^T stores. "raw": K's own dimensions. "principal": each row's keys
-# centred on their mean and rotated into the eigenbasis of their covariance, both fixed at the row's first write
-# (its prompt's keys), so that step 1's r components hold more of each score than r raw dimensions (docs/accuracy.md:
-# KL from dense 0.53 -> 0.41 at 1/16 in a screen); step 1 then takes the query rotated alike (KVCache.step1_query),
-# which reads the basis, d x d bf16 per KV head and step, a cost the budget counts (KVFormat.basis_bytes).
-KT_BASES = ("raw", "principal")
 
 
 @dataclass(frozen=True)
 class KVFormat:
     """How the KV caches store K, V and SparQ's copy of K^T (--kv-layout, --kv-dtype, --kt-dtype,
-    --kt-scale-dtype, --kt-basis).
+    --kt-scale-dtype).
 
     Float formats store values as they are. Quantized ones store integers and one scale per
     (position, KV head), fp32 (a K^T's own: fp32 or bf16, kt_scale_dtype): a write quantizes only its
@@ -66,7 +59,6 @@ class KVFormat:
     kv_dtype: str = "auto"  # KV_DTYPES
     kt_dtype: str = "same"  # KT_DTYPES
     kt_scale_dtype: str = "float32"  # KT_SCALE_DTYPES: the dtype of a K^T's own scales (own_kt_scale)
-    kt_basis: str = "raw"  # KT_BASES: the coordinates a K^T quantized apart from a float K stores
 
     def __post_init__(self):
         if self.layout not in ("twice", "once"):
@@ -83,11 +75,6 @@ class KVFormat:
         if self.kt_scale_dtype != "float32" and not self.own_kt_scale:
             raise ValueError("--kt-scale-dtype stores the scales of a K^T quantized apart from K (--kt-dtype int4, or "
                              "int8 beside a float K): this cache has none")
-        if self.kt_basis not in KT_BASES:
-            raise ValueError(f"unknown --kt-basis {self.kt_basis!r} (choose from {', '.join(KT_BASES)})")
-        if self.principal and not (self.own_kt_scale and not self.int8_kv):
-            raise ValueError("--kt-basis principal stores a K^T quantized apart from a float K (--kt-dtype int4 or "
-                             "int8, --kv-dtype auto): this cache has none")
 
     @property
     def int8_kv(self) -> bool:
@@ -99,15 +86,6 @@ class KVFormat:
         """K^T is quantized apart from K, with scales of its own (an int8 K^T beside an int8 K is K's
         int8 transposed and shares K's scales)."""
         return self.layout == "twice" and self.kt_dtype in QMAX and not (self.kt_dtype == "int8" and self.int8_kv)
-
-    @property
-    def principal(self) -> bool:
-        """K^T holds each row's keys centred and in their principal basis (--kt-basis principal)."""
-        return self.kt_basis == "principal"
-
-    def basis_bytes(self, head_dim: int) -> int:
-        """Bytes a step reads per KV head to rotate its query into K^T's basis: the bf16 d x d basis, or 0."""
-        return 2 * head_dim * head_dim if self.principal else 0
 
     @property
     def quantized_kt(self) -> bool:
@@ -184,28 +162,6 @@ def channel_scale(k: Tensor, counted: Optional[Tensor] = None) -> Tensor:
     return torch.maximum(a, 1e-3 * a.amax(-1, keepdim=True)).clamp(min=torch.finfo(torch.float32).tiny)
 
 
-def principal_basis(k: Tensor, counted: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The keys' mean, principal basis and spread per component from a row's first write k (B, n_kv, T, d) over
-    the positions `counted` (B, 1, T, 1) bool (default all) -> mean (B, n_kv, d) fp32, basis (B, n_kv, d, d)
-    bf16 (columns: the eigenvectors of the keys' covariance, the widest first) and spread (B, n_kv, d) fp32 (the
-    standard deviation along each column, of the basis as rounded to bf16). A write of one position has no
-    covariance: mean 0, the identity, and spread 1 (step 1 then ranks by |q| in the raw dimensions)."""
-    B, n_kv, T, d = k.shape
-    if T == 1:
-        eye = torch.eye(d, device=k.device).expand(B, n_kv, d, d)
-        return torch.zeros(B, n_kv, d, device=k.device), eye.to(torch.bfloat16), torch.ones(B, n_kv, d, device=k.device)
-    kf = k.float()
-    weight = torch.ones_like(kf[..., :1]) if counted is None else counted.float()  # (B, 1 or n_kv, T, 1)
-    n = weight.sum(2).clamp(min=1)  # (B, 1 or n_kv, 1)
-    mean = (kf * weight).sum(2) / n  # (B, n_kv, d)
-    centred = (kf - mean[:, :, None]) * weight
-    covariance = centred.transpose(-1, -2) @ centred / n[..., None]  # (B, n_kv, d, d)
-    basis = torch.linalg.eigh(covariance).eigenvectors.flip(-1).to(torch.bfloat16)  # ascending -> widest first
-    along = (centred @ basis.float()) * weight  # (B, n_kv, T, d): the components as stored, counted positions
-    spread = (along.square().sum(2) / n).sqrt()
-    return mean, basis, spread
-
-
 def dequantize_kv(k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, chan: Tensor) -> tuple[Tensor, Tensor]:
     """An int8 cache's K and V as stored -> fp32: k, v (..., T, d) int8, their scales (..., T), K's
     channel scale chan (..., 1, d)."""
@@ -238,10 +194,6 @@ class CacheView:
     live_length: Optional[Tensor]
     start: int = 0
     scales: Optional[KVScales] = None  # an int8 k and v as stored (KVCache.view(stored=True)): their scales
-    kt_spread: Optional[Tensor] = None  # (B_max, n_kv, d) fp32: a principal-basis K^T's spread per component
-
-
-FIXED_AT_FIRST_WRITE = ("chan", "kt_mean", "kt_basis", "kt_spread")  # KVCache buffers a row's first write sets
 
 
 class KVCache(nn.Module):
@@ -256,10 +208,7 @@ class KVCache(nn.Module):
     k_scale, v_scale (B, n_kv, S) fp32, K^T as int8 (B, n_kv, d, S) or int4 (uint8 (B, n_kv, d,
     S/2 + 1 rounded up to 16), two positions per byte) beside kt_scale (B, n_kv, S) fp32 or bf16
     (--kt-scale-dtype; none when K^T is K's int8 transposed: K's scales), and chan (B, n_kv, d) fp32,
-    K's per-channel scale: K = k k_scale chan, V = v v_scale, K^T = k_t kt_scale chan. With --kt-basis
-    principal (beside a float K) K^T holds (K - kt_mean) kt_basis instead, chan that's per component:
-    kt_mean (B, n_kv, d) fp32, kt_basis (B, n_kv, d, d) bf16 and kt_spread (B, n_kv, d) fp32, all fixed at a
-    row's first write (principal_basis), step 1's query rotated by kt_basis (step1_query). view() gives
+    K's per-channel scale: K = k k_scale chan, V = v v_scale, K^T = k_t kt_scale chan. view() gives
     the torch paths dequantized copies, view(stored=True) the kernels that read it the buffers and
     their scales; the sums are over the values as stored.
     live_length (B,) int64     row b's positions [0, live_length[b]) are live: a device tensor, so
@@ -280,12 +229,11 @@ class KVCache(nn.Module):
 
     def __init__(self, max_batch: int, max_seq_length: int, n_kv_head: int, head_dim: int,
                  dtype: torch.dtype, layout: str = "twice", length_bucket: int = 1, window: Optional[int] = None,
-                 kv_dtype: str = "auto", kt_dtype: str = "same", kt_scale_dtype: str = "float32",
-                 kt_basis: str = "raw"):
+                 kv_dtype: str = "auto", kt_dtype: str = "same", kt_scale_dtype: str = "float32"):
         super().__init__()
         if window is not None and length_bucket > 1:
             raise ValueError("sliding-window layers read exact lengths: use --length-bucket 1")
-        self.format = KVFormat(layout, kv_dtype, kt_dtype, kt_scale_dtype, kt_basis)
+        self.format = KVFormat(layout, kv_dtype, kt_dtype, kt_scale_dtype)
         self.length_bucket = length_bucket
         self.window = window
         self.dtype = dtype  # the activations': what reads return
@@ -314,11 +262,6 @@ class KVCache(nn.Module):
         self.shares_k_scale = self.kt_storage == "int8" and self.kv_storage == "int8"
         own = torch.zeros((B, n_kv_head, S), dtype=getattr(torch, kt_scale_dtype)) if self.format.own_kt_scale else None
         self.register_buffer("kt_scale", own, persistent=False)
-        principal = self.format.principal  # K^T in each row's principal basis, fixed at its first write
-        self.register_buffer("kt_mean", torch.zeros((B, n_kv_head, d)) if principal else None, persistent=False)
-        self.register_buffer("kt_basis", torch.zeros((B, n_kv_head, d, d), dtype=torch.bfloat16) if principal else None,
-                             persistent=False)
-        self.register_buffer("kt_spread", torch.ones((B, n_kv_head, d)) if principal else None, persistent=False)
         self.register_buffer("sums", torch.zeros((B, n_kv_head, 3, d), dtype=torch.float32), persistent=False)
         self.register_buffer("live_length", torch.zeros((B,), dtype=torch.long), persistent=False)
         self.ragged = False  # rows have their own live lengths (set_live_lengths); reset clears it
@@ -377,10 +320,9 @@ class KVCache(nn.Module):
         """update()'s writes into a cache with a quantized part; returns k, v as stored (fp32)."""
         fresh = (self.live_length[first:first + B] == 0)[:, None, None]  # a row's first write fixes its channel scale
         counted = None if lengths is None else (input_pos[..., None] < lengths.view(-1, 1, 1, 1))  # (B, 1, T, 1)
-        step1 = self._principal_coordinates(k, fresh, counted, first, B) if self.format.principal else k.float()
-        chan = torch.where(fresh, channel_scale(step1, counted), self.chan[first:first + B])  # (B, n_kv, d)
+        chan = torch.where(fresh, channel_scale(k, counted), self.chan[first:first + B])  # (B, n_kv, d)
         self.chan[first:first + B] = chan
-        kn = step1 / chan[:, :, None]  # (B, n_kv, T, d): K^T's values (and an int8 K's) before their position scales
+        kn = k.float() / chan[:, :, None]  # (B, n_kv, T, d)
         if self.kv_storage in QMAX:
             kq, k_scale = quantize_symmetric(kn, QMAX["int8"])
             vq, v_scale = quantize_symmetric(v, QMAX["int8"])
@@ -407,27 +349,6 @@ class KVCache(nn.Module):
                 old = self.k_t[rows, heads, :, byte]
                 self.k_t[rows, heads, :, byte] = (old & keep) | (nibble << shift)
         return k, v
-
-    def _principal_coordinates(self, k: Tensor, fresh: Tensor, counted: Optional[Tensor], first: int,
-                               B: int) -> Tensor:
-        """k (B, n_kv, T, d) in the rows' principal coordinates, (k - kt_mean) kt_basis in fp32, the mean, basis and
-        spread fixed here at each row's first write (`fresh` (B, 1, 1)). A later write of one position (a
-        decode step) computes no basis: a row's first write of one position has none (principal_basis)."""
-        mean, basis, spread = principal_basis(k, counted)
-        rows = slice(first, first + B)
-        mean = torch.where(fresh, mean, self.kt_mean[rows])
-        basis = torch.where(fresh[..., None], basis, self.kt_basis[rows])
-        self.kt_mean[rows], self.kt_basis[rows] = mean, basis
-        self.kt_spread[rows] = torch.where(fresh, spread, self.kt_spread[rows])
-        return (k.float() - mean[:, :, None]) @ basis.float()
-
-    def step1_query(self, q: Tensor) -> Optional[Tensor]:
-        """q (B, n_kv, g, d) in the coordinates step 1 reads K^T in: q kt_basis with --kt-basis principal (its
-        scores against K^T are q . (K - kt_mean), a constant per query away from q . K, which step 1's softmax
-        does not see), else None (q itself)."""
-        if self.kt_basis is None:
-            return None
-        return (q.float() @ self.kt_basis[:q.shape[0]].float()).to(q.dtype)
 
     def _stored(self, rows, heads, pos) -> tuple[Tensor, Tensor]:
         """K and V at advanced indices (rows, heads, pos) -> (..., d), as stored (dequantized in fp32)."""
@@ -528,7 +449,7 @@ class KVCache(nn.Module):
                 if self.shares_k_scale:  # K^T is K's int8 transposed: the same scales (the kernels see it is)
                     kt_scale = k_scale
                 scales = KVScales(k_scale, v_scale, self.chan, kt_scale)
-        return CacheView(k, k_t, v, self.v_sum, self.k_moments, length - start, live, start, scales, self.kt_spread)
+        return CacheView(k, k_t, v, self.v_sum, self.k_moments, length - start, live, start, scales)
 
     def reset(self, row: Optional[int] = None) -> None:
         """Empty the cache, or batch row `row` alone (the other rows keep their state). An emptied
@@ -627,16 +548,14 @@ class KVCache(nn.Module):
         Decode steps write K, K^T and V only at new positions, which are never read before being
         rewritten, so restore(snapshot) rewinds the cache exactly to when the snapshot was taken."""
         state = {"sums": self.sums.clone(), "live_length": self.live_length.clone(), "ragged": self.ragged}
-        for name in FIXED_AT_FIRST_WRITE:  # a snapshot of an empty row precedes them
-            if getattr(self, name) is not None:
-                state[name] = getattr(self, name).clone()
+        if self.chan is not None:  # fixed at a row's first write: a snapshot of an empty row precedes it
+            state["chan"] = self.chan.clone()
         return state
 
     def restore(self, snapshot: dict) -> None:
         self.sums.copy_(snapshot["sums"])
-        for name in FIXED_AT_FIRST_WRITE:
-            if getattr(self, name) is not None:
-                getattr(self, name).copy_(snapshot[name])
+        if self.chan is not None:
+            self.chan.copy_(snapshot["chan"])
         self.live_length.copy_(snapshot["live_length"])
         self.ragged = snapshot["ragged"]
 

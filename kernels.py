@@ -25,8 +25,7 @@ and positions [:length] are read):
       positions, at most k_cap positions kept (None: no cap), each KV head selecting its own (per_head) or
       a row's heads pooling their selection (spread (B, n_kv, d) fp32,
       the keys' per-dimension spread; sparq_adaptive.sparq_adaptive_attention_torch is the reference); on a
-      quantized cache also scales= and costs= (sparq_adaptive.StepCosts), and on a principal-basis K^T
-      q_step1= (step 1's query in its coordinates, like q)
+      quantized cache also scales= and costs= (sparq_adaptive.StepCosts)
   linear(x (..., K), weight (N, K), bias (N,) or None) -> (..., N)
   prefill_attention(q (B, H, T, d), k, v (B, n_kv, S_k, d)) -> (B, H, T, d): causal attention of a
       prefill chunk's T queries, the last T of the S_k key positions (attention.prefill_attention, with no
@@ -235,7 +234,7 @@ _CPU_OPS = (
     ("adaptive_quant_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, Tensor spread, SymInt length, "
                            "float compression, int k_max, int? k_cap, bool mean_v, bool per_head, Tensor? lengths, "
                            "Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale, float kt_cost, "
-                           "float kt_scale_cost, Tensor? q_step1, float fixed_cost) -> Tensor", _like_q),
+                           "float kt_scale_cost) -> Tensor", _like_q),
     ("prefill_cpu", "(Tensor q, Tensor k, Tensor v) -> Tensor", _like_q),  # causal, csrc/prefill_attention.cpp
     ("linear_cpu", "(Tensor x, Tensor w) -> Tensor", _rows_by_weight),
     # weight-only quantized GEMVs (quantize.py's stored formats; see csrc/linear_quant.cpp)
@@ -395,20 +394,18 @@ def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, 
 def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, spread: Tensor,
                        length: int, live_length: Optional[Tensor], compression: float, k_max: int,
                        k_cap: Optional[int], mean_v: bool, per_head: bool = True, scales: Optional[KVScales] = None,
-                       costs=None, q_step1: Optional[Tensor] = None) -> Tensor:
+                       costs=None) -> Tensor:
     """sparq_adaptive (the module docstring) with the fused C++ kernel: each row splits the budget at its
     own live length inside the kernel, so nothing reaches the host. Exact lengths only. A quantized
     cache is read as stored, its scales applied in the kernel, the budget split at `costs` (sparq_adaptive.StepCosts:
-    step 1's reads in K/V elements as the cache stores them); q_step1 (like q): step 1's query in a
-    principal-basis K^T's coordinates (cache.KVCache.step1_query)."""
+    step 1's reads in K/V elements as the cache stores them)."""
     _check_exact_lengths(live_length)
     if scales is None:
         return torch.ops.sparq.adaptive_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap,
                                                     mean_v, per_head, live_length)
     return torch.ops.sparq.adaptive_quant_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap,
                                                       mean_v, per_head, live_length, scales.k_scale, scales.v_scale,
-                                                      scales.chan, scales.own_kt_scale, costs.kt, costs.kt_scale,
-                                                      q_step1, costs.fixed)
+                                                      scales.chan, scales.own_kt_scale, costs.kt, costs.kt_scale)
 
 
 def _check_exact_lengths(live_length: Optional[Tensor]) -> None:

@@ -426,8 +426,7 @@ class Transformer(nn.Module):
         scales, the sums): one layer's KVCache built on the meta device (nothing allocated), per layer."""
         with torch.device("meta"):
             cache = KVCache(batch, Transformer.allocated_length(seq_len), args.n_kv_head, args.head_dim, dtype, fmt.layout,
-                            kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype, kt_scale_dtype=fmt.kt_scale_dtype,
-                            kt_basis=fmt.kt_basis)
+                            kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype, kt_scale_dtype=fmt.kt_scale_dtype)
         return cache.nbytes() * args.n_layer
 
     CACHE_ALIGN = 64  # cache positions are allocated in multiples of this: K^T rows stay 16-byte aligned
@@ -448,8 +447,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.attention.kv_cache = KVCache(max_batch_size, allocated, args.n_kv_head, args.head_dim, dtype,
                                                kv_format.layout, length_bucket, args.window(i), kv_format.kv_dtype,
-                                               kv_format.kt_dtype, kv_format.kt_scale_dtype,
-                                               kv_format.kt_basis).to(self.device)
+                                               kv_format.kt_dtype, kv_format.kt_scale_dtype).to(self.device)
         rotary_dim = args.rotary_dim or args.head_dim
         self.rope = rope_cache(rotary_dim, args.rope_base, args.rope_scaling, allocated).to(self.device)
         if args.rope_local_base is not None:

@@ -168,7 +168,6 @@ class Policy:
     knob_min: Callable[[AttentionSettings], int] = one_position  # the knob's smallest value
     reads_buckets: bool = False  # honours bucketed reads (CacheView.live_length): CUDA graphs per bucket
     reads_kt: bool = False  # its step 1 scans rows of the cache's K^T copy (assemble.kt_storage_for decides its storage)
-    kt_in_basis: bool = False  # its step 1 rotates the query into a principal-basis K^T's coordinates (--kt-basis)
 
 
 POLICIES: dict[str, Policy] = {
@@ -181,8 +180,7 @@ POLICIES: dict[str, Policy] = {
     # Budgeted by the target itself: r and k per layer and step (sparq_adaptive.adaptive_split)
     "sparq-adaptive": Policy(build_sparq_adaptive, "SparQ with r and k per layer and step from --compression "
                              f"(default 1/{ADAPTIVE_DEFAULT.denominator}; --adaptive-k-cap, --adaptive-heads)",
-                             ("adaptive_k_cap", "adaptive_heads"), knob="compression", reads_kt=True,
-                             kt_in_basis=True),
+                             ("adaptive_k_cap", "adaptive_heads"), knob="compression", reads_kt=True),
     "topk": Policy(build_topk, "FlexGen top-k: exact scores, top-k values", ("kv_budget",), knob="kv_budget"),
     "oracle": Policy(build_oracle, "exact top-k at no transfer cost (upper bound)", ("kv_budget",), knob="kv_budget"),
     "h2o": Policy(build_h2o, "H2O: evicting heavy hitters + recent window", ("kv_budget",), knob="kv_budget"),

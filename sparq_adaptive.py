@@ -30,8 +30,7 @@ from sparq import SparQConfig
 
 def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, length: int, config: SparQConfig,
                              cap: Optional[float] = None, spread: Optional[Tensor] = None,
-                             k_t: Optional[Tensor] = None, per_head: bool = True,
-                             q_step1: Optional[Tensor] = None) -> Tensor:
+                             k_t: Optional[Tensor] = None, per_head: bool = True) -> Tensor:
     """Adaptive SparQ with loops, as sparq_reference, at one (r, k) = config's. The selection is made over a
     pool of P KV heads: each head alone (per_head, P = 1), or a row's n_kv heads (P = n_kv), which then share
     P x r components and P x k positions, so the step moves what fixed SparQ moves, but a head whose |q|
@@ -49,15 +48,13 @@ def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, len
 
     q (B, n_kv, g, d); k, v (B, n_kv, S_max, d); v_sum (B, n_kv, d); spread (B, n_kv, d), None: all 1
     (the paper's ranking by |q| alone); k_t (B, n_kv, d, S_max): the K^T step 1 reads, None: K's
-    (a quantized cache stores its own); q_step1 (B, n_kv, g, d): the query step 1 uses, in K^T's coordinates
-    (a principal-basis K^T's, KVCache.step1_query), None: q -> (B, n_kv, g, d) in q.dtype."""
+    (a quantized cache stores its own) -> (B, n_kv, g, d) in q.dtype."""
     B, n_kv, g, d = q.shape
     S = length
     r, kk, n_local = config.r, min(config.k_top, S), min(config.local, S, config.k_top)
     out = torch.empty(B, n_kv, g, d, dtype=torch.float32, device=q.device)
-    q1 = q if q_step1 is None else q_step1
     for b in range(B):
-        qs = [q1[b, h].float() for h in range(n_kv)]  # (g, d) each: step 1's query
+        qs = [q[b, h].float() for h in range(n_kv)]  # (g, d) each
         Ks, Vs = [k[b, h, :S].float() for h in range(n_kv)], [v[b, h, :S].float() for h in range(n_kv)]
         Ks1 = Ks if k_t is None else [k_t[b, h, :, :S].T.float() for h in range(n_kv)]  # step 1's (S, d) each
         pools = [[h] for h in range(n_kv)] if per_head else [list(range(n_kv))]
@@ -84,8 +81,7 @@ def sparq_adaptive_reference(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, len
                           key=lambda t: -t[0])
             for _, h, p in rest[: len(pool) * (kk - n_local)]:
                 positions[h].append(p)
-        for h in range(n_kv):
-            qh = q[b, h].float()  # (g, d): step 2's query
+        for h, qh in enumerate(qs):
             i2 = torch.tensor(sorted(positions[h]), dtype=torch.long, device=q.device)
             probs = torch.softmax(softcap(qh @ Ks[h][i2].T / math.sqrt(d), cap), dim=-1)  # (g, k_h)
             y = probs @ Vs[h][i2]
@@ -157,7 +153,7 @@ def select_positions(s_hat: Tensor, length: int, k: Tensor | int, local: Tensor 
 def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread: Tensor, length: int,
                          live_length: Optional[Tensor], r: Tensor | int, k_top: Tensor | int, local: Tensor | int,
                          mean_v: bool, cap: Optional[float] = None, k_t: Optional[Tensor] = None,
-                         per_head: bool = True, q_step1: Optional[Tensor] = None) -> Tensor:
+                         per_head: bool = True) -> Tensor:
     """sparq_adaptive_reference for all rows at once, with masks where the heads' counts differ: the
     components a head did not get are zeros of q (so step 1 multiplies all of K^T here: this path is
     the readable one, the transfers counted are the policy's), the positions it did not get are -inf
@@ -165,19 +161,17 @@ def sparq_adaptive_torch(q: Tensor, k: Tensor, v: Tensor, v_sum: Tensor, spread:
     live_length as sparq_attention_torch's; r, k_top, local: ints, or (B,) per row (ragged rows, each
     at its own split). Step 1 reads k_t (B_max, n_kv, d, S_max) where given (a quantized cache's K^T
     holds other values than its K), else K. per_head: each KV head its own r components and k positions;
-    False: a row's heads pool them (sparq_adaptive_reference). q_step1: step 1's query in K^T's coordinates
-    (sparq_adaptive_reference), None: q."""
+    False: a row's heads pool them (sparq_adaptive_reference)."""
     B, d = q.shape[0], q.shape[-1]
     qf = q.float()
-    q1 = qf if q_step1 is None else q_step1.float()  # (B, n_kv, g, d)
     keys, values = k[:B, :, :length].float(), v[:B, :, :length].float()  # (B, n_kv, S, d)
     if live_length is not None:  # whatever lies past a row's live length (weights 0 below) must not be NaN
         live = (torch.arange(length, device=q.device) < per_row(live_length, 3))[..., None]  # (B or 1, 1, S, 1)
         keys, values = keys.masked_fill(~live, 0.0), values.masked_fill(~live, 0.0)
     # Step 1
-    chosen = select_components(q1, r, spread, per_head)  # (B, n_kv, 1, d)
-    q_hat = q1 * chosen  # (B, n_kv, g, d)
-    weight = q1.abs() * spread[:, :, None, :]  # (B, n_kv, g, d)
+    chosen = select_components(q, r, spread, per_head)  # (B, n_kv, 1, d)
+    q_hat = qf * chosen  # (B, n_kv, g, d)
+    weight = qf.abs() * spread[:, :, None, :]  # (B, n_kv, g, d)
     tau = torch.sqrt(d * (weight * chosen).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True))  # (B, n_kv, g, 1)
     keys_t = keys.transpose(-1, -2) if k_t is None else k_t[:B, :, :, :length].float()  # (B, n_kv, d, S)
     logits = softcap((q_hat @ keys_t) / tau, cap)  # (B, n_kv, g, S)
@@ -205,13 +199,11 @@ class StepCosts:
 
     kt: float = 1.0
     kt_scale: float = 0.0
-    fixed: float = 0.0  # read once per step whatever the split: a principal-basis K^T's basis (KVFormat.basis_bytes)
 
     @classmethod
     def of(cls, fmt: KVFormat, activation: torch.dtype, head_dim: int) -> StepCosts:
         element = fmt.bytes_per_element(activation) + fmt.row_scale_bytes(activation) / head_dim
-        return cls(fmt.kt_bytes_per_element(activation) / element, fmt.kt_scale_bytes(activation) / element,
-                   fmt.basis_bytes(head_dim) / element)
+        return cls(fmt.kt_bytes_per_element(activation) / element, fmt.kt_scale_bytes(activation) / element)
 
 
 ELEMENTS = StepCosts()  # a float cache
@@ -220,8 +212,7 @@ ELEMENTS = StepCosts()  # a float cache
 def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor,
                                    spread: Tensor, length: int, live_length: Optional[Tensor], compression: float,
                                    k_max: int, k_cap: Optional[int], mean_v: bool, per_head: bool = True,
-                                   cap: Optional[float] = None, costs: StepCosts = ELEMENTS,
-                                   q_step1: Optional[Tensor] = None) -> Tensor:
+                                   cap: Optional[float] = None, costs: StepCosts = ELEMENTS) -> Tensor:
     """The kernel contract's sparq_adaptive (kernels.py) in PyTorch: each row splits the budget at its own
     live length (adaptive_split at `costs`, the cache's: a float cache's by default, k at most k_cap; a
     row that sees at most k_max positions takes all of them and every component; the host reads the
@@ -232,7 +223,7 @@ def sparq_adaptive_attention_torch(q: Tensor, k: Tensor, k_t: Optional[Tensor], 
     r, k_top = (torch.tensor(column, device=q.device) for column in zip(*splits))  # (B,) each
     local = (k_top // 4).clamp(min=1)  # every head keeps at least its last position, however small k is
     return sparq_adaptive_torch(q, k, v, v_sum, spread, length, live_length, r, k_top, local, mean_v, cap, k_t,
-                                per_head, q_step1)
+                                per_head)
 
 
 MIN_COMPONENTS = 12  # step 1's components below which adaptive_split takes budget from the positions
@@ -242,7 +233,7 @@ HALF_COMPONENTS_AT_MOST = 3 / 4  # the most of a step's budget step 1 may spend 
 def position_share(compression: float, head_dim: int, costs: StepCosts = ELEMENTS,
                    seq_len: Optional[int] = None) -> float:
     """The share of a step's budget adaptive_split gives to positions (k), the rest going to step 1's
-    components (r) and the step's fixed 6 d and costs.fixed (counted per position over seq_len where it is given).
+    components (r) and the step's fixed 6 d (counted per position over seq_len where it is given).
     On a K^T stored in fewer bytes than K (an int4 one, or int8 beside fp32 K and V), where half the
     components (d / 2) cost at most HALF_COMPONENTS_AT_MOST of the budget, step 1 reads d / 2 and the
     positions take the rest (near the best share measured on an int4 K^T). Otherwise half, unless half
@@ -255,8 +246,7 @@ def position_share(compression: float, head_dim: int, costs: StepCosts = ELEMENT
         return (components * costs.kt + costs.kt_scale + extra) / (2 * compression * head_dim)
 
     if costs.kt < 1.0:
-        fixed = 0.0 if seq_len is None else (6 * head_dim + costs.fixed) / seq_len  # with the step's fixed reads
-        half = need(head_dim / 2, fixed)
+        half = need(head_dim / 2, 0.0 if seq_len is None else 6 * head_dim / seq_len)  # with the step's fixed 6 d
         if half <= HALF_COMPONENTS_AT_MOST:
             return 1 - half
     return min(0.5, max(0.125, 1 - need(MIN_COMPONENTS)))
@@ -271,13 +261,12 @@ def adaptive_split(seq_len: int, head_dim: int, compression: float, k_cap: Optio
     one get splits of their own where one (r, k) for every layer starved one of them (the examples:
     docs/NOTES.md, 'Figures behind the code's choices'). The fused kernel (csrc/sparq_adaptive.cpp) repeats this arithmetic for each row. On a cache whose
     K^T is stored in fewer bytes than K (`costs`), step 1's S r becomes S (r costs.kt + costs.kt_scale):
-    the same bytes, more components; a principal-basis K^T's basis (costs.fixed) is read whatever r is, as the
-    scales are. `share` overrides position_share (scripts/studies/adaptive_split_study.py)."""
+    the same bytes, more components. `share` overrides position_share (scripts/studies/adaptive_split_study.py)."""
     d = head_dim
     share = position_share(compression, d, costs, seq_len) if share is None else share
     budget = int(compression * (2 * seq_len * d + 2 * d))
     k = max(1, min(seq_len if k_cap is None else k_cap, int(compression * share * seq_len)))
-    scales = seq_len * costs.kt_scale + costs.fixed  # read whatever r is
+    scales = seq_len * costs.kt_scale  # read whatever r is
     # floats: exact for a float cache's integers (below 2^52), and for an int4 K^T's 1/4 and 2
     r = max(1, min(d, math.floor((budget - 2 * k * d - 6 * d - scales) / (seq_len * costs.kt))))
     k = max(1, min(seq_len, k + math.floor((budget - seq_len * r * costs.kt - scales - 2 * k * d - 6 * d) / (2 * d))))
@@ -323,18 +312,12 @@ class SparQAdaptiveDecode(KernelPolicy):
             return (view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length, view.live_length,
                     self.compression, self.k_max, self.k_cap, self.mean_v, self.per_head)
 
-        # a quantized cache's budget in the bytes it stores (a float cache's: in elements, the paper's); a
-        # principal-basis K^T (a quantized cache) takes step 1's query rotated into its basis
-        principal = {} if not cache.format.principal else {"q_step1": cache.step1_query(q)}
-        return self.attend_cache(q, cache, length, arguments, costs=StepCosts.of(cache.format, cache.dtype, d),
-                                 **principal)
+        # a quantized cache's budget in the bytes it stores (a float cache's: in elements, the paper's)
+        return self.attend_cache(q, cache, length, arguments, costs=StepCosts.of(cache.format, cache.dtype, d))
 
     @staticmethod
     def spread(view, B: int) -> Tensor:
-        """The keys' spread per dimension over the visible live positions of rows [:B]: (B, n_kv, d); along each
-        component of a principal-basis K^T, its prompt's (fixed at the row's first write)."""
-        if view.kt_spread is not None:
-            return view.kt_spread[:B].clamp(min=SPREAD_FLOOR)
+        """The keys' spread per dimension over the visible live positions of rows [:B]: (B, n_kv, d)."""
         return key_spread(view.k_moments[:B], view.length if view.live_length is None else view.live_length)
 
     def split(self, seq_len: int, head_dim: int, costs: StepCosts = ELEMENTS) -> Optional[tuple[int, int]]:
@@ -345,13 +328,12 @@ class SparQAdaptiveDecode(KernelPolicy):
 
     def transfer_elements(self, seq_len: int, head_dim: int, costs: StepCosts = ELEMENTS) -> int:
         """SparQ's (eq. 11) at this step's split, on average over the layer's heads, and the keys' running
-        sums of K and K^2: S r + 2 k d + 6 d, plus a principal-basis K^T's basis (costs.fixed); dense's while
-        S <= k_max."""
+        sums of K and K^2: S r + 2 k d + 6 d; dense's while S <= k_max."""
         split = self.split(seq_len, head_dim, costs)
         if split is None:
             return DenseDecode().transfer_elements(seq_len, head_dim)
         r, k = split
-        return seq_len * r + 2 * k * head_dim + 6 * head_dim + math.ceil(costs.fixed)
+        return seq_len * r + 2 * k * head_dim + 6 * head_dim
 
     def step1_reads(self, seq_len: int, head_dim: int, costs: StepCosts = ELEMENTS) -> tuple[int, int]:
         split = self.split(seq_len, head_dim, costs)

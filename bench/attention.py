@@ -95,8 +95,7 @@ def _stored_copy(copy: dict, fmt, dtype) -> dict:
     from cache import KVCache
 
     B, n_kv, S, d = copy["k"].shape
-    cache = KVCache(B, S, n_kv, d, dtype, kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype, kt_scale_dtype=fmt.kt_scale_dtype,
-                    kt_basis=fmt.kt_basis)
+    cache = KVCache(B, S, n_kv, d, dtype, kv_dtype=fmt.kv_dtype, kt_dtype=fmt.kt_dtype, kt_scale_dtype=fmt.kt_scale_dtype)
     cache.update(torch.arange(S), copy["k"], copy["v"])
     view = cache.view(S, B, stored=True)
     return dict(q=copy["q"], k=view.k, k_t=view.k_t, v=view.v, v_sum=view.v_sum, scales=view.scales)

@@ -50,18 +50,16 @@ def alternating_medians(calls: dict[str, Callable[[], object]], rounds: int, rep
 
 
 def cache_formats(text: str):
-    """--cache-format: [(label, KVFormat)], "KV[/KT[/SCALE[/BASIS]]]" each (KV a --kv-dtype, KT a --kt-dtype, SCALE a
-    --kt-scale-dtype, BASIS a --kt-basis)."""
+    """--cache-format: [(label, KVFormat)], "KV[/KT[/SCALE]]" each (KV a --kv-dtype, KT a --kt-dtype, SCALE a
+    --kt-scale-dtype)."""
     from cli import UserError
     from assemble import cache_format
 
     formats = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         kv, _, rest = item.partition("/")
-        kt, _, rest = rest.partition("/")
-        scale, _, basis = rest.partition("/")
-        flags = argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same", kt_scale_dtype=scale or "float32",
-                                   kt_basis=basis or "raw")
+        kt, _, scale = rest.partition("/")
+        flags = argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same", kt_scale_dtype=scale or "float32")
         formats.append((item, cache_format(flags, "cpu")))
     if not formats:
         raise UserError("--cache-format: give at least one format")

@@ -8,11 +8,9 @@
 //                float compression, int k_max, int? k_cap, bool mean_v, bool per_head, Tensor? lengths=None)
 //                -> Tensor
 //   adaptive_quant_cpu(..., Tensor? lengths, Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale,
-//                      float kt_cost, float kt_scale_cost, Tensor? q_step1, float fixed_cost) -> Tensor
+//                      float kt_cost, float kt_scale_cost) -> Tensor
 // the second on a quantized cache, read as stored as decode_quant_cpu reads it (sparq_decode.cpp's
-// header), its budget split in stored bytes (kt_cost, kt_scale_cost, fixed_cost: sparq_adaptive.StepCosts);
-// q_step1 (like q): the query step 1 ranks and scores with, in a principal-basis K^T's coordinates
-// (cache.KVCache.step1_query; absent: q), step 2 attending with q.
+// header), its budget split in stored bytes (kt_cost, kt_scale_cost: sparq_adaptive.StepCosts).
 // It computes what sparq_adaptive.sparq_adaptive_attention_torch computes (sparq_adaptive.sparq_adaptive_reference at
 // each row's split), in fp32. Per batch row b, of live length S_b, and pool of P heads (per_head: P = 1, each
 // head alone; else P = H, the row's heads pooled):
@@ -63,24 +61,24 @@
 namespace sparq_cpu {
 namespace {
 
-// sparq_adaptive.adaptive_split, the same arithmetic in the same order (doubles, floors): kt, kt_scale and fixed
-// are sparq_adaptive.StepCosts (1, 0 and 0 on a float cache, where it is the paper's element count).
+// sparq_adaptive.adaptive_split, the same arithmetic in the same order (doubles, floors): kt and kt_scale are
+// sparq_adaptive.StepCosts (1 and 0 on a float cache, where it is the paper's element count).
 struct Split {
   int64_t r, k;
 };
 static Split adaptive_split(int64_t S, int64_t d, double c, int64_t k_max, std::optional<int64_t> k_cap, double kt,
-                            double kt_scale, double fixed_cost) {
+                            double kt_scale) {
   if (S <= k_max) return {d, S};  // the row sees at most k_max positions: all of them, every component
   const int64_t budget = (int64_t)(c * (double)(2 * S * d + 2 * d));
   // sparq_adaptive.position_share: on a K^T cheaper than K, d / 2 components where they (and the fixed 6 d) cost at most
   // 3/4 of the budget (HALF_COMPONENTS_AT_MOST); else half to positions unless that leaves fewer than
   // MIN_COMPONENTS = 12
-  const double fixed = ((double)(6 * d) + fixed_cost) / (double)S;
+  const double fixed = (double)(6 * d) / (double)S;
   const double need_half = ((double)d / 2 * kt + kt_scale + fixed) / (2 * c * (double)d);
   const double need = (12 * kt + kt_scale) / (2 * c * (double)d);
   const double share = kt < 1.0 && need_half <= 3.0 / 4.0 ? 1 - need_half : std::min(0.5, std::max(0.125, 1 - need));
   int64_t k = std::max<int64_t>(1, std::min<int64_t>(k_cap.value_or(S), (int64_t)(c * share * (double)S)));
-  const double scales = (double)S * kt_scale + fixed_cost;
+  const double scales = (double)S * kt_scale;
   const int64_t r = std::max<int64_t>(
       1, std::min<int64_t>(d, (int64_t)std::floor(((double)(budget - 2 * k * d - 6 * d) - scales) / ((double)S * kt))));
   const double left = (double)budget - (double)(S * r) * kt - scales - (double)(2 * k * d) - (double)(6 * d);
@@ -98,8 +96,6 @@ struct Adaptive {
   int64_t pool;  // heads that share their components and positions: 1 (each its own), or the row's H (pooled)
   const float* spread;
   int64_t sps0, sps1;
-  const void* q1 = nullptr;  // step 1's query (q_step1, q's dtype), nullptr: q
-  int64_t q1s0 = 0, q1s1 = 0, q1s2 = 0, q1s3 = 0;
 };
 
 // The components of head h's pool (itself alone, or the row's H heads), and this head's: i1 (ascending), its
@@ -110,10 +106,7 @@ static int64_t prepare_components(const Adaptive& A, const QT* q, int64_t b, int
                                   int32_t* wi, int32_t* i1, float* qhat) {
   const Problem& P = A.P;
   const int64_t g = P.g, d = P.d, pool = A.pool, h0 = h - h % pool;
-  const QT* q1 = A.q1 ? static_cast<const QT*>(A.q1) : q;  // step 1's query
-  const int64_t s0 = A.q1 ? A.q1s0 : P.qs0, s1 = A.q1 ? A.q1s1 : P.qs1, s2 = A.q1 ? A.q1s2 : P.qs2,
-                s3 = A.q1 ? A.q1s3 : P.qs3;
-  auto q_at = [&](int64_t hh, int64_t gg, int64_t j) { return to_f(q1[b * s0 + hh * s1 + gg * s2 + j * s3]); };
+  auto q_at = [&](int64_t hh, int64_t gg, int64_t j) { return to_f(q[b * P.qs0 + hh * P.qs1 + gg * P.qs2 + j * P.qs3]); };
   for (int64_t hh = h0; hh < h0 + pool; ++hh) {  // shares of each head's sum of |q_i| spread_i
     const float* sp = A.spread + b * A.sps0 + hh * A.sps1;
     float* wh = w + (hh - h0) * d;
@@ -303,8 +296,7 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
                          double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v, bool per_head,
                          const std::optional<at::Tensor>& lengths, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& chan,
-                         const std::optional<at::Tensor>& kt_scale, double kt_cost, double kt_scale_cost,
-                         const std::optional<at::Tensor>& q_step1, double fixed_cost) {
+                         const std::optional<at::Tensor>& kt_scale, double kt_cost, double kt_scale_cost) {
   const char* op = "sparq::adaptive_cpu";
   TORCH_CHECK(q.dim() == 4 && v_sum.dim() == 3 && spread.dim() == 3, op,
               ": expected q (B, n_kv, g, d), v_sum and spread (B_max, n_kv, d)");
@@ -315,8 +307,7 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
                     t->stride(2) == 1, op, ": v_sum and spread must be fp32 (B_max, n_kv, d), contiguous in d");
   TORCH_CHECK(0 < compression && compression <= 1 && k_max >= 1 && k_cap.value_or(1) >= 1, op,
               ": need 0 < compression <= 1, k_max >= 1, k_cap >= 1");
-  TORCH_CHECK(kt_cost > 0 && kt_scale_cost >= 0 && fixed_cost >= 0, op,
-              ": need kt_cost > 0, kt_scale_cost >= 0 and fixed_cost >= 0");
+  TORCH_CHECK(kt_cost > 0 && kt_scale_cost >= 0, op, ": need kt_cost > 0 and kt_scale_cost >= 0");
   TORCH_CHECK(H * length < (int64_t(1) << 31), op, ": n_kv x length too large");
   const auto qdt = q.scalar_type();
   TORCH_CHECK(qdt == at::kFloat || qdt == at::kBFloat16 || qdt == at::kHalf, op, ": unsupported q dtype");
@@ -328,7 +319,7 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
   const CacheKind cache = bind_cache(P, op, B, H, d, length, k, k_t, v, k_scale, v_scale, chan, kt_scale);
   int64_t most_k = 1;
   for (int64_t b = 0; b < B; ++b) {
-    const Split s = adaptive_split(len[b], d, compression, k_max, k_cap, kt_cost, kt_scale_cost, fixed_cost);
+    const Split s = adaptive_split(len[b], d, compression, k_max, k_cap, kt_cost, kt_scale_cost);
     const int64_t kk = std::min(s.k, len[b]), n_local = std::min(std::max<int64_t>(1, kk / 4), len[b]);
     A.rows.push_back({len[b], s.r, n_local, kk - n_local});
     most_k = std::max(most_k, n_local + A.pool * (kk - n_local));  // one head may take all of its pool's positions
@@ -342,13 +333,6 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
   P.vsum = v_sum.data_ptr<float>();
   A.spread = spread.data_ptr<float>();
   A.sps0 = spread.stride(0); A.sps1 = spread.stride(1);
-  if (q_step1) {
-    const at::Tensor& q1 = *q_step1;
-    TORCH_CHECK(q1.sizes() == q.sizes() && q1.scalar_type() == qdt && q1.device().is_cpu(), op,
-                ": q_step1 must be a CPU tensor shaped and typed as q");
-    A.q1 = q1.data_ptr();
-    A.q1s0 = q1.stride(0); A.q1s1 = q1.stride(1); A.q1s2 = q1.stride(2); A.q1s3 = q1.stride(3);
-  }
   P.cs = row_chunk_lengths(len, H, thread_count(), std::numeric_limits<int64_t>::max());
   P.most_cs = *std::max_element(P.cs.begin(), P.cs.end());
   split_rows(len, H, P.cs, &P.unit0, &P.unit_bh);
@@ -364,20 +348,19 @@ at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::opt
                         double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v, bool per_head,
                         const std::optional<at::Tensor>& lengths) {
   return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head, lengths,
-                       std::nullopt, std::nullopt, std::nullopt, std::nullopt, 1.0, 0.0, std::nullopt, 0.0);
+                       std::nullopt, std::nullopt, std::nullopt, std::nullopt, 1.0, 0.0);
 }
 
-// A quantized cache (its scales as decode_quant_cpu's), step 1's costs in K/V elements (sparq_adaptive.StepCosts)
-// and its query in a principal-basis K^T's coordinates.
+// A quantized cache (its scales as decode_quant_cpu's) and step 1's costs in K/V elements (sparq_adaptive.StepCosts).
 at::Tensor adaptive_quant_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                               const at::Tensor& v, const at::Tensor& v_sum, const at::Tensor& spread, int64_t length,
                               double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v,
                               bool per_head, const std::optional<at::Tensor>& lengths,
                               const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                               const at::Tensor& chan, const std::optional<at::Tensor>& kt_scale, double kt_cost,
-                              double kt_scale_cost, const std::optional<at::Tensor>& q_step1, double fixed_cost) {
+                              double kt_scale_cost) {
   return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head, lengths,
-                       k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost, q_step1, fixed_cost);
+                       k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost);
 }
 
 }  // namespace

@@ -193,7 +193,6 @@ def run_identity(args: argparse.Namespace, tasks: list[str], methods: list[str],
         run[flag] = getattr(args, flag)
     for flag, value, default in (("kv_dtype", args.kv_dtype, "auto"), ("kt_dtype", kv_format.kt_dtype, "same"),
                                  ("kt_scale_dtype", kv_format.kt_scale_dtype, "float32"),
-                                 ("kt_basis", kv_format.kt_basis, "raw"),
                                  ("page_size", args.page_size, QUEST_PAGE),
                                  ("hybrid_r", args.hybrid_r, None)):  # absent from the journals of earlier runs
         if value != default:
@@ -312,8 +311,7 @@ def run(args: argparse.Namespace) -> int:
                 "compression": [fraction_label(t) for t in targets], "lengths": lengths,
                 "examples": args.examples, "batch_size": args.batch_size, "seed": args.seed, "dtype": args.dtype,
                 "kernels": kernels.name, "kv_layout": args.kv_layout, "kv_dtype": args.kv_dtype,
-                "kt_dtype": kv_format.kt_dtype, "kt_scale_dtype": kv_format.kt_scale_dtype, "kt_basis": kv_format.kt_basis,
-                "sparq_k": args.sparq_k,
+                "kt_dtype": kv_format.kt_dtype, "kt_scale_dtype": kv_format.kt_scale_dtype, "sparq_k": args.sparq_k,
                 "adaptive_k_cap": args.adaptive_k_cap, "adaptive_heads": args.adaptive_heads,
                 **({"depths": depths} if depths else {}),
                 "threads": args.threads, "argv": args.argv, "elapsed_s": time.perf_counter() - start,

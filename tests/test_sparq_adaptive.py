@@ -438,3 +438,31 @@ def test_the_cwe_study_budget_variants(compression):
     assert k_more > k
     bf16_scale = Variant(TORCH_KERNELS, per_head=True, spread=True, costs=INT4_KT_BF16_SCALE, compression=compression)
     torch.testing.assert_close(bf16_scale(q, cache, S), torch_path(r_same, k_more))
+
+
+def test_the_cwe_studys_int4_kt_with_a_scale_per_dimension_only():
+    """scripts/studies/cwe_selection_study.py --stored, "a scale per dimension only": step 1 on the centred keys
+    quantized to int4 by each dimension's absmax alone (no scale per position), at the split that leaves (more
+    components than the bf16-scaled K^T's: its 2 bytes a position go to step 1), is the torch path on those
+    values."""
+    from kernels import TORCH_KERNELS
+    from scripts.studies.cwe_selection_study import (INT4_KT_BF16_SCALE, INT4_KT_NO_POSITION_SCALE, STORED_VARIANTS,
+                                                     StoredVariant)
+
+    B, n_kv, g_, d, S, c = 1, 2, 3, 64, 700, 1 / 16
+    cache, _, _ = filled_cache(B, n_kv, d, S, S + 8)
+    q = random_query(B, n_kv, g_, d)
+    variant = StoredVariant(TORCH_KERNELS, *STORED_VARIANTS["int4 K^T centred, a scale per dimension only"],
+                            compression=c)
+    r, k = adaptive_split(S, d, c, costs=INT4_KT_NO_POSITION_SCALE)
+    assert r > adaptive_split(S, d, c, costs=INT4_KT_BF16_SCALE)[0]
+    view = cache.view(S, B)
+    keys = view.k[:B, :, :S].float()
+    centred = keys - keys.mean(2, keepdim=True)
+    absmax = centred.abs().amax(2, keepdim=True)
+    step1 = torch.round(centred / absmax * 7).clamp(-7, 7) * absmax / 7
+    spread = (step1.var(2, unbiased=False) + 1e-12).sqrt()
+    expected = sparq_adaptive_torch(q, keys, view.v[:B, :, :S], view.v_sum, spread, S, None, r, k, max(1, k // 4),
+                                    False, k_t=step1.transpose(-1, -2), per_head=True)
+    torch.testing.assert_close(variant(q, cache, S), expected)
+    assert torch.equal(variant.absmax, absmax)

@@ -20,15 +20,12 @@ line), where pooling was the design before per-head selection was measured again
 beside K and V in --dtype. One thread; ~3 min an example at 4k.
 
 --formats KV/KT/SCALE[/BASIS],...: the policy itself (SparQAdaptiveDecode, the run's kernels) on a cache of each
-format (bench's --cache-format spelling, e.g. auto/int4/bfloat16,auto/int4/bfloat16/principal), each prefilled
-on its own; on a principal-basis K^T (--kt-basis principal) also the same policy with the basis read left out
-of its split ("basis free": not a policy, what counting the basis costs).
+format (bench's --cache-format spelling, e.g. auto/int4/float32,auto/int4/bfloat16), each prefilled on its own.
 """
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -49,6 +46,7 @@ from scripts.studies.adaptive_split_study import (MAX_ANSWER, dense_answer, scor
 from sparq_adaptive import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
 
 INT4_KT = StepCosts(kt=0.25, kt_scale=2.0)  # an int4 K^T beside bf16 K and V: the CPU's default split on a bf16 model
+INT4_KT_NO_POSITION_SCALE = StepCosts(kt=0.25)  # an int4 K^T with a scale per dimension only (fixed by the prompt)
 INT4_KT_BF16_SCALE = StepCosts(kt=0.25, kt_scale=1.0)  # the same with a bf16 scale per position (--kt-scale-dtype)
 COMPRESSION = 0.125
 EVERY_COMPONENT = -1  # a variant's r: all d (step 1's scores exact: the selection at k is dense's top k)
@@ -90,10 +88,15 @@ class StoredVariant(Variant):
     dimension divided by its spread before quantizing (q multiplied by it: q . k unchanged), so a position's
     scale (its absmax) no longer sits on the widest dimensions while the narrow ones round to zero."""
 
-    def __init__(self, kernels, centre: bool, rotate: bool, quantize: bool = True, whiten: bool = False, **kw):
-        super().__init__(kernels, per_head=True, spread=True, costs=INT4_KT_BF16_SCALE, **kw)
+    def __init__(self, kernels, centre: bool, rotate: bool, quantize: bool = True, whiten: bool = False,
+                 position_scale: bool = True, **kw):
+        super().__init__(kernels, per_head=True, spread=True,
+                         costs=INT4_KT_BF16_SCALE if position_scale else INT4_KT_NO_POSITION_SCALE, **kw)
         self.centre, self.rotate, self.quantize, self.whiten = centre, rotate, quantize, whiten
-        self.basis = self.mean = self.sigma = None  # (B, n_kv, d, d), (B, n_kv, 1, d) x 2, at the first sparse step
+        self.position_scale = position_scale  # False: a scale per dimension alone (the prefill's absmax), no
+        # scale per position: its 2 bytes of the 16 a position gets at 1/16 go to the split
+        self.basis = self.mean = self.sigma = self.absmax = None  # (B, n_kv, d, d), (B, n_kv, 1, d) x 3, at the
+        # first sparse step
 
     def forward(self, q, cache, length):
         if cache.visible_length(length) <= self.k_max:
@@ -115,7 +118,12 @@ class StoredVariant(Variant):
         if self.whiten and self.sigma is None:
             self.sigma = (step1.var(2, unbiased=False, keepdim=True) + 1e-12).sqrt()  # (B, n_kv, 1, d)
         sigma = self.sigma if self.whiten else torch.ones(())
-        if self.quantize:  # quantized in the whitened coordinates, then scaled back (the same as q scaled up)
+        if self.quantize and not self.position_scale:  # each dimension's prefill absmax is its int4 range
+            if self.absmax is None:
+                self.absmax = step1.abs().amax(2, keepdim=True).clamp(min=1e-12)  # (B, n_kv, 1, d)
+            q4 = torch.round(step1 / self.absmax * QMAX["int4"]).clamp(-QMAX["int4"], QMAX["int4"])
+            step1 = q4 * self.absmax / QMAX["int4"]
+        elif self.quantize:  # quantized in the whitened coordinates, then scaled back (the same as q scaled up)
             q4, scale = quantize_symmetric(step1 / sigma, QMAX["int4"], torch.bfloat16)
             step1 = q4.float() * scale[..., None].float() * sigma
         spread = (step1.var(2, unbiased=False) + 1e-12).sqrt()  # (B, n_kv, d)
@@ -125,12 +133,14 @@ class StoredVariant(Variant):
         return y  # a sum of V rows: V was never rotated
 
 
-STORED_VARIANTS = {  # name: (centre, rotate, quantize, whiten), each head its own, |q| x spread, a bf16-scaled
-    # int4 K^T's split. Measured (6 cwe examples at 4k, 1/16, r = 11, k = 101; KL): as stored 0.581, centred 0.612,
-    # principal basis 0.556, the float keys in that basis 0.441 (docs/NOTES.md)
+STORED_VARIANTS = {  # name: (centre, rotate, quantize, whiten[, position_scale]), each head its own, |q| x spread,
+    # a bf16-scaled int4 K^T's split. Measured (6 cwe examples at 4k, 1/16, r = 11, k = 101; KL): as stored 0.581,
+    # centred 0.612, principal basis 0.556, the float keys in that basis 0.441 (docs/NOTES.md)
     "int4 K^T as stored (bf16 scales)": (False, False, True, False),
     "int4 K^T, each dimension whitened": (True, False, True, True),
     "int4 K^T in the principal basis, whitened": (True, True, True, True),
+    # no scale per position: the prefill's absmax per dimension alone, centred (its split, r = 15 at 4k and 1/16)
+    "int4 K^T centred, a scale per dimension only": (True, False, True, False, False),
 }
 
 VARIANTS = {  # name: (per_head, spread, r, k, share, costs); None: the split's (share: the policy's
@@ -153,31 +163,13 @@ BUDGET_VARIANTS = {  # at any other target: what limits the policy there, step 1
 }
 
 
-class BasisFree(SparQAdaptiveDecode):
-    """The policy on a principal-basis K^T with the basis read left out of its split (StepCosts.fixed = 0): what the
-    budget's counting of the basis costs step 1 (not a policy: it reads more than its target)."""
-
-    def forward(self, q, cache, length):
-        if cache.visible_length(length) <= self.k_max:
-            return self.dense(q, cache, length)
-        B, d = q.shape[0], q.shape[-1]
-        costs = replace(StepCosts.of(cache.format, cache.dtype, d), fixed=0.0)
-        return self.attend_cache(q, cache, length, lambda view: (
-            view.k, view.k_t, view.v, view.v_sum, self.spread(view, B), view.length, view.live_length,
-            self.compression, self.k_max, self.k_cap, self.mean_v, self.per_head),
-            costs=costs, q_step1=cache.step1_query(q))
-
-
 def run_formats(args, model, kernels, tokenizer) -> None:
-    """--formats: the policy on each format's cache (and BasisFree beside a principal basis's), teacher-forced on
-    dense's answer from that cache's own prefill."""
+    """--formats: the policy on each format's cache, teacher-forced on dense's answer from that cache's own prefill."""
     from bench.common import cache_formats
 
     compression = float(args.compression)
     formats = cache_formats(args.formats)
-    variants = [(label, fmt, SparQAdaptiveDecode) for label, fmt in formats]
-    variants += [(f"{label} basis free", fmt, BasisFree) for label, fmt in formats if fmt.principal]
-    stats = {name: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for name, _, _ in variants}
+    stats = {label: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for label, _ in formats}
     splits = {}
     start = time.time()
     with torch.no_grad():
@@ -190,16 +182,12 @@ def run_formats(args, model, kernels, tokenizer) -> None:
                 logits = prefill(model, torch.tensor([ex.prompt]))
                 snapshots = model.save_caches()
                 answer, dense_logprobs = dense_answer(model, logits, T, max_new, ended)
-                for name, vfmt, cls in variants:
-                    if vfmt is not fmt:
-                        continue
-                    model.restore_caches(snapshots)
-                    policies = [cls(compression, kernels=kernels) for _ in range(model.args.n_layer)]
-                    model.set_decode_attention(lambda i: policies[i])
-                    costs = StepCosts.of(fmt, model.cache_dtype, model.args.head_dim)
-                    splits[name] = adaptive_split(T, model.args.head_dim, compression, None,
-                                                  costs if cls is SparQAdaptiveDecode else replace(costs, fixed=0.0))
-                    score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
+                model.restore_caches(snapshots)
+                policies = [SparQAdaptiveDecode(compression, kernels=kernels) for _ in range(model.args.n_layer)]
+                model.set_decode_attention(lambda i: policies[i])
+                splits[label] = adaptive_split(T, model.args.head_dim, compression, None,
+                                               StepCosts.of(fmt, model.cache_dtype, model.args.head_dim))
+                score_teacher_forced(model, answer, dense_logprobs, T, stats[label])
     print(f"{args.checkpoint.name}, {args.dtype}, {args.examples} {args.task} examples, {args.compression}, "
           f"{time.time() - start:.0f} s")
     print(f"{'format':44} {'r, k':>10} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
