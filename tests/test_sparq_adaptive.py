@@ -466,3 +466,24 @@ def test_the_cwe_studys_int4_kt_with_a_scale_per_dimension_only():
                                     False, k_t=step1.transpose(-1, -2), per_head=True)
     torch.testing.assert_close(variant(q, cache, S), expected)
     assert torch.equal(variant.absmax, absmax)
+
+
+def test_the_cwe_studys_statistics_from_a_first_write():
+    """The study's stored variants with first_write: the mean and each dimension's absmax come from the first
+    positions alone (what a cache fixing them at a row's first write holds), later keys clamped to that range."""
+    from kernels import TORCH_KERNELS
+    from scripts.studies.cwe_selection_study import StoredVariant
+
+    B, n_kv, g_, d, S = 1, 2, 3, 64, 700
+    _, k, v = filled_cache(B, n_kv, d, S, S + 8)
+    keys = k[:, :, :S].float() * torch.linspace(0.5, 2.0, S)[:, None]  # later keys wider
+    cache = KVCache(B, S + 8, n_kv, d, torch.float32)
+    cache.update(torch.arange(S), keys, v[:, :, :S])
+    q = random_query(B, n_kv, g_, d)
+    first = StoredVariant(TORCH_KERNELS, True, False, True, False, False, first_write=300, compression=1 / 16)
+    whole = StoredVariant(TORCH_KERNELS, True, False, True, False, False, compression=1 / 16)
+    y_first, y_whole = first(q, cache, S), whole(q, cache, S)
+    mean = keys[:, :, :300].mean(2, keepdim=True)
+    torch.testing.assert_close(first.mean, mean)
+    torch.testing.assert_close(first.absmax, (keys[:, :, :300] - mean).abs().amax(2, keepdim=True))
+    assert (whole.absmax > first.absmax).all() and not torch.allclose(y_first, y_whole)

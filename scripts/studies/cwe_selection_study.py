@@ -37,7 +37,7 @@ import cli  # noqa: E402
 from assemble import DTYPES, kernels_for, load_checkpoint, load_tokenizer  # noqa: E402
 from attention import DenseDecode  # noqa: E402
 from cache import QMAX, KVFormat, quantize_symmetric  # noqa: E402
-from decoding import prefill  # noqa: E402
+from decoding import PREFILL_CHUNK, prefill  # noqa: E402
 from evals.tasks import common_words_examples, squad_examples  # noqa: E402
 from model import ModelArgs, checkpoint_paths  # noqa: E402
 from policies import parse_compression  # noqa: E402
@@ -89,12 +89,14 @@ class StoredVariant(Variant):
     scale (its absmax) no longer sits on the widest dimensions while the narrow ones round to zero."""
 
     def __init__(self, kernels, centre: bool, rotate: bool, quantize: bool = True, whiten: bool = False,
-                 position_scale: bool = True, **kw):
+                 position_scale: bool = True, first_write: Optional[int] = None, **kw):
         super().__init__(kernels, per_head=True, spread=True,
                          costs=INT4_KT_BF16_SCALE if position_scale else INT4_KT_NO_POSITION_SCALE, **kw)
         self.centre, self.rotate, self.quantize, self.whiten = centre, rotate, quantize, whiten
         self.position_scale = position_scale  # False: a scale per dimension alone (the prefill's absmax), no
         # scale per position: its 2 bytes of the 16 a position gets at 1/16 go to the split
+        self.first_write = first_write  # the statistics from the first this many positions alone (a cache fixing
+        # them at a row's first write, the prefill's first chunk), not the whole prompt: RoPE moves the later keys
         self.basis = self.mean = self.sigma = self.absmax = None  # (B, n_kv, d, d), (B, n_kv, 1, d) x 3, at the
         # first sparse step
 
@@ -105,22 +107,25 @@ class StoredVariant(Variant):
         view = cache.view(length, B)
         S = view.length
         keys = view.k[:B, :, :S].float()  # (B, n_kv, S, d)
+        seen = slice(0, self.first_write)  # the positions the statistics come from
         if self.basis is None:
-            self.mean = keys.mean(2, keepdim=True) if self.centre or self.rotate else torch.zeros_like(keys[:, :, :1])
-            centred = keys - self.mean
+            first = keys[:, :, seen]
+            self.mean = first.mean(2, keepdim=True) if self.centre or self.rotate else torch.zeros_like(keys[:, :, :1])
+            centred = first - self.mean
             if self.rotate:
-                self.basis = torch.linalg.eigh(centred.transpose(-1, -2) @ centred / S).eigenvectors.flip(-1)
+                covariance = centred.transpose(-1, -2) @ centred / first.shape[2]
+                self.basis = torch.linalg.eigh(covariance).eigenvectors.flip(-1)
             else:
                 self.basis = torch.eye(d).expand(B, keys.shape[1], d, d)
         U = self.basis
         q_b, k_b = q.float() @ U, keys @ U  # (B, n_kv, g, d), (B, n_kv, S, d): q . k unchanged
         step1 = (keys - self.mean) @ U  # what K^T would store
         if self.whiten and self.sigma is None:
-            self.sigma = (step1.var(2, unbiased=False, keepdim=True) + 1e-12).sqrt()  # (B, n_kv, 1, d)
+            self.sigma = (step1[:, :, seen].var(2, unbiased=False, keepdim=True) + 1e-12).sqrt()  # (B, n_kv, 1, d)
         sigma = self.sigma if self.whiten else torch.ones(())
-        if self.quantize and not self.position_scale:  # each dimension's prefill absmax is its int4 range
+        if self.quantize and not self.position_scale:  # each dimension's prefill absmax is its int4 range (clamped)
             if self.absmax is None:
-                self.absmax = step1.abs().amax(2, keepdim=True).clamp(min=1e-12)  # (B, n_kv, 1, d)
+                self.absmax = step1[:, :, seen].abs().amax(2, keepdim=True).clamp(min=1e-12)  # (B, n_kv, 1, d)
             q4 = torch.round(step1 / self.absmax * QMAX["int4"]).clamp(-QMAX["int4"], QMAX["int4"])
             step1 = q4 * self.absmax / QMAX["int4"]
         elif self.quantize:  # quantized in the whitened coordinates, then scaled back (the same as q scaled up)
@@ -141,6 +146,9 @@ STORED_VARIANTS = {  # name: (centre, rotate, quantize, whiten[, position_scale]
     "int4 K^T in the principal basis, whitened": (True, True, True, True),
     # no scale per position: the prefill's absmax per dimension alone, centred (its split, r = 15 at 4k and 1/16)
     "int4 K^T centred, a scale per dimension only": (True, False, True, False, False),
+    # the same two with their statistics from the prefill's first chunk, as a cache fixing them at the first write
+    "int4 K^T in the principal basis, whitened, by the first 2048": (True, True, True, True, True, PREFILL_CHUNK),
+    "int4 K^T centred, a scale per dimension only, by the first 2048": (True, False, True, False, False, PREFILL_CHUNK),
 }
 
 VARIANTS = {  # name: (per_head, spread, r, k, share, costs); None: the split's (share: the policy's
