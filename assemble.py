@@ -158,7 +158,8 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
                         "int8 / int4 (with --kv-layout twice)")
     p.add_argument("--kt-scale-dtype", choices=KT_SCALE_DTYPES, default="float32",
                    help="a quantized K^T's per-position scales as stored: bfloat16 halves what step 1 reads beside "
-                        "its r components, so a budget buys more (docs/accuracy.md)")
+                        "its r components, so a budget buys more; none: no position scales, each dimension's range "
+                        "fixed by the row's first write (the CPU kernels; docs/accuracy.md)")
 
 
 def kt_storage_for(flag: str, layout: str, device: str, policies: Sequence[str]) -> str:
@@ -178,10 +179,14 @@ def cache_format(args: argparse.Namespace, device: str, policies: Sequence[str] 
     """The KVFormat of add_cache_flags' flags for a run on `device` of these policies (kt_storage_for);
     a combination that makes no sense is a user error."""
     try:
-        return KVFormat(args.kv_layout, args.kv_dtype, kt_storage_for(args.kt_dtype, args.kv_layout, device, policies),
-                        args.kt_scale_dtype)
+        fmt = KVFormat(args.kv_layout, args.kv_dtype, kt_storage_for(args.kt_dtype, args.kv_layout, device, policies),
+                       args.kt_scale_dtype)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if fmt.own_kt_scale and not fmt.position_scaled_kt and device != "cpu":
+        raise UserError("--kt-scale-dtype none is read by the CPU kernels only (the Triton SparQ kernel takes a "
+                        "quantized K^T with its position scales)")
+    return fmt
 
 
 def describe_format(kv_format: KVFormat, dtype: torch.dtype, kt_flag: Optional[str] = None) -> str:
@@ -189,7 +194,9 @@ def describe_format(kv_format: KVFormat, dtype: torch.dtype, kt_flag: Optional[s
     K^T is stored so when --kt-dtype auto chose it (`kt_flag` "auto")."""
     kt = kv_format.kt_storage(dtype)
     words = f"layout {kv_format.layout}, K/V {kv_format.kv_storage(dtype)}" + (f", K^T {kt}" if kt else "")
-    if kv_format.own_kt_scale and kv_format.kt_scale_dtype != "float32":  # fp32 scales: every format's default
+    if kv_format.own_kt_scale and not kv_format.position_scaled_kt:
+        words += " without position scales"
+    elif kv_format.own_kt_scale and kv_format.kt_scale_dtype != "float32":  # fp32 scales: every format's default
         words += f" with {kv_format.kt_scale_dtype} scales"
     if kt_flag == "auto" and kv_format.kt_dtype != "same":
         words += " (--kt-dtype auto: SparQ's step 1 on the CPU; --kt-dtype same keeps the activations')"

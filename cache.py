@@ -39,7 +39,12 @@ QMAX = {"int8": 127, "int4": 7}  # symmetric integer range [-qmax, qmax] of each
 # --kt-scale-dtype: a quantized K^T's own per-position scale. bf16 halves what step 1 reads per position
 # beside the r components (4 of the 16 bytes a position gets at 1/16 on an int4 K^T at d = 64), and its
 # 0.4% rounding is small beside int4's steps of 1/7 of the absmax (docs/accuracy.md).
-KT_SCALE_DTYPES = ("float32", "bfloat16")
+KT_SCALE_DTYPES = ("float32", "bfloat16", "none")
+# "none": no scale per position at all (an int4 or int8 K^T beside a float K): each dimension's step is its
+# range in the row's first write, the keys centred on that write's mean and clamped to it, so a position's 2-4
+# bytes go to step 1's components (4 more at 1/16 and 4k on Qwen2.5-Coder-0.5B; KL from dense 0.61 -> 0.46 in a
+# screen, docs/accuracy.md). Centring shifts every step-1 logit of a query by the same q . mean, which the
+# softmax does not see.
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,9 @@ class KVFormat:
         if self.kt_scale_dtype != "float32" and not self.own_kt_scale:
             raise ValueError("--kt-scale-dtype stores the scales of a K^T quantized apart from K (--kt-dtype int4, or "
                              "int8 beside a float K): this cache has none")
+        if self.kt_scale_dtype == "none" and self.int8_kv:
+            raise ValueError("--kt-scale-dtype none: a K^T without position scales goes beside a float K "
+                             "(--kv-dtype auto), not an int8 one")
 
     @property
     def int8_kv(self) -> bool:
@@ -86,6 +94,11 @@ class KVFormat:
         """K^T is quantized apart from K, with scales of its own (an int8 K^T beside an int8 K is K's
         int8 transposed and shares K's scales)."""
         return self.layout == "twice" and self.kt_dtype in QMAX and not (self.kt_dtype == "int8" and self.int8_kv)
+
+    @property
+    def position_scaled_kt(self) -> bool:
+        """K^T's own scales are per position (--kt-scale-dtype float32 / bfloat16), not none."""
+        return self.own_kt_scale and self.kt_scale_dtype != "none"
 
     @property
     def quantized_kt(self) -> bool:
@@ -118,7 +131,7 @@ class KVFormat:
         """Bytes of scale per position step 1 reads (K^T's own, or K's fp32 one when K^T is K's int8
         transposed or with layout "once")."""
         if self.own_kt_scale:
-            return getattr(torch, self.kt_scale_dtype).itemsize
+            return getattr(torch, self.kt_scale_dtype).itemsize if self.position_scaled_kt else 0
         return 4 if (self.kt_storage(activation) or self.kv_storage(activation)) in QMAX else 0
 
     def row_scale_bytes(self, activation: torch.dtype) -> int:
@@ -208,7 +221,8 @@ class KVCache(nn.Module):
     k_scale, v_scale (B, n_kv, S) fp32, K^T as int8 (B, n_kv, d, S) or int4 (uint8 (B, n_kv, d,
     S/2 + 1 rounded up to 16), two positions per byte) beside kt_scale (B, n_kv, S) fp32 or bf16
     (--kt-scale-dtype; none when K^T is K's int8 transposed: K's scales), and chan (B, n_kv, d) fp32,
-    K's per-channel scale: K = k k_scale chan, V = v v_scale, K^T = k_t kt_scale chan. view() gives
+    K's per-channel scale: K = k k_scale chan, V = v v_scale, K^T = k_t kt_scale chan (--kt-scale-dtype none:
+    no kt_scale, K^T = k_t chan: the keys less kt_mean (B, n_kv, d) fp32, fixed at the first write). view() gives
     the torch paths dequantized copies, view(stored=True) the kernels that read it the buffers and
     their scales; the sums are over the values as stored.
     live_length (B,) int64     row b's positions [0, live_length[b]) are live: a device tensor, so
@@ -260,8 +274,12 @@ class KVCache(nn.Module):
         self.register_buffer("k_t", k_t, persistent=False)
         # K^T's own scales (in --kt-scale-dtype), unless it is K's int8 transposed (then it shares K's)
         self.shares_k_scale = self.kt_storage == "int8" and self.kv_storage == "int8"
-        own = torch.zeros((B, n_kv_head, S), dtype=getattr(torch, kt_scale_dtype)) if self.format.own_kt_scale else None
+        own = (torch.zeros((B, n_kv_head, S), dtype=getattr(torch, kt_scale_dtype)) if self.format.position_scaled_kt
+               else None)
         self.register_buffer("kt_scale", own, persistent=False)
+        # no position scales: K^T holds (K - kt_mean) / chan rounded and clamped, kt_mean fixed at the first write
+        unscaled = self.format.own_kt_scale and not self.format.position_scaled_kt
+        self.register_buffer("kt_mean", torch.zeros((B, n_kv_head, d)) if unscaled else None, persistent=False)
         self.register_buffer("sums", torch.zeros((B, n_kv_head, 3, d), dtype=torch.float32), persistent=False)
         self.register_buffer("live_length", torch.zeros((B,), dtype=torch.long), persistent=False)
         self.ragged = False  # rows have their own live lengths (set_live_lengths); reset clears it
@@ -320,6 +338,8 @@ class KVCache(nn.Module):
         """update()'s writes into a cache with a quantized part; returns k, v as stored (fp32)."""
         fresh = (self.live_length[first:first + B] == 0)[:, None, None]  # a row's first write fixes its channel scale
         counted = None if lengths is None else (input_pos[..., None] < lengths.view(-1, 1, 1, 1))  # (B, 1, T, 1)
+        if self.kt_mean is not None:  # no position scales: K^T's values are those of the row's first write
+            return self._write_unscaled_kt(rows, heads, input_pos, k, v, fresh, counted, first, B)
         chan = torch.where(fresh, channel_scale(k, counted), self.chan[first:first + B])  # (B, n_kv, d)
         self.chan[first:first + B] = chan
         kn = k.float() / chan[:, :, None]  # (B, n_kv, T, d)
@@ -339,16 +359,46 @@ class KVCache(nn.Module):
                 kn, QMAX["int8"], self.kt_scale.dtype)
         elif self.kt_storage == "int4":
             q4, self.kt_scale[rows, heads, input_pos] = quantize_symmetric(kn, QMAX["int4"], self.kt_scale.dtype)
-            nibble = (q4 + 8).to(torch.uint8)  # (B, n_kv, T, d)
-            # Two positions share a byte: write the even positions' low nibbles, then the odd ones'
-            # high nibbles (read-modify-write), each pass sending the other parity's writes to the
-            # spare last column, so no byte is written twice in one pass.
-            spare = self.k_t.shape[3] - 1
-            for parity, keep, shift in ((0, 0xF0, 0), (1, 0x0F, 4)):
-                byte = torch.where(input_pos % 2 == parity, input_pos // 2, spare)
-                old = self.k_t[rows, heads, :, byte]
-                self.k_t[rows, heads, :, byte] = (old & keep) | (nibble << shift)
+            self._write_kt_integers(rows, heads, input_pos, q4)
         return k, v
+
+    def _write_unscaled_kt(self, rows: Tensor, heads: Tensor, input_pos: Tensor, k: Tensor, v: Tensor, fresh: Tensor,
+                           counted: Optional[Tensor], first: int, B: int) -> tuple[Tensor, Tensor]:
+        """update()'s writes beside a K^T without position scales (--kt-scale-dtype none): K and V as given, K^T =
+        (k - kt_mean) / chan rounded and clamped to the integer range, kt_mean and chan (each dimension's absmax
+        of the centred keys / qmax) fixed at a row's first write (a write of one position centres on 0)."""
+        qmax = QMAX[self.kt_storage]
+        rows_now = slice(first, first + B)
+        kf = k.float()
+        if k.shape[2] > 1:
+            weight = torch.ones_like(kf[..., :1]) if counted is None else counted.float()  # (B, 1 or n_kv, T, 1)
+            mean = (kf * weight).sum(2) / weight.sum(2).clamp(min=1)  # (B, n_kv, d)
+        else:
+            mean = torch.zeros_like(kf[:, :, 0])
+        mean = torch.where(fresh, mean, self.kt_mean[rows_now])
+        centred = kf - mean[:, :, None]
+        chan = torch.where(fresh, channel_scale(centred, counted) / qmax, self.chan[rows_now])  # (B, n_kv, d)
+        self.kt_mean[rows_now], self.chan[rows_now] = mean, chan
+        self.k[rows, heads, input_pos] = k
+        self.v[rows, heads, input_pos] = v
+        q = torch.round(centred / chan[:, :, None]).clamp(-qmax, qmax).to(torch.int8)  # (B, n_kv, T, d)
+        self._write_kt_integers(rows, heads, input_pos, q)
+        return k, v
+
+    def _write_kt_integers(self, rows: Tensor, heads: Tensor, input_pos: Tensor, q: Tensor) -> None:
+        """K^T's integers q (B, n_kv, T, d) at input_pos: int8 as they are, int4 two positions per byte."""
+        if self.kt_storage == "int8":
+            self.k_t[rows, heads, :, input_pos] = q
+            return
+        nibble = (q + 8).to(torch.uint8)  # (B, n_kv, T, d)
+        # Two positions share a byte: write the even positions' low nibbles, then the odd ones'
+        # high nibbles (read-modify-write), each pass sending the other parity's writes to the
+        # spare last column, so no byte is written twice in one pass.
+        spare = self.k_t.shape[3] - 1
+        for parity, keep, shift in ((0, 0xF0, 0), (1, 0x0F, 4)):
+            byte = torch.where(input_pos % 2 == parity, input_pos // 2, spare)
+            old = self.k_t[rows, heads, :, byte]
+            self.k_t[rows, heads, :, byte] = (old & keep) | (nibble << shift)
 
     def _stored(self, rows, heads, pos) -> tuple[Tensor, Tensor]:
         """K and V at advanced indices (rows, heads, pos) -> (..., d), as stored (dequantized in fp32)."""
@@ -386,7 +436,10 @@ class KVCache(nn.Module):
             q = unpack_int4(self.k_t[rows, heads, chosen, lo // 2:-(-end // 2)], end - lo)[..., start - lo:]
         else:
             q = self.k_t[rows, heads, chosen, start:end]
-        kt = q.float() * self.k_t_scale[rows, :, None, start:end].float() * self.chan[rows, heads, chosen][..., None]
+        kt = q.float()
+        if self.k_t_scale is not None:  # else --kt-scale-dtype none: chan is each dimension's step
+            kt = kt * self.k_t_scale[rows, :, None, start:end].float()
+        kt = kt * self.chan[rows, heads, chosen][..., None]  # in read()'s order: K^T shared with K is K bit for bit
         return kt.to(self.dtype)
 
     def set_live_lengths(self, lengths: Tensor) -> None:
@@ -548,14 +601,16 @@ class KVCache(nn.Module):
         Decode steps write K, K^T and V only at new positions, which are never read before being
         rewritten, so restore(snapshot) rewinds the cache exactly to when the snapshot was taken."""
         state = {"sums": self.sums.clone(), "live_length": self.live_length.clone(), "ragged": self.ragged}
-        if self.chan is not None:  # fixed at a row's first write: a snapshot of an empty row precedes it
-            state["chan"] = self.chan.clone()
+        for name in ("chan", "kt_mean"):  # fixed at a row's first write: a snapshot of an empty row precedes it
+            if getattr(self, name) is not None:
+                state[name] = getattr(self, name).clone()
         return state
 
     def restore(self, snapshot: dict) -> None:
         self.sums.copy_(snapshot["sums"])
-        if self.chan is not None:
-            self.chan.copy_(snapshot["chan"])
+        for name in ("chan", "kt_mean"):
+            if getattr(self, name) is not None:
+                getattr(self, name).copy_(snapshot[name])
         self.live_length.copy_(snapshot["live_length"])
         self.ragged = snapshot["ragged"]
 

@@ -53,7 +53,7 @@ static CacheKind bind_cache(Problem& P, const char* op, int64_t B, int64_t H, in
   c.int4_kt = c.quantized_kt && k_t->scalar_type() == at::kByte;
   TORCH_CHECK(given(k_scale) == c.int8_kv && given(v_scale) == c.int8_kv, op,
               ": k_scale and v_scale go with an int8 k and v, and only with them");
-  TORCH_CHECK(given(kt_scale) == c.quantized_kt, op, ": kt_scale goes with a k_t quantized apart from k");
+  TORCH_CHECK(!given(kt_scale) || c.quantized_kt, op, ": kt_scale goes with a k_t quantized apart from k");
   TORCH_CHECK(given(chan) == (c.int8_kv || c.quantized_kt), op, ": chan goes with a quantized k or k_t");
   for (const std::optional<at::Tensor>* s : {&k_scale, &v_scale, &kt_scale})
     if (given(*s)) {
@@ -78,6 +78,7 @@ static CacheKind bind_cache(Problem& P, const char* op, int64_t B, int64_t H, in
     P.v_scale = v_scale->data_ptr<float>(); P.vsc0 = v_scale->stride(0); P.vsc1 = v_scale->stride(1);
   }
   if (given(chan)) { P.chan = chan->data_ptr<float>(); P.chs0 = chan->stride(0); P.chs1 = chan->stride(1); }
+  P.step1_quantized = c.quantized_kt || c.int8_kv;  // a K^T without kt_scale (cache.py's "none") still holds K / chan
   // step 1's per-position scales: a quantized K^T's own; an int8 K^T (same dtype as k) or, with
   // layout "once", an int8 K itself, K's
   const std::optional<at::Tensor>& step1_scale = c.quantized_kt ? kt_scale : k_scale;

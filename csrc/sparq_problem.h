@@ -38,12 +38,14 @@ struct Problem {
   // A quantized cache (cache.KVCache; nullptr otherwise). int8 K and V: K[p] = k[p] k_scale[p] chan,
   // V[p] = v[p] v_scale[p]. Step 1's source (K^T, or K with layout "once") when quantized: its
   // per-position scales kt_scale (k_scale for K itself; kt_scale_b16 instead for a K^T's own bf16
-  // scales) and chan, folded into q_hat.
+  // scales; neither for a K^T without position scales, cache.py's --kt-scale-dtype none) and chan, folded
+  // into q_hat.
   const float *k_scale = nullptr, *v_scale = nullptr, *chan = nullptr, *kt_scale = nullptr;
   const bf16* kt_scale_b16 = nullptr;
   int64_t ksc0 = 0, ksc1 = 0, vsc0 = 0, vsc1 = 0, chs0 = 0, chs1 = 0, ktsc0 = 0, ktsc1 = 0;
   const float* chan_of(int64_t b, int64_t h) const { return chan ? chan + b * chs0 + h * chs1 : nullptr; }
-  bool step1_scaled() const { return kt_scale != nullptr || kt_scale_b16 != nullptr; }
+  bool step1_quantized = false;  // step 1's source holds K / chan (int8 or int4): chan goes into q_hat
+  bool step1_scaled() const { return step1_quantized; }
   PosScales kt_scale_of(int64_t b, int64_t h) const {
     const int64_t at = b * ktsc0 + h * ktsc1;
     return {kt_scale ? kt_scale + at : nullptr, kt_scale_b16 ? kt_scale_b16 + at : nullptr};
