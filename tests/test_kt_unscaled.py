@@ -106,3 +106,17 @@ def test_the_fused_kernels_read_it_as_the_torch_paths_do(kt_dtype, per_head, thr
 def test_bad_flags_are_one_line_errors(args, fragment, smollm2_checkpoint):
     assert_one_line_error(run_main(generate.main, "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "2",
                                    "--attention", "sparq-adaptive", *args), fragment)
+
+
+def test_a_compiled_decode_write_is_the_eager_one():
+    """The decode step's write (one position per row, compiled whole as the decode step is) stores what the eager
+    write stores: no host sync, the first write's mean and steps kept."""
+    n_kv, d, S = 2, 32, 100
+    eager, _ = unscaled_cache(2, n_kv, d, S, S + 28)
+    compiled, _ = unscaled_cache(2, n_kv, d, S, S + 28)
+    k, v = keys_and_values(2, n_kv, 1, d, seed=9)
+    write = torch.compile(compiled.update, fullgraph=True)
+    eager.update(torch.tensor([S]), k, v)
+    write(torch.tensor([S]), k, v)
+    for name in ("k_t", "chan", "kt_mean", "k", "sums", "live_length"):
+        assert torch.equal(getattr(eager, name), getattr(compiled, name)), name
