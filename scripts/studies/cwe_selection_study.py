@@ -89,10 +89,15 @@ class StoredVariant(Variant):
     scale (its absmax) no longer sits on the widest dimensions while the narrow ones round to zero."""
 
     def __init__(self, kernels, centre: bool, rotate: bool, quantize: bool = True, whiten: bool = False,
-                 position_scale: bool = True, first_write: Optional[int] = None, **kw):
-        super().__init__(kernels, per_head=True, spread=True,
-                         costs=INT4_KT_BF16_SCALE if position_scale else INT4_KT_NO_POSITION_SCALE, **kw)
+                 position_scale: bool = True, first_write: Optional[int] = None, bits: int = 4,
+                 range_sigmas: Optional[float] = None, **kw):
+        costs = INT4_KT_BF16_SCALE if position_scale else StepCosts(kt=bits / 16)  # bits of a bf16 K element's 16
+        super().__init__(kernels, per_head=True, spread=True, costs=costs, **kw)
         self.centre, self.rotate, self.quantize, self.whiten = centre, rotate, quantize, whiten
+        assert position_scale or bits >= 2
+        self.qmax = QMAX["int4"] if position_scale else 2 ** (bits - 1) - 1  # int2: -1, 0, 1
+        self.range_sigmas = range_sigmas  # no position scale: each dimension's range this many of its spreads
+        # (clamped beyond) rather than its absmax, which an outlier sets; None: the absmax
         self.position_scale = position_scale  # False: a scale per dimension alone (the prefill's absmax), no
         # scale per position: its 2 bytes of the 16 a position gets at 1/16 go to the split
         self.first_write = first_write  # the statistics from the first this many positions alone (a cache fixing
@@ -123,11 +128,14 @@ class StoredVariant(Variant):
         if self.whiten and self.sigma is None:
             self.sigma = (step1[:, :, seen].var(2, unbiased=False, keepdim=True) + 1e-12).sqrt()  # (B, n_kv, 1, d)
         sigma = self.sigma if self.whiten else torch.ones(())
-        if self.quantize and not self.position_scale:  # each dimension's prefill absmax is its int4 range (clamped)
+        if self.quantize and not self.position_scale:  # each dimension's prefill range is its integer range (clamped)
             if self.absmax is None:
-                self.absmax = step1[:, :, seen].abs().amax(2, keepdim=True).clamp(min=1e-12)  # (B, n_kv, 1, d)
-            q4 = torch.round(step1 / self.absmax * QMAX["int4"]).clamp(-QMAX["int4"], QMAX["int4"])
-            step1 = q4 * self.absmax / QMAX["int4"]
+                first = step1[:, :, seen]
+                self.absmax = (first.abs().amax(2, keepdim=True) if self.range_sigmas is None else
+                               self.range_sigmas * first.std(2, unbiased=False, keepdim=True)).clamp(min=1e-12)
+                # (B, n_kv, 1, d)
+            qn = torch.round(step1 / self.absmax * self.qmax).clamp(-self.qmax, self.qmax)
+            step1 = qn * self.absmax / self.qmax
         elif self.quantize:  # quantized in the whitened coordinates, then scaled back (the same as q scaled up)
             q4, scale = quantize_symmetric(step1 / sigma, QMAX["int4"], torch.bfloat16)
             step1 = q4.float() * scale[..., None].float() * sigma
@@ -149,6 +157,16 @@ STORED_VARIANTS = {  # name: (centre, rotate, quantize, whiten[, position_scale]
     # the same two with their statistics from the prefill's first chunk, as a cache fixing them at the first write
     "int4 K^T in the principal basis, whitened, by the first 2048": (True, True, True, True, True, PREFILL_CHUNK),
     "int4 K^T centred, a scale per dimension only, by the first 2048": (True, False, True, False, False, PREFILL_CHUNK),
+}
+FEWER_BITS_VARIANTS = {  # --fewer-bits: the K^T without position scales (the cache's --kt-scale-dtype none) at
+    # fewer bits per element, which buy step 1 more components for the same bytes; name: (centre, rotate,
+    # quantize, whiten, position_scale, first_write, bits, range_sigmas)
+    "int4, each dimension's absmax (--kt-scale-dtype none)": (True, False, True, False, False, PREFILL_CHUNK, 4, None),
+    "int4, each dimension's range 3 spreads, clamped": (True, False, True, False, False, PREFILL_CHUNK, 4, 3.0),
+    "int3, each dimension's absmax": (True, False, True, False, False, PREFILL_CHUNK, 3, None),
+    "int3, each dimension's range 2 spreads, clamped": (True, False, True, False, False, PREFILL_CHUNK, 3, 2.0),
+    "int2 (-1, 0, 1), each dimension's absmax": (True, False, True, False, False, PREFILL_CHUNK, 2, None),
+    "int2 (-1, 0, 1), each dimension's range 1 spread, clamped": (True, False, True, False, False, PREFILL_CHUNK, 2, 1.0),
 }
 
 VARIANTS = {  # name: (per_head, spread, r, k, share, costs); None: the split's (share: the policy's
@@ -216,6 +234,9 @@ def build_parser() -> cli.ArgumentParser:
                         "twice the positions, and splits giving the positions 1/4 or 1/8 of the budget)")
     p.add_argument("--stored", action="store_true",
                    help="step 1 on an int4 K^T as stored (bf16 scales), raw, centred, or in the keys' principal basis")
+    p.add_argument("--fewer-bits", action="store_true",
+                   help="step 1 on a K^T without position scales at 4, 3 and 2 bits, each dimension's range its "
+                        "absmax or a few spreads (clamped)")
     p.add_argument("--formats", help="the policy itself on caches of these formats (KV/KT/SCALE[/BASIS],...; the "
                                      "module docstring)")
     p.add_argument("--examples", type=cli.positive_int, default=12)
@@ -243,8 +264,10 @@ def run(args) -> None:
         return run_formats(args, model, kernels, tokenizer)
     costs = StepCosts.of(KVFormat(kt_dtype="int4"), dtype, model.args.head_dim)  # the CPU default's split
     compression = float(args.compression)
-    variants = STORED_VARIANTS if args.stored else VARIANTS if compression == COMPRESSION else BUDGET_VARIANTS
+    variants = (FEWER_BITS_VARIANTS if args.fewer_bits else STORED_VARIANTS if args.stored else
+                VARIANTS if compression == COMPRESSION else BUDGET_VARIANTS)
     stats = {name: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for name in variants}
+    splits = {}  # name: its (r, k) at the last example's length
     start = time.time()
     with torch.no_grad():
         for ex, max_new, ended in tqdm(examples_and_answers(args.task, tokenizer, args.length, args.examples),
@@ -257,7 +280,7 @@ def run(args) -> None:
             answer, dense_logprobs = dense_answer(model, logits, T, max_new, ended)
             for name, spec in variants.items():
                 model.restore_caches(snapshots)
-                if args.stored:
+                if args.stored or args.fewer_bits:
                     policies = [StoredVariant(kernels, *spec, compression=compression)
                                 for _ in range(model.args.n_layer)]
                 else:
@@ -265,15 +288,19 @@ def run(args) -> None:
                     policies = [Variant(kernels, per_head, spread, r, k, split_costs or costs, compression, share)
                                 for _ in range(model.args.n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
+                if args.stored or args.fewer_bits:  # the others may set r or k themselves
+                    splits[name] = "%d, %d" % adaptive_split(T, model.args.head_dim, compression,
+                                                             costs=policies[0].costs)
                 score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
     where = f"at {args.length} tokens" if args.task == "ruler-cwe" else "(7 contexts)"
     split = adaptive_split(T, model.args.head_dim, compression, costs=costs)
     print(f"{args.checkpoint.name}, {args.dtype}, {args.examples} {args.task} examples {where}, {args.compression} "
           f"on an int4 K^T (r, k = {split} at the last one's {T}), {time.time() - start:.0f} s")
-    print(f"{'variant':48} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
+    print(f"{'variant':58} {'r, k':>10} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
     for name, st in stats.items():
         steps = max(st["steps"], 1)
-        print(f"{name:48} {st['agree'] / steps:>15.4f} {st['whole']:>8}/{args.examples:<5} {st['kl'] / steps:>8.4f}")
+        print(f"{name:58} {splits.get(name, ''):>10} {st['agree'] / steps:>15.4f} {st['whole']:>8}/{args.examples:<5} "
+              f"{st['kl'] / steps:>8.4f}")
 
 
 if __name__ == "__main__":
