@@ -147,6 +147,8 @@ class KernelPolicy(DecodePolicy):
                      cap: Optional[float]) -> None:
         """fused: the run's kernel (None: the torch path alone); soft-capped models get no attention kernels
         (resolve_kernels), so the cap binds to the torch paths."""
+        if fused is not None and kernels.prepare_sparq is not None:  # fused: the record's SparQ kernel
+            kernels.prepare_sparq()
         self.attend_torch = torch_path
         self.attend = fused or torch_path
         self.fused = fused is not None  # reads the cache as stored (resolve_kernels: it can)

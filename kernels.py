@@ -95,6 +95,8 @@ class Kernels:
     reads_int8_kv: bool = False  # dense_attention and dense_verify take an int8 cache as stored (scales=KVScales)
     sparq_reads_quantized: bool = False  # sparq_attention and sparq_adaptive take int8 K/V and an int8/int4 K^T as
     # stored (scales=; sparq_adaptive also costs=, its split in stored bytes)
+    prepare_sparq: Optional[Callable[[], None]] = None  # loads what sparq_attention and sparq_adaptive call, when a
+    # policy binds them (the CPU's second build: a dense run never waits for it)
     describe: str = "plain PyTorch"
 
 
@@ -116,20 +118,34 @@ KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _CPU_CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _CPU_LDFLAGS = ("-fopenmp",)  # tuples: cpp_extension.load appends its own flags to the lists it is given
-# error: None = loaded (once tried), else why not; gemv_isa: linear_cpu_isa() of the loaded build
-_cpu_ext: dict = {"error": None, "tried": False, "gemv_isa": None}
+# Two builds, each its own library of the one op namespace: what every run calls (the linears, prefill and
+# dense attention) and SparQ's two kernels, built when a SparQ policy first binds them. The SparQ sources are
+# two thirds of the compiler's time (each instantiates 4 K x 3 K^T x 3 query types; docs/NOTES.md, "The first
+# ten minutes"), which a dense run (make run) need not wait for.
+CPU_BUILDS = {"core": ("dense_decode.cpp", "linear.cpp", "linear_quant.cpp", "prefill_attention.cpp"),
+              "sparq": ("sparq_adaptive.cpp", "sparq_decode.cpp")}
+ALL_CPU_BUILDS = tuple(CPU_BUILDS)
+_SPARQ_BUILD_OPS = ("decode_cpu", "decode_quant_cpu", "adaptive_cpu", "adaptive_quant_cpu")
+# tried: build -> None (loaded) or one line saying why it cannot be; gemv_isa: linear_cpu_isa() of the core build
+_cpu_ext: dict = {"tried": {}, "gemv_isa": None}
 _cpu_ext_lock = threading.Lock()
 
 
 def _csrc_files(suffixes: tuple[str, ...] = (".cpp", ".h")) -> list[str]:
-    """Every source and header of csrc/, sorted: the build compiles the .cpp files, the tag hashes all."""
+    """Every source and header of csrc/, sorted: the builds compile the .cpp files, the tags hash them."""
     return sorted(os.path.join(_CSRC, f) for f in os.listdir(_CSRC) if f.endswith(suffixes))
 
 
-def _cpu_build_tag() -> str:
-    """Hash of every file in csrc/, the flags, torch version and CPU: a -march=native build never crosses machines."""
+def _build_sources(build: str) -> list[str]:
+    return [os.path.join(_CSRC, f) for f in CPU_BUILDS[build]]
+
+
+def _cpu_build_tag(build: Optional[str] = None) -> str:
+    """Hash of a build's sources and every header (None: every file of csrc/), the flags, torch version and CPU:
+    a -march=native build never crosses machines."""
     h = hashlib.sha1()
-    for path in _csrc_files():
+    sources = _csrc_files() if build is None else sorted(_build_sources(build) + _csrc_files((".h",)))
+    for path in sources:
         h.update(os.path.basename(path).encode())
         with open(path, "rb") as f:
             h.update(f.read())
@@ -143,25 +159,25 @@ def _cpu_build_tag() -> str:
     return h.hexdigest()[:12]
 
 
-def _build_paths() -> tuple[str, str, str]:
-    """(the extension's name, its build directory, its .so) for this machine's build."""
+def _build_paths(build: str) -> tuple[str, str, str]:
+    """(the extension's name, its build directory, its .so) for this machine's build of `build`."""
     from torch.utils import cpp_extension
 
-    name = f"sparq_cpu_{_cpu_build_tag()}"  # the tag covers sources, flags, torch and CPU
+    name = f"sparq_cpu_{build}_{_cpu_build_tag(build)}"  # the tag covers sources, flags, torch and CPU
     build_dir = cpp_extension._get_build_directory(name, False)
     return name, build_dir, os.path.join(build_dir, name + ".so")
 
 
-def cpu_kernels_built() -> bool:
-    """The fused CPU kernels are loaded, or were built on this machine before (loading them takes a moment);
-    False: their first use builds them (minutes on two cores). Builds nothing."""
-    return os.path.exists(_build_paths()[2])  # the link writes it last
+def cpu_kernels_built(builds: tuple[str, ...] = ALL_CPU_BUILDS) -> bool:
+    """These fused CPU kernel builds are loaded, or were built on this machine before (loading them takes a
+    moment); False: their first use builds them (a minute or more on two cores). Builds nothing."""
+    return all(os.path.exists(_build_paths(build)[2]) for build in builds)  # the link writes it last
 
 
-def _build_and_load() -> None:
+def _build_and_load(build: str) -> None:
     from torch.utils import cpp_extension
 
-    name, build_dir, so_path = _build_paths()
+    name, build_dir, so_path = _build_paths(build)
     if os.path.exists(so_path):  # built before: load it directly (no ninja, no build lock)
         try:
             torch.ops.load_library(so_path)
@@ -173,31 +189,46 @@ def _build_and_load() -> None:
         os.remove(lock)  # left by a build that was killed: torch would wait on it forever
     from cli import OneTimeWork
 
-    with OneTimeWork(f"building the fused CPU kernels (once per machine: {len(_csrc_files(('.cpp',)))} files of "
-                     f"csrc/, cached in {build_dir})"):
-        cpp_extension.load(name=name, sources=_csrc_files((".cpp",)), extra_cflags=list(_CPU_CFLAGS),
+    what = "the fused CPU kernels" if build == "core" else "SparQ's fused CPU kernels"
+    with OneTimeWork(f"building {what} (once per machine: {len(CPU_BUILDS[build])} files of csrc/, cached in "
+                     f"{build_dir})"):
+        cpp_extension.load(name=name, sources=_build_sources(build), extra_cflags=list(_CPU_CFLAGS),
                            extra_ldflags=list(_CPU_LDFLAGS), is_python_module=False, verbose=False)
 
 
-def cpu_kernel_error() -> Optional[str]:
-    """Build (first use only; cached in torch's extensions dir) and load the C++ kernels.
+def cpu_kernel_error(builds: tuple[str, ...] = ("core",)) -> Optional[str]:
+    """Build (first use only; cached in torch's extensions dir) and load these C++ kernel builds: "core", what
+    every run calls, by default; "sparq" SparQ's kernels, which the SparQ policies load as they bind them.
 
-    Returns None once they are loaded, else one line saying why they cannot be (no compiler, no
-    ninja, a build error). Never raises; tries once per process."""
+    Returns None once they are loaded, else one line saying why one cannot be (no compiler, no ninja, a build
+    error). Never raises; tries each build once per process."""
     with _cpu_ext_lock:
-        if not _cpu_ext["tried"]:
-            _cpu_ext["tried"] = True
-            try:
-                _build_and_load()
-                _cpu_ext["gemv_isa"] = torch.ops.sparq.linear_cpu_isa()
-            except Exception as e:
-                msg = str(e).strip().splitlines()
-                _cpu_ext["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"
-    return _cpu_ext["error"]
+        for build in builds:
+            if build not in _cpu_ext["tried"]:
+                try:
+                    _build_and_load(build)
+                    _cpu_ext["tried"][build] = None
+                    if build == "core":
+                        _cpu_ext["gemv_isa"] = torch.ops.sparq.linear_cpu_isa()
+                except Exception as e:
+                    msg = str(e).strip().splitlines()
+                    _cpu_ext["tried"][build] = f"{type(e).__name__}: {msg[0] if msg else ''}"
+            if _cpu_ext["tried"][build] is not None:
+                return _cpu_ext["tried"][build]
+    return None
 
 
-def _load_for_first_call(op: str) -> None:
-    error = cpu_kernel_error()
+def load_sparq_cpu_kernels() -> None:
+    """The CPU kernels' prepare_sparq: SparQ's build, loaded before a policy binds its kernels, so that it
+    builds before any step is timed or compiled. A RuntimeError where it cannot be (the core build, which
+    resolve_kernels took, came from the same compiler: a failure here is the SparQ sources' own)."""
+    error = cpu_kernel_error(("sparq",))
+    if error is not None:
+        raise RuntimeError(f"SparQ's fused CPU kernels cannot be built ({error}); --kernel torch runs without them")
+
+
+def _load_for_first_call(op: str, build: str) -> None:
+    error = cpu_kernel_error((build,))
     if error is not None:
         raise RuntimeError(f"sparq::{op}: the fused CPU kernels are unavailable ({error})")
 
@@ -254,9 +285,12 @@ _CPU_OPS = (
 
 def _first_call(name: str) -> Callable:
     """The CompositeExplicitAutograd kernel of op `name`, reached only while the C++ one is not registered
-    yet: loads the extension (resolve_kernels has built it) and re-dispatches to it."""
+    yet: loads the build holding it (resolve_kernels has built the core, a SparQ policy's binding SparQ's) and
+    re-dispatches to it."""
+    build = "sparq" if name in _SPARQ_BUILD_OPS else "core"
+
     def load_and_call(*args, **kwargs):
-        _load_for_first_call(name)
+        _load_for_first_call(name, build)
         return getattr(torch.ops.sparq, name).default(*args, **kwargs)
 
     return load_and_call
@@ -295,7 +329,7 @@ def linear_cpu_pays(rows: int, weight_dtype: torch.dtype) -> bool:
     (linear_cpu_isa "avx512-bf16") or where torch's own bf16 GEMM is slow (bf16_gemm_widens), else up to 4
     (widened to fp32, it lost to torch's bf16 GEMM from 8 rows on Intel with AVX-512); the figures:
     docs/NOTES.md, 'Figures behind the code's choices'."""
-    if not _cpu_ext["tried"]:  # the ISA is known once the kernels load: decide the same before and after
+    if "core" not in _cpu_ext["tried"]:  # the ISA is known once the kernels load: decide the same before and after
         cpu_kernel_error()
     up_to_max = weight_dtype == torch.float32 or (weight_dtype == torch.bfloat16 and (
         _cpu_ext["gemv_isa"] == "avx512-bf16" or _BF16_GEMM_WIDENS))
@@ -423,7 +457,7 @@ def _check_exact_lengths(live_length: Optional[Tensor]) -> None:
 CPU_KERNELS = Kernels("cpu", dense_attention=dense_attention_cpu, dense_verify=dense_verify_cpu,
                       sparq_attention=sparq_attention_cpu, sparq_adaptive=sparq_adaptive_cpu,
                       linear=linear_cpu, prefill_attention=prefill_attention_cpu, packed_quantized=True,
-                      reads_int8_kv=True, sparq_reads_quantized=True,
+                      reads_int8_kv=True, sparq_reads_quantized=True, prepare_sparq=load_sparq_cpu_kernels,
                       describe="fused C++ (csrc/): dense, SparQ and adaptive SparQ attention, prefill attention, "
                                "decode linears")
 TRITON_KERNELS = Kernels("triton", dense_attention=dense_attention_triton, dense_verify=dense_verify_triton,

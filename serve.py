@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -53,7 +54,7 @@ from cli import UserError
 from convert_hf_checkpoint import resolve_checkpoint
 from decoding import COMPILE_BACKENDS, compiled_decode_step, decode_step, default_compile_backend
 from engine import PREFILL_CHUNK, ROW_BUCKETS, STEP_TOKENS, Engine, QueueFull, Request, Stopped, run_alone
-from kernels import KERNEL_CHOICES, batch_invariant_kernels, cpu_kernel_error, cpu_kernels_built
+from kernels import ALL_CPU_BUILDS, KERNEL_CHOICES, batch_invariant_kernels, cpu_kernel_error, cpu_kernels_built
 from model import ModelArgs, Transformer, checkpoint_paths, random_model
 from openai_api import (BadRequest, Reply, TextOut, _field, check_context, read_messages, read_options, read_prompt,
                         sse)
@@ -588,13 +589,13 @@ def load(args: argparse.Namespace, planned: Plan, kernel: Optional[str] = None) 
 def fused_build_pending(args: argparse.Namespace, planned: Plan) -> bool:
     """Loading would wait minutes for the fused CPU kernels' first build (169 s on two Zen 3 cores): --kernel
     auto on the CPU, one process, exact lengths, a float checkpoint (a quantized one packs its weights for the
-    kernels it loads with), nothing built on this machine yet. The server then serves on the torch kernels
+    kernels it loads with), either build missing on this machine (both build beside serving). The server then serves on the torch kernels
     while they build (use_fused_kernels)."""
     if args.kernel != "auto" or args.device != "cpu" or tp.world_size() > 1 or planned.length_bucket > 1:
         return False
     if args.compile and args.compile_backend != "aot":  # inductor's step is built before serving, on the kernels
         return False
-    if cpu_kernels_built():  # every start but a machine's first: decided without opening the checkpoint
+    if cpu_kernels_built(ALL_CPU_BUILDS):  # every start but a machine's first: decided without opening the checkpoint
         return False
     return bool(args.random_weights) or not is_quantized_checkpoint(args.checkpoint)
 
@@ -713,7 +714,8 @@ def prepare_in_background(args: argparse.Namespace, planned: Plan, app, server, 
     try:
         builder = None
         if fused_build_pending(args, planned):  # built beside serving: the torch kernels serve meanwhile
-            builder = threading.Thread(target=build_at_low_priority, args=(cpu_kernel_error,), name="fused-kernels",
+            builder = threading.Thread(target=build_at_low_priority,  # both builds: a SparQ policy binds SparQ's
+                                       args=(partial(cpu_kernel_error, ALL_CPU_BUILDS),), name="fused-kernels",
                                        daemon=True)
             builder.start()
             app.state.loading = "loading the model (the fused CPU kernels build beside it, once per machine)"

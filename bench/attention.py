@@ -228,7 +228,7 @@ def run(args) -> int:
     if device == "cpu" and "cpu" in kernels_wanted:
         import kernels
 
-        error = kernels.cpu_kernel_error()  # builds before timing anything (first use only)
+        error = kernels.cpu_kernel_error(kernels.ALL_CPU_BUILDS)  # builds before timing anything (first use only)
         if error is not None:
             raise UserError(f"the fused CPU kernels cannot be built ({error}); use --kernel torch")
 

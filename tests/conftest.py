@@ -34,10 +34,11 @@ SMOLLM2_DIR = REPO / "checkpoints" / "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def fused_cpu_kernels():
-    """The fused CPU kernels built and loaded (a module of kernel tests fails, not skips, without them)."""
+    """The fused CPU kernels built and loaded, both builds (a module of kernel tests fails, not skips, without
+    them)."""
     import kernels
 
-    error = kernels.cpu_kernel_error()
+    error = kernels.cpu_kernel_error(kernels.ALL_CPU_BUILDS)
     if error is not None:
         pytest.fail(f"the fused CPU kernel did not build: {error}")
 

@@ -1111,7 +1111,7 @@ def test_a_build_leaves_the_build_tag_as_a_later_load_reads_it(monkeypatch, tmp_
     run here as the build runs it)."""
     from torch.utils import cpp_extension
 
-    before = kernels._cpu_build_tag()
+    before = kernels._cpu_build_tag("core")
     builds = []
 
     def load(**kwargs):
@@ -1120,5 +1120,71 @@ def test_a_build_leaves_the_build_tag_as_a_later_load_reads_it(monkeypatch, tmp_
 
     monkeypatch.setattr(cpp_extension, "load", load)
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))  # nothing built
-    kernels._build_and_load()
-    assert builds == [f"sparq_cpu_{before}"] and kernels._cpu_build_tag() == before
+    kernels._build_and_load("core")
+    assert builds == [f"sparq_cpu_core_{before}"] and kernels._cpu_build_tag("core") == before
+
+
+def test_the_two_builds_split_csrc_and_the_ops(monkeypatch, tmp_path):
+    """csrc/'s sources are two builds (kernels.CPU_BUILDS): every .cpp in exactly one, each op registered by the
+    build that _first_call loads for it (read from the sources: an op's TORCH_LIBRARY_IMPL line names it), and
+    the core build, which a dense run loads alone, registers no SparQ op. Each build's tag changes with its own
+    sources and every header, not with the other build's sources."""
+    import re
+
+    csrc = Path(kernels._CSRC)
+    cpp = sorted(f.name for f in csrc.glob("*.cpp"))
+    assert sorted(f for files in kernels.CPU_BUILDS.values() for f in files) == cpp
+    registered = {}
+    for build, files in kernels.CPU_BUILDS.items():
+        for f in files:
+            text = (csrc / f).read_text()
+            for op in re.findall(r'm\.impl\("(\w+)"', text):
+                registered[op] = build
+    for name, _, _ in kernels._CPU_OPS:
+        assert registered.get(name) == ("sparq" if name in kernels._SPARQ_BUILD_OPS else "core"), name
+    assert set(kernels._SPARQ_BUILD_OPS) <= set(registered)
+
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for f in csrc.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(kernels, "_CSRC", str(copy))
+    tags = lambda: (kernels._cpu_build_tag("core"), kernels._cpu_build_tag("sparq"))  # noqa: E731
+    before = tags()
+    with open(copy / "sparq_decode.cpp", "a") as f:
+        f.write("// a change\n")
+    after_source = tags()
+    assert after_source[0] == before[0] and after_source[1] != before[1]
+    with open(copy / "simd.h", "a") as f:
+        f.write("// a change\n")
+    after_header = tags()
+    assert after_header[0] != after_source[0] and after_header[1] != after_source[1]
+
+
+def test_a_dense_run_loads_the_core_build_alone_and_a_sparq_policy_its_own(fused_cpu_kernels, monkeypatch):
+    """resolve_kernels builds and loads the core build alone (what a dense run calls: make run waits for no
+    SparQ source); a SparQ or adaptive SparQ policy on the CPU kernels loads SparQ's build as it binds its
+    kernel (before any step is compiled or timed); dense attention and a policy on the torch kernels never do.
+    Builds recorded, not run (both are loaded already, by the fixture)."""
+    from attention import DenseDecode
+    from sparq import SparQDecode
+    from sparq_adaptive import SparQAdaptiveDecode
+
+    built = []
+    monkeypatch.setattr(kernels, "_cpu_ext", {"tried": {}, "gemv_isa": None})
+    monkeypatch.setattr(kernels, "_build_and_load", built.append)
+    assert kernels.resolve_kernels("auto", "cpu", announce=lambda line: None) is kernels.CPU_KERNELS
+    DenseDecode(kernels.CPU_KERNELS)
+    SparQDecode(SparQConfig(r=8, k_top=32), kernels.TORCH_KERNELS)
+    assert built == ["core"]
+    SparQDecode(SparQConfig(r=8, k_top=32), kernels.CPU_KERNELS)
+    SparQAdaptiveDecode(1 / 8, kernels=kernels.CPU_KERNELS)
+    assert built == ["core", "sparq"]  # each build once per process
+    monkeypatch.setattr(kernels, "_cpu_ext", {"tried": {}, "gemv_isa": None})
+
+    def no_compiler(build):
+        raise OSError("no compiler")
+
+    monkeypatch.setattr(kernels, "_build_and_load", no_compiler)
+    with pytest.raises(RuntimeError, match="SparQ's fused CPU kernels cannot be built .*no compiler"):
+        SparQAdaptiveDecode(1 / 8, kernels=kernels.CPU_KERNELS)

@@ -638,7 +638,7 @@ def test_a_quantized_checkpoint_is_not_served_on_the_torch_kernels_first(quantiz
     from assemble import is_quantized_checkpoint
 
     assert is_quantized_checkpoint(quantized_smollm2["int4"]) and not is_quantized_checkpoint(smollm2_checkpoint)
-    monkeypatch.setattr(serve, "cpu_kernels_built", lambda: False)
+    monkeypatch.setattr(serve, "cpu_kernels_built", lambda builds: False)
     for checkpoint, pending in ((smollm2_checkpoint, True), (quantized_smollm2["int8"], False)):
         args = serve.build_parser().parse_args(["--checkpoint", str(checkpoint), "--max-seq-length", "256"])
         assert serve.fused_build_pending(args, serve.plan(args)) == pending

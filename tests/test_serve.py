@@ -1009,7 +1009,7 @@ def test_a_server_on_the_torch_kernels_takes_the_fused_ones_between_steps(monkey
     args = serve.build_parser().parse_args(["--random-weights", "tiny", "--max-batch-size", "2",
                                             "--max-seq-length", "256"])
     planned = serve.plan(args)
-    monkeypatch.setattr(serve, "cpu_kernels_built", lambda: False)
+    monkeypatch.setattr(serve, "cpu_kernels_built", lambda builds: False)
     assert serve.fused_build_pending(args, planned)
     assert not serve.fused_build_pending(serve.build_parser().parse_args(["--random-weights", "tiny", "--kernel",
                                                                           "torch"]), planned)
