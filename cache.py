@@ -34,8 +34,15 @@ def position_sums(k: Tensor, v: Tensor, weight: Optional[Tensor] = None) -> Tens
 
 
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")  # --kv-dtype: K and V ("auto": the activations')
-KT_DTYPES = ("same", "int8", "int4")  # --kt-dtype: SparQ's copy of K^T ("same": as K is stored)
-QMAX = {"int8": 127, "int4": 7}  # symmetric integer range [-qmax, qmax] of each quantized format
+KT_DTYPES = ("same", "int8", "int4", "int3")  # --kt-dtype: SparQ's copy of K^T ("same": as K is stored)
+QMAX = {"int8": 127, "int4": 7, "int3": 3}  # symmetric integer range [-qmax, qmax] of each quantized format
+# int3: a K^T without position scales only (--kt-scale-dtype none), 3 bits a position in blocks of 32 positions
+# (INT3_BLOCK_BYTES: the low two bits of each, four a byte, then the high bits, eight a byte). Its 3/8 of a byte buys
+# step 1 a third more components than int4's 1/2 at the same bytes (r = 15 -> 20 at 1/16 and 4k on
+# Qwen2.5-Coder-0.5B: KL from dense 0.46 -> 0.21 in a screen, docs/accuracy.md). No fused kernel reads it yet:
+# the policies read it dequantized, on their torch paths (KVCache.stored_view_readable).
+INT3_BLOCK = 32  # positions per block
+INT3_BLOCK_BYTES = 12  # 8 bytes of low bit pairs, 4 of high bits
 # --kt-scale-dtype: a quantized K^T's own per-position scale. bf16 halves what step 1 reads per position
 # beside the r components (4 of the 16 bytes a position gets at 1/16 on an int4 K^T at d = 64), and its
 # 0.4% rounding is small beside int4's steps of 1/7 of the absmax (docs/accuracy.md).
@@ -80,6 +87,8 @@ class KVFormat:
         if self.kt_scale_dtype != "float32" and not self.own_kt_scale:
             raise ValueError("--kt-scale-dtype stores the scales of a K^T quantized apart from K (--kt-dtype int4, or "
                              "int8 beside a float K): this cache has none")
+        if self.kt_dtype == "int3" and self.kt_scale_dtype != "none":
+            raise ValueError("--kt-dtype int3 is stored without position scales: give --kt-scale-dtype none")
         if self.kt_scale_dtype == "none" and self.int8_kv:
             raise ValueError("--kt-scale-dtype none: a K^T without position scales goes beside a float K "
                              "(--kv-dtype auto), not an int8 one")
@@ -115,7 +124,7 @@ class KVFormat:
         return own if self.kv_dtype == "auto" else self.kv_dtype
 
     def kt_storage(self, activation: torch.dtype) -> Optional[str]:
-        """K^T's stored format (None without K^T): a float dtype's name, "int8" or "int4"."""
+        """K^T's stored format (None without K^T): a float dtype's name, "int8", "int4" or "int3"."""
         if self.layout == "once":
             return None
         return self.kv_storage(activation) if self.kt_dtype == "same" else self.kt_dtype
@@ -140,7 +149,7 @@ class KVFormat:
 
 
 def _stored_bytes(storage: str) -> float:
-    return {"int8": 1.0, "int4": 0.5}.get(storage) or getattr(torch, storage).itemsize
+    return {"int8": 1.0, "int4": 0.5, "int3": INT3_BLOCK_BYTES / INT3_BLOCK}.get(storage) or getattr(torch, storage).itemsize
 
 
 def stored_bytes(elements: int, positions: int, rows: int, head_dim: int, fmt: KVFormat,
@@ -186,6 +195,16 @@ def unpack_int4(packed: Tensor, n: int) -> Tensor:
     stored as q + 8 -> (..., n) int8 in [-7, 7]."""
     nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)[..., :n]
     return nibbles.to(torch.int8) - 8
+
+
+def unpack_int3(packed: Tensor, n: int) -> Tensor:
+    """(..., 12 m) uint8, m blocks of 32 positions (position j of a block: bits 2 (j % 4) of byte j // 4 its low
+    two bits, bit j % 8 of byte 8 + j // 8 its high one), each stored as q + 4 -> (..., n) int8 in [-3, 3],
+    n <= 32 m."""
+    blocks = packed.unflatten(-1, (-1, INT3_BLOCK_BYTES))  # (..., m, 12)
+    low = torch.stack([(blocks[..., :8] >> (2 * c)) & 3 for c in range(4)], dim=-1).flatten(-2)  # (..., m, 32)
+    high = torch.stack([(blocks[..., 8:] >> c) & 1 for c in range(8)], dim=-1).flatten(-2)
+    return ((low | (high << 2)).flatten(-2)[..., :n]).to(torch.int8) - 4
 
 
 @dataclass
@@ -269,6 +288,10 @@ class KVCache(nn.Module):
             # every row starts 16-byte aligned, as float and int8 rows do, so a kernel may load it in
             # wide vectors (S / 2 + 1 bytes left every other row at an odd address)
             k_t = torch.zeros((B, n_kv_head, d, -(-(S // 2 + 1) // 16) * 16), dtype=torch.uint8)
+        elif self.kt_storage == "int3":  # blocks of 32 positions in 12 bytes (S a multiple of 32), the spare column
+            # padded to 16 bytes as int4's
+            k_t = torch.zeros((B, n_kv_head, d, -(-(-(-S // INT3_BLOCK) * INT3_BLOCK_BYTES + 1) // 16) * 16),
+                              dtype=torch.uint8)
         else:
             k_t = torch.zeros((B, n_kv_head, d, S), dtype=torch.int8 if self.kt_storage == "int8" else dtype)
         self.register_buffer("k_t", k_t, persistent=False)
@@ -386,19 +409,37 @@ class KVCache(nn.Module):
         return k, v
 
     def _write_kt_integers(self, rows: Tensor, heads: Tensor, input_pos: Tensor, q: Tensor) -> None:
-        """K^T's integers q (B, n_kv, T, d) at input_pos: int8 as they are, int4 two positions per byte."""
+        """K^T's integers q (B, n_kv, T, d) at input_pos: int8 as they are, int4 two positions per byte, int3 in
+        blocks of 32 positions (unpack_int3)."""
         if self.kt_storage == "int8":
             self.k_t[rows, heads, :, input_pos] = q
+            return
+        spare = self.k_t.shape[3] - 1
+        if self.kt_storage == "int3":
+            self._write_int3(rows, heads, input_pos, (q + 4).to(torch.uint8), spare)
             return
         nibble = (q + 8).to(torch.uint8)  # (B, n_kv, T, d)
         # Two positions share a byte: write the even positions' low nibbles, then the odd ones'
         # high nibbles (read-modify-write), each pass sending the other parity's writes to the
         # spare last column, so no byte is written twice in one pass.
-        spare = self.k_t.shape[3] - 1
         for parity, keep, shift in ((0, 0xF0, 0), (1, 0x0F, 4)):
             byte = torch.where(input_pos % 2 == parity, input_pos // 2, spare)
             old = self.k_t[rows, heads, :, byte]
             self.k_t[rows, heads, :, byte] = (old & keep) | (nibble << shift)
+
+    def _write_int3(self, rows: Tensor, heads: Tensor, input_pos: Tensor, code: Tensor, spare: int) -> None:
+        """code (B, n_kv, T, d) uint8 in [1, 7] at input_pos into an int3 K^T: the low two bits four positions a
+        byte, then the high bit eight a byte, read-modify-write one position class at a time (the others' writes
+        sent to the spare column), so no byte is written twice in one pass, as _write_kt_integers' int4."""
+        block, j = input_pos // INT3_BLOCK * INT3_BLOCK_BYTES, input_pos % INT3_BLOCK
+        planes = ((4, 2, 3, block + j // 4, code & 3),  # (classes, bits, mask, byte, value)
+                  (8, 1, 1, block + 8 + j // 8, code >> 2))
+        for classes, bits, mask, byte_of, value in planes:
+            for c in range(classes):
+                shift = bits * c
+                byte = torch.where(j % classes == c, byte_of, spare)
+                old = self.k_t[rows, heads, :, byte]
+                self.k_t[rows, heads, :, byte] = (old & (0xFF ^ (mask << shift))) | (value << shift)
 
     def _stored(self, rows, heads, pos) -> tuple[Tensor, Tensor]:
         """K and V at advanced indices (rows, heads, pos) -> (..., d), as stored (dequantized in fp32)."""
@@ -434,6 +475,10 @@ class KVCache(nn.Module):
         if self.kt_storage == "int4":
             lo = start // 2 * 2  # unpack whole bytes
             q = unpack_int4(self.k_t[rows, heads, chosen, lo // 2:-(-end // 2)], end - lo)[..., start - lo:]
+        elif self.kt_storage == "int3":
+            lo, blocks = start // INT3_BLOCK, -(-end // INT3_BLOCK)  # unpack whole blocks
+            packed = self.k_t[rows, heads, chosen, lo * INT3_BLOCK_BYTES:blocks * INT3_BLOCK_BYTES]
+            q = unpack_int3(packed, end - lo * INT3_BLOCK)[..., start - lo * INT3_BLOCK:]
         else:
             q = self.k_t[rows, heads, chosen, start:end]
         kt = q.float()
@@ -469,8 +514,9 @@ class KVCache(nn.Module):
 
     def stored_view_readable(self, length: int) -> bool:
         """A fused kernel can read view(length, stored=True): not a window starting inside an int4
-        K^T byte (its first position would be a high nibble; the torch paths read it dequantized)."""
-        return not (self.kt_storage == "int4" and self.visible_start(length) % 2)
+        K^T byte (its first position would be a high nibble; the torch paths read it dequantized), and never an
+        int3 K^T (no kernel reads it yet)."""
+        return self.kt_storage != "int3" and not (self.kt_storage == "int4" and self.visible_start(length) % 2)
 
     def view(self, length: int, rows: int, stored: bool = False, with_k_t: bool = True) -> CacheView:
         """The positions a decode step of `rows` rows reading `length` positions attends to: values in
@@ -491,9 +537,10 @@ class KVCache(nn.Module):
             k_t = self.read_k_t(slice(0, rows), start, length) if with_k_t else None
         else:
             k, v = self.k[:, :, start:], self.v[:, :, start:]
-            if self.k_t is None or not with_k_t or (self.kt_storage == "int4" and start % 2):
-                k_t = None  # an int4 K^T is read from an even position (its bytes hold two): unreadable here,
-                # which stored_view_readable tells SparQ's kernels (dense reads K and V alone)
+            if (self.k_t is None or not with_k_t or (self.kt_storage == "int4" and start % 2)
+                    or self.kt_storage == "int3"):
+                k_t = None  # an int4 K^T is read from an even position (its bytes hold two), an int3 one by no
+                # kernel: unreadable here, which stored_view_readable tells SparQ's kernels (dense reads K and V alone)
             else:
                 k_t = self.k_t[..., start // 2 if self.kt_storage == "int4" else start:]
             if self.quantized:

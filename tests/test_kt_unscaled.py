@@ -1,6 +1,6 @@
 """A K^T without position scales (--kt-scale-dtype none, cache.KVCache._write_unscaled_kt): what the cache stores
-against the keys quantized directly, the fused CPU kernels against the torch paths on it, the split it buys, and
-its refusals."""
+against the keys quantized directly (int8, int4 and int3), the fused CPU kernels against the torch paths on it, the
+split it buys, and its refusals."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,8 @@ import torch
 
 import generate
 import kernels
-from cache import KVCache, KVFormat, channel_scale
+from attention import DenseDecode
+from cache import KVCache, KVFormat, channel_scale, unpack_int3
 from conftest import assert_one_line_error, run_main
 from sparq_adaptive import StepCosts, adaptive_split, key_spread, sparq_adaptive_attention_torch
 from sparq import sparq_attention_torch
@@ -33,21 +34,68 @@ def unscaled_cache(B, n_kv, d, S, S_max, kt_dtype="int4", dtype=torch.float32, f
     return cache, k
 
 
-@pytest.mark.parametrize("kt_dtype", ["int4", "int8"])
+@pytest.mark.parametrize("kt_dtype", ["int4", "int8", "int3"])
 def test_the_cache_stores_the_centred_keys_in_steps_of_their_first_writes_range(kt_dtype):
     """K^T = round((K - mean) / step) clamped, mean and step (each dimension's absmax / qmax) those of the first
     write; a later, wider key is clamped to that range; K itself is stored as given; no position scales."""
     B, n_kv, d, S, first = 2, 2, 32, 300, 200
     cache, k = unscaled_cache(B, n_kv, d, S, S + 12, kt_dtype, first=first)
-    qmax = 7 if kt_dtype == "int4" else 127
+    qmax = {"int4": 7, "int8": 127, "int3": 3}[kt_dtype]
     mean = k[:, :, :first].mean(2)
     step = channel_scale(k[:, :, :first] - mean[:, :, None]) / qmax
     torch.testing.assert_close(cache.kt_mean, mean)
     torch.testing.assert_close(cache.chan, step)
     expected = torch.round((k - mean[:, :, None]) / step[:, :, None]).clamp(-qmax, qmax) * step[:, :, None]
     torch.testing.assert_close(cache.read_k_t(slice(0, B), 0, S).transpose(-1, -2), expected)
+    for start, end in ((37, 291), (64, 65), (0, 1), (255, 300)):  # windows inside and across bytes and blocks
+        torch.testing.assert_close(cache.read_k_t(slice(0, B), start, end).transpose(-1, -2), expected[:, :, start:end])
+    channels = torch.tensor([[3, 0, 7], [31, 5, 5]])  # (n_kv, r): those rows of each head alone
+    picked = cache.read_k_t(slice(0, B), 10, 250, channels)
+    torch.testing.assert_close(picked, expected[:, :, 10:250].transpose(-1, -2)[:, torch.arange(n_kv)[:, None], channels])
     assert cache.kt_scale is None and torch.equal(cache.read(slice(0, B), 0, S)[0], k)
     assert StepCosts.of(cache.format, torch.float32, d).kt_scale == 0
+
+
+def test_int3_packs_32_positions_in_12_bytes():
+    """unpack_int3 reads position j of a block from bits 2 (j % 4) of byte j // 4 (its low two bits) and bit j % 8
+    of byte 8 + j // 8 (its high one), each stored as q + 4; the cache's writes of one position at a time (decode
+    steps) leave the other positions' bits of their bytes alone; 3/8 of a byte a position, scale free."""
+    block = torch.zeros(12, dtype=torch.uint8)
+    block[0] = 0b11_00_10_01  # positions 0-3: low bits 1, 2, 0, 3
+    block[8] = 0b0000_1001  # positions 0 and 3 set their high bit
+    assert unpack_int3(block, 4).tolist() == [1 + 4 - 4, 2 - 4, 0 - 4, 3 + 4 - 4]
+    B, n_kv, d, S = 1, 2, 8, 70
+    one_by_one, two_writes = (KVCache(B, 96, n_kv, d, torch.float32, kt_dtype="int3", kt_scale_dtype="none")
+                              for _ in range(2))
+    k, v = keys_and_values(B, n_kv, S, d, seed=4)
+    for cache in (one_by_one, two_writes):  # the same first write: the same mean and steps
+        cache.update(torch.arange(40), k[:, :, :40], v[:, :, :40])
+    two_writes.update(torch.arange(40, S), k[:, :, 40:], v[:, :, 40:])
+    for p in range(40, S):
+        one_by_one.update(torch.tensor([p]), k[:, :, p:p + 1], v[:, :, p:p + 1])
+    rows = slice(0, B)
+    deq = one_by_one.read_k_t(rows, 0, S)
+    assert torch.equal(deq, two_writes.read_k_t(rows, 0, S))
+    step, mean = one_by_one.chan[:, :, None], one_by_one.kt_mean[:, :, None]
+    torch.testing.assert_close(deq.transpose(-1, -2), torch.round((k - mean) / step).clamp(-3, 3) * step)
+    assert one_by_one.k_t.shape[-1] == 48 and KVFormat(kt_dtype="int3", kt_scale_dtype="none").kt_bytes_per_element(
+        torch.bfloat16) == 0.375
+
+
+def test_an_int3_k_t_is_read_by_the_torch_paths_alone():
+    """No fused kernel reads an int3 K^T: its stored view has none (dense reads K and V as stored), and SparQ's
+    policies on the CPU kernels take their torch paths on it, computing what the torch kernels do."""
+    from sparq_adaptive import SparQAdaptiveDecode
+
+    n_kv, g, d, S = 2, 3, 64, 700
+    cache, _ = unscaled_cache(1, n_kv, d, S, S + 4 * 32, "int3")
+    assert not cache.stored_view_readable(S) and cache.view(S, 1, stored=True).k_t is None
+    q = random_query(1, n_kv, g, d, seed=2)
+    reference = SparQAdaptiveDecode(1 / 16)(q, cache, S)
+    fused_record = SparQAdaptiveDecode(1 / 16, kernels=kernels.CPU_KERNELS)
+    torch.testing.assert_close(fused_record(q, cache, S), reference, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(DenseDecode(kernels.CPU_KERNELS)(q, cache, S), DenseDecode()(q, cache, S),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_a_snapshot_of_the_empty_cache_takes_the_mean_back():
@@ -61,13 +109,16 @@ def test_a_snapshot_of_the_empty_cache_takes_the_mean_back():
 
 
 def test_no_position_scale_buys_components():
-    """At 1/16 and 1/32 the bytes a position's scale took go to step 1's components."""
+    """At 1/16 and 1/32 the bytes a position's scale took go to step 1's components, and int3's fewer bits to more
+    components or positions."""
     d, act = 64, torch.bfloat16
     for c in (1 / 16, 1 / 32):
         for S in (4096, 16384):
-            scaled, unscaled = (adaptive_split(S, d, c, None, StepCosts.of(KVFormat(kt_dtype="int4", kt_scale_dtype=x),
-                                                                            act, d)) for x in ("bfloat16", "none"))
+            scaled, unscaled, int3 = (adaptive_split(S, d, c, None, StepCosts.of(KVFormat(kt_dtype=t, kt_scale_dtype=x),
+                                                                                  act, d))
+                                      for t, x in (("int4", "bfloat16"), ("int4", "none"), ("int3", "none")))
             assert unscaled[0] > scaled[0] and unscaled[1] >= scaled[1], (c, S, scaled, unscaled)
+            assert int3[0] > unscaled[0] or int3[1] > unscaled[1], (c, S, unscaled, int3)
 
 
 @pytest.mark.usefixtures("fused_cpu_kernels")
@@ -102,6 +153,7 @@ def test_the_fused_kernels_read_it_as_the_torch_paths_do(kt_dtype, per_head, thr
 @pytest.mark.parametrize("args,fragment", [
     (["--kt-scale-dtype", "none", "--kv-dtype", "int8", "--kt-dtype", "int4"], "float K"),
     (["--kt-scale-dtype", "none", "--kt-dtype", "same"], "--kt-scale-dtype"),
+    (["--kt-dtype", "int3"], "--kt-scale-dtype none"),
 ])
 def test_bad_flags_are_one_line_errors(args, fragment, smollm2_checkpoint):
     assert_one_line_error(run_main(generate.main, "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "2",
