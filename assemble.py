@@ -196,8 +196,6 @@ def describe_format(kv_format: KVFormat, dtype: torch.dtype, kt_flag: Optional[s
     words = f"layout {kv_format.layout}, K/V {kv_format.kv_storage(dtype)}" + (f", K^T {kt}" if kt else "")
     if kv_format.own_kt_scale and not kv_format.position_scaled_kt:
         words += " without position scales"
-    if kt == "int3":
-        words += " (no fused kernel reads int3 yet: SparQ's policies read it dequantized, on their torch paths)"
     elif kv_format.own_kt_scale and kv_format.kt_scale_dtype != "float32":  # fp32 scales: every format's default
         words += f" with {kv_format.kt_scale_dtype} scales"
     if kt_flag == "auto" and kv_format.kt_dtype != "same":

@@ -39,8 +39,8 @@ QMAX = {"int8": 127, "int4": 7, "int3": 3}  # symmetric integer range [-qmax, qm
 # int3: a K^T without position scales only (--kt-scale-dtype none), 3 bits a position in blocks of 32 positions
 # (INT3_BLOCK_BYTES: the low two bits of each, four a byte, then the high bits, eight a byte). Its 3/8 of a byte buys
 # step 1 a third more components than int4's 1/2 at the same bytes (r = 15 -> 20 at 1/16 and 4k on
-# Qwen2.5-Coder-0.5B: KL from dense 0.46 -> 0.21 in a screen, docs/accuracy.md). No fused kernel reads it yet:
-# the policies read it dequantized, on their torch paths (KVCache.stored_view_readable).
+# Qwen2.5-Coder-0.5B: KL from dense 0.46 -> 0.21 in a screen, docs/accuracy.md). The fused CPU kernels read it
+# (csrc/sparq_problem.h's int3x32); the Triton ones do not (--kt-scale-dtype none is the CPU's alone).
 INT3_BLOCK = 32  # positions per block
 INT3_BLOCK_BYTES = 12  # 8 bytes of low bit pairs, 4 of high bits
 # --kt-scale-dtype: a quantized K^T's own per-position scale. bf16 halves what step 1 reads per position
@@ -514,9 +514,10 @@ class KVCache(nn.Module):
 
     def stored_view_readable(self, length: int) -> bool:
         """A fused kernel can read view(length, stored=True): not a window starting inside an int4
-        K^T byte (its first position would be a high nibble; the torch paths read it dequantized), and never an
-        int3 K^T (no kernel reads it yet)."""
-        return self.kt_storage != "int3" and not (self.kt_storage == "int4" and self.visible_start(length) % 2)
+        K^T byte (its first position would be a high nibble; the torch paths read it dequantized) or inside an
+        int3 block."""
+        start = self.visible_start(length)
+        return not ((self.kt_storage == "int4" and start % 2) or (self.kt_storage == "int3" and start % INT3_BLOCK))
 
     def view(self, length: int, rows: int, stored: bool = False, with_k_t: bool = True) -> CacheView:
         """The positions a decode step of `rows` rows reading `length` positions attends to: values in
@@ -537,18 +538,19 @@ class KVCache(nn.Module):
             k_t = self.read_k_t(slice(0, rows), start, length) if with_k_t else None
         else:
             k, v = self.k[:, :, start:], self.v[:, :, start:]
-            if (self.k_t is None or not with_k_t or (self.kt_storage == "int4" and start % 2)
-                    or self.kt_storage == "int3"):
-                k_t = None  # an int4 K^T is read from an even position (its bytes hold two), an int3 one by no
-                # kernel: unreadable here, which stored_view_readable tells SparQ's kernels (dense reads K and V alone)
+            if self.k_t is None or not with_k_t or not self.stored_view_readable(length):
+                k_t = None  # an int4 K^T is read from an even position (its bytes hold two), an int3 one from a
+                # block's first: unreadable here, which stored_view_readable tells SparQ's kernels (dense reads K
+                # and V alone)
             else:
-                k_t = self.k_t[..., start // 2 if self.kt_storage == "int4" else start:]
+                element = {"int4": start // 2, "int3": start // INT3_BLOCK * INT3_BLOCK_BYTES}.get(self.kt_storage, start)
+                k_t = self.k_t[..., element:]
             if self.quantized:
                 k_scale, v_scale, kt_scale = (None if s is None else s[:, :, start:]
                                               for s in (self.k_scale, self.v_scale, self.kt_scale))
                 if self.shares_k_scale:  # K^T is K's int8 transposed: the same scales (the kernels see it is)
                     kt_scale = k_scale
-                scales = KVScales(k_scale, v_scale, self.chan, kt_scale)
+                scales = KVScales(k_scale, v_scale, self.chan, kt_scale, 3 if self.kt_storage == "int3" else 4)
         return CacheView(k, k_t, v, self.v_sum, self.k_moments, length - start, live, start, scales)
 
     def reset(self, row: Optional[int] = None) -> None:

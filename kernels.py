@@ -73,6 +73,7 @@ class KVScales:
     v_scale: Optional[Tensor]
     chan: Tensor
     kt_scale: Optional[Tensor] = None  # a quantized K^T's per-position scales, fp32 or bf16 (K's fp32 ones when it is K's int8 transposed)
+    kt_bits: int = 4  # a packed (uint8) K^T's bits per position: 4 (int4, two a byte) or 3 (int3, cache.unpack_int3)
 
     @property
     def own_kt_scale(self) -> Optional[Tensor]:
@@ -254,7 +255,7 @@ _CPU_OPS = (
                    "int local, bool mean_v, Tensor? lengths=None) -> Tensor", _like_q),
     ("decode_quant_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, SymInt length, int r, "
                          "int k_top, int local, bool mean_v, Tensor? lengths, Tensor? k_scale, Tensor? v_scale, "
-                         "Tensor chan, Tensor? kt_scale) -> Tensor", _like_q),
+                         "Tensor chan, Tensor? kt_scale, int kt_bits) -> Tensor", _like_q),
     ("dense_cpu", "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths=None, int queries=1) -> Tensor",
      _like_q),
     ("dense_quant_cpu", "(Tensor q, Tensor k, Tensor v, SymInt length, Tensor? lengths, int queries, "
@@ -265,7 +266,7 @@ _CPU_OPS = (
     ("adaptive_quant_cpu", "(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, Tensor spread, SymInt length, "
                            "float compression, int k_max, int? k_cap, bool mean_v, bool per_head, Tensor? lengths, "
                            "Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale, float kt_cost, "
-                           "float kt_scale_cost) -> Tensor", _like_q),
+                           "float kt_scale_cost, int kt_bits) -> Tensor", _like_q),
     ("prefill_cpu", "(Tensor q, Tensor k, Tensor v) -> Tensor", _like_q),  # causal, csrc/prefill_attention.cpp
     ("linear_cpu", "(Tensor x, Tensor w) -> Tensor", _rows_by_weight),
     # weight-only quantized GEMVs (quantize.py's stored formats; see csrc/linear_quant.cpp)
@@ -422,7 +423,8 @@ def sparq_attention_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, 
     if scales is None:
         return torch.ops.sparq.decode_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, live_length)
     return torch.ops.sparq.decode_quant_cpu.default(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, live_length,
-                                                    scales.k_scale, scales.v_scale, scales.chan, scales.own_kt_scale)
+                                                    scales.k_scale, scales.v_scale, scales.chan, scales.own_kt_scale,
+                                                    scales.kt_bits)
 
 
 def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v_sum: Tensor, spread: Tensor,
@@ -439,7 +441,8 @@ def sparq_adaptive_cpu(q: Tensor, k: Tensor, k_t: Optional[Tensor], v: Tensor, v
                                                     mean_v, per_head, live_length)
     return torch.ops.sparq.adaptive_quant_cpu.default(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap,
                                                       mean_v, per_head, live_length, scales.k_scale, scales.v_scale,
-                                                      scales.chan, scales.own_kt_scale, costs.kt, costs.kt_scale)
+                                                      scales.chan, scales.own_kt_scale, costs.kt, costs.kt_scale,
+                                                      scales.kt_bits)
 
 
 def _check_exact_lengths(live_length: Optional[Tensor]) -> None:

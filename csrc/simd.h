@@ -159,6 +159,16 @@ static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
   lo->x = _mm512_permutexvar_ps(b, table);
   hi->x = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
 }
+// 16 int3 codes (cache.unpack_int3's block layout) minus 4: position l's low bits 2l..2l+1 of `low`, its high bit
+// bit l of `high`
+static inline V int3_minus4(uint32_t low, uint32_t high) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)low), _mm512_add_epi32(lane, lane)),
+                                      _mm512_set1_epi32(3));
+  const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)high), lane), _mm512_set1_epi32(1));
+  const __m512i code = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 2));
+  return {_mm512_cvtepi32_ps(_mm512_sub_epi32(code, _mm512_set1_epi32(4)))};
+}
 static inline void prefetch(const void* p) { __asm__ __volatile__("prefetcht0 (%0)" : : "r"(p)); }
 static inline void prefetch_l2(const void* p) { __asm__ __volatile__("prefetcht1 (%0)" : : "r"(p)); }
 
@@ -325,6 +335,17 @@ static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
   hi->lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b0, 4), eight));
   hi->hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b1, 4), eight));
 }
+static inline __m256 int3_minus4_8(uint32_t low, uint32_t high, int first) {  // lanes first..first + 7
+  const __m256i lane = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
+  const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)low), _mm256_add_epi32(lane, lane)),
+                                      _mm256_set1_epi32(3));
+  const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)high), lane), _mm256_set1_epi32(1));
+  const __m256i code = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 2));
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(4)));
+}
+// 16 int3 codes (cache.unpack_int3's block layout) minus 4: position l's low bits 2l..2l+1 of `low`, its high bit
+// bit l of `high`
+static inline V int3_minus4(uint32_t low, uint32_t high) { return {int3_minus4_8(low, high, 0), int3_minus4_8(low, high, 8)}; }
 static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 static inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
@@ -385,6 +406,13 @@ static inline void interleave(V even, V odd, V* first, V* second) {
 }
 static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
   for (int l = 0; l < 16; ++l) { lo->x[l] = (float)(p[l] & 15) - 8.f; hi->x[l] = (float)(p[l] >> 4) - 8.f; }
+}
+// 16 int3 codes (cache.unpack_int3's block layout) minus 4: position l's low bits 2l..2l+1 of `low`, its high bit
+// bit l of `high`
+static inline V int3_minus4(uint32_t low, uint32_t high) {
+  V r;
+  for (int l = 0; l < 16; ++l) r.x[l] = (float)((int)(((low >> (2 * l)) & 3) | (((high >> l) & 1) << 2)) - 4);
+  return r;
 }
 static inline void prefetch(const void* p) { __builtin_prefetch(p); }
 static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }

@@ -8,9 +8,10 @@
 //                float compression, int k_max, int? k_cap, bool mean_v, bool per_head, Tensor? lengths=None)
 //                -> Tensor
 //   adaptive_quant_cpu(..., Tensor? lengths, Tensor? k_scale, Tensor? v_scale, Tensor chan, Tensor? kt_scale,
-//                      float kt_cost, float kt_scale_cost) -> Tensor
+//                      float kt_cost, float kt_scale_cost, int kt_bits) -> Tensor
 // the second on a quantized cache, read as stored as decode_quant_cpu reads it (sparq_decode.cpp's
-// header), its budget split in stored bytes (kt_cost, kt_scale_cost: sparq_adaptive.StepCosts).
+// header), its budget split in stored bytes (kt_cost, kt_scale_cost: sparq_adaptive.StepCosts); kt_bits: a uint8
+// k_t's bits per position, 4 (int4) or 3 (int3).
 // It computes what sparq_adaptive.sparq_adaptive_attention_torch computes (sparq_adaptive.sparq_adaptive_reference at
 // each row's split), in fp32. Per batch row b, of live length S_b, and pool of P heads (per_head: P = 1, each
 // head alone; else P = H, the row's heads pooled):
@@ -296,7 +297,8 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
                          double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v, bool per_head,
                          const std::optional<at::Tensor>& lengths, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& chan,
-                         const std::optional<at::Tensor>& kt_scale, double kt_cost, double kt_scale_cost) {
+                         const std::optional<at::Tensor>& kt_scale, double kt_cost, double kt_scale_cost,
+                         int64_t kt_bits) {
   const char* op = "sparq::adaptive_cpu";
   TORCH_CHECK(q.dim() == 4 && v_sum.dim() == 3 && spread.dim() == 3, op,
               ": expected q (B, n_kv, g, d), v_sum and spread (B_max, n_kv, d)");
@@ -316,7 +318,7 @@ at::Tensor adaptive_impl(const at::Tensor& q, const at::Tensor& k, const std::op
   Adaptive A{};
   A.pool = per_head ? 1 : H;
   Problem& P = A.P;
-  const CacheKind cache = bind_cache(P, op, B, H, d, length, k, k_t, v, k_scale, v_scale, chan, kt_scale);
+  const CacheKind cache = bind_cache(P, op, B, H, d, length, k, k_t, v, k_scale, v_scale, chan, kt_scale, kt_bits);
   int64_t most_k = 1;
   for (int64_t b = 0; b < B; ++b) {
     const Split s = adaptive_split(len[b], d, compression, k_max, k_cap, kt_cost, kt_scale_cost);
@@ -348,7 +350,7 @@ at::Tensor adaptive_cpu(const at::Tensor& q, const at::Tensor& k, const std::opt
                         double compression, int64_t k_max, std::optional<int64_t> k_cap, bool mean_v, bool per_head,
                         const std::optional<at::Tensor>& lengths) {
   return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head, lengths,
-                       std::nullopt, std::nullopt, std::nullopt, std::nullopt, 1.0, 0.0);
+                       std::nullopt, std::nullopt, std::nullopt, std::nullopt, 1.0, 0.0, 4);
 }
 
 // A quantized cache (its scales as decode_quant_cpu's) and step 1's costs in K/V elements (sparq_adaptive.StepCosts).
@@ -358,9 +360,9 @@ at::Tensor adaptive_quant_cpu(const at::Tensor& q, const at::Tensor& k, const st
                               bool per_head, const std::optional<at::Tensor>& lengths,
                               const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                               const at::Tensor& chan, const std::optional<at::Tensor>& kt_scale, double kt_cost,
-                              double kt_scale_cost) {
+                              double kt_scale_cost, int64_t kt_bits) {
   return adaptive_impl(q, k, k_t, v, v_sum, spread, length, compression, k_max, k_cap, mean_v, per_head, lengths,
-                       k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost);
+                       k_scale, v_scale, chan, kt_scale, kt_cost, kt_scale_cost, kt_bits);
 }
 
 }  // namespace

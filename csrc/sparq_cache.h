@@ -14,19 +14,21 @@ namespace sparq_cpu {
 namespace {
 
 // What the dispatch needs to know of the cache: K^T is present (layout "twice"), K and V are int8,
-// K^T is stored apart from K's format (int8 beside a float K, or int4: k_t uint8, two positions a byte).
+// K^T is stored apart from K's format (int8 beside a float K, or int4: k_t uint8, two positions a byte, or int3:
+// k_t uint8, 32 positions in 12 bytes, beside a float K).
 struct CacheKind {
-  bool two_k, int8_kv, quantized_kt, int4_kt;
+  bool two_k, int8_kv, quantized_kt, int4_kt, int3_kt;
 };
 
 static inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
 // Checks k, k_t, v and the scales against q's (B, H, d) and `length`, and fills P's cache strides and
-// scale pointers. op: the op's name, for its errors.
+// scale pointers. op: the op's name, for its errors. kt_bits: a uint8 k_t's bits per position (4 or 3).
 static CacheKind bind_cache(Problem& P, const char* op, int64_t B, int64_t H, int64_t d, int64_t length,
                             const at::Tensor& k, const std::optional<at::Tensor>& k_t, const at::Tensor& v,
                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                            const std::optional<at::Tensor>& chan, const std::optional<at::Tensor>& kt_scale) {
+                            const std::optional<at::Tensor>& chan, const std::optional<at::Tensor>& kt_scale,
+                            int64_t kt_bits = 4) {
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(k.dim() == 4 && k.size(0) >= B && k.size(1) == H && k.size(3) == d, op, ": k shape ", k.sizes(),
               " does not match q's (B, n_kv, g, d)");
@@ -39,18 +41,24 @@ static CacheKind bind_cache(Problem& P, const char* op, int64_t B, int64_t H, in
               ": unsupported cache dtype");
   CacheKind c{};
   c.two_k = given(k_t);
+  TORCH_CHECK(kt_bits == 4 || kt_bits == 3, op, ": kt_bits must be 4 (int4) or 3 (int3)");
   if (c.two_k) {
     const at::Tensor& t = *k_t;
-    const bool int4 = t.scalar_type() == at::kByte;
+    const bool packed = t.scalar_type() == at::kByte;
+    const int64_t bytes = !packed ? length : kt_bits == 4 ? (length + 1) / 2
+                                           : (length + kInt3Block - 1) / kInt3Block * kInt3BlockBytes;
     TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(0) >= B && t.size(1) == H && t.size(2) == d &&
-                    (int4 ? 2 * t.size(3) >= length : t.size(3) >= length) && t.stride(3) == 1 &&
-                    (t.scalar_type() == kdt || t.scalar_type() == at::kChar || int4),
+                    t.size(3) >= bytes && t.stride(3) == 1 &&
+                    (t.scalar_type() == kdt || t.scalar_type() == at::kChar || packed),
                 op, ": k_t must be (B_max, n_kv, d, S_max), S-contiguous, k's dtype or int8 (or uint8: int4, two "
-                "positions per byte)");
+                "positions per byte, or int3, 32 positions in 12 bytes whole)");
   }
   c.int8_kv = kdt == at::kChar;
   c.quantized_kt = c.two_k && k_t->scalar_type() != kdt;
-  c.int4_kt = c.quantized_kt && k_t->scalar_type() == at::kByte;
+  c.int4_kt = c.quantized_kt && k_t->scalar_type() == at::kByte && kt_bits == 4;
+  c.int3_kt = c.quantized_kt && k_t->scalar_type() == at::kByte && kt_bits == 3;
+  TORCH_CHECK(!c.int3_kt || (kdt != at::kChar && !given(kt_scale)), op,
+              ": an int3 k_t goes beside a float k, without position scales");
   TORCH_CHECK(given(k_scale) == c.int8_kv && given(v_scale) == c.int8_kv, op,
               ": k_scale and v_scale go with an int8 k and v, and only with them");
   TORCH_CHECK(!given(kt_scale) || c.quantized_kt, op, ": kt_scale goes with a k_t quantized apart from k");
@@ -91,7 +99,7 @@ static CacheKind bind_cache(Problem& P, const char* op, int64_t B, int64_t H, in
 }
 
 // Calls fn(q, k, k_t, v, out) with the tensors' data as typed pointers: K and V's element type KT, K^T's
-// KTT (K's own, or int8 / int4 when quantized apart from it; nullptr without K^T), q's and out's QT.
+// KTT (K's own, or int8 / int4 / int3 when quantized apart from it; nullptr without K^T), q's and out's QT.
 // The ops' one dispatch: their run<KT, KTT, QT> deduce the types from the pointers.
 template <typename T>
 struct Type {
@@ -116,8 +124,13 @@ static void dispatch_cache(const at::Tensor& q, const at::Tensor& k, const std::
   auto with_kt = [&](auto kt) {
     using KT = typename decltype(kt)::type;
     if (!c.quantized_kt) with_q(kt, Type<KT>{});
-    else if (!c.int4_kt) with_q(kt, Type<int8_t>{});
-    else with_q(kt, Type<int4x2>{});
+    else if (c.int4_kt) with_q(kt, Type<int4x2>{});
+    else if constexpr (!std::is_same_v<KT, int8_t>) {  // int3 beside a float K alone (bind_cache checks)
+      if (c.int3_kt) with_q(kt, Type<int3x32>{});
+      else with_q(kt, Type<int8_t>{});
+    } else {
+      with_q(kt, Type<int8_t>{});
+    }
   };
   const auto kdt = k.scalar_type();
   if (kdt == at::kFloat) with_kt(Type<float>{});

@@ -6,7 +6,8 @@
 //   decode_cpu(Tensor q, Tensor k, Tensor? k_t, Tensor v, Tensor v_sum, SymInt length,
 //              int r, int k_top, int local, bool mean_v, Tensor? lengths=None) -> Tensor
 //   decode_quant_cpu(..., Tensor? lengths, Tensor? k_scale, Tensor? v_scale, Tensor chan,
-//                    Tensor? kt_scale) -> Tensor   (a quantized cache; no defaults: dense_decode.cpp says why)
+//                    Tensor? kt_scale, int kt_bits) -> Tensor   (a quantized cache; no defaults: dense_decode.cpp
+//                    says why; kt_bits: a uint8 k_t's bits per position, 4 (int4) or 3 (int3))
 // lengths: None (every row's live length is `length`) or (B,) int: row b's S is lengths[b] (ragged
 // batches: the row reads, selects and averages over its own positions only).
 // decode_cpu computes what sparq.sparq_reference computes, in fp32:
@@ -317,7 +318,8 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const std::opti
                       const at::Tensor& v, const at::Tensor& v_sum, int64_t length, int64_t r, int64_t k_top,
                       int64_t local, bool mean_v, const std::optional<at::Tensor>& lengths,
                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                      const std::optional<at::Tensor>& chan, const std::optional<at::Tensor>& kt_scale) {
+                      const std::optional<at::Tensor>& chan, const std::optional<at::Tensor>& kt_scale,
+                      int64_t kt_bits) {
   const char* op = "sparq::decode_cpu";
   TORCH_CHECK(q.dim() == 4 && v_sum.dim() == 3, op, ": expected q (B, n_kv, g, d), v_sum (B_max, n_kv, d)");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), d = q.size(3);
@@ -332,7 +334,7 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const std::opti
 
   const std::vector<int64_t> len = row_lengths(lengths, B, length, op);
   Problem P{};
-  const CacheKind cache = bind_cache(P, op, B, H, d, length, k, k_t, v, k_scale, v_scale, chan, kt_scale);
+  const CacheKind cache = bind_cache(P, op, B, H, d, length, k, k_t, v, k_scale, v_scale, chan, kt_scale, kt_bits);
   P.B = B; P.H = H; P.g = g; P.d = d; P.r = r; P.k_top = k_top; P.local = local; P.len = len.data();
   P.S = *std::max_element(len.begin(), len.end());
   P.kk = std::min(k_top, P.S);
@@ -356,15 +358,16 @@ at::Tensor decode_cpu(const at::Tensor& q, const at::Tensor& k, const std::optio
                       const at::Tensor& v, const at::Tensor& v_sum, int64_t length, int64_t r, int64_t k_top,
                       int64_t local, bool mean_v, const std::optional<at::Tensor>& lengths) {
   return decode_impl(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths, std::nullopt, std::nullopt,
-                     std::nullopt, std::nullopt);
+                     std::nullopt, std::nullopt, 4);
 }
 
 at::Tensor decode_quant_cpu(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& k_t,
                             const at::Tensor& v, const at::Tensor& v_sum, int64_t length, int64_t r, int64_t k_top,
                             int64_t local, bool mean_v, const std::optional<at::Tensor>& lengths,
                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                            const at::Tensor& chan, const std::optional<at::Tensor>& kt_scale) {
-  return decode_impl(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths, k_scale, v_scale, chan, kt_scale);
+                            const at::Tensor& chan, const std::optional<at::Tensor>& kt_scale, int64_t kt_bits) {
+  return decode_impl(q, k, k_t, v, v_sum, length, r, k_top, local, mean_v, lengths, k_scale, v_scale, chan, kt_scale,
+                     kt_bits);
 }
 
 }  // namespace

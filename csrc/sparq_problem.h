@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -89,6 +90,19 @@ struct int4x2 {
 };
 template <typename T> constexpr int64_t kPerElement = 1;  // positions per element of a K^T row
 template <> constexpr int64_t kPerElement<int4x2> = 2;
+// An int3 K^T (--kt-dtype int3, without position scales): blocks of 32 positions in 12 bytes, position j of a
+// block its low two bits at bits 2 (j % 4) of byte j / 4 and its high bit at bit j % 8 of byte 8 + j / 8, each
+// stored as q + 4 (cache.unpack_int3). A row pointer of this type points at bytes; pass A reads whole blocks
+// (its blocks start at multiples of 32 positions: chunks are multiples of 64).
+struct int3x32 {
+  uint8_t bits;
+};
+constexpr int64_t kInt3Block = 32, kInt3BlockBytes = 12;
+// The element of a K^T row where position p is (for int3 the byte its block starts at)
+template <typename T> constexpr int64_t kt_element(int64_t p) {
+  if constexpr (std::is_same_v<T, int3x32>) return p / kInt3Block * kInt3BlockBytes;
+  else return p / kPerElement<T>;
+}
 
 #define SPARQ_INLINE inline __attribute__((always_inline))
 

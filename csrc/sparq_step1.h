@@ -131,10 +131,19 @@ static SPARQ_INLINE void finish_block(V* acc0, V* acc1, M m0, M m1, float* E, in
 // from the partial logits the previous group left in E, and ends with finish_block (last group)
 // or by storing the partial logits back.
 // The 32 positions [p, p + n) of a K^T row as two vectors: in position order, or for an int4 row the
-// even positions then the odd ones (block_2k interleaves its sums once, at the end).
+// even positions then the odd ones (block_2k interleaves its sums once, at the end). An int3 row's lanes past n
+// hold the block's unwritten codes, an int4 tail's -8: finite, and masked where the block is finished.
 template <typename KT, bool TAIL>
 static SPARQ_INLINE void load_block(const KT* row, int64_t p, int64_t n, M m0, M m1, V* k0, V* k1) {
-  if constexpr (std::is_same_v<KT, int4x2>) {
+  if constexpr (std::is_same_v<KT, int3x32>) {  // the whole block: the cache holds it (bind_cache checks)
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + kt_element<int3x32>(p);
+    uint32_t low0, low1, high;
+    std::memcpy(&low0, bytes, 4);
+    std::memcpy(&low1, bytes + 4, 4);
+    std::memcpy(&high, bytes + 8, 4);
+    *k0 = int3_minus4(low0, high & 0xFFFF);
+    *k1 = int3_minus4(low1, high >> 16);
+  } else if constexpr (std::is_same_v<KT, int4x2>) {
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + p / 2;
     if (TAIL) {  // never read past the row's live bytes
       alignas(16) uint8_t tail[16] = {};
@@ -158,7 +167,7 @@ static SPARQ_INLINE void block_2k(const KT* const* rows, int64_t i0, int64_t i1,
                             float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb, const float* ps) {
   constexpr bool kInt4 = std::is_same_v<KT, int4x2>;
   for (int64_t i = pf_i0; i < pf_i1; ++i) {  // the stream position kPrefetchAhead bytes ahead
-    prefetch_l2(rows[i] + pf_pos / kPerElement<KT>);
+    prefetch_l2(rows[i] + kt_element<KT>(pf_pos));
     if (sizeof(KT) == 4) prefetch_l2(rows[i] + pf_pos + 16);
   }
   const M m0 = TAIL ? tail_mask(n) : (M)0xFFFF, m1 = TAIL ? tail_mask(std::max<int64_t>(0, n - 16)) : (M)0xFFFF;
@@ -226,7 +235,8 @@ template <int G, typename KT>
 static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64_t qstride, int64_t p0, int64_t p1,
                       int64_t pf_end, float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb, PosScales ps) {
   alignas(64) float widened[kBlock];  // a block's bf16 scales as fp32 (block_scales)
-  constexpr int64_t PF = kPrefetchAhead * kPerElement<KT> / (int64_t)sizeof(KT);  // positions
+  constexpr int64_t PF = std::is_same_v<KT, int3x32> ? kPrefetchAhead * kInt3Block / kInt3BlockBytes  // positions
+                                                     : kPrefetchAhead * kPerElement<KT> / (int64_t)sizeof(KT);
   const int64_t ng = (r + kRowGroup - 1) / kRowGroup;
   auto group = [&](int64_t gi, int64_t* i0, int64_t* i1) { *i0 = r * gi / ng; *i1 = r * (gi + 1) / ng; };
   for (int64_t gi = 0; gi < ng; ++gi) {
@@ -296,7 +306,7 @@ static void pass_a_1k(const KT* kbh, int64_t stride, const float* qmask, int64_t
 }
 
 // r: the rows of K^T streamed (P.r in SparQ; a head's own count in adaptive SparQ). KTT: K^T's element
-// type (int8_t or int4x2 for a quantized K^T); ps: the bh's per-position scales of a quantized step-1
+// type (int8_t, int4x2 or int3x32 for a quantized K^T); ps: the bh's per-position scales of a quantized step-1
 // source (its K^T's, fp32 or bf16, or an int8 K's fp32 ones with layout "once"), none for a float one.
 template <typename KT, typename KTT = KT>
 static void pass_a(const Problem& P, int64_t r, const KTT* const* rows, const KT* kbh, const float* qmask,

@@ -1188,3 +1188,20 @@ def test_a_dense_run_loads_the_core_build_alone_and_a_sparq_policy_its_own(fused
     monkeypatch.setattr(kernels, "_build_and_load", no_compiler)
     with pytest.raises(RuntimeError, match="SparQ's fused CPU kernels cannot be built .*no compiler"):
         SparQAdaptiveDecode(1 / 8, kernels=kernels.CPU_KERNELS)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 instruction sets")
+def test_int3_unpack_on_every_instruction_set(tmp_path):
+    """csrc/simd.h's int3_minus4 (step 1's read of an int3 K^T) in its AVX-512, AVX2 and portable forms against
+    the scalar formula: the main build compiles one of them (this machine's), CI's runner perhaps another."""
+    from torch.utils import cpp_extension
+
+    source = Path(__file__).resolve().parent / "int3_check.cpp"
+    lib = Path(torch.__file__).resolve().parent / "lib"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{Path(kernels._CSRC)}"]
+    for march in ("x86-64", "x86-64-v3", "native"):
+        exe = tmp_path / f"int3_{march}"
+        subprocess.run(["g++", "-std=c++17", "-O2", f"-march={march}", *includes, str(source), "-o", str(exe),
+                        f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"], check=True, capture_output=True)
+        done = subprocess.run([str(exe)], capture_output=True, text=True)
+        assert done.returncode == 0 and done.stdout.strip() == "bad 0", (march, done.stdout)

@@ -8,7 +8,6 @@ import torch
 
 import generate
 import kernels
-from attention import DenseDecode
 from cache import KVCache, KVFormat, channel_scale, unpack_int3
 from conftest import assert_one_line_error, run_main
 from sparq_adaptive import StepCosts, adaptive_split, key_spread, sparq_adaptive_attention_torch
@@ -82,22 +81,6 @@ def test_int3_packs_32_positions_in_12_bytes():
         torch.bfloat16) == 0.375
 
 
-def test_an_int3_k_t_is_read_by_the_torch_paths_alone():
-    """No fused kernel reads an int3 K^T: its stored view has none (dense reads K and V as stored), and SparQ's
-    policies on the CPU kernels take their torch paths on it, computing what the torch kernels do."""
-    from sparq_adaptive import SparQAdaptiveDecode
-
-    n_kv, g, d, S = 2, 3, 64, 700
-    cache, _ = unscaled_cache(1, n_kv, d, S, S + 4 * 32, "int3")
-    assert not cache.stored_view_readable(S) and cache.view(S, 1, stored=True).k_t is None
-    q = random_query(1, n_kv, g, d, seed=2)
-    reference = SparQAdaptiveDecode(1 / 16)(q, cache, S)
-    fused_record = SparQAdaptiveDecode(1 / 16, kernels=kernels.CPU_KERNELS)
-    torch.testing.assert_close(fused_record(q, cache, S), reference, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(DenseDecode(kernels.CPU_KERNELS)(q, cache, S), DenseDecode()(q, cache, S),
-                               atol=1e-5, rtol=1e-5)
-
-
 def test_a_snapshot_of_the_empty_cache_takes_the_mean_back():
     cache = KVCache(1, 64, 2, 16, torch.float32, kt_dtype="int4", kt_scale_dtype="none")
     empty = cache.snapshot()
@@ -122,11 +105,11 @@ def test_no_position_scale_buys_components():
 
 
 @pytest.mark.usefixtures("fused_cpu_kernels")
-@pytest.mark.parametrize("kt_dtype", ["int4", "int8"])
+@pytest.mark.parametrize("kt_dtype", ["int4", "int8", "int3"])
 @pytest.mark.parametrize("per_head", [True, False])
 def test_the_fused_kernels_read_it_as_the_torch_paths_do(kt_dtype, per_head, threads):
-    """Adaptive and fixed SparQ's C++ kernels on a K^T without position scales (ragged rows) are the torch paths
-    on its dequantized values."""
+    """Adaptive and fixed SparQ's C++ kernels on a K^T without position scales (ragged rows, lengths ending inside
+    an int3 block) are the torch paths on its dequantized values."""
     threads(2)
     n_kv, g, d, lengths = 2, 7, 64, [900, 650]
     B, S = len(lengths), max(lengths)
@@ -135,7 +118,8 @@ def test_the_fused_kernels_read_it_as_the_torch_paths_do(kt_dtype, per_head, thr
     cache.set_live_lengths(live)
     q = random_query(B, n_kv, g, d, seed=5)
     stored, deq = cache.view(S, B, stored=True), cache.view(S, B)
-    assert stored.scales.own_kt_scale is None
+    assert stored.scales.own_kt_scale is None and stored.k_t is not None and stored.k_t.dtype == cache.k_t.dtype
+    assert stored.scales.kt_bits == (3 if kt_dtype == "int3" else 4)
     costs = StepCosts.of(cache.format, torch.float32, d)
     spread = key_spread(deq.k_moments[:B], live)
     settings = (S, live, 1 / 16, 128, None, True, per_head)
