@@ -155,7 +155,7 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kt-dtype", choices=("auto", *KT_DTYPES), default="auto",
                    help="SparQ's copy of K^T (step 1 only ranks positions with it): auto = int4 on the CPU for the "
                         "policies that read it (kt_storage_for), else as K is stored; same = as K is stored; or "
-                        "int8 / int4 (with --kv-layout twice)")
+                        "int8 / int4 (with --kv-layout twice), or int3 (with --kt-scale-dtype none)")
     p.add_argument("--kt-scale-dtype", choices=KT_SCALE_DTYPES, default="float32",
                    help="a quantized K^T's per-position scales as stored: bfloat16 halves what step 1 reads beside "
                         "its r components, so a budget buys more; none: no position scales, each dimension's range "
