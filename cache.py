@@ -428,13 +428,20 @@ class KVCache(nn.Module):
             self.k_t[rows, heads, :, byte] = (old & keep) | (nibble << shift)
 
     def _write_int3(self, rows: Tensor, heads: Tensor, input_pos: Tensor, code: Tensor, spare: int) -> None:
-        """code (B, n_kv, T, d) uint8 in [1, 7] at input_pos into an int3 K^T: the low two bits four positions a
-        byte, then the high bit eight a byte, read-modify-write one position class at a time (the others' writes
-        sent to the spare column), so no byte is written twice in one pass, as _write_kt_integers' int4."""
+        """code (B, n_kv, T, d) uint8 in [1, 7] at input_pos (1 or B, 1, T) into an int3 K^T: the low two bits four
+        positions a byte, then the high bit eight a byte. One position a row (a decode step) touches one byte of
+        each: read-modify-write at each row's own shift. More (a prefill chunk) share bytes: one position class at a
+        time (the others' writes sent to the spare column), so no byte is written twice in one pass, as
+        _write_kt_integers' int4."""
         block, j = input_pos // INT3_BLOCK * INT3_BLOCK_BYTES, input_pos % INT3_BLOCK
         planes = ((4, 2, 3, block + j // 4, code & 3),  # (classes, bits, mask, byte, value)
                   (8, 1, 1, block + 8 + j // 8, code >> 2))
         for classes, bits, mask, byte_of, value in planes:
+            if input_pos.shape[-1] == 1:
+                shift = (bits * (j % classes)).to(torch.uint8)[..., None]  # (1 or B, 1, 1, 1)
+                old = self.k_t[rows, heads, :, byte_of]
+                self.k_t[rows, heads, :, byte_of] = (old & ~(mask << shift)) | (value << shift)
+                continue
             for c in range(classes):
                 shift = bits * c
                 byte = torch.where(j % classes == c, byte_of, spare)

@@ -81,6 +81,28 @@ def test_int3_packs_32_positions_in_12_bytes():
         torch.bfloat16) == 0.375
 
 
+def test_int3_decode_writes_of_ragged_rows_are_each_rows_own():
+    """A decode step writes one position per row, each row at its own (a ragged batch: input_pos (B, 1)): each
+    row's K^T then holds what writing that row alone holds."""
+    B, n_kv, d = 3, 2, 16
+    k, v = keys_and_values(B, n_kv, 80, d, seed=6)
+    together = KVCache(B, 96, n_kv, d, torch.float32, kt_dtype="int3", kt_scale_dtype="none")
+    alone = KVCache(B, 96, n_kv, d, torch.float32, kt_dtype="int3", kt_scale_dtype="none")
+    starts = [33, 40, 63]  # each row's prefill length: its decode writes begin inside different bytes and blocks
+    for b, n in enumerate(starts):
+        for cache in (together, alone):
+            cache.update(torch.arange(n), k[b:b + 1, :, :n], v[b:b + 1, :, :n], row=b)
+    for step in range(12):
+        pos = torch.tensor(starts) + step
+        picked = torch.arange(B)[:, None, None], torch.arange(n_kv)[None, :, None], pos[:, None, None]
+        together.update(pos[:, None], k[picked], v[picked])  # (B, n_kv, 1, d)
+        for b in range(B):
+            alone.update(pos[b:b + 1], k[b:b + 1, :, pos[b]:pos[b] + 1], v[b:b + 1, :, pos[b]:pos[b] + 1], row=b)
+    for b, n in enumerate(starts):
+        rows = slice(b, b + 1)
+        assert torch.equal(together.read_k_t(rows, 0, n + 12), alone.read_k_t(rows, 0, n + 12)), b
+
+
 def test_a_snapshot_of_the_empty_cache_takes_the_mean_back():
     cache = KVCache(1, 64, 2, 16, torch.float32, kt_dtype="int4", kt_scale_dtype="none")
     empty = cache.snapshot()
@@ -144,12 +166,13 @@ def test_bad_flags_are_one_line_errors(args, fragment, smollm2_checkpoint):
                                    "--attention", "sparq-adaptive", *args), fragment)
 
 
-def test_a_compiled_decode_write_is_the_eager_one():
+@pytest.mark.parametrize("kt_dtype", ["int4", "int3"])
+def test_a_compiled_decode_write_is_the_eager_one(kt_dtype):
     """The decode step's write (one position per row, compiled whole as the decode step is) stores what the eager
     write stores: no host sync, the first write's mean and steps kept."""
     n_kv, d, S = 2, 32, 100
-    eager, _ = unscaled_cache(2, n_kv, d, S, S + 28)
-    compiled, _ = unscaled_cache(2, n_kv, d, S, S + 28)
+    eager, _ = unscaled_cache(2, n_kv, d, S, S + 28, kt_dtype)
+    compiled, _ = unscaled_cache(2, n_kv, d, S, S + 28, kt_dtype)
     k, v = keys_and_values(2, n_kv, 1, d, seed=9)
     write = torch.compile(compiled.update, fullgraph=True)
     eager.update(torch.tensor([S]), k, v)
