@@ -156,10 +156,11 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
                    help="SparQ's copy of K^T (step 1 only ranks positions with it): auto = int4 on the CPU for the "
                         "policies that read it (kt_storage_for), else as K is stored; same = as K is stored; or "
                         "int8 / int4 (with --kv-layout twice), or int3 (with --kt-scale-dtype none)")
-    p.add_argument("--kt-scale-dtype", choices=KT_SCALE_DTYPES, default="float32",
-                   help="a quantized K^T's per-position scales as stored: bfloat16 halves what step 1 reads beside "
-                        "its r components, so a budget buys more; none: no position scales, each dimension's range "
-                        "fixed by the row's first write (the CPU kernels; docs/accuracy.md)")
+    p.add_argument("--kt-scale-dtype", choices=("auto", *KT_SCALE_DTYPES), default="auto",
+                   help="a quantized K^T's per-position scales as stored: auto = none for an int3 K^T, else float32; "
+                        "bfloat16 halves what step 1 reads beside its r components, so a budget buys more; none: no "
+                        "position scales, each dimension's range fixed by the row's first write (the CPU kernels; "
+                        "docs/accuracy.md)")
 
 
 def kt_storage_for(flag: str, layout: str, device: str, policies: Sequence[str]) -> str:
@@ -175,12 +176,20 @@ def kt_storage_for(flag: str, layout: str, device: str, policies: Sequence[str])
     return "int4" if layout == "twice" and device == "cpu" and reads_kt else "same"
 
 
+def kt_scale_for(flag: str, kt_storage: str) -> str:
+    """--kt-scale-dtype as KVFormat takes it: "auto" is none for an int3 K^T (stored without position scales
+    alone), float32 for every other."""
+    if flag != "auto":
+        return flag
+    return "none" if kt_storage == "int3" else "float32"
+
+
 def cache_format(args: argparse.Namespace, device: str, policies: Sequence[str] = ()) -> KVFormat:
     """The KVFormat of add_cache_flags' flags for a run on `device` of these policies (kt_storage_for);
     a combination that makes no sense is a user error."""
     try:
-        fmt = KVFormat(args.kv_layout, args.kv_dtype, kt_storage_for(args.kt_dtype, args.kv_layout, device, policies),
-                       args.kt_scale_dtype)
+        kt = kt_storage_for(args.kt_dtype, args.kv_layout, device, policies)
+        fmt = KVFormat(args.kv_layout, args.kv_dtype, kt, kt_scale_for(args.kt_scale_dtype, kt))
     except ValueError as e:
         raise UserError(str(e)) from None
     if fmt.own_kt_scale and not fmt.position_scaled_kt and device != "cpu":

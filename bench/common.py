@@ -59,7 +59,7 @@ def cache_formats(text: str):
     for item in (t.strip() for t in text.split(",") if t.strip()):
         kv, _, rest = item.partition("/")
         kt, _, scale = rest.partition("/")
-        flags = argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same", kt_scale_dtype=scale or "float32")
+        flags = argparse.Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt or "same", kt_scale_dtype=scale or "auto")
         formats.append((item, cache_format(flags, "cpu")))
     if not formats:
         raise UserError("--cache-format: give at least one format")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cli
 import generate
 import kernels
 from cache import KVCache, KVFormat, channel_scale, unpack_int3
@@ -156,10 +157,29 @@ def test_the_fused_kernels_read_it_as_the_torch_paths_do(kt_dtype, per_head, thr
         torch.testing.assert_close(fixed, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_scale_dtype_auto_follows_the_k_t():
+    """--kt-scale-dtype auto (the default): none for an int3 K^T, which has no position scales, fp32 for every other;
+    an explicit one is taken as given (and refused where it cannot be)."""
+    from argparse import Namespace
+
+    from assemble import cache_format
+
+    def fmt(kt, scale="auto", kv="auto"):
+        return cache_format(Namespace(kv_layout="twice", kv_dtype=kv, kt_dtype=kt, kt_scale_dtype=scale), "cpu",
+                            ("sparq-adaptive",))
+
+    assert fmt("int3").kt_scale_dtype == "none" and not fmt("int3").position_scaled_kt
+    assert fmt("int4").kt_scale_dtype == "float32" and fmt("int8").kt_scale_dtype == "float32"
+    assert fmt("int4", "none").kt_scale_dtype == "none" and fmt("int4", "bfloat16").kt_scale_dtype == "bfloat16"
+    assert fmt("same").kt_scale_dtype == "float32" and fmt("int8", kv="int8").kt_scale_dtype == "float32"
+    with pytest.raises(cli.UserError, match="--kt-scale-dtype none"):
+        fmt("int3", "bfloat16")
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["--kt-scale-dtype", "none", "--kv-dtype", "int8", "--kt-dtype", "int4"], "float K"),
     (["--kt-scale-dtype", "none", "--kt-dtype", "same"], "--kt-scale-dtype"),
-    (["--kt-dtype", "int3"], "--kt-scale-dtype none"),
+    (["--kt-dtype", "int3", "--kt-scale-dtype", "float32"], "--kt-scale-dtype none"),
 ])
 def test_bad_flags_are_one_line_errors(args, fragment, smollm2_checkpoint):
     assert_one_line_error(run_main(generate.main, "--checkpoint", smollm2_checkpoint, "--max-new-tokens", "2",
