@@ -163,11 +163,13 @@ static inline void load_nibbles_minus8(const uint8_t* p, V* lo, V* hi) {
 // bit l of `high`
 static inline V int3_minus4(uint32_t low, uint32_t high) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)low), _mm512_add_epi32(lane, lane)),
-                                      _mm512_set1_epi32(3));
-  const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)high), lane), _mm512_set1_epi32(1));
-  const __m512i code = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 2));
-  return {_mm512_cvtepi32_ps(_mm512_sub_epi32(code, _mm512_set1_epi32(4)))};
+  const __m512i lo = _mm512_srlv_epi32(_mm512_set1_epi32((int)low), _mm512_add_epi32(lane, lane));  // bits 0-1
+  const __m512i hi = _mm512_srlv_epi32(_mm512_set1_epi32((int)(high << 2)), lane);  // bit 2: the high bit
+  // bits 0-1 from lo, the rest from hi (0xE4: c ? a : b); the table reads 4 bits, its halves alike (bit 3 is the
+  // next lane's high bit)
+  const __m512i code = _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi32(3), 0xE4);
+  const __m512 table = _mm512_setr_ps(-4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f);
+  return {_mm512_permutexvar_ps(code, table)};
 }
 static inline void prefetch(const void* p) { __asm__ __volatile__("prefetcht0 (%0)" : : "r"(p)); }
 static inline void prefetch_l2(const void* p) { __asm__ __volatile__("prefetcht1 (%0)" : : "r"(p)); }
