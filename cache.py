@@ -409,42 +409,35 @@ class KVCache(nn.Module):
         return k, v
 
     def _write_kt_integers(self, rows: Tensor, heads: Tensor, input_pos: Tensor, q: Tensor) -> None:
-        """K^T's integers q (B, n_kv, T, d) at input_pos: int8 as they are, int4 two positions per byte, int3 in
-        blocks of 32 positions (unpack_int3)."""
+        """K^T's integers q (B, n_kv, T, d) at input_pos: int8 as they are, int4 two positions per byte (the even
+        one's in the low nibble, each stored as q + 8), int3 in blocks of 32 positions (unpack_int3)."""
         if self.kt_storage == "int8":
             self.k_t[rows, heads, :, input_pos] = q
             return
-        spare = self.k_t.shape[3] - 1
-        if self.kt_storage == "int3":
-            self._write_int3(rows, heads, input_pos, (q + 4).to(torch.uint8), spare)
-            return
-        nibble = (q + 8).to(torch.uint8)  # (B, n_kv, T, d)
-        # Two positions share a byte: write the even positions' low nibbles, then the odd ones'
-        # high nibbles (read-modify-write), each pass sending the other parity's writes to the
-        # spare last column, so no byte is written twice in one pass.
-        for parity, keep, shift in ((0, 0xF0, 0), (1, 0x0F, 4)):
-            byte = torch.where(input_pos % 2 == parity, input_pos // 2, spare)
-            old = self.k_t[rows, heads, :, byte]
-            self.k_t[rows, heads, :, byte] = (old & keep) | (nibble << shift)
+        if self.kt_storage == "int4":  # (positions a byte, bits, mask, byte, value) of its one plane
+            planes = ((2, 4, 0xF, input_pos // 2, (q + 8).to(torch.uint8)),)
+        else:
+            code = (q + 4).to(torch.uint8)
+            block, j = input_pos // INT3_BLOCK * INT3_BLOCK_BYTES, input_pos % INT3_BLOCK
+            planes = ((4, 2, 3, block + j // 4, code & 3), (8, 1, 1, block + 8 + j // 8, code >> 2))
+        self._write_packed(rows, heads, input_pos, planes)
 
-    def _write_int3(self, rows: Tensor, heads: Tensor, input_pos: Tensor, code: Tensor, spare: int) -> None:
-        """code (B, n_kv, T, d) uint8 in [1, 7] at input_pos (1 or B, 1, T) into an int3 K^T: the low two bits four
-        positions a byte, then the high bit eight a byte. One position a row (a decode step) touches one byte of
-        each: read-modify-write at each row's own shift. More (a prefill chunk) share bytes: one position class at a
-        time (the others' writes sent to the spare column), so no byte is written twice in one pass, as
-        _write_kt_integers' int4."""
-        block, j = input_pos // INT3_BLOCK * INT3_BLOCK_BYTES, input_pos % INT3_BLOCK
-        planes = ((4, 2, 3, block + j // 4, code & 3),  # (classes, bits, mask, byte, value)
-                  (8, 1, 1, block + 8 + j // 8, code >> 2))
+    def _write_packed(self, rows: Tensor, heads: Tensor, input_pos: Tensor, planes: tuple) -> None:
+        """Packed K^T bits at input_pos (1 or B, 1, T), plane by plane: `classes` positions share a byte, each
+        `bits` of it (position p's class p % classes; int3's are taken within its block, whose 32 positions every
+        class count divides). One position a row (a decode step) touches one byte of each plane: read-modify-write
+        at each row's own shift. More (a prefill chunk) share bytes: one class at a time, the others' writes sent
+        to the spare last column, so no byte is written twice in one pass."""
+        spare = self.k_t.shape[3] - 1
         for classes, bits, mask, byte_of, value in planes:
             if input_pos.shape[-1] == 1:
-                shift = (bits * (j % classes)).to(torch.uint8)[..., None]  # (1 or B, 1, 1, 1)
+                shift = (bits * (input_pos % classes)).to(torch.uint8)[..., None]  # (1 or B, 1, 1, 1)
                 old = self.k_t[rows, heads, :, byte_of]
                 self.k_t[rows, heads, :, byte_of] = (old & ~(mask << shift)) | (value << shift)
                 continue
             for c in range(classes):
                 shift = bits * c
-                byte = torch.where(j % classes == c, byte_of, spare)
+                byte = torch.where(input_pos % classes == c, byte_of, spare)
                 old = self.k_t[rows, heads, :, byte]
                 self.k_t[rows, heads, :, byte] = (old & (0xFF ^ (mask << shift))) | (value << shift)
 
