@@ -10,7 +10,10 @@ Tasks (offline data only; examples are built by token count, so a batch shares o
   repetition  Shakespeare context (>= 6000 characters), then a --repetition-passage (256) character
               passage from inside it (the paper's Appendix G.1.4 format); chars = characters generated
               greedily before diverging from the true continuation (at most --repetition-chars).
-  bpc         bits per character of --bpc-tokens tokens of essay continuing a long essay context.
+  bpc         bits per character of --bpc-tokens tokens of essay continuing a long essay context, and their
+              answer_nll (nats per token: a paired difference d from dense is a perplexity ratio of exp(d)).
+              Every continuation token is decoded by the policy (teacher-forced): with --bpc-tokens 4096
+              and --lengths 512, the long-output regime.
   retrieval   synthetic multi-key retrieval (RULER niah_multikey style), deterministic from --seed:
               --retrieval-keys key-value sentences ("One of the special magic numbers for
               quiet-harbor is: 4821937.") in an essay haystack; asked for one key's value.
@@ -582,9 +585,9 @@ TASKS: dict[str, Task] = {task.name: task for task in (
          lambda tok, length, n, seed, o: repetition_examples(tok, length, n, seed, o.repetition_chars,
                                                              o.repetition_passage),
          lambda e, out: {"chars": repetition_chars(out.text, e.continuation)}, _diverged),
-    Task("bpc", (("bpc", False),),
+    Task("bpc", (("bpc", False), ("answer_nll", False)),
          lambda tok, length, n, seed, o: bpc_examples(tok, length, n, seed, o.bpc_tokens),
-         lambda e, out: {"bpc": bits_per_character(out.logprobs, e.answer_chars)}),
+         lambda e, out: {"bpc": bits_per_character(out.logprobs, e.answer_chars), "answer_nll": answer_nll(out.logprobs)}),
     Task("retrieval", (("exact_match", True), ("answer_nll", False)),
          lambda tok, length, n, seed, o: retrieval_examples(tok, length, n, seed, o.retrieval_keys),
          _score_question, _answers_question),

@@ -74,6 +74,17 @@ def test_bpc_of_uniform_distribution():
     assert tasks.answer_nll(logprobs) == pytest.approx(math.log(V))
 
 
+def test_bpc_task_scores_perplexity_beside_bits_per_character():
+    """The bpc task's answer_nll (nats per token: its paired difference is a log perplexity ratio) and bpc are the
+    same sum of log-probabilities, over tokens and over characters."""
+    logprobs = [-0.5, -2.0, -1.25, -0.25]
+    example = tasks.Example(prompt=[1, 2], answer=[3, 4, 5, 6], answer_chars=13)
+    scores = tasks.TASKS["bpc"].score(example, tasks.Outcome(logprobs=logprobs))
+    assert set(scores) == {name for name, _ in tasks.TASKS["bpc"].metrics} == {"bpc", "answer_nll"}
+    assert scores["answer_nll"] == pytest.approx(1.0)
+    assert scores["bpc"] == pytest.approx(scores["answer_nll"] * 4 / math.log(2) / 13)
+
+
 def test_mean_and_standard_error():
     mean, se = evals_runner.mean_stderr([1.0, 0.0, 1.0, 0.0])
     assert mean == 0.5 and se == pytest.approx(math.sqrt(1 / 3 / 4))
@@ -611,6 +622,7 @@ def test_smoke_every_task_on_the_embedded_model(tmp_path, capsys):
     assert got[("needle", "answer_nll", "dense")]["score"] < 1.0
     assert got[("retrieval", "answer_nll", "dense")]["score"] < 1.5
     assert got[("bpc", "bpc", "dense")]["score"] < 1.5
+    assert 0 < got[("bpc", "answer_nll", "dense")]["score"] < 5  # nats per token
     assert got[("repetition", "chars", "dense")]["score"] > 10
     assert got[("diagnostics", "top1_agreement", "dense")]["score"] == 1.0
     assert got[("diagnostics", "attn_rel_l2", "dense")]["score"] == pytest.approx(0, abs=1e-6)
