@@ -1163,3 +1163,29 @@ def test_plot_against_compression_shows_every_measured_compression():
         assert labels[-1] == lowest_label and labels[0] == "1"
         assert ax.get_xlim()[0] < min(r["achieved_compression"] for r in rows) * 0.9  # the lowest point inside
         plt.close(fig)
+
+
+def test_long_output_agreement_counts_tokens_before_the_first_difference():
+    """scripts/studies/long_output_study.py: tokens equal to the reference's before they differ; a row that stopped
+    (a stop token) where its reference did agrees to its end, and a row past its shorter reference agrees with all
+    of it. A row stops once it has left every reference, and not before."""
+    from scripts.studies.long_output_study import agreement, greedy_until_left
+    assert agreement([5, 6, 7, 8], [5, 6, 9, 8]) == 2
+    assert agreement([1, 2], [3, 2]) == 0
+    assert agreement([4, 4, 4], [4, 4, 4]) == 3
+    assert agreement([4, 4], [4, 4, 4, 4]) == 2 and agreement([4, 4, 4, 4], [4, 4]) == 2
+
+    class Scripted:  # Runner.greedy's contract: finished(row, tokens so far) is asked before each next token
+        def greedy(self, config, n, stop_ids, finished):
+            script = [[1, 2, 3, 4, 5, 6], [1, 9, 9, 9, 9, 9]]
+            rows = [[s[0]] for s in script]
+            for b, s in enumerate(script):
+                while len(rows[b]) < n and not finished(b, rows[b]):
+                    rows[b].append(s[len(rows[b])])
+            return rows, n
+
+    first, second = [[1, 2, 7, 7, 7, 7], [1, 9, 9, 7, 7, 7]], [[1, 2, 3, 4, 7, 7], [1, 7, 7, 7, 7, 7]]
+    rows = greedy_until_left(Scripted(), None, 6, set(), [first, second])
+    assert rows == [[1, 2, 3, 4, 5], [1, 9, 9, 9]]  # each stopped one token past its later divergence
+    assert [agreement(r, ref) for r, ref in zip(rows, first)] == [2, 3]
+    assert [agreement(r, ref) for r, ref in zip(rows, second)] == [4, 1]

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cli  # noqa: E402
 from decoding import decode_step, prefill  # noqa: E402
 from evals.tasks import squad_examples  # noqa: E402
-from assemble import DTYPES, load_checkpoint, load_tokenizer  # noqa: E402
+from assemble import DTYPES, kt_scale_for, load_checkpoint, load_tokenizer  # noqa: E402
 from kernels import TORCH_KERNELS  # noqa: E402
 from attention import DenseDecode  # noqa: E402
 from cache import KVFormat  # noqa: E402
@@ -60,8 +60,9 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--compression", type=fractions, default="1/8,1/16", help="targets, e.g. 1/8,1/16")
     p.add_argument("--shares", type=fractions, default="1/8,1/4,1/2", help="positions' shares of the budget")
-    p.add_argument("--kt-dtype", choices=("same", "int8", "int4"), default="same",
-                   help="SparQ's copy of K^T as the cache stores it (generate.py's --kt-dtype): the split counts its bytes")
+    p.add_argument("--kt-dtype", choices=("same", "int8", "int4", "int3"), default="same",
+                   help="SparQ's copy of K^T as the cache stores it (generate.py's --kt-dtype, its scales as "
+                        "--kt-scale-dtype auto gives them: none for int3): the split counts its bytes")
     p.add_argument("--examples", type=cli.positive_int, default=40)
     p.add_argument("--contexts", type=cli.positive_int, default=7, help="SQuAD confusion paragraphs (7: ~1.4k tokens)")
     p.add_argument("--k-cap", type=cli.positive_int, default=None,
@@ -123,13 +124,14 @@ def run(args) -> None:
     tokenizer = load_tokenizer(args.checkpoint)
     n_layer = model.args.n_layer
     variants = [(c, f) for c in args.compression for f in args.shares]
+    kv_format = KVFormat(kt_dtype=args.kt_dtype, kt_scale_dtype=kt_scale_for("auto", args.kt_dtype))
     stats = {v: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for v in variants}
     ended = squad_answer_ended(tokenizer)
     start = time.time()
     with torch.no_grad():
         for ex in tqdm(squad_examples(tokenizer, args.contexts, args.examples, 0), desc="examples"):
             T = len(ex.prompt)
-            model.setup_caches(1, T + MAX_ANSWER + 1, KVFormat(kt_dtype=args.kt_dtype))
+            model.setup_caches(1, T + MAX_ANSWER + 1, kv_format)
             model.set_decode_attention(lambda i: DenseDecode(TORCH_KERNELS))
             logits = prefill(model, torch.tensor([ex.prompt]))
             snapshots = model.save_caches()
