@@ -113,7 +113,8 @@ def run(args) -> int:
                 name = f"{c.method} {fraction_label(c.budget.target)}"
                 if name not in names:
                     names.append(name)
-                    splits[name] = f"r = {c.budget.r}, k = {c.budget.k} at {args.context} tokens"
+                    if c.budget.split:  # adaptive SparQ's grows with the continuation
+                        splits[name] = f"r = {c.budget.split[0]}, k = {c.budget.split[1]} at {args.context} tokens"
                 tokens = greedy_until_left(runner, c, args.tokens, stop_ids, [ref32, own])
                 agree_fp32.setdefault(name, []).extend(agreement(t, r) for t, r in zip(tokens, ref32))
                 agree_own.setdefault(name, []).extend(agreement(t, r) for t, r in zip(tokens, own))
