@@ -92,9 +92,9 @@ def run(args) -> int:
     runner = Runner(load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels), kv_format=kv_format)
     examples = bpc_examples(tokenizer, args.context, args.examples, seed=0, continuation_tokens=1)
     stop_ids = set(tokenizer.stop_ids)
-    names = [f"dense {args.dtype}"]
+    dense = f"dense {args.dtype}"
     splits: dict[str, str] = {}  # config name -> its budget's split at the prompt's length
-    agree_fp32: dict[str, list[int]] = {}  # config name -> per example
+    agree_fp32: dict[str, list[int]] = {}  # config name -> per example, dense first (the table's order)
     agree_own: dict[str, list[int]] = {}  # with --dtype dense
     start = time.perf_counter()
     batches = [examples[i:i + args.batch_size] for i in range(0, len(examples), args.batch_size)]
@@ -107,35 +107,33 @@ def run(args) -> int:
             configs = runner.configs(methods, targets, args.context)  # dense first
             runner.prefill(prompts, configs, args.tokens + 1)
             own, _ = runner.greedy(configs[0], args.tokens, stop_ids, lambda b, t: False)
-            agree_fp32.setdefault(names[0], []).extend(agreement(t, r) for t, r in zip(own, ref32))
-            agree_own.setdefault(names[0], []).extend(len(t) for t in own)
+            agree_fp32.setdefault(dense, []).extend(agreement(t, r) for t, r in zip(own, ref32))
+            agree_own.setdefault(dense, []).extend(len(t) for t in own)
             for c in configs[1:]:
                 name = f"{c.method} {fraction_label(c.budget.target)}"
-                if name not in names:
-                    names.append(name)
-                    if c.budget.split:  # adaptive SparQ's grows with the continuation
-                        splits[name] = f"r = {c.budget.split[0]}, k = {c.budget.split[1]} at {args.context} tokens"
+                if c.budget.split:  # adaptive SparQ's grows with the continuation
+                    splits[name] = f"r = {c.budget.split[0]}, k = {c.budget.split[1]} at {args.context} tokens"
                 tokens = greedy_until_left(runner, c, args.tokens, stop_ids, [ref32, own])
                 agree_fp32.setdefault(name, []).extend(agreement(t, r) for t, r in zip(tokens, ref32))
                 agree_own.setdefault(name, []).extend(agreement(t, r) for t, r in zip(tokens, own))
             progress.update(len(batch))
             if args.json:
                 cli.write_json(args.json, {"argv": sys.argv[1:], "kv_format": str(kv_format),
-                                           "examples_done": len(agree_fp32[names[0]]), "tokens": args.tokens,
+                                           "examples_done": len(agree_fp32[dense]), "tokens": args.tokens,
                                            "agreement_with_fp32_dense": agree_fp32,
                                            f"agreement_with_{args.dtype}_dense": agree_own,
                                            "elapsed_s": time.perf_counter() - start})
     print(f"{args.checkpoint.name}: {len(examples)} essay continuations after {args.context} tokens, references of "
           f"{args.tokens} greedy tokens, K^T {kv_format.kt_dtype}; {(time.perf_counter() - start) / 60:.1f} min")
-    base = agree_fp32[names[0]]
+    base = agree_fp32[dense]
     print(f"{'config':<24} {'agrees with fp32 dense':>28} {f'with {args.dtype} dense':>28} "
           f"{f'minus {args.dtype} dense vs fp32':>30}")
-    for name in names:
+    for name in agree_fp32:
         diff: Optional[str] = None
-        if name != names[0]:
+        if name != dense:
             d, se = paired_difference([float(v) for v in agree_fp32[name]], [float(v) for v in base])
             diff = f"{d:+.1f}" + ("" if se is None else f"±{se:.1f}")
-        own_text = summary(agree_own[name]) if name != names[0] else "(itself)"
+        own_text = summary(agree_own[name]) if name != dense else "(itself)"
         print(f"{name:<24} {summary(agree_fp32[name]):>28} {own_text:>28} {diff or '':>30}  {splits.get(name, '')}")
     return 0
 

@@ -30,6 +30,7 @@ from decoding import decode_step, prefill  # noqa: E402
 from engine import PREFILL_CHUNK  # noqa: E402
 from model import ModelArgs, checkpoint_paths  # noqa: E402
 from policies import AttentionSettings, parse_compression, policy_factory  # noqa: E402
+from scripts.studies.long_output_study import agreement  # noqa: E402
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -88,7 +89,7 @@ def run(args) -> None:
             model.set_decode_attention(policy_factory(settings, model.args, model.kernels))
             logits = prefill(model, torch.tensor([prompt + reply + follow]), PREFILL_CHUNK)
             cold, cold_first = greedy(model, logits, held + len(follow), args.new)
-            agree = next((i for i, (a, b) in enumerate(zip(warm, cold)) if a != b), args.new)
+            agree = agreement(warm, cold)
             lp_w, lp_c = torch.log_softmax(warm_first, -1), torch.log_softmax(cold_first, -1)
             kl = float((lp_c.exp() * (lp_c - lp_w)).sum())
             rows.append((float((warm_first - cold_first).abs().max()), kl, warm[0] == cold[0], agree))
