@@ -10,9 +10,13 @@ among equals, keeps that prefix rounded down to a multiple of `prefill_chunk` (p
 multiples whatever the prompt's length: decoding.chunk_ends) and prefills only the rest. The row then holds
 what a cold prefill of the new prompt would write, bit for bit, its running sums included
 (KVCache.keep_prefix sums them again in the same pieces), so a warm request's tokens are its cold run's.
-Only prefilled positions are kept: a chat's earlier reply, written by decode steps, holds a decode step's
-rounding, not a prefill's, and is prefilled again as part of the next turn (docs/serving.md measures
-both). Requests that score their prompt (echo with logprobs) prefill it whole.
+By default only prefilled positions are kept: a chat's earlier reply, written by decode steps, holds a
+decode step's rounding, not a prefill's, and is prefilled again as part of the next turn. With
+`reuse_replies` a freed row remembers its reply's ids too and a next turn keeps the positions decode wrote:
+less prefill for every follow-up, but the kept reply then carries decode's rounding, so a warm request's
+tokens equal its cold run's only where that rounding decides no near tie (in fp32 they did, in bf16 not
+always: docs/serving.md measures both). Requests that score their prompt (echo with logprobs) prefill it
+whole.
 
 A step carries at most `step_tokens` tokens (vLLM's chunked-prefill rule): one for each decoding
 row, then prompt pieces of the oldest prefilling requests while the budget lasts (at least one piece
@@ -120,6 +124,7 @@ class _Row:
     history: Optional[TokenHistory] = None  # its tokens so far, where its sampling's penalties read them
     prefilled: int = 0  # prompt tokens in the cache
     generated: int = 0
+    output: list[int] = field(default_factory=list)  # the generated tokens (the stop token included)
     next_token: Optional[int] = None  # sampled, not yet in the cache (decoding)
     prompt_logprobs: list[Optional[TokenLogprob]] = field(default_factory=list)
 
@@ -146,6 +151,7 @@ class Engine:
     max_queue: int = 64  # requests waiting for a row before submit() refuses (QueueFull)
     decode: Callable = decode_step  # the step (decoding.compiled_decode_step for --compile)
     reuse_prefixes: bool = True  # a new request keeps the longest prefix a free row's cache shares with it
+    reuse_replies: bool = False  # ... its reply's decode-written positions included (not bit for bit a cold run)
     rows: list[Optional[_Row]] = field(init=False)
     waiting: deque = field(init=False, default_factory=deque)
     stats: dict = field(init=False)  # counters since the start: decode steps, tokens and seconds; prefill's (/health)
@@ -154,7 +160,7 @@ class Engine:
         if self.prefill_chunk < 1 or self.step_tokens < 1:
             raise ValueError("the prefill chunk and the step's token budget must be positive")
         self.rows = [None] * self.model.caches[0].max_batch
-        self.cached: list[list[int]] = [[] for _ in self.rows]  # the prompt ids each row's cache holds, from 0
+        self.cached: list[list[int]] = [[] for _ in self.rows]  # the token ids each free row's cache holds, from 0
         self.held = [0] * len(self.rows)  # positions a free row's cache holds (its last request's)
         self.used: list[float] = [0.0] * len(self.rows)  # when each row was last taken (least recently used first)
         self._ids = itertools.count()
@@ -408,6 +414,7 @@ class Engine:
         if row.history is not None:
             row.history.add(torch.tensor([token]))
         row.generated += 1
+        row.output.append(token)
         logprob = None if request.logprobs is None else token_logprobs(logits[None], [token], request.logprobs)[0]
         if token in request.stop_ids:  # reported with the finish (and its logprob when asked), not returned
             self._finish(i, "stop", logprob)
@@ -421,11 +428,20 @@ class Engine:
     def _finish(self, i: int, reason: str, stop_logprob: Optional[TokenLogprob] = None) -> None:
         row = self.rows[i]
         self.rows[i] = None  # kept or reset when the next request takes the row (_admit)
-        # the prefilled prompt its cache holds, for the next request's prefix (none after a failed step, whose
-        # writes are unknown)
-        self.cached[i] = [] if reason == "error" else row.request.prompt[:row.prefilled]
+        # what the next request may keep (nothing after a failed step, whose writes are unknown)
+        self.cached[i] = [] if reason == "error" else self._held_ids(row)
         self.held[i] = row.length
         row.request.emit(None, reason, stop_logprob)
+
+
+    def _held_ids(self, row: _Row) -> list[int]:
+        """The ids of the positions a finished request's row holds that the next request may keep: its
+        prefilled prompt, then (reuse_replies, the prompt whole) the generated tokens decode fed, every one but
+        the last (sampled, never fed: row.length counts the same)."""
+        prompt = row.request.prompt[:row.prefilled]
+        if not self.reuse_replies or row.prefilled < len(row.request.prompt):
+            return prompt
+        return prompt + row.output[:row.length - row.prefilled]
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

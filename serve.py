@@ -460,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{STEP_TOKENS}; vLLM's chunked-prefill budget)")
     p.add_argument("--prefill-chunk", type=cli.positive_int, default=PREFILL_CHUNK,
                    help=f"prompt tokens per prefill piece, one forward pass each (default {PREFILL_CHUNK})")
+    p.add_argument("--reuse-replies", action=argparse.BooleanOptionalAction, default=False,
+                   help="a chat's next turn keeps its earlier replies' cached positions too, not only the prompts' "
+                        "(less prefill per turn; those positions hold decode's rounding, so a warm reply equals "
+                        "its cold run only up to it: docs/serving.md)")
     p.add_argument("--max-queue", type=cli.positive_int, default=64,
                    help="requests waiting for a row before the server answers 429")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
@@ -573,11 +577,12 @@ def load(args: argparse.Namespace, planned: Plan, kernel: Optional[str] = None) 
     model, tokenizer, name, kernels = load_model(args, planned, kernel)
     leader = tp.Leader(model, decode_step) if tp.world_size() > 1 else None
     engine = Engine(leader or model, planned.max_seq_length, prefill_chunk=args.prefill_chunk,
-                    step_tokens=args.step_tokens, max_queue=args.max_queue,
+                    step_tokens=args.step_tokens, max_queue=args.max_queue, reuse_replies=args.reuse_replies,
                     decode=leader.decode_step if leader else decode_step)
     description = {"attention": describe_layers(model), "settings": public_settings(settings, args.checkpoint),
                    "max_batch_size": args.max_batch_size, "max_seq_length": planned.max_seq_length,
                    "step_tokens": args.step_tokens, "prefill_chunk": args.prefill_chunk,
+                   "reuse_replies": args.reuse_replies,
                    "dtype": args.dtype, "device": args.device, "kernels": kernels.name,
                    "compiled": args.compile_backend if args.compile else None,
                    "tokenizer": not isinstance(tokenizer, TokenIds), "vocab_size": config.vocab_size,

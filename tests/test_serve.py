@@ -789,7 +789,7 @@ def test_llama_server_logs_where_nothing_can_stall_it(tmp_path, monkeypatch):
     finally:
         serve_load.stop(proc)
 
-def run_cold_and_warm(model, settings, kv_format, first, follow, new_tokens, chunk=16):
+def run_cold_and_warm(model, settings, kv_format, first, follow, new_tokens, chunk=16, reuse_replies=False):
     """(the follow-up's tokens on an engine that reused the first request's row, its tokens on a fresh one,
     both engines' caches after it): one row each, so the caches compare row for row."""
     from cache import KVFormat  # noqa: F401  (kv_format is one)
@@ -798,7 +798,7 @@ def run_cold_and_warm(model, settings, kv_format, first, follow, new_tokens, chu
     for name, reuse in (("warm", True), ("cold", False)):
         model.setup_caches(1, 512, kv_format)
         model.set_decode_attention(policy_factory(settings, model.args, model.kernels))
-        engine = Engine(model, 512, prefill_chunk=chunk, reuse_prefixes=reuse)
+        engine = Engine(model, 512, prefill_chunk=chunk, reuse_prefixes=reuse, reuse_replies=reuse_replies)
         admitted = []
         if reuse:
             run_alone(engine, Request(first, new_tokens))
@@ -839,6 +839,63 @@ def test_a_warm_request_is_its_cold_run(policy, fused):
             model, settings, kv_format, first, turn, 14)
         assert admitted == [64] and warm == cold, (policy, fused, kv_format)
         assert all(torch.equal(w["sums"], c["sums"]) for w, c in zip(warm_caches, cold_caches))
+
+
+def one_session(model, settings, kv_format, first, reply_tokens, message, new_tokens, kept, chunk=16):
+    """The reference for a kept reply: one conversation on a one-row cache, by hand -> (the next turn: the
+    first prompt, its reply and the message; the reply to it). The first prompt prefilled and its reply
+    decoded (Generator), the row cut back to `kept` positions, the rest of the next turn prefilled from there
+    in pieces ending at multiples of `chunk`, then decoded greedily."""
+    from decoding import prefill
+
+    model.setup_caches(1, 512, kv_format)
+    model.set_decode_attention(policy_factory(settings, model.args, model.kernels))
+    generator = Generator(model, prefill_chunk=chunk)
+    reply, _ = generator.generate([first], reply_tokens)
+    turn = first + reply[0] + message
+    model.keep_prefix(0, kept, chunk)
+    logits = prefill(model, torch.tensor([turn[kept:]]), chunk, start=kept, row=0)
+    tokens, _ = generator.decode(logits.argmax(-1), [len(turn)], new_tokens)
+    return turn, tokens[0]
+
+
+@pytest.mark.parametrize("policy", ["dense", "sparq-adaptive"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_reuse_replies_keeps_a_chats_reply(policy, fused):
+    """Engine(reuse_replies=True): a chat's next turn (the first prompt, its 14-token reply, a new message)
+    keeps the reply's decode-written positions too, 80 of the 83 the row holds (its 70 prompt positions and
+    the 13 reply tokens decode fed, at a multiple of 16), where the default keeps 64. Its tokens are the
+    conversation's run by hand on one row (one_session). Dense in fp32: also the cold run's, its running sums a
+    cold prefill's up to decode's rounding. SparQ's are not a cold run's: its reply's positions past the first
+    layer hold keys and values computed from sparse attention, where a cold prefill's are dense (docs/serving.md).
+    A 10-token reply leaves 79 positions (64 kept); a next turn that does not extend the reply keeps the prompt's 64."""
+    from cache import KVFormat
+
+    if fused and kernels.cpu_kernel_error() is not None:
+        pytest.fail(f"the fused CPU kernels did not build: {kernels.cpu_kernel_error()}")
+    model = tiny_model(kernels=kernels.CPU_KERNELS if fused else kernels.TORCH_KERNELS)
+    gen = torch.Generator().manual_seed(12)
+    first = torch.randint(0, 101, (70,), generator=gen).tolist()
+    settings = settings_for(policy)
+    for kv_format in (KVFormat(), KVFormat(kt_dtype="int4")):
+        message = torch.randint(0, 101, (9,), generator=gen).tolist()
+        turn, by_hand = one_session(model, settings, kv_format, first, 14, message, 14, kept=80)
+        (warm, warm_caches, admitted, stats), (cold, cold_caches, _, _) = run_cold_and_warm(
+            model, settings, kv_format, first, turn, 14, reuse_replies=True)
+        assert admitted == [80] and stats["prefix_reused_tokens"] == 80
+        assert warm == by_hand, (policy, fused, kv_format)
+        if policy == "dense":
+            assert warm == cold, (fused, kv_format)
+            for w, c in zip(warm_caches, cold_caches):
+                assert torch.equal(w["live_length"], c["live_length"])
+                torch.testing.assert_close(w["sums"], c["sums"], rtol=1e-5, atol=1e-4)
+        # a 10-token reply: 79 positions held (its last token was never fed), so 64 kept, not 80
+        short, _ = one_session(model, settings, kv_format, first, 10, message, 1, kept=64)
+        (_, _, admitted, _), _ = run_cold_and_warm(model, settings, kv_format, first, short, 10, reuse_replies=True)
+        assert admitted == [64]
+        other = first + torch.randint(0, 101, (20,), generator=gen).tolist()
+        (_, _, admitted, _), _ = run_cold_and_warm(model, settings, kv_format, first, other, 4, reuse_replies=True)
+        assert admitted == [64]
 
 
 def test_sampling_fields_clients_send_and_text_parts(dense_server):
@@ -884,7 +941,9 @@ def test_a_follow_up_reuses_the_prefix_and_says_so(dense_server):
 
 @pytest.fixture(scope="module")
 def keyed_server(smollm2_checkpoint, openai_client):
-    server = Server(smollm2_checkpoint, "--max-batch-size", "2", "--api-key", "sesame", "--served-model-name", "tiny-chef")
+    """The operator's flags, and --reuse-replies."""
+    server = Server(smollm2_checkpoint, "--max-batch-size", "2", "--api-key", "sesame", "--served-model-name", "tiny-chef",
+                    "--reuse-replies")
     yield server
     server.close()
 
@@ -907,6 +966,29 @@ def test_api_key_metrics_and_the_served_name(keyed_server, openai_client):
     assert 'sparq_requests_total{endpoint="/v1/completions",outcome="4xx"} 1.0' not in text  # the 401 is the key's
     assert "sparq_generation_tokens_total 4.0" in text and "sparq_time_to_first_token_seconds_count 1.0" in text
     assert "sparq_queue_depth 0.0" in text and "sparq_rows_in_use 0.0" in text
+
+
+def test_reuse_replies_keeps_a_chats_reply_through_the_api(keyed_server):
+    """--reuse-replies through the official client: a chat's first turn of fewer than 256 prompt tokens (the
+    prefill piece) whose reply takes the row past 256 positions; the next turn (the history and a new message)
+    keeps 256, which without the flag would be 0 (only the first prompt's positions, fewer than one piece)."""
+    import openai
+
+    import data
+    import tokenizer as tokenizer_module
+    from conftest import SMOLLM2_DIR
+
+    client = openai.OpenAI(base_url=keyed_server.url, api_key="sesame", max_retries=0, timeout=300)
+    tok = tokenizer_module.load_tokenizer(SMOLLM2_DIR)
+    text = tok.decode(data.essay_tokens(tok, 200))
+    history = [{"role": "user", "content": text + " Sum this up."}]
+    first = client.chat.completions.create(model="x", messages=history, max_tokens=40, temperature=0)
+    prompt, reply = first.usage.prompt_tokens, first.usage.completion_tokens
+    assert prompt < 256 <= prompt + reply - 1, (prompt, reply)  # the test's design: only the reply crosses 256
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Shorter, please."}]
+    second = client.chat.completions.create(model="x", messages=history, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 256
 
 
 def test_a_fresh_server_answers_at_once_and_swaps_in_its_compiled_step(tmp_path):
