@@ -13,10 +13,10 @@ what a cold prefill of the new prompt would write, bit for bit, its running sums
 By default only prefilled positions are kept: a chat's earlier reply, written by decode steps, holds a
 decode step's rounding, not a prefill's, and is prefilled again as part of the next turn. With
 `reuse_replies` a freed row remembers its reply's ids too and a next turn keeps the positions decode wrote:
-less prefill for every follow-up, but the kept reply then carries decode's rounding, so a warm request's
-tokens equal its cold run's only where that rounding decides no near tie (in fp32 they did, in bf16 not
-always: docs/serving.md measures both). Requests that score their prompt (echo with logprobs) prefill it
-whole.
+less prefill for every follow-up, but the kept reply then holds what decode wrote, its rounding (dense: in
+fp32 the tokens stayed a cold run's, in bf16 not always) and under a sparse policy its approximation past
+the first layer, so a warm request is what one uninterrupted session on the row writes, not its cold run
+(docs/serving.md measures both). Requests that score their prompt (echo with logprobs) prefill it whole.
 
 A step carries at most `step_tokens` tokens (vLLM's chunked-prefill rule): one for each decoding
 row, then prompt pieces of the oldest prefilling requests while the budget lasts (at least one piece
@@ -151,7 +151,7 @@ class Engine:
     max_queue: int = 64  # requests waiting for a row before submit() refuses (QueueFull)
     decode: Callable = decode_step  # the step (decoding.compiled_decode_step for --compile)
     reuse_prefixes: bool = True  # a new request keeps the longest prefix a free row's cache shares with it
-    reuse_replies: bool = False  # ... its reply's decode-written positions included (not bit for bit a cold run)
+    reuse_replies: bool = False  # ... its reply's decode-written positions included (not a cold run's)
     rows: list[Optional[_Row]] = field(init=False)
     waiting: deque = field(init=False, default_factory=deque)
     stats: dict = field(init=False)  # counters since the start: decode steps, tokens and seconds; prefill's (/health)
@@ -432,7 +432,6 @@ class Engine:
         self.cached[i] = [] if reason == "error" else self._held_ids(row)
         self.held[i] = row.length
         row.request.emit(None, reason, stop_logprob)
-
 
     def _held_ids(self, row: _Row) -> list[int]:
         """The ids of the positions a finished request's row holds that the next request may keep: its

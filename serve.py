@@ -462,8 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prompt tokens per prefill piece, one forward pass each (default {PREFILL_CHUNK})")
     p.add_argument("--reuse-replies", action=argparse.BooleanOptionalAction, default=False,
                    help="a chat's next turn keeps its earlier replies' cached positions too, not only the prompts' "
-                        "(less prefill per turn; those positions hold decode's rounding, so a warm reply equals "
-                        "its cold run only up to it: docs/serving.md)")
+                        "(less prefill per turn; those positions hold what decode wrote, its rounding and a sparse "
+                        "policy's approximation, so a warm reply is one session's, not its cold run's: docs/serving.md)")
     p.add_argument("--max-queue", type=cli.positive_int, default=64,
                    help="requests waiting for a row before the server answers 429")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
