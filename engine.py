@@ -435,12 +435,10 @@ class Engine:
 
     def _held_ids(self, row: _Row) -> list[int]:
         """The ids of the positions a finished request's row holds that the next request may keep: its
-        prefilled prompt, then (reuse_replies, the prompt whole) the generated tokens decode fed, every one but
-        the last (sampled, never fed: row.length counts the same)."""
+        prefilled prompt, then (reuse_replies) the generated tokens decode fed, every one but the last (sampled,
+        never fed: row.length counts the same; none while the prompt was still prefilling)."""
         prompt = row.request.prompt[:row.prefilled]
-        if not self.reuse_replies or row.prefilled < len(row.request.prompt):
-            return prompt
-        return prompt + row.output[:row.length - row.prefilled]
+        return prompt + row.output[:row.length - row.prefilled] if self.reuse_replies else prompt
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
