@@ -807,6 +807,17 @@ def run_cold_and_warm(model, settings, kv_format, first, follow, new_tokens, chu
     return out["warm"], out["cold"]
 
 
+def reuse_case(policy, fused, seed):
+    """The prefix-reuse tests' case: the tiny model on the torch or the fused kernels, the policy's settings, a
+    seeded generator and a 70-token first prompt drawn from it."""
+    if fused and kernels.cpu_kernel_error() is not None:
+        pytest.fail(f"the fused CPU kernels did not build: {kernels.cpu_kernel_error()}")
+    model = tiny_model(kernels=kernels.CPU_KERNELS if fused else kernels.TORCH_KERNELS)
+    gen = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, 101, (70,), generator=gen).tolist()
+    return model, settings_for(policy), gen, first
+
+
 @pytest.mark.parametrize("policy", ["dense", "sparq", "sparq-adaptive"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_warm_request_is_its_cold_run(policy, fused):
@@ -817,12 +828,7 @@ def test_a_warm_request_is_its_cold_run(policy, fused):
     on the CPU's default int4 K^T, the torch path and the fused kernels."""
     from cache import KVFormat
 
-    if fused and kernels.cpu_kernel_error() is not None:
-        pytest.fail(f"the fused CPU kernels did not build: {kernels.cpu_kernel_error()}")
-    model = tiny_model(kernels=kernels.CPU_KERNELS if fused else kernels.TORCH_KERNELS)
-    gen = torch.Generator().manual_seed(11)
-    first = torch.randint(0, 101, (70,), generator=gen).tolist()
-    settings = settings_for(policy)
+    model, settings, gen, first = reuse_case(policy, fused, seed=11)
     for kv_format in (KVFormat(), KVFormat(kt_dtype="int4")):
         # the same first 50 tokens, then others: 48 positions kept, all of them prefilled
         shared = first[:50] + torch.randint(0, 101, (30,), generator=gen).tolist()
@@ -871,12 +877,7 @@ def test_reuse_replies_keeps_a_chats_reply(policy, fused):
     A 10-token reply leaves 79 positions (64 kept); a next turn that does not extend the reply keeps the prompt's 64."""
     from cache import KVFormat
 
-    if fused and kernels.cpu_kernel_error() is not None:
-        pytest.fail(f"the fused CPU kernels did not build: {kernels.cpu_kernel_error()}")
-    model = tiny_model(kernels=kernels.CPU_KERNELS if fused else kernels.TORCH_KERNELS)
-    gen = torch.Generator().manual_seed(12)
-    first = torch.randint(0, 101, (70,), generator=gen).tolist()
-    settings = settings_for(policy)
+    model, settings, gen, first = reuse_case(policy, fused, seed=12)
     for kv_format in (KVFormat(), KVFormat(kt_dtype="int4")):
         message = torch.randint(0, 101, (9,), generator=gen).tolist()
         turn, by_hand = one_session(model, settings, kv_format, first, 14, message, 14, kept=80)
