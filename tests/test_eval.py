@@ -1189,3 +1189,14 @@ def test_long_output_agreement_counts_tokens_before_the_first_difference():
     assert rows == [[1, 2, 3, 4, 5], [1, 9, 9, 9]]  # each stopped one token past its later divergence
     assert [agreement(r, ref) for r, ref in zip(rows, first)] == [2, 3]
     assert [agreement(r, ref) for r, ref in zip(rows, second)] == [4, 1]
+
+
+def test_loss_by_position_buckets_by_absolute_position():
+    """scripts/studies/loss_by_position.py: each token's NLL (-logprob) goes to the bucket of its absolute
+    position, first_position + its index, and each bucket holds the mean of its own tokens only (a bucket the
+    scored span enters part way through averages just the tokens it holds)."""
+    from scripts.studies.loss_by_position import bucket_means
+    logprobs = [-1.0, -2.0, -3.0, -4.0, -6.0]  # positions 6, 7, 8, 9, 10
+    assert bucket_means(logprobs, 6, 4) == {4: 1.5, 8: 13.0 / 3}
+    assert bucket_means(logprobs, 0, 8) == {0: 16.0 / 5}
+    assert bucket_means(logprobs, 7, 1) == {7: 1.0, 8: 2.0, 9: 3.0, 10: 4.0, 11: 6.0}

@@ -2,7 +2,7 @@
 B rows of S positions, on the fused CPU kernels (docs/serving.md, "Conversations with the replies kept").
 
     python -m scripts.studies.decode_step_profile --checkpoint checkpoints/SmolLM2-135M-Instruct \
-        --attention sparq-adaptive --compression 1/8 --batch-size 16 --context 4096
+        --attention sparq-adaptive --compression 1/8 --batch-size 16 --context 4096 [--compile --steps 200]
 
 The caches hold one essay prefilled once and copied to every row (the rows read the same bytes as B distinct
 prompts); K^T is int4, the CPU's default for a SparQ run. Eager: the table's ops are what a compiled step runs
@@ -11,6 +11,7 @@ too, but the Python between them (the worker thread's wait in libgomp under `per
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from fractions import Fraction
 
@@ -21,7 +22,7 @@ import cli
 import data
 from assemble import kernels_for, load_checkpoint, load_tokenizer
 from cache import KVFormat
-from decoding import decode_step, prefill
+from decoding import compiled_decode_step, decode_step, prefill
 from model import ModelArgs, checkpoint_paths
 from policies import AttentionSettings, parse_compression, policy_factory
 
@@ -34,6 +35,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=cli.positive_int, default=16)
     p.add_argument("--context", type=cli.positive_int, default=4096)
     p.add_argument("--steps", type=cli.positive_int, default=10)
+    p.add_argument("--compile", action="store_true",
+                   help="time the step built ahead of time (aot, as serve.py runs it) instead of profiling the "
+                        "eager one: run `perf record -p PID` beside its timed steps for where its time goes")
     args = p.parse_args(argv)
 
     torch.set_grad_enabled(False)
@@ -52,14 +56,20 @@ def main(argv=None) -> int:
     model.set_decode_attention(lambda layer: policies[layer])
     token = torch.zeros(B, 1, dtype=torch.long)
 
+    step = compiled_decode_step(decode_step, "cpu", "aot") if args.compile else decode_step
+
     def steps(first: int, n: int) -> None:
         for i in range(first, first + n):
-            decode_step(model, token, torch.tensor([S + i]), S + i + 1)
+            step(model, token, torch.tensor([S + i]), S + i + 1)
 
-    steps(0, 3)  # warm-up: thread pools, the allocator, the policies' first binding
+    steps(0, 3)  # warm-up: thread pools, the allocator, the policies' first binding (a compiled step's build)
+    print(f"timing {args.steps} steps (pid {os.getpid()})", flush=True)
     start = time.perf_counter()
     steps(3, args.steps)
-    print(f"{args.attention} B={B} S={S}: {1e3 * (time.perf_counter() - start) / args.steps:.1f} ms a step (eager)")
+    print(f"{args.attention} B={B} S={S}: {1e3 * (time.perf_counter() - start) / args.steps:.1f} ms a step "
+          f"({'compiled, aot' if args.compile else 'eager'})")
+    if args.compile:
+        return 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         steps(3 + args.steps, args.steps)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
