@@ -381,6 +381,36 @@ def test_the_split_study_on_an_int4_kt_counts_its_bytes():
     assert adaptive_split(S, d, c, costs=costs)[0] > adaptive_split(S, d, c)[0]
 
 
+def test_the_coverage_study_starts_at_the_policy_and_moves_its_share_by_coverage():
+    """scripts/studies/adaptive_split_study.py's SplitByCoverage: its first step is the policy's (position_share's
+    split), step1_coverage is 1 where step 2 takes every position and s_hat's mass on what it takes otherwise
+    (checked against s_hat computed here), and each row's share then moves by rate x (target - coverage), so a
+    target above the coverage buys positions and one below it components."""
+    from scripts.studies.adaptive_split_study import SplitByCoverage, step1_coverage
+
+    B, n_kv, g_, d, S, c = 2, 2, 3, 64, 700, 1 / 8
+    cache, _, _ = filled_cache(B, n_kv, d, S, S + 8)
+    q = random_query(B, n_kv, g_, d)
+    view = cache.view(S, B)
+    spread = SparQAdaptiveDecode.spread(view, B)
+    torch.testing.assert_close(step1_coverage(q, view, spread, torch.tensor([d, d]), torch.tensor([S, S]),
+                                              torch.tensor([1, 1])), torch.ones(B))
+    r, k = adaptive_split(S, d, c)
+    alpha = step1_coverage(q, view, spread, torch.tensor([r, r]), torch.tensor([k, k]), torch.tensor([k // 4] * B))
+    chosen = select_components(q, r, spread)
+    weight = q.abs() * spread[:, :, None, :]
+    tau = torch.sqrt(d * (weight * chosen).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True))
+    s_hat = torch.softmax((q * chosen) @ view.k[:B, :, :S].transpose(-1, -2) / tau, dim=-1)
+    top = select_positions(s_hat, S, k, k // 4, None)
+    torch.testing.assert_close(alpha, (s_hat * top).sum(-1).mean((1, 2)))
+    assert (alpha < 1).all()
+    for target, moves in ((0.99, 1), (0.01, -1)):
+        policy = SplitByCoverage(c, target, rate=0.05)
+        torch.testing.assert_close(policy(q, cache, S), SparQAdaptiveDecode(compression=c)(q, cache, S))
+        torch.testing.assert_close(policy.shares, (position_share(c, d, seq_len=S) + 0.05 * (target - alpha)))
+        assert ((policy.shares - position_share(c, d, seq_len=S)) * moves > 0).all()
+
+
 def test_the_cwe_study_runs_the_policy_at_the_cpu_default_split():
     """scripts/studies/cwe_selection_study.py: its split is the one the CPU's default int4 K^T beside bf16 K and V
     gives (StepCosts of that format), its pooled variant with the keys' spread is the torch path pooled at that

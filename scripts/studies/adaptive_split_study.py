@@ -30,7 +30,8 @@ from assemble import DTYPES, kt_scale_for, load_checkpoint, load_tokenizer  # no
 from kernels import TORCH_KERNELS  # noqa: E402
 from attention import DenseDecode  # noqa: E402
 from cache import KVFormat  # noqa: E402
-from sparq_adaptive import SparQAdaptiveDecode, StepCosts, adaptive_split, sparq_adaptive_torch  # noqa: E402
+from sparq_adaptive import (SparQAdaptiveDecode, StepCosts, adaptive_split, position_share,  # noqa: E402
+                            select_components, select_positions, sparq_adaptive_torch)
 
 MAX_ANSWER = 12
 
@@ -54,12 +55,61 @@ class SplitAt(SparQAdaptiveDecode):
                                     view.live_length, r, k, max(1, k // 4), False, None, view.k_t)
 
 
+class SplitByCoverage(SparQAdaptiveDecode):
+    """sparq-adaptive (torch path) whose split follows each row's step-1 coverage in this layer: alpha, the share
+    of the approximate scores' mass (s_hat, over the row's KV and query heads) on the positions the step attends.
+    After each step the row's position share moves by `rate` (target - alpha), within [1/8, 3/4], starting
+    from position_share's: where a layer's attention is spread (alpha below target) its steps buy positions,
+    where it is sharp, components (the question issue 89's screens left: SQuAD wanted components, essay
+    perplexity positions). Rows are independent; the state resets whenever the row count changes (a new
+    batch)."""
+
+    def __init__(self, compression: float, target: float, rate: float = 0.05):
+        super().__init__(compression, kernels=TORCH_KERNELS)
+        self.target, self.rate = target, rate
+        self.shares: Optional[torch.Tensor] = None  # (B,) each row's current share
+
+    def forward(self, q, cache, length):
+        if cache.visible_length(length) <= self.k_max:
+            return super().forward(q, cache, length)
+        B, d = q.shape[0], q.shape[-1]
+        view = cache.view(length, B)
+        costs = StepCosts.of(cache.format, cache.dtype, d)
+        if self.shares is None or self.shares.shape[0] != B:
+            self.shares = torch.full((B,), position_share(self.compression, d, costs, view.length))
+        splits = [adaptive_split(view.length, d, self.compression, None, costs=costs, share=float(f))
+                  for f in self.shares]
+        r, k = (torch.tensor(column) for column in zip(*splits))  # (B,) each
+        local = (k // 4).clamp(min=1)
+        spread = self.spread(view, B)
+        alpha = step1_coverage(q, view, spread, r, k, local)  # (B,)
+        self.shares = (self.shares + self.rate * (self.target - alpha)).clamp(1 / 8, 3 / 4)
+        return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, spread, view.length, view.live_length, r, k,
+                                    local, False, None, view.k_t)
+
+
+def step1_coverage(q, view, spread, r, k, local) -> torch.Tensor:
+    """Each row's mean over its KV and query heads of s_hat's mass on the positions step 2 takes (sparq_adaptive
+    _torch's step 1 and selection, repeated: a float cache, no live lengths, no soft-cap) -> (B,)."""
+    B, d, S = q.shape[0], q.shape[-1], view.length
+    qf = q.float()
+    chosen = select_components(q, r, spread)  # (B, n_kv, 1, d)
+    weight = qf.abs() * spread[:, :, None, :]
+    tau = torch.sqrt(d * (weight * chosen).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True))
+    keys_t = view.k[:B, :, :S].float().transpose(-1, -2) if view.k_t is None else view.k_t[:B, :, :, :S].float()
+    s_hat = torch.softmax((qf * chosen) @ keys_t / tau, dim=-1)  # (B, n_kv, g, S)
+    selected = select_positions(s_hat, S, k, local, None)  # (B, n_kv, 1, S)
+    return (s_hat * selected).sum(-1).mean((1, 2))
+
+
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m scripts.studies.adaptive_split_study", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--compression", type=fractions, default="1/8,1/16", help="targets, e.g. 1/8,1/16")
     p.add_argument("--shares", type=fractions, default="1/8,1/4,1/2", help="positions' shares of the budget")
+    p.add_argument("--coverage", default="", help="also SplitByCoverage toward these step-1 coverage targets "
+                                                  "(comma list, e.g. 0.9,0.95) at each compression")
     p.add_argument("--kt-dtype", choices=("same", "int8", "int4", "int3"), default="same",
                    help="SparQ's copy of K^T as the cache stores it (generate.py's --kt-dtype, its scales as "
                         "--kt-scale-dtype auto gives them: none for int3): the split counts its bytes")
@@ -124,6 +174,7 @@ def run(args) -> None:
     tokenizer = load_tokenizer(args.checkpoint)
     n_layer = model.args.n_layer
     variants = [(c, f) for c in args.compression for f in args.shares]
+    variants += [(c, f"coverage {a}") for c in args.compression for a in args.coverage.split(",") if a.strip()]
     kv_format = KVFormat(kt_dtype=args.kt_dtype, kt_scale_dtype=kt_scale_for("auto", args.kt_dtype))
     stats = {v: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for v in variants}
     ended = squad_answer_ended(tokenizer)
@@ -138,14 +189,15 @@ def run(args) -> None:
             answer, dense_logprobs = dense_answer(model, logits, T, MAX_ANSWER, ended)  # to the end of its line
             for v in variants:
                 model.restore_caches(snapshots)
-                policies = [SplitAt(float(v[0]), float(v[1]), args.k_cap) for _ in range(n_layer)]
+                policies = [SplitAt(float(v[0]), float(v[1]), args.k_cap) if isinstance(v[1], Fraction)
+                            else SplitByCoverage(float(v[0]), float(v[1].split()[1])) for _ in range(n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
                 score_teacher_forced(model, answer, dense_logprobs, T, stats[v])
     print(f"{args.checkpoint.name}, {args.examples} SQuAD examples, K^T {args.kt_dtype}, {time.time() - start:.0f} s")
-    print(f"{'compression':>11} {'share':>6} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
+    print(f"{'compression':>11} {'share':>14} {'argmax = dense':>15} {'whole answers':>14} {'KL':>8}")
     for (c, f), st in stats.items():
         steps = max(st["steps"], 1)
-        print(f"{str(c):>11} {str(f):>6} {st['agree'] / steps:>15.4f} {st['whole']:>8}/{args.examples:<5} "
+        print(f"{str(c):>11} {str(f):>14} {st['agree'] / steps:>15.4f} {st['whole']:>8}/{args.examples:<5} "
               f"{st['kl'] / steps:>8.4f}")
 
 

@@ -30,7 +30,7 @@ from assemble import DTYPES, add_cache_flags, cache_format, kernels_for, load_ch
 from evals.runner import Config, Runner, paired_difference  # noqa: E402
 from evals.tasks import bpc_examples  # noqa: E402
 from model import ModelArgs, checkpoint_paths  # noqa: E402
-from scripts.studies.adaptive_split_study import SplitAt, fractions  # noqa: E402
+from scripts.studies.adaptive_split_study import SplitAt, SplitByCoverage, fractions  # noqa: E402
 from policies import POLICIES, AttentionSettings, fraction_label, parse_compression  # noqa: E402
 
 
@@ -49,6 +49,9 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--shares", default="",
                    help="also sparq-adaptive with the positions given these shares of each step's budget (comma "
                         "list, e.g. 1/3,1/2,2/3: adaptive_split_study's SplitAt, the torch path) at each target")
+    p.add_argument("--coverage", default="",
+                   help="also sparq-adaptive with each row's split following step 1's coverage toward these targets "
+                        "(comma list, e.g. 0.8,0.9: adaptive_split_study's SplitByCoverage) at each target")
     p.add_argument("--bucket", type=cli.positive_int, default=512, help="positions per bucket")
     p.add_argument("--sparq-mean-v", choices=["auto", "on", "off"], default="auto",
                    help="SparQ's mean-value reallocation (as evals: auto is on for MHA, off for GQA)")
@@ -74,6 +77,7 @@ def run(args) -> int:
     methods = cli.name_list(args.attention, "--attention", [m for m in POLICIES if m != "dense"])
     targets = [parse_compression(c) for c in args.compression.split(",") if c.strip()]
     shares = fractions(args.shares) if args.shares else []
+    coverage = [float(a) for a in args.coverage.split(",") if a.strip()]
     tokenizer = load_tokenizer(args.checkpoint)
     config = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
     if args.context + args.tokens + 1 > config.max_context:
@@ -98,6 +102,9 @@ def run(args) -> int:
             named += [(f"share {fraction_label(f)} {fraction_label(t)}",
                        Config(configs[0].budget, [SplitAt(float(t), float(f)) for _ in range(config.n_layer)]))
                       for t in targets for f in shares]
+            named += [(f"coverage {a:g} {fraction_label(t)}",
+                       Config(configs[0].budget, [SplitByCoverage(float(t), a) for _ in range(config.n_layer)]))
+                      for t in targets for a in coverage]
             runner.prefill(prompts, [c for _, c in named], len(answers[0]) + 1)
             for name, c in named:
                 logprobs, _, _ = runner.teacher_force(c, answers)
