@@ -77,7 +77,9 @@ def summary(values: list[int]) -> str:
     return f"{mean:.1f}" + ("" if se is None else f"±{se:.1f}") + f" (median {statistics.median(values):g})"
 
 
-def run(args) -> int:
+def continuation_setup(args):
+    """What a study of essay continuations (this one, loss_by_position) reads from its flags, checked: the
+    policies beside dense, the targets, the tokenizer, the model's args, the cache format and the kernels."""
     torch.set_num_threads(args.threads)
     methods = cli.name_list(args.attention, "--attention", [m for m in POLICIES if m != "dense"])
     targets = [parse_compression(c) for c in args.compression.split(",") if c.strip()]
@@ -88,6 +90,11 @@ def run(args) -> int:
                             f"{config.max_context} tokens")
     kv_format = cache_format(args, "cpu", methods)
     kernels = kernels_for("auto", "cpu", config, kv_formats=[kv_format])
+    return methods, targets, tokenizer, config, kv_format, kernels
+
+
+def run(args) -> int:
+    methods, targets, tokenizer, config, kv_format, kernels = continuation_setup(args)
     reference = Runner(load_checkpoint(args.checkpoint, "cpu", DTYPES[REFERENCE_DTYPE], kernels), kv_format=KVFormat())
     runner = Runner(load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels), kv_format=kv_format)
     examples = bpc_examples(tokenizer, args.context, args.examples, seed=0, continuation_tokens=1)

@@ -26,12 +26,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cli  # noqa: E402
-from assemble import DTYPES, add_cache_flags, cache_format, kernels_for, load_checkpoint, load_tokenizer  # noqa: E402
+from assemble import DTYPES, add_cache_flags, load_checkpoint  # noqa: E402
 from evals.runner import Config, Runner, paired_difference  # noqa: E402
 from evals.tasks import bpc_examples  # noqa: E402
-from model import ModelArgs, checkpoint_paths  # noqa: E402
 from scripts.studies.adaptive_split_study import SplitAt, SplitByCoverage, fractions  # noqa: E402
-from policies import POLICIES, AttentionSettings, fraction_label, parse_compression  # noqa: E402
+from scripts.studies.long_output_study import continuation_setup  # noqa: E402
+from policies import AttentionSettings, fraction_label  # noqa: E402
 
 
 def build_parser() -> cli.ArgumentParser:
@@ -71,20 +71,11 @@ def bucket_means(logprobs: list[float], first_position: int, bucket: int) -> dic
 
 
 def run(args) -> int:
-    torch.set_num_threads(args.threads)
     if not 0 <= args.dense_through < args.tokens:
         raise cli.UserError(f"--dense-through must be in [0, --tokens), got {args.dense_through}")
-    methods = cli.name_list(args.attention, "--attention", [m for m in POLICIES if m != "dense"])
-    targets = [parse_compression(c) for c in args.compression.split(",") if c.strip()]
+    methods, targets, tokenizer, config, kv_format, kernels = continuation_setup(args)
     shares = fractions(args.shares) if args.shares else []
     coverage = [float(a) for a in args.coverage.split(",") if a.strip()]
-    tokenizer = load_tokenizer(args.checkpoint)
-    config = ModelArgs.from_json(checkpoint_paths(args.checkpoint)[1] / "config.json")
-    if args.context + args.tokens + 1 > config.max_context:
-        raise cli.UserError(f"--context {args.context} + --tokens {args.tokens} do not fit the model's context of "
-                            f"{config.max_context} tokens")
-    kv_format = cache_format(args, "cpu", methods)
-    kernels = kernels_for("auto", "cpu", config, kv_formats=[kv_format])
     runner = Runner(load_checkpoint(args.checkpoint, "cpu", DTYPES[args.dtype], kernels),
                     AttentionSettings(sparq_mean_v=args.sparq_mean_v), kv_format)
     examples = bpc_examples(tokenizer, args.context, args.examples, seed=0, continuation_tokens=args.tokens)
