@@ -231,13 +231,30 @@ static SPARQ_INLINE const float* block_scales(PosScales ps, int64_t p, int64_t n
 constexpr int64_t kSegment = SPARQ_SEGMENT;
 constexpr int64_t kRowGroup = SPARQ_ROW_GROUP;
 
+template <typename KT>
+constexpr int64_t kPrefetchPositions = std::is_same_v<KT, int3x32> ? kPrefetchAhead * kInt3Block / kInt3BlockBytes
+                                                                   : kPrefetchAhead * kPerElement<KT> / (int64_t)sizeof(KT);
+static inline int64_t row_groups(int64_t r) { return (r + kRowGroup - 1) / kRowGroup; }
+
+// The first row group's first kPrefetchAhead bytes (at most to p1), asked for before a chunk's pass A starts:
+// pass_a_2k's prefetches run one group ahead of its reads, so without this the chunk's first group would be
+// read cold (at 4096 positions of an int4 K^T, a row is 2 KB: the whole of it).
+template <typename KT>
+static void prefetch_first_group(const KT* const* rows, int64_t r, int64_t p0, int64_t p1) {
+  const int64_t i1 = r / row_groups(r), bytes = (kt_element<KT>(std::min(p1, p0 + kPrefetchPositions<KT>)) -
+                                                 kt_element<KT>(p0)) * (int64_t)sizeof(KT);
+  for (int64_t i = 0; i < i1; ++i) {
+    const char* row = reinterpret_cast<const char*>(rows[i] + kt_element<KT>(p0));
+    for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(row + o);
+  }
+}
+
 template <int G, typename KT>
 static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64_t qstride, int64_t p0, int64_t p1,
                       int64_t pf_end, float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb, PosScales ps) {
   alignas(64) float widened[kBlock];  // a block's bf16 scales as fp32 (block_scales)
-  constexpr int64_t PF = std::is_same_v<KT, int3x32> ? kPrefetchAhead * kInt3Block / kInt3BlockBytes  // positions
-                                                     : kPrefetchAhead * kPerElement<KT> / (int64_t)sizeof(KT);
-  const int64_t ng = (r + kRowGroup - 1) / kRowGroup;
+  constexpr int64_t PF = kPrefetchPositions<KT>;  // positions
+  const int64_t ng = row_groups(r);
   auto group = [&](int64_t gi, int64_t* i0, int64_t* i1) { *i0 = r * gi / ng; *i1 = r * (gi + 1) / ng; };
   for (int64_t gi = 0; gi < ng; ++gi) {
     int64_t i0, i1;
@@ -313,6 +330,7 @@ static void pass_a(const Problem& P, int64_t r, const KTT* const* rows, const KT
                    const float* qhat, int64_t p0, int64_t p1, float* E, int64_t ldE, RunState* st, float* mb,
                    int64_t ldmb, PosScales ps = {}) {
   // segment by segment; within one, head groups after the first re-read the rows from L2
+  if (P.two_k) prefetch_first_group(rows, r, p0, p1);
   for (int64_t a = p0; a < p1; a += kSegment) {
     const int64_t b = std::min(p1, a + kSegment);
     for (int64_t h0 = 0; h0 < P.g; h0 += 8) {
