@@ -73,8 +73,11 @@ static void prepare(const Problem& P, const QT* q, int64_t b, int64_t h, float* 
 // sum Z (over all chunks) are known. One pass over K^T, the exps overlap with the memory stream.
 // ---------------------------------------------------------------------------------------------
 
+// 1024: at 4096 positions of an int4 K^T (a 2 KB row) 2048 bytes aimed every prefetch at the next row group, never
+// further along the rows being read, and the step's pass A waited on DRAM (docs/serving.md, "The K^T stream's
+// prefetch": B = 16 steps 10-20% slower on a Zen 5)
 #ifndef SPARQ_PF_BYTES
-#define SPARQ_PF_BYTES 2048
+#define SPARQ_PF_BYTES 1024
 #endif
 constexpr int64_t kPrefetchAhead = SPARQ_PF_BYTES;  // bytes ahead in each of the r streams
 
@@ -249,6 +252,15 @@ static void prefetch_first_group(const KT* const* rows, int64_t r, int64_t p0, i
   }
 }
 
+// A segment's per-position scales, asked for at its start: pass A reads them with the last row group only, a
+// stream too sparse for the hardware prefetcher to follow (at B = 16 and 4096 positions, 8% of pass A's time
+// waited on them).
+static inline void prefetch_scales(PosScales ps, int64_t p0, int64_t p1) {
+  const char* at = ps.f32 ? reinterpret_cast<const char*>(ps.f32 + p0) : reinterpret_cast<const char*>(ps.b16 + p0);
+  const int64_t bytes = ps.f32 ? (p1 - p0) * 4 : ps.b16 ? (p1 - p0) * 2 : 0;
+  for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(at + o);
+}
+
 template <int G, typename KT>
 static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64_t qstride, int64_t p0, int64_t p1,
                       int64_t pf_end, float* E, int64_t ldE, RunState* st, float* mb, int64_t ldmb, PosScales ps) {
@@ -333,6 +345,7 @@ static void pass_a(const Problem& P, int64_t r, const KTT* const* rows, const KT
   if (P.two_k) prefetch_first_group(rows, r, p0, p1);
   for (int64_t a = p0; a < p1; a += kSegment) {
     const int64_t b = std::min(p1, a + kSegment);
+    prefetch_scales(ps, a, b);
     for (int64_t h0 = 0; h0 < P.g; h0 += 8) {
       const int64_t G = std::min<int64_t>(8, P.g - h0);
       const float* qh = qhat + h0;
