@@ -240,8 +240,8 @@ constexpr int64_t kPrefetchPositions = std::is_same_v<KT, int3x32> ? kPrefetchAh
 static inline int64_t row_groups(int64_t r) { return (r + kRowGroup - 1) / kRowGroup; }
 
 // The first row group's first kPrefetchAhead bytes (at most to p1), asked for before a chunk's pass A starts:
-// pass_a_2k's prefetches run one group ahead of its reads, so without this the chunk's first group would be
-// read cold (at 4096 positions of an int4 K^T, a row is 2 KB: the whole of it).
+// pass_a_2k's prefetches run kPrefetchAhead bytes ahead of its reads (into the next row group near a segment's
+// end), so without this those first bytes of the chunk's first group would be read cold.
 template <typename KT>
 static void prefetch_first_group(const KT* const* rows, int64_t r, int64_t p0, int64_t p1) {
   const int64_t i1 = r / row_groups(r), bytes = (kt_element<KT>(std::min(p1, p0 + kPrefetchPositions<KT>)) -
