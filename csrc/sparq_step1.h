@@ -238,15 +238,23 @@ template <typename KT>
 constexpr int64_t kPrefetchPositions = std::is_same_v<KT, int3x32> ? kPrefetchAhead * kInt3Block / kInt3BlockBytes
                                                                    : kPrefetchAhead * kPerElement<KT> / (int64_t)sizeof(KT);
 static inline int64_t row_groups(int64_t r) { return (r + kRowGroup - 1) / kRowGroup; }
+// Row group gi of row_groups(r): rows [*i0, *i1), the r rows shared out as evenly as the division allows.
+static inline void row_group(int64_t r, int64_t gi, int64_t* i0, int64_t* i1) {
+  const int64_t ng = row_groups(r);
+  *i0 = r * gi / ng;
+  *i1 = r * (gi + 1) / ng;
+}
 
 // The first row group's first kPrefetchAhead bytes (at most to p1), asked for before a chunk's pass A starts:
 // pass_a_2k's prefetches run kPrefetchAhead bytes ahead of its reads (into the next row group near a segment's
 // end), so without this those first bytes of the chunk's first group would be read cold.
 template <typename KT>
 static void prefetch_first_group(const KT* const* rows, int64_t r, int64_t p0, int64_t p1) {
-  const int64_t i1 = r / row_groups(r), bytes = (kt_element<KT>(std::min(p1, p0 + kPrefetchPositions<KT>)) -
-                                                 kt_element<KT>(p0)) * (int64_t)sizeof(KT);
-  for (int64_t i = 0; i < i1; ++i) {
+  int64_t i0, i1;
+  row_group(r, 0, &i0, &i1);
+  const int64_t bytes = (kt_element<KT>(std::min(p1, p0 + kPrefetchPositions<KT>)) - kt_element<KT>(p0)) *
+                        (int64_t)sizeof(KT);
+  for (int64_t i = i0; i < i1; ++i) {
     const char* row = reinterpret_cast<const char*>(rows[i] + kt_element<KT>(p0));
     for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(row + o);
   }
@@ -267,10 +275,9 @@ static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64
   alignas(64) float widened[kBlock];  // a block's bf16 scales as fp32 (block_scales)
   constexpr int64_t PF = kPrefetchPositions<KT>;  // positions
   const int64_t ng = row_groups(r);
-  auto group = [&](int64_t gi, int64_t* i0, int64_t* i1) { *i0 = r * gi / ng; *i1 = r * (gi + 1) / ng; };
   for (int64_t gi = 0; gi < ng; ++gi) {
     int64_t i0, i1;
-    group(gi, &i0, &i1);
+    row_group(r, gi, &i0, &i1);
     const bool first = gi == 0, last = gi == ng - 1;
     int64_t p = p0;
     for (; p + kBlock <= p1; p += kBlock) {
@@ -279,10 +286,10 @@ static void pass_a_2k(const KT* const* rows, int64_t r, const float* qhat, int64
       int64_t t = p + PF, q0 = i0, q1 = i1;
       if (t + kBlock > p1) {
         if (!last) {
-          group(gi + 1, &q0, &q1);
+          row_group(r, gi + 1, &q0, &q1);
           t = p0 + (t - p1);
         } else {
-          group(0, &q0, &q1);
+          row_group(r, 0, &q0, &q1);
           if (t + kBlock > pf_end) q1 = q0;  // past the chunk: nothing to prefetch
         }
       }
