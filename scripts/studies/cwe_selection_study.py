@@ -21,6 +21,11 @@ beside K and V in --dtype. One thread; ~3 min an example at 4k.
 
 --formats KV/KT/SCALE[/BASIS],...: the policy itself (SparQAdaptiveDecode, the run's kernels) on a cache of each
 format (bench's --cache-format spelling, e.g. auto/int4/float32,auto/int4/bfloat16), each prefilled on its own.
+
+--ranking (any RULER-style --task, e.g. ruler-mq at --length 16384, where adaptive on the int3 K^T loses recall that
+fixed SparQ's split of the same bytes keeps): step 1 at the int3 K^T's split on the K^T as stored, on the float keys,
+ranked by |q| x spread or |q| alone, with exact scores at its k, and SparQ's k = 128 split on the int4 K^T. Dense's
+answer ends as the harness's greedy rows do (a stop token, or the task's own end: mq's four numbers found).
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from assemble import DTYPES, kernels_for, load_checkpoint, load_tokenizer  # noq
 from attention import DenseDecode  # noqa: E402
 from cache import QMAX, KVFormat, quantize_symmetric  # noqa: E402
 from decoding import PREFILL_CHUNK, prefill  # noqa: E402
-from evals.tasks import common_words_examples, squad_examples  # noqa: E402
+from evals.tasks import TASKS, TaskOptions, squad_examples  # noqa: E402
 from model import ModelArgs, checkpoint_paths  # noqa: E402
 from policies import parse_compression  # noqa: E402
 from scripts.studies.adaptive_split_study import (MAX_ANSWER, dense_answer, score_teacher_forced,  # noqa: E402
@@ -58,19 +63,22 @@ class Variant(SparQAdaptiveDecode):
     the budget for the positions), its selection varied."""
 
     def __init__(self, kernels, per_head: bool, spread: bool, r: Optional[int] = None, k: Optional[int] = None,
-                 costs: StepCosts = INT4_KT, compression: float = COMPRESSION, share: Optional[float] = None):
+                 costs: StepCosts = INT4_KT, compression: float = COMPRESSION, share: Optional[float] = None,
+                 k_cap: Optional[int] = None):
         super().__init__(compression, kernels=kernels)
         self.per_head, self.use_spread, self.r, self.k, self.costs = per_head, spread, r, k, costs
         self.share = share  # None: the policy's position_share
+        self.split_k_cap = k_cap  # k at most this in the split (128: fixed SparQ's split of the same bytes)
 
     def forward(self, q, cache, length):
         if cache.visible_length(length) <= self.k_max:
             return super().forward(q, cache, length)
         B, d = q.shape[0], q.shape[-1]
         view = cache.view(length, B)
-        r, k = adaptive_split(view.length, d, self.compression, costs=self.costs, share=self.share)
+        r, k = adaptive_split(view.length, d, self.compression, self.split_k_cap, self.costs, self.share)
         r = d if self.r == EVERY_COMPONENT else self.r or r
         k = 2 * k if self.k == TWICE_K else self.k or k
+        self.last_split = (r, k)
         spread = self.spread(view, B) if self.use_spread else torch.ones(B, q.shape[1], d)
         return sparq_adaptive_torch(q, view.k, view.v, view.v_sum, spread, view.length, view.live_length, r, k,
                                     max(1, k // 4), False, per_head=self.per_head)
@@ -90,9 +98,9 @@ class StoredVariant(Variant):
 
     def __init__(self, kernels, centre: bool, rotate: bool, quantize: bool = True, whiten: bool = False,
                  position_scale: bool = True, first_write: Optional[int] = None, bits: int = 4,
-                 range_sigmas: Optional[float] = None, **kw):
+                 range_sigmas: Optional[float] = None, spread: bool = True, **kw):
         costs = INT4_KT_BF16_SCALE if position_scale else StepCosts(kt=bits / 16)  # bits of a bf16 K element's 16
-        super().__init__(kernels, per_head=True, spread=True, costs=costs, **kw)
+        super().__init__(kernels, per_head=True, spread=spread, costs=costs, **kw)
         self.centre, self.rotate, self.quantize, self.whiten = centre, rotate, quantize, whiten
         assert position_scale or bits >= 2
         self.qmax = QMAX["int4"] if position_scale else 2 ** (bits - 1) - 1  # int2: -1, 0, 1
@@ -139,8 +147,10 @@ class StoredVariant(Variant):
         elif self.quantize:  # quantized in the whitened coordinates, then scaled back (the same as q scaled up)
             q4, scale = quantize_symmetric(step1 / sigma, QMAX["int4"], torch.bfloat16)
             step1 = q4.float() * scale[..., None].float() * sigma
-        spread = (step1.var(2, unbiased=False) + 1e-12).sqrt()  # (B, n_kv, d)
+        spread = ((step1.var(2, unbiased=False) + 1e-12).sqrt() if self.use_spread else
+                  torch.ones(B, q.shape[1], d))  # (B, n_kv, d)
         r, k = adaptive_split(S, d, self.compression, costs=self.costs)
+        self.last_split = (r, k)
         y = sparq_adaptive_torch(q_b.to(q.dtype), k_b, view.v[:B, :, :S], view.v_sum, spread, S, view.live_length,
                                  r, k, max(1, k // 4), False, k_t=step1.transpose(-1, -2), per_head=True)
         return y  # a sum of V rows: V was never rotated
@@ -168,6 +178,32 @@ FEWER_BITS_VARIANTS = {  # --fewer-bits: the K^T without position scales (the ca
     "int2 (-1, 0, 1), each dimension's absmax": (True, False, True, False, False, PREFILL_CHUNK, 2, None),
     "int2 (-1, 0, 1), each dimension's range 1 spread, clamped": (True, False, True, False, False, PREFILL_CHUNK, 2, 1.0),
 }
+
+INT3_KT = StepCosts(kt=3 / 16)  # --kt-dtype int3 (no position scales) beside bf16 K and V
+RANKING_STORED = {  # --ranking, step 1 on the int3 K^T as the cache stores it: StoredVariant's keywords
+    "int3 K^T, |q| x spread (the policy on --kt-dtype int3)": dict(),
+    "int3 K^T, |q| alone": dict(spread=False),
+    "int3 K^T, its ranges from the whole prompt": dict(first_write=None),
+}
+RANKING_VARIANTS = {  # --ranking, step 1 on the float keys: (per_head, spread, r, k, share, costs, k_cap)
+    "float K at int3's split, |q| x spread": (True, True, None, None, None, INT3_KT, None),
+    "float K at int3's split, |q| alone": (True, False, None, None, None, INT3_KT, None),
+    "exact step 1 (r = d) at int3's k": (True, True, EVERY_COMPONENT, None, None, INT3_KT, None),
+    # fixed SparQ's trade of the same bytes (k = 128, the rest to components) on the default int4 K^T, as the
+    # 16k table's SparQ column (r = 20, k = 128 at 1/16), which kept mq where adaptive lost it
+    "k = 128, the int4 K^T's r (SparQ's split), |q| alone": (True, False, None, None, None, INT4_KT, 128),
+}
+
+
+def ranking_policies(kernels, compression: float, name: str, n_layer: int) -> list:
+    """--ranking's variant `name` for every layer (RANKING_STORED's or RANKING_VARIANTS')."""
+    if name in RANKING_STORED:  # centred, each dimension's absmax from the first chunk, 3 bits, no position scale
+        kw = {"first_write": PREFILL_CHUNK, **RANKING_STORED[name]}
+        return [StoredVariant(kernels, centre=True, rotate=False, position_scale=False, bits=3,
+                              compression=compression, **kw) for _ in range(n_layer)]
+    per_head, spread, r, k, share, costs, k_cap = RANKING_VARIANTS[name]
+    return [Variant(kernels, per_head, spread, r, k, costs, compression, share, k_cap) for _ in range(n_layer)]
+
 
 VARIANTS = {  # name: (per_head, spread, r, k, share, costs); None: the split's (share: the policy's
     # position_share; costs: the int4 K^T's as stored, INT4_KT)
@@ -227,7 +263,8 @@ def run_formats(args, model, kernels, tokenizer) -> None:
 def build_parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m scripts.studies.cwe_selection_study", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True)
-    p.add_argument("--task", choices=("ruler-cwe", "squad"), default="ruler-cwe")
+    p.add_argument("--task", choices=("ruler-cwe", "ruler-mq", "ruler-mv", "ruler-vt", "ruler-mk", "squad"),
+                   default="ruler-cwe")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--compression", type=parse_compression, default="1/8",
                    help="the target (default 1/8: the five variants; another: the policy beside exact step-1 scores, "
@@ -237,21 +274,28 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--fewer-bits", action="store_true",
                    help="step 1 on a K^T without position scales at 4, 3 and 2 bits, each dimension's range its "
                         "absmax or a few spreads (clamped)")
+    p.add_argument("--ranking", action="store_true",
+                   help="step 1's ranking at the int3 K^T's split: the K^T as stored against the float keys, |q| x "
+                        "spread against |q| alone, exact scores, and fixed SparQ's split of the same bytes")
     p.add_argument("--formats", help="the policy itself on caches of these formats (KV/KT/SCALE[/BASIS],...; the "
                                      "module docstring)")
     p.add_argument("--examples", type=cli.positive_int, default=12)
-    p.add_argument("--length", type=cli.positive_int, default=4096, help="ruler-cwe's prompt tokens")
+    p.add_argument("--length", type=cli.positive_int, default=4096, help="a RULER-style task's prompt tokens")
     return p
 
 
 def examples_and_answers(task: str, tokenizer, length: int, n: int):
     """The task's examples (seed 0, the eval runs' first ones), each with the most tokens of dense's answer and
-    the rule that ends it: ruler-cwe's 60-token list (its stop tokens), SQuAD's line."""
+    the rule that ends it: a RULER-style task's max_new (its stop tokens, or the task's own end, as the harness's
+    greedy rows), SQuAD's line."""
     if task == "squad":
         ended = squad_answer_ended(tokenizer)
         return [(ex, MAX_ANSWER, ended) for ex in squad_examples(tokenizer, 7, n, 0)]
-    return [(ex, ex.max_new, lambda answer: answer[-1] in tokenizer.stop_ids)
-            for ex in common_words_examples(tokenizer, length, n, 0)]
+    spec = TASKS[task]
+
+    def ended_rule(ex):
+        return lambda answer: answer[-1] in tokenizer.stop_ids or spec.finished(ex, tokenizer.decode(answer))
+    return [(ex, ex.max_new, ended_rule(ex)) for ex in spec.build(tokenizer, length, n, 0, TaskOptions())]
 
 
 def run(args) -> None:
@@ -264,7 +308,7 @@ def run(args) -> None:
         return run_formats(args, model, kernels, tokenizer)
     costs = StepCosts.of(KVFormat(kt_dtype="int4"), dtype, model.args.head_dim)  # the CPU default's split
     compression = float(args.compression)
-    variants = (FEWER_BITS_VARIANTS if args.fewer_bits else STORED_VARIANTS if args.stored else
+    variants = ({**RANKING_STORED, **RANKING_VARIANTS} if args.ranking else FEWER_BITS_VARIANTS if args.fewer_bits else STORED_VARIANTS if args.stored else
                 VARIANTS if compression == COMPRESSION else BUDGET_VARIANTS)
     stats = {name: {"agree": 0, "steps": 0, "kl": 0.0, "whole": 0} for name in variants}
     splits = {}  # name: its (r, k) at the last example's length
@@ -280,7 +324,9 @@ def run(args) -> None:
             answer, dense_logprobs = dense_answer(model, logits, T, max_new, ended)
             for name, spec in variants.items():
                 model.restore_caches(snapshots)
-                if args.stored or args.fewer_bits:
+                if args.ranking:
+                    policies = ranking_policies(kernels, compression, name, model.args.n_layer)
+                elif args.stored or args.fewer_bits:
                     policies = [StoredVariant(kernels, *spec, compression=compression)
                                 for _ in range(model.args.n_layer)]
                 else:
@@ -288,11 +334,13 @@ def run(args) -> None:
                     policies = [Variant(kernels, per_head, spread, r, k, split_costs or costs, compression, share)
                                 for _ in range(model.args.n_layer)]
                 model.set_decode_attention(lambda i: policies[i])
-                if args.stored or args.fewer_bits:  # the others may set r or k themselves
+                score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
+                if args.stored or args.fewer_bits:  # the split at the prompt's length
                     splits[name] = "%d, %d" % adaptive_split(T, model.args.head_dim, compression,
                                                              costs=policies[0].costs)
-                score_teacher_forced(model, answer, dense_logprobs, T, stats[name])
-    where = f"at {args.length} tokens" if args.task == "ruler-cwe" else "(7 contexts)"
+                elif args.ranking:  # the split its first layer took at the last step (a variant may set r or k)
+                    splits[name] = "%d, %d" % policies[0].last_split
+    where = "(7 contexts)" if args.task == "squad" else f"at {args.length} tokens"
     split = adaptive_split(T, model.args.head_dim, compression, costs=costs)
     print(f"{args.checkpoint.name}, {args.dtype}, {args.examples} {args.task} examples {where}, {args.compression} "
           f"on an int4 K^T (r, k = {split} at the last one's {T}), {time.time() - start:.0f} s")
