@@ -517,3 +517,32 @@ def test_the_cwe_studys_statistics_from_a_first_write():
     torch.testing.assert_close(first.mean, mean)
     torch.testing.assert_close(first.absmax, (keys[:, :, :300] - mean).abs().amax(2, keepdim=True))
     assert (whole.absmax > first.absmax).all() and not torch.allclose(y_first, y_whole)
+
+
+def test_the_cwe_studys_ranking_variants():
+    """cwe_selection_study --ranking: "|q| alone" is the int3 K^T variant with every dimension's spread 1 (the
+    torch path at int3's split on the same step-1 values, ranked by |q|), and "SparQ's split" is the int4 K^T's
+    with k at most 128 (fixed SparQ's trade of the same bytes)."""
+    from kernels import TORCH_KERNELS
+    from scripts.studies.cwe_selection_study import INT3_KT, INT4_KT, ranking_policies
+
+    B, n_kv, g_, d, S, c = 1, 2, 3, 64, 1800, 1 / 4  # S within the first write's 2048: its ranges are the prompt's
+    cache, _, _ = filled_cache(B, n_kv, d, S, S + 8)
+    q = random_query(B, n_kv, g_, d)
+    alone, = ranking_policies(TORCH_KERNELS, c, "int3 K^T, |q| alone", 1)
+    policy, = ranking_policies(TORCH_KERNELS, c, "int3 K^T, |q| x spread (the policy on --kt-dtype int3)", 1)
+    y_alone, y_policy = alone(q, cache, S), policy(q, cache, S)
+    r, k = adaptive_split(S, d, c, costs=INT3_KT)
+    assert alone.last_split == policy.last_split == (r, k)
+    view = cache.view(S, B)
+    keys = view.k[:B, :, :S].float()
+    centred = keys - keys.mean(2, keepdim=True)
+    absmax = centred.abs().amax(2, keepdim=True)
+    step1 = torch.round(centred / absmax * 3).clamp(-3, 3) * absmax / 3
+    expected = sparq_adaptive_torch(q, keys, view.v[:B, :, :S], view.v_sum, torch.ones(B, n_kv, d), S, None, r, k,
+                                    max(1, k // 4), False, k_t=step1.transpose(-1, -2), per_head=True)
+    torch.testing.assert_close(y_alone, expected)
+    assert not torch.allclose(y_alone, y_policy)
+    sparq, = ranking_policies(TORCH_KERNELS, c, "k = 128, the int4 K^T's r (SparQ's split), |q| alone", 1)
+    sparq(q, cache, S)
+    assert sparq.last_split == adaptive_split(S, d, c, 128, INT4_KT) != adaptive_split(S, d, c, costs=INT4_KT)
