@@ -22,8 +22,8 @@ beside K and V in --dtype. One thread; ~3 min an example at 4k.
 --formats KV/KT/SCALE[/BASIS],...: the policy itself (SparQAdaptiveDecode, the run's kernels) on a cache of each
 format (bench's --cache-format spelling, e.g. auto/int4/float32,auto/int4/bfloat16), each prefilled on its own.
 
---ranking (any RULER-style --task, e.g. ruler-mq at --length 16384, where adaptive on the int3 K^T loses recall that
-fixed SparQ's split of the same bytes keeps): step 1 at the int3 K^T's split on the K^T as stored, on the float keys,
+--ranking (any RULER-style --task, e.g. ruler-mq at --length 16384, where adaptive on the int3 K^T lost 10 points of
+recall; docs/accuracy.md has the screen): step 1 at the int3 K^T's split on the K^T as stored, on the float keys,
 ranked by |q| x spread or |q| alone, with exact scores at its k, and SparQ's k = 128 split on the int4 K^T. Dense's
 answer ends as the harness's greedy rows do (a stop token, or the task's own end: mq's four numbers found).
 """
@@ -190,7 +190,7 @@ RANKING_VARIANTS = {  # --ranking, step 1 on the float keys: (per_head, spread, 
     "float K at int3's split, |q| alone": (True, False, None, None, None, INT3_KT, None),
     "exact step 1 (r = d) at int3's k": (True, True, EVERY_COMPONENT, None, None, INT3_KT, None),
     # fixed SparQ's trade of the same bytes (k = 128, the rest to components) on the default int4 K^T, as the
-    # 16k table's SparQ column (r = 20, k = 128 at 1/16), which kept mq where adaptive lost it
+    # 16k table's SparQ column (r = 20, k = 128 at 1/16; mq -4.7 there against adaptive's -12.5)
     "k = 128, the int4 K^T's r (SparQ's split), |q| alone": (True, False, None, None, None, INT4_KT, 128),
 }
 
