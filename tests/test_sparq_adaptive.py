@@ -527,6 +527,7 @@ def test_the_cwe_studys_ranking_variants():
     from scripts.studies.cwe_selection_study import INT3_KT, INT4_KT, ranking_policies
 
     B, n_kv, g_, d, S, c = 1, 2, 3, 64, 1800, 1 / 4  # S within the first write's 2048: its ranges are the prompt's
+    assert INT3_KT == StepCosts.of(KVFormat(kt_dtype="int3", kt_scale_dtype="none"), torch.bfloat16, d)
     cache, _, _ = filled_cache(B, n_kv, d, S, S + 8)
     q = random_query(B, n_kv, g_, d)
     alone, = ranking_policies(TORCH_KERNELS, c, "int3 K^T, |q| alone", 1)
