@@ -443,7 +443,8 @@ class AOTDecodeStep:
             "modules": modules,
             "tensors": tensors,
             "threads": torch.get_num_threads(),  # inductor's CPU loops are written for this many (cpp.threads -1)
-            "grad": torch.is_grad_enabled(),
+            "grad": torch.is_grad_enabled(),  # False (_build traces under no_grad); kept so that no entry built
+            # before that, with autograd on, is ever loaded
             "inference_mode": torch.is_inference_mode_enabled(),
             "autocast_cpu": autocast,
             "default_dtype": str(torch.get_default_dtype()),
@@ -472,6 +473,10 @@ class AOTDecodeStep:
             constants[name] = tensor
         runner.load_constants(constants, check_full_update=True, user_managed=True)
 
+    @torch.no_grad()  # a decode step is inference, whichever thread builds it: serve.py builds on a thread of its
+    # own, where autograd is on (torch's default), and traced so, linear_cpu took F.linear (it keeps the GEMV for
+    # calls autograd has no need to differentiate): the server's programs ran oneDNN's GEMMs, neither as fast nor
+    # batch-invariant (docs/serving.md, "The server's programs")
     def _build(self, model: Transformer, tokens: Tensor, input_pos: Tensor, span: Tensor, n_key: int,
                n_range: int) -> _Program:
         module, length = _StepModule(self.step, model), span.shape[0]

@@ -115,6 +115,27 @@ def _aot_generate(model, prompts, n: int):
     return rows, generator._decode
 
 
+def test_a_step_built_with_autograd_on_is_the_inference_step(tiny, monkeypatch):
+    """serve.py builds its programs on a thread of its own, where autograd is on (torch's default): the traced
+    step must still be the one an inference call runs, its linears the fused GEMV (linear_cpu takes F.linear
+    where autograd would need a backward), not oneDNN's GEMMs as the server's were."""
+    traced = []
+    real_export = torch.export.export
+
+    def export_and_stop(*args, **kwargs):
+        program = real_export(*args, **kwargs)
+        traced.append({str(node.target) for node in program.graph.nodes if node.op == "call_function"})
+        raise _Building  # what was traced is all this test reads: no compile
+
+    monkeypatch.setattr(torch.export, "export", export_and_stop)
+    monkeypatch.setenv("SPARQ_FAST_AOT_CACHE", "0")  # always a build, whatever earlier tests stored
+    tiny.set_decode_attention(sparq)
+    with torch.enable_grad(), pytest.raises(_Building):
+        AOTDecodeStep(decode_step).prepare(tiny, torch.zeros((1, 1), dtype=torch.long), torch.tensor([40]), 41)
+    assert "sparq.linear_cpu.default" in traced[0]
+    assert not traced[0] & {"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.matmul.default"}
+
+
 def test_a_second_step_loads_the_programs_from_the_cache(tiny, monkeypatch):
     """Programs built once (here, or by the first test of this module) are stored in SPARQ_FAST_CACHE/aot with
     their ranges; a new AOTDecodeStep on the same model, shapes and policy loads them: no export, no compile,
