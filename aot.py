@@ -443,8 +443,7 @@ class AOTDecodeStep:
             "modules": modules,
             "tensors": tensors,
             "threads": torch.get_num_threads(),  # inductor's CPU loops are written for this many (cpp.threads -1)
-            "grad": torch.is_grad_enabled(),  # False (_build traces under no_grad); kept so that no entry built
-            # before that, with autograd on, is ever loaded
+            "grad": torch.is_grad_enabled(),  # False: _build traces under no_grad, whatever the caller's mode
             "inference_mode": torch.is_inference_mode_enabled(),
             "autocast_cpu": autocast,
             "default_dtype": str(torch.get_default_dtype()),
